@@ -1,0 +1,443 @@
+"""Typed model configuration: one `ModelConfig` describes every model hybridlm builds.
+
+A model is a *pattern string*, one letter per residual block (the letters of Hugging Face's
+`NemotronHConfig.hybrid_override_pattern`), plus one sub-config per mixer kind:
+
+    M  Mamba-2 mixer          -> `MambaConfig`
+    *  attention (GQA)        -> `AttentionConfig`
+    E  MoE / LatentMoE        -> `MoEConfig`
+    -  dense MLP              -> `MLPConfig`
+
+Configs are kw-only dataclasses with a YAML/JSON round-trip (`to_dict`, `from_dict`, `save`,
+`load`) and dotted overrides (`apply_overrides(cfg, ["moe.top_k=8"])`). `validate()` raises a
+`ValueError` naming the field and the fix for every inconsistent setting.
+
+Counting helpers (`num_params`, `flops_per_token`, `kv_cache_bytes_per_token`,
+`mamba_state_bytes_per_sequence`) are computed from the config alone, without allocating.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+MIXER_LETTERS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
+
+
+@dataclass(kw_only=True)
+class MambaConfig:
+    """Mamba-2 mixer (Dao & Gu 2024, SSD); Nemotron 3 Super values in the presets (notes §1.3)."""
+
+    num_heads: int = 8
+    head_dim: int = 16
+    state_size: int = 16
+    n_groups: int = 1  # B and C are shared by the heads of one group
+    conv_kernel: int = 4
+    conv_bias: bool = True
+    chunk_size: int = 64  # SSD chunk length for training / prefill
+    # dt = softplus(dt_raw + dt_bias), then clamped to [dt_min, dt_clamp_max]. transformers' NemotronH
+    # clamps the chunked path at time_step_min; we do the same in every path so prefill == decode.
+    dt_min: float = 1e-3
+    dt_max: float = 0.1  # upper end of the dt init range
+    dt_init_floor: float = 1e-4
+    dt_clamp_max: float | None = None
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.state_size
+
+
+@dataclass(kw_only=True)
+class YarnConfig:
+    """YaRN RoPE extension (Peng et al. 2023); Olmo 3 applies it to full-attention layers only."""
+
+    factor: float = 8.0
+    original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # None -> 0.1 * ln(factor) + 1
+
+
+@dataclass(kw_only=True)
+class AttentionConfig:
+    """Grouped-query attention. `rope_theta=None` means no positional embedding (Nemotron 3 §2.1)."""
+
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    rope_theta: float | None = None
+    yarn: YarnConfig | None = None  # applied to full-attention layers only (Olmo 3 §3.6)
+    qk_norm: bool = False  # RMSNorm over the whole q / k projection (Olmo 2/3)
+    sliding_window: int | None = None
+    # One letter per attention layer, 'S' sliding or 'F' full. Empty: every `full_every`-th attention
+    # layer is full and so is the last one (Olmo 3: SWA on 3 of 4 layers, last layer full).
+    window_pattern: str = ""
+    full_every: int = 4
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """MoE with sigmoid router; LatentMoE when `latent_size` is set (Nemotron 3 Super §2.1.1)."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 64
+    shared_expert_hidden: int = 128  # 0: no shared expert
+    latent_size: int | None = None  # None: experts run at full width d (standard MoE)
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    n_group: int = 1  # group-limited routing (DeepSeek-V3); 1 disables it
+    topk_group: int = 1
+    activation: Literal["relu2"] = "relu2"
+    bias_update_rate: float = 1e-3  # aux-loss-free balancing step (notes §1.5)
+    aux_loss_coef: float = 1e-4  # sequence-level load-balancing loss
+
+
+@dataclass(kw_only=True)
+class MLPConfig:
+    hidden: int = 128
+    activation: Literal["relu2", "swiglu"] = "relu2"
+
+
+@dataclass(kw_only=True)
+class MTPConfig:
+    """Shared-weight multi-token prediction (Nemotron 3 Super §2.1.2). Empty pattern: no MTP."""
+
+    pattern: str = ""  # blocks of the one MTP layer, e.g. "*E"
+    depth: int = 2  # recursive applications in training; each predicts one token further
+    loss_weight: float = 0.3
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    vocab_size: int = 512
+    d_model: int = 64
+    pattern: str = "M*ME"
+    norm_eps: float = 1e-5
+    # "pre": x + mixer(norm(x)) (Nemotron-H); "post": x + norm(mixer(x)) (Olmo 2/3 reordered norm)
+    norm_placement: Literal["pre", "post"] = "pre"
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    max_seq_len: int = 4096
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    mlp: MLPConfig = field(default_factory=MLPConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise `ValueError` for settings that cannot build a model."""
+        _check_pattern(self.pattern, "pattern")
+        if self.mtp.pattern:
+            _check_pattern(self.mtp.pattern, "mtp.pattern")
+            if self.mtp.depth < 1:
+                raise ValueError(f"mtp.depth must be >= 1 when mtp.pattern is set, got {self.mtp.depth}")
+        for name in ("vocab_size", "d_model", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.norm_placement not in ("pre", "post"):
+            raise ValueError(f"norm_placement must be 'pre' or 'post', got {self.norm_placement!r}")
+        letters = set(self.pattern) | set(self.mtp.pattern)
+        if "M" in letters:
+            m = self.mamba
+            _positive(m, "mamba", "num_heads", "head_dim", "state_size", "n_groups", "conv_kernel")
+            _positive(m, "mamba", "chunk_size")
+            if m.num_heads % m.n_groups:
+                raise ValueError(
+                    f"mamba.num_heads ({m.num_heads}) must be divisible by mamba.n_groups ({m.n_groups})"
+                )
+            if not 0 < m.dt_min <= m.dt_max:
+                raise ValueError(f"need 0 < mamba.dt_min <= mamba.dt_max, got {m.dt_min}, {m.dt_max}")
+        if "*" in letters:
+            a = self.attention
+            _positive(a, "attention", "num_heads", "num_kv_heads", "head_dim")
+            if a.num_heads % a.num_kv_heads:
+                raise ValueError(
+                    f"attention.num_heads ({a.num_heads}) must be divisible by "
+                    f"attention.num_kv_heads ({a.num_kv_heads})"
+                )
+            if a.rope_theta is not None and a.head_dim % 2:
+                raise ValueError(f"attention.head_dim must be even for RoPE, got {a.head_dim}")
+            if a.yarn is not None and a.rope_theta is None:
+                raise ValueError("attention.yarn needs attention.rope_theta (YaRN rescales RoPE)")
+            if a.sliding_window is not None and a.sliding_window <= 0:
+                raise ValueError(f"attention.sliding_window must be positive, got {a.sliding_window}")
+            if a.window_pattern:
+                if set(a.window_pattern) - {"S", "F"}:
+                    raise ValueError(
+                        f"attention.window_pattern uses only 'S' and 'F', got {a.window_pattern!r}"
+                    )
+                n_attn = self.pattern.count("*")
+                if len(a.window_pattern) != n_attn:
+                    raise ValueError(
+                        f"attention.window_pattern has {len(a.window_pattern)} letters but the pattern "
+                        f"has {n_attn} attention layers"
+                    )
+                if "S" in a.window_pattern and a.sliding_window is None:
+                    raise ValueError("attention.window_pattern has 'S' layers but no sliding_window")
+            if a.full_every <= 0:
+                raise ValueError(f"attention.full_every must be positive, got {a.full_every}")
+        if "E" in letters:
+            e = self.moe
+            _positive(e, "moe", "num_experts", "top_k", "expert_hidden", "n_group", "topk_group")
+            if e.top_k > e.num_experts:
+                raise ValueError(f"moe.top_k ({e.top_k}) exceeds moe.num_experts ({e.num_experts})")
+            if e.shared_expert_hidden < 0:
+                raise ValueError("moe.shared_expert_hidden must be >= 0 (0 disables the shared expert)")
+            if e.latent_size is not None and not 0 < e.latent_size <= self.d_model:
+                raise ValueError(
+                    f"moe.latent_size ({e.latent_size}) must be in (0, d_model={self.d_model}]: "
+                    "LatentMoE compresses the routed width below the hidden size"
+                )
+            if e.num_experts % e.n_group or e.topk_group > e.n_group:
+                raise ValueError(
+                    f"moe.n_group ({e.n_group}) must divide moe.num_experts ({e.num_experts}) and be "
+                    f">= moe.topk_group ({e.topk_group})"
+                )
+            if e.activation != "relu2":
+                raise ValueError(f"moe.activation must be 'relu2', got {e.activation!r}")
+        if "-" in letters:
+            _positive(self.mlp, "mlp", "hidden")
+            if self.mlp.activation not in ("relu2", "swiglu"):
+                raise ValueError(f"mlp.activation must be 'relu2' or 'swiglu', got {self.mlp.activation!r}")
+
+    # ------------------------------------------------------------------ layer facts
+    def attention_is_sliding(self) -> list[bool]:
+        """For each attention layer of the backbone, in order: does it use the sliding window?"""
+        a = self.attention
+        n = self.pattern.count("*")
+        if a.sliding_window is None:
+            return [False] * n
+        if a.window_pattern:
+            return [c == "S" for c in a.window_pattern]
+        return [not ((j + 1) % a.full_every == 0 or j == n - 1) for j in range(n)]
+
+    # ------------------------------------------------------------------ counting
+    def _block_params(self, letter: str) -> tuple[int, int]:
+        """(total, active) parameters of one residual block including its norm."""
+        d = self.d_model
+        norm = d
+        if letter == "M":
+            m = self.mamba
+            in_proj = d * (2 * m.d_inner + 2 * m.n_groups * m.state_size + m.num_heads)
+            conv = m.conv_dim * m.conv_kernel + (m.conv_dim if m.conv_bias else 0)
+            n = in_proj + conv + 3 * m.num_heads + m.d_inner + m.d_inner * d
+            return n + norm, n + norm
+        if letter == "*":
+            a = self.attention
+            q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+            n = d * q + 2 * d * kv + q * d + ((q + kv) if a.qk_norm else 0)
+            return n + norm, n + norm
+        if letter == "E":
+            e = self.moe
+            width = e.latent_size or d
+            expert = 2 * width * e.expert_hidden
+            shared = 2 * d * e.shared_expert_hidden
+            latent = 2 * d * e.latent_size if e.latent_size else 0
+            router = e.num_experts * d
+            base = shared + latent + router + norm
+            return base + e.num_experts * expert, base + e.top_k * expert
+        if letter == "-":
+            mats = 3 if self.mlp.activation == "swiglu" else 2
+            n = mats * d * self.mlp.hidden
+            return n + norm, n + norm
+        raise ValueError(f"unknown pattern letter {letter!r}")
+
+    def num_params(self) -> ParamCount:
+        """Parameter counts from the config alone (no allocation).
+
+        `total` and `active` cover the backbone, embeddings and LM head (what the papers report);
+        the MTP module is counted separately in `mtp_total` / `mtp_active`. `active` counts the
+        top-k routed experts of each MoE layer plus everything that is not routed.
+        """
+        d = self.d_model
+        emb = self.vocab_size * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        total, active = emb + head + d, emb + head + d  # + final norm
+        for c in self.pattern:
+            t, a = self._block_params(c)
+            total, active = total + t, active + a
+        mtp_total = mtp_active = 0
+        if self.mtp.pattern:
+            frame = 2 * d + 2 * d * d + d  # enorm, hnorm, eh_proj, final_layernorm
+            mtp_total = mtp_active = frame
+            for c in self.mtp.pattern:
+                t, a = self._block_params(c)
+                mtp_total, mtp_active = mtp_total + t, mtp_active + a
+        return ParamCount(
+            total=total, active=active, embedding=emb, mtp_total=mtp_total, mtp_active=mtp_active
+        )
+
+    def flops_per_token(self, seq_len: int | None = None, *, training: bool = False) -> int:
+        """Matmul FLOPs per token of one forward pass (x3 with `training=True`), MTP excluded.
+
+        2 FLOPs per active weight (LM head included, embedding lookup excluded), plus causal
+        attention over an average context of `seq_len / 2` (window-capped on sliding layers), plus
+        the SSD state work 2*3*H*P*N per Mamba token (state update, decay and readout).
+        """
+        seq_len = seq_len or self.max_seq_len
+        counts = self.num_params()
+        weights = counts.active - counts.embedding - self.d_model * (1 + len(self.pattern))
+        flops = 2 * weights
+        a, m = self.attention, self.mamba
+        for sliding in self.attention_is_sliding():
+            ctx = min(seq_len, a.sliding_window) if sliding else seq_len
+            flops += 2 * 2 * (ctx / 2) * a.num_heads * a.head_dim
+        flops += self.pattern.count("M") * 2 * 3 * m.num_heads * m.head_dim * m.state_size
+        return int(flops * (3 if training else 1))
+
+    def kv_cache_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """KV-cache bytes one token adds across all attention layers (full-attention layers)."""
+        a = self.attention
+        return self.pattern.count("*") * 2 * a.num_kv_heads * a.head_dim * dtype_bytes
+
+    def mamba_state_bytes_per_sequence(self, dtype_bytes: int = 4) -> int:
+        """Conv + SSM state bytes one sequence holds across all Mamba layers (fixed in length)."""
+        m = self.mamba
+        per_layer = m.num_heads * m.head_dim * m.state_size + m.conv_dim * (m.conv_kernel - 1)
+        return self.pattern.count("M") * per_layer * dtype_bytes
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        return _from_dict(cls, data, "")
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        text = (
+            json.dumps(self.to_dict(), indent=2)
+            if path.suffix == ".json"
+            else yaml.safe_dump(self.to_dict(), sort_keys=False)
+        )
+        path.write_text(text)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file not found: {path}")
+        try:
+            data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+        except (json.JSONDecodeError, yaml.YAMLError) as err:
+            raise ValueError(f"cannot parse config file {path}: {err}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+        return cls.from_dict(data)
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    total: int
+    active: int
+    embedding: int
+    mtp_total: int = 0
+    mtp_active: int = 0
+
+
+def _check_pattern(pattern: str, name: str) -> None:
+    if not pattern:
+        raise ValueError(f"{name} must not be empty")
+    bad = sorted(set(pattern) - set(MIXER_LETTERS))
+    if bad:
+        raise ValueError(
+            f"{name} {pattern!r} has unknown letter(s) {bad}; use M (Mamba-2), * (attention), "
+            "E (MoE) or - (MLP)"
+        )
+
+
+def _positive(obj: Any, prefix: str, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ValueError(f"{prefix}.{name} must be positive, got {getattr(obj, name)}")
+
+
+# ---------------------------------------------------------------------- dict <-> dataclass
+def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown config key(s) {[prefix + k for k in unknown]}; known: {sorted(names)}")
+    kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, name: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, name)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(errors[0])
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{name} must be one of {list(args)}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if dataclasses.is_dataclass(value):
+            return value
+        return _from_dict(tp, value, name + ".")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def apply_overrides(cfg: ModelConfig, overrides: list[str]) -> ModelConfig:
+    """Return a new config with dotted `key=value` overrides applied (values parsed as YAML)."""
+    data = cfg.to_dict()
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key=value, e.g. moe.top_k=8")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                if part in node and node[part] is None:  # e.g. attention.yarn=null -> set fields
+                    node[part] = {}
+                else:
+                    raise ValueError(f"override {item!r}: {part!r} is not a config section")
+            node = node[part]
+        if parts[-1] not in node:
+            raise ValueError(f"override {item!r}: unknown key {key!r}")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return ModelConfig.from_dict(data)

@@ -1,0 +1,545 @@
+"""Hugging Face interop: transformers `NemotronH` and `Olmo3` checkpoints, both directions.
+
+`load_pretrained(dir)` reads a directory with `config.json` and safetensors (one file or a sharded
+`model.safetensors.index.json`), written by transformers, by NVIDIA (`backbone.*`, one tensor per
+expert) or by hybridlm. `save_pretrained(model, dir)` writes one that
+`transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+Key mapping, hybridlm -> NemotronH checkpoint (the layout of NVIDIA's released checkpoints, which
+transformers converts on load and vLLM reads directly):
+
+    embeddings.weight                       backbone.embeddings.weight
+    layers.{i}.norm.weight                  backbone.layers.{i}.norm.weight
+    layers.{i}.mixer.<param>                backbone.layers.{i}.mixer.<param>
+    layers.{i}.mixer.experts.up_proj[e]     backbone.layers.{i}.mixer.experts.{e}.up_proj.weight
+    layers.{i}.mixer.experts.down_proj[e]   backbone.layers.{i}.mixer.experts.{e}.down_proj.weight
+    norm_f.weight                           backbone.norm_f.weight
+    lm_head.weight                          lm_head.weight
+
+MTP, under the names vLLM's `NemotronHMTP.load_weights` reads (vllm/model_executor/models/
+nemotron_h_mtp.py: the first MTP layer owns the fusion, the last the closing norm; transformers
+ignores `mtp.*` on load):
+
+    mtp.enorm.weight / mtp.hnorm.weight     mtp.layers.0.enorm.weight / mtp.layers.0.hnorm.weight
+    mtp.eh_proj.weight                      mtp.layers.0.eh_proj.weight   ([emb; hidden] order)
+    mtp.layers.{j}.<as backbone layers>     mtp.layers.{j}.<same, experts split per expert>
+    mtp.final_layernorm.weight              mtp.layers.{last}.final_layernorm.weight
+
+Olmo3: one transformers decoder layer i is our blocks 2i (attention) and 2i+1 (SwiGLU MLP):
+
+    layers.{2i}.mixer.{q,k,v,o}_proj        model.layers.{i}.self_attn.{q,k,v,o}_proj
+    layers.{2i}.mixer.{q,k}_norm            model.layers.{i}.self_attn.{q,k}_norm
+    layers.{2i}.norm                        model.layers.{i}.post_attention_layernorm
+    layers.{2i+1}.mixer.{gate,up,down}_proj model.layers.{i}.mlp.{gate,up,down}_proj
+    layers.{2i+1}.norm                      model.layers.{i}.post_feedforward_layernorm
+    embeddings / norm_f / lm_head           model.embed_tokens / model.norm / lm_head
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..config import AttentionConfig, MambaConfig, MLPConfig, ModelConfig, MoEConfig, MTPConfig, YarnConfig
+
+NEMOTRON_LETTERS = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
+HF_LAYER_TYPES = {
+    "mamba": "M", "linear_attention": "M", "moe": "E", "attention": "*", "full_attention": "*", "mlp": "-",
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ====================================================================== configs
+def family(cfg: ModelConfig) -> str:
+    """'olmo3' for dense reordered-norm SwiGLU stacks of (attention, MLP) pairs, else 'nemotron_h'."""
+    pairs = len(cfg.pattern) % 2 == 0 and cfg.pattern == "*-" * (len(cfg.pattern) // 2)
+    if pairs and cfg.norm_placement == "post" and cfg.mlp.activation == "swiglu":
+        return "olmo3"
+    return "nemotron_h"
+
+
+def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    dtype_name = str(dtype).removeprefix("torch.")
+    if family(cfg) == "olmo3":
+        return _olmo3_config(cfg, dtype_name)
+    return _nemotron_config(cfg, dtype_name)
+
+
+def _unsupported(what: str, fam: str) -> ValueError:
+    return ValueError(f"cannot export to transformers {fam}: {what}")
+
+
+def _nemotron_config(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
+    a, m, e = cfg.attention, cfg.mamba, cfg.moe
+    letters = set(cfg.pattern) | set(cfg.mtp.pattern)
+    if cfg.norm_placement != "pre":
+        raise _unsupported("NemotronH uses pre-norm blocks (norm_placement='pre')", "NemotronH")
+    if "*" in letters and (a.rope_theta is not None or a.qk_norm or a.sliding_window is not None):
+        raise _unsupported("NemotronH attention has no RoPE, QK-norm or sliding window", "NemotronH")
+    if "-" in letters and cfg.mlp.activation != "relu2":
+        raise _unsupported("NemotronH dense MLPs are relu2", "NemotronH")
+    if "E" in letters and e.shared_expert_hidden == 0:
+        raise _unsupported("transformers' NemotronHMoE always has a shared expert", "NemotronH")
+    if m.dt_clamp_max is not None:
+        raise _unsupported("transformers clamps dt below only (mamba.dt_clamp_max must be None)", "NemotronH")
+    if cfg.mtp.pattern and set(cfg.mtp.pattern) - {"*", "E"}:
+        raise _unsupported("vLLM's NemotronH MTP layers are attention and MoE blocks only", "NemotronH")
+    out = {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "dtype": dtype_name,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "hybrid_override_pattern": cfg.pattern,
+        "layers_block_type": [NEMOTRON_LETTERS[c] for c in cfg.pattern],
+        "num_hidden_layers": len(cfg.pattern),
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "layer_norm_epsilon": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_std,
+        "num_attention_heads": a.num_heads,
+        "num_key_value_heads": a.num_kv_heads,
+        "head_dim": a.head_dim,
+        "attention_bias": False,
+        "mamba_num_heads": m.num_heads,
+        "mamba_head_dim": m.head_dim,
+        "ssm_state_size": m.state_size,
+        "n_groups": m.n_groups,
+        "conv_kernel": m.conv_kernel,
+        "use_conv_bias": m.conv_bias,
+        "chunk_size": m.chunk_size,
+        "expand": max(1, m.d_inner // cfg.d_model),
+        "time_step_min": m.dt_min,
+        "time_step_max": m.dt_max,
+        "time_step_floor": m.dt_init_floor,
+        "mamba_hidden_act": "silu",
+        "mamba_proj_bias": False,
+        "use_bias": False,
+        "intermediate_size": cfg.mlp.hidden,
+        "mlp_hidden_act": "relu2",
+        "mlp_bias": False,
+        "n_routed_experts": e.num_experts,
+        "num_experts_per_tok": e.top_k,
+        "moe_intermediate_size": e.expert_hidden,
+        "moe_shared_expert_intermediate_size": e.shared_expert_hidden,
+        "n_shared_experts": 1,
+        "moe_latent_size": e.latent_size,
+        "routed_scaling_factor": e.routed_scaling_factor,
+        "norm_topk_prob": e.norm_topk_prob,
+        "n_group": e.n_group,
+        "topk_group": e.topk_group,
+        "num_nextn_predict_layers": 1 if cfg.mtp.pattern else 0,
+        "hybridlm": {"mtp_depth": cfg.mtp.depth, "mtp_loss_weight": cfg.mtp.loss_weight,
+                     "moe_bias_update_rate": e.bias_update_rate, "moe_aux_loss_coef": e.aux_loss_coef},
+    }
+    if cfg.mtp.pattern:
+        out["mtp_hybrid_override_pattern"] = cfg.mtp.pattern
+        out["mtp_layers_block_type"] = [NEMOTRON_LETTERS[c] for c in cfg.mtp.pattern]
+    return out
+
+
+def _olmo3_config(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
+    a = cfg.attention
+    if a.head_dim * a.num_heads != cfg.d_model:
+        raise _unsupported("Olmo3 needs attention.head_dim * num_heads == d_model", "Olmo3")
+    if a.rope_theta is None or not a.qk_norm:
+        raise _unsupported("Olmo3 attention uses RoPE and QK-norm", "Olmo3")
+    if cfg.mtp.pattern:
+        raise _unsupported("Olmo3 has no MTP module", "Olmo3")
+    out = {
+        "architectures": ["Olmo3ForCausalLM"],
+        "model_type": "olmo3",
+        "dtype": dtype_name,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.mlp.hidden,
+        "num_hidden_layers": len(cfg.pattern) // 2,
+        "num_attention_heads": a.num_heads,
+        "num_key_value_heads": a.num_kv_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "rope_theta": a.rope_theta,
+        "sliding_window": a.sliding_window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in cfg.attention_is_sliding()],
+        "pad_token_id": None,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
+    # Per layer type, as transformers v5 reads it; rope_theta / rope_scaling for older readers.
+    full = {"rope_type": "default", "rope_theta": a.rope_theta}
+    if a.yarn is not None:
+        y = a.yarn
+        full = {
+            "rope_type": "yarn", "rope_theta": a.rope_theta, "factor": y.factor, "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow, "original_max_position_embeddings": y.original_max_position_embeddings,
+            "attention_factor": y.attention_factor,
+        }
+        out["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
+    out["rope_parameters"] = {
+        "full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": a.rope_theta},
+    }
+    return out
+
+
+def from_hf_config(hf: dict[str, Any], *, has_mtp: bool | None = None) -> ModelConfig:
+    model_type = hf.get("model_type")
+    if model_type == "nemotron_h":
+        return _from_nemotron(hf, has_mtp)
+    if model_type == "olmo3":
+        return _from_olmo3(hf)
+    raise ValueError(f"unsupported model_type {model_type!r}: hybridlm reads 'nemotron_h' and 'olmo3'")
+
+
+def _pattern_from(value: Any, key: str) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return "".join(HF_LAYER_TYPES[t] for t in value)
+    except (KeyError, TypeError):
+        raise ValueError(f"config.json {key} has an unknown layer type: {value!r}") from None
+
+
+def _from_nemotron(hf: dict[str, Any], has_mtp: bool | None) -> ModelConfig:
+    if hf.get("layers_block_type") is not None:
+        pattern = _pattern_from(hf["layers_block_type"], "layers_block_type")
+    elif hf.get("hybrid_override_pattern"):
+        pattern = hf["hybrid_override_pattern"]
+    else:
+        raise ValueError("NemotronH config.json has neither layers_block_type nor hybrid_override_pattern")
+    mtp_pattern = ""
+    if hf.get("num_nextn_predict_layers", 0) and has_mtp is not False:
+        if hf.get("num_nextn_predict_layers") != 1:
+            raise ValueError("hybridlm reads one shared-weight MTP layer (num_nextn_predict_layers=1)")
+        raw = hf.get("mtp_layers_block_type") or hf.get("mtp_hybrid_override_pattern") or "*E"
+        mtp_pattern = _pattern_from(raw, "mtp_layers_block_type")
+    extra = hf.get("hybridlm", {})
+    # time_step_limit is not read: transformers' NemotronH clamps dt at [time_step_min, inf)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        pattern=pattern,
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        init_std=hf.get("initializer_range", 0.02),
+        max_seq_len=hf.get("max_position_embeddings", 4096),
+        mamba=MambaConfig(
+            num_heads=hf.get("mamba_num_heads", 128),
+            head_dim=hf.get("mamba_head_dim", 64),
+            state_size=hf.get("ssm_state_size", 128),
+            n_groups=hf.get("n_groups", 8),
+            conv_kernel=hf.get("conv_kernel", 4),
+            conv_bias=hf.get("use_conv_bias", True),
+            chunk_size=hf.get("chunk_size", 128),
+            dt_min=hf.get("time_step_min", 1e-3),
+            dt_max=hf.get("time_step_max", 0.1),
+            dt_init_floor=hf.get("time_step_floor", 1e-4),
+        ),
+        attention=AttentionConfig(
+            num_heads=hf.get("num_attention_heads", 32),
+            num_kv_heads=hf.get("num_key_value_heads") or hf.get("num_attention_heads", 32),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf.get("num_attention_heads", 32),
+        ),
+        moe=MoEConfig(
+            num_experts=hf.get("n_routed_experts", 8),
+            top_k=hf.get("num_experts_per_tok", 2),
+            expert_hidden=hf.get("moe_intermediate_size", 7688),
+            shared_expert_hidden=hf.get("moe_shared_expert_intermediate_size", 7688),
+            latent_size=hf.get("moe_latent_size"),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=hf.get("norm_topk_prob", True),
+            n_group=hf.get("n_group", 1) or 1,
+            topk_group=hf.get("topk_group", 1) or 1,
+            bias_update_rate=extra.get("moe_bias_update_rate", 1e-3),
+            aux_loss_coef=extra.get("moe_aux_loss_coef", 1e-4),
+        ),
+        mlp=MLPConfig(hidden=hf.get("intermediate_size", 21504), activation="relu2"),
+        mtp=MTPConfig(pattern=mtp_pattern, depth=extra.get("mtp_depth", 2),
+                      loss_weight=extra.get("mtp_loss_weight", 0.3)),
+    )
+
+
+def _olmo3_rope(hf: dict[str, Any]) -> tuple[float, YarnConfig | None]:
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full, sliding = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        if sliding.get("rope_type", "default") != "default":
+            raise ValueError("hybridlm applies RoPE scaling to full-attention layers only (Olmo 3 recipe)")
+        theta = float(full.get("rope_theta", sliding.get("rope_theta", hf.get("rope_theta", 500000.0))))
+        if float(sliding.get("rope_theta", theta)) != theta:
+            raise ValueError(
+                f"Olmo3 config has rope_theta {sliding['rope_theta']} on sliding layers but {theta} on full "
+                "layers; hybridlm uses one base frequency for both"
+            )
+        scaling = full if full.get("rope_type", "default") != "default" else None
+    else:
+        flat = params if isinstance(params, dict) else {}
+        theta = float(flat.get("rope_theta", hf.get("rope_theta", 500000.0)))
+        scaling = hf.get("rope_scaling") or (flat if flat.get("rope_type", "default") != "default" else None)
+    if scaling is None:
+        return theta, None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        raise ValueError(f"unsupported Olmo3 rope scaling {kind!r}; hybridlm implements YaRN")
+    return theta, YarnConfig(
+        factor=float(scaling["factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        beta_fast=float(scaling.get("beta_fast") or 32),
+        beta_slow=float(scaling.get("beta_slow") or 1),
+        attention_factor=scaling.get("attention_factor"),
+    )
+
+
+def _from_olmo3(hf: dict[str, Any]) -> ModelConfig:
+    n = hf["num_hidden_layers"]
+    heads = hf["num_attention_heads"]
+    theta, yarn = _olmo3_rope(hf)
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)
+    ]
+    window = hf.get("sliding_window")
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        pattern="*-" * n,
+        norm_eps=hf.get("rms_norm_eps", 1e-6),
+        norm_placement="post",
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+        init_std=hf.get("initializer_range", 0.02),
+        max_seq_len=hf.get("max_position_embeddings", 4096),
+        attention=AttentionConfig(
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf["hidden_size"] // heads,
+            rope_theta=theta,
+            yarn=yarn,
+            qk_norm=True,
+            sliding_window=window,
+            window_pattern="".join("S" if t == "sliding_attention" else "F" for t in types) if window else "",
+        ),
+        mlp=MLPConfig(hidden=hf["intermediate_size"], activation="swiglu"),
+    )
+
+
+# ====================================================================== state dicts
+_OLMO_ATTN = re.compile(r"^layers\.(\d+)\.mixer\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.weight$")
+_OLMO_MLP = re.compile(r"^layers\.(\d+)\.mixer\.(gate_proj|up_proj|down_proj)\.weight$")
+_OLMO_NORM = re.compile(r"^layers\.(\d+)\.norm\.weight$")
+
+
+def to_hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    cfg: ModelConfig = model.config
+    sd = {k: v for k, v in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    out: dict[str, torch.Tensor] = {}
+    fam = family(cfg)
+    for name, t in sd.items():
+        if fam == "olmo3":
+            out[_ours_to_olmo3(name)] = t
+            continue
+        hf_name = _ours_to_nemotron(name, len(cfg.mtp.pattern))
+        m = re.match(r"^(.*\.mixer\.experts)\.(up_proj|down_proj)$", hf_name)
+        if m:  # 3-D expert tensor -> one 2-D tensor per expert
+            for e in range(t.shape[0]):
+                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = t[e]
+        else:
+            out[hf_name] = t
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _ours_to_nemotron(name: str, n_mtp: int) -> str:
+    if name.startswith(("embeddings.", "layers.", "norm_f.")):
+        return "backbone." + name
+    m = re.match(r"^mtp\.(enorm|hnorm|eh_proj)\.(.*)$", name)
+    if m:
+        return f"mtp.layers.0.{m.group(1)}.{m.group(2)}"
+    if name.startswith("mtp.final_layernorm."):
+        return name.replace("mtp.final_layernorm.", f"mtp.layers.{n_mtp - 1}.final_layernorm.")
+    return name
+
+
+def _ours_to_olmo3(name: str) -> str:
+    if name == "embeddings.weight":
+        return "model.embed_tokens.weight"
+    if name == "norm_f.weight":
+        return "model.norm.weight"
+    if name == "lm_head.weight":
+        return name
+    if m := _OLMO_ATTN.match(name):
+        return f"model.layers.{int(m.group(1)) // 2}.self_attn.{m.group(2)}.weight"
+    if m := _OLMO_MLP.match(name):
+        return f"model.layers.{int(m.group(1)) // 2}.mlp.{m.group(2)}.weight"
+    if m := _OLMO_NORM.match(name):
+        i = int(m.group(1))
+        which = "post_attention_layernorm" if i % 2 == 0 else "post_feedforward_layernorm"
+        return f"model.layers.{i // 2}.{which}.weight"
+    raise ValueError(f"no Olmo3 name for parameter {name!r}")
+
+
+def from_hf_state_dict(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if family(cfg) == "olmo3":
+        return _from_olmo3_sd(hf_sd)
+    return _from_nemotron_sd(cfg, hf_sd)
+
+
+def _from_nemotron_sd(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[int, torch.Tensor]] = {}
+    last_mtp = len(cfg.mtp.pattern) - 1
+    for name, t in hf_sd.items():
+        name = name.removeprefix("language_model.")
+        for prefix in ("backbone.", "model."):
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+        if name.startswith("mtp."):
+            if not cfg.mtp.pattern:
+                continue
+            name = re.sub(r"^mtp\.layers\.0\.(enorm|hnorm|eh_proj)\.", r"mtp.\1.", name)
+            name = name.replace(f"mtp.layers.{last_mtp}.final_layernorm.", "mtp.final_layernorm.")
+        m = re.match(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$", name)
+        if m:
+            per_expert.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = t
+            continue
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        out[name] = t
+    for name, experts in per_expert.items():
+        missing = sorted(set(range(cfg.moe.num_experts)) - set(experts))
+        if missing:
+            raise ValueError(f"checkpoint lacks experts {missing[:8]} of {name}")
+        out[name] = torch.stack([experts[e] for e in range(cfg.moe.num_experts)])
+    if cfg.tie_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def _from_olmo3_sd(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in hf_sd.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "model.embed_tokens.weight":
+            out["embeddings.weight"] = t
+        elif name == "model.norm.weight":
+            out["norm_f.weight"] = t
+        elif name == "lm_head.weight":
+            out[name] = t
+        elif m := re.match(r"^model\.layers\.(\d+)\.self_attn\.(\w+)\.weight$", name):
+            out[f"layers.{2 * int(m.group(1))}.mixer.{m.group(2)}.weight"] = t
+        elif m := re.match(r"^model\.layers\.(\d+)\.mlp\.(\w+)\.weight$", name):
+            out[f"layers.{2 * int(m.group(1)) + 1}.mixer.{m.group(2)}.weight"] = t
+        elif m := re.match(r"^model\.layers\.(\d+)\.(post_attention_layernorm|post_feedforward_layernorm)\.weight$",
+                           name):
+            i = 2 * int(m.group(1)) + (m.group(2) == "post_feedforward_layernorm")
+            out[f"layers.{i}.norm.weight"] = t
+        else:
+            raise ValueError(f"unexpected tensor {name!r} in an Olmo3 checkpoint")
+    return out
+
+
+# ====================================================================== files
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
+                raise ValueError(f"{index} names shard {shard}, which is missing")
+            tensors.update(_load_file(path / shard))
+        return tensors
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights in {path}")
+    tensors = {}
+    for f in files:
+        tensors.update(_load_file(f))
+    return tensors
+
+
+def _load_file(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except Exception as err:  # safetensors raises its own error type for corrupt files
+        raise ValueError(f"cannot read safetensors file {file}: {err}") from None
+
+
+def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None):
+    from ..model.model import HybridLM
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path} is not a checkpoint directory (no config.json)")
+    try:
+        hf_cfg = json.loads(config_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_file} is not valid JSON: {err}") from None
+    if hf_cfg.get("model_type") not in ("nemotron_h", "olmo3"):
+        raise ValueError(
+            f"unsupported model_type {hf_cfg.get('model_type')!r} in {config_file}: "
+            "hybridlm reads 'nemotron_h' and 'olmo3'"
+        )
+    tensors = read_safetensors_dir(path)
+    has_mtp = any(k.removeprefix("language_model.").startswith("mtp.") for k in tensors)
+    cfg = from_hf_config(hf_cfg, has_mtp=has_mtp)
+    sd = from_hf_state_dict(cfg, tensors)
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {path} does not match its config: missing {missing[:6]}, unexpected {unexpected[:6]}"
+        )
+    if dtype is None:
+        dtype = _DTYPES.get(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "float32", torch.float32)
+    for name, t in sd.items():
+        keep_fp32 = name.endswith(("gate.weight", "e_score_correction_bias"))  # router stays fp32
+        sd[name] = t.to(torch.float32 if keep_fp32 else dtype)
+    if cfg.tie_embeddings:
+        sd["lm_head.weight"] = sd["embeddings.weight"]
+    model.load_state_dict(sd, assign=True, strict=True)
+    model.tie_weights()
+    model.init_buffers()
+    return model
+
+
+def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = model.embeddings.weight.dtype
+    hf_cfg = to_hf_config(model.config, dtype)
+    tensors = to_hf_state_dict(model)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    for old in path.glob("model*.safetensors*"):
+        old.unlink()
+    if len(shards) == 1:
+        save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, path / fname, metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2))

@@ -1,0 +1,80 @@
+"""Grouped-query attention mixer: NoPE by default (Nemotron 3), RoPE + YaRN, QK-norm and sliding
+windows for the Olmo 3 family.
+
+Shape legend: B batch, L sequence, D model width, H query heads, K kv heads, E head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..infer.cache import KVState
+from ..ops.attention import attention
+from ..ops.rope import apply_rope, rope_cos_sin, rope_frequencies
+from .norm import RMSNorm
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
+        super().__init__()
+        a = self.a = cfg.attention
+        d = cfg.d_model
+        self.q_proj = nn.Linear(d, a.num_heads * a.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, a.num_kv_heads * a.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, a.num_kv_heads * a.head_dim, bias=False)
+        self.o_proj = nn.Linear(a.num_heads * a.head_dim, d, bias=False)
+        if a.qk_norm:  # over the whole projection, not per head (Olmo 2/3)
+            self.q_norm = RMSNorm(a.num_heads * a.head_dim, eps=cfg.norm_eps)
+            self.k_norm = RMSNorm(a.num_kv_heads * a.head_dim, eps=cfg.norm_eps)
+        self.window = a.sliding_window if spec.sliding else None
+        # YaRN extends the full-attention layers only; sliding layers keep plain RoPE (Olmo 3 §3.6)
+        self.yarn = None if spec.sliding else a.yarn
+        self.rope_scaling = 1.0
+        self.register_buffer("inv_freq", torch.empty(a.head_dim // 2), persistent=False)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.normal_(proj.weight, std=std)
+        nn.init.normal_(self.o_proj.weight, std=out_std)
+        if self.a.qk_norm:
+            self.q_norm.reset_parameters()
+            self.k_norm.reset_parameters()
+        self.init_buffers(self.q_proj.weight.device)
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device) -> None:
+        """Recompute the RoPE frequencies (a non-persistent buffer, never in checkpoints)."""
+        if self.a.rope_theta is not None:
+            inv_freq, self.rope_scaling = rope_frequencies(self.a.head_dim, self.a.rope_theta, self.yarn)
+            self.inv_freq = inv_freq.to(device)
+        else:
+            self.inv_freq = torch.zeros(self.a.head_dim // 2, device=device)
+
+    def forward(self, x_BLD: torch.Tensor, *, positions_L: torch.Tensor, state: KVState | None = None,
+                **_: object) -> torch.Tensor:
+        a = self.a
+        Bsz, L, _ = x_BLD.shape
+        q, k, v = self.q_proj(x_BLD), self.k_proj(x_BLD), self.v_proj(x_BLD)
+        if a.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q_BHLE = q.view(Bsz, L, a.num_heads, a.head_dim).transpose(1, 2)
+        k_BKLE = k.view(Bsz, L, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v_BKLE = v.view(Bsz, L, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        if a.rope_theta is not None:
+            cos, sin = rope_cos_sin(self.inv_freq, positions_L, self.rope_scaling)
+            q_BHLE, k_BKLE = apply_rope(q_BHLE, cos, sin), apply_rope(k_BKLE, cos, sin)
+        offset = int(positions_L[0]) if state is not None else 0
+        if state is not None:
+            k_BKLE, v_BKLE = state.update(k_BKLE, v_BKLE)
+        o_BHLE = attention(q_BHLE, k_BKLE, v_BKLE, q_offset=offset, window=self.window)
+        return self.o_proj(o_BHLE.transpose(1, 2).reshape(Bsz, L, -1))
+
+
+class LayerSpec:
+    """What a mixer needs to know about its place in the stack."""
+
+    def __init__(self, index: int, letter: str, sliding: bool = False) -> None:
+        self.index, self.letter, self.sliding = index, letter, sliding

@@ -1,0 +1,82 @@
+"""Mamba-2 mixer: in_proj -> causal depthwise conv -> SSD scan -> gated RMSNorm -> out_proj.
+
+Shape legend: B batch, L sequence, D model width, I = H*P inner width, H heads, P head dim,
+G groups, N state size, X = I + 2*G*N conv channels.
+Parameter names and the in_proj split order [z | x B C | dt] follow transformers' NemotronH so
+checkpoints convert by renaming only (Nemotron 3 Super notes §1.3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..infer.cache import MambaState
+from ..ops.conv1d import causal_conv1d
+from ..ops.ssd import ssd_chunked, ssd_step
+from .norm import GatedRMSNorm
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: object = None) -> None:
+        super().__init__()
+        m = self.m = cfg.mamba
+        d = cfg.d_model
+        self.in_proj = nn.Linear(d, 2 * m.d_inner + 2 * m.n_groups * m.state_size + m.num_heads, bias=False)
+        self.conv1d = nn.Conv1d(m.conv_dim, m.conv_dim, m.conv_kernel, groups=m.conv_dim, bias=m.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(m.num_heads))
+        self.A_log = nn.Parameter(torch.empty(m.num_heads))
+        self.D = nn.Parameter(torch.empty(m.num_heads))
+        self.norm = GatedRMSNorm(m.d_inner, m.d_inner // m.n_groups, eps=cfg.norm_eps)
+        self.out_proj = nn.Linear(m.d_inner, d, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        m = self.m
+        nn.init.normal_(self.in_proj.weight, std=std)
+        nn.init.normal_(self.out_proj.weight, std=out_std)
+        self.conv1d.reset_parameters()
+        # A in [1, 16] as in the Mamba-2 reference (A_init_range); stored as log for positivity
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+        # dt ~ logU[dt_min, dt_max]; dt_bias = softplus^{-1}(dt) (Mamba §3.6 init)
+        dt = torch.exp(
+            torch.rand_like(self.dt_bias) * (math.log(m.dt_max) - math.log(m.dt_min)) + math.log(m.dt_min)
+        ).clamp(min=m.dt_init_floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        self.D.fill_(1.0)
+        self.norm.reset_parameters()
+
+    def forward(self, x_BLD: torch.Tensor, *, state: MambaState | None = None, **_: object) -> torch.Tensor:
+        m = self.m
+        Bsz, L, _ = x_BLD.shape
+        GN = m.n_groups * m.state_size
+        z_BLI, xbc_BLX, dt_BLH = self.in_proj(x_BLD).split([m.d_inner, m.conv_dim, m.num_heads], dim=-1)
+
+        conv_in = state.conv_BDT if state is not None else None
+        xbc_BXL, conv_out = causal_conv1d(
+            xbc_BLX.transpose(1, 2), self.conv1d.weight[:, 0], self.conv1d.bias, conv_in
+        )
+        xbc_BLX = F.silu(xbc_BXL.transpose(1, 2))
+        xs_BLI, B_BLG, C_BLG = xbc_BLX.split([m.d_inner, GN, GN], dim=-1)
+
+        dt_BLH = F.softplus(dt_BLH.float() + self.dt_bias.float())
+        dt_BLH = dt_BLH.clamp(min=m.dt_min, max=m.dt_clamp_max)
+        A_H = -torch.exp(self.A_log.float())
+        xs = xs_BLI.reshape(Bsz, L, m.num_heads, m.head_dim)
+        Bm = B_BLG.reshape(Bsz, L, m.n_groups, m.state_size)
+        Cm = C_BLG.reshape(Bsz, L, m.n_groups, m.state_size)
+        ssm_in = state.ssm_BHPN if state is not None else None
+        if L == 1 and ssm_in is not None:
+            y, ssm_out = ssd_step(ssm_in, xs[:, 0], dt_BLH[:, 0], A_H, Bm[:, 0], Cm[:, 0], self.D)
+            y_BLHP = y[:, None]
+        else:
+            y_BLHP, ssm_out = ssd_chunked(xs, dt_BLH, A_H, Bm, Cm, self.D, m.chunk_size, ssm_in)
+        if state is not None:
+            state.conv_BDT, state.ssm_BHPN = conv_out, ssm_out
+
+        y_BLI = self.norm(y_BLHP.reshape(Bsz, L, m.d_inner), z_BLI)
+        return self.out_proj(y_BLI.to(x_BLD.dtype))

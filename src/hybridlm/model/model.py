@@ -1,0 +1,213 @@
+"""`HybridLM`: the one model class of every stage (pretrain, SFT, RL, quantise, eval, serve).
+
+Shape legend: B batch, L sequence, D model width, V vocabulary.
+
+Embedding -> blocks from the pattern string -> final RMSNorm -> untied LM head, plus an optional
+shared-weight MTP module. `forward(input_ids, labels)` returns logits and the loss broken into
+parts: next-token CE, MTP (mean over depths, weight `mtp.loss_weight`) and the MoE sequence-level
+balancing loss. Labels follow the transformers convention: `labels[:, t]` is the token at position
+t (usually `input_ids`), -100 is ignored, and the model shifts internally.
+
+Build on the meta device and initialise in one place:
+
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    model.to_empty(device="cpu"); model.init_weights(seed=0)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..infer.cache import HybridCache
+from .block import build_blocks
+from .moe import MoE
+from .mtp import MTP
+from .norm import RMSNorm
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    hidden: torch.Tensor | None = None  # final-normed hidden states, the MTP module's input
+    mtp_logits: list[torch.Tensor] = field(default_factory=list)
+
+
+def _shift_left(x_BL: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """out[:, t] = x[:, t + k]; the last k positions get `fill`."""
+    if k == 0:
+        return x_BL
+    return torch.cat([x_BL[:, k:], x_BL.new_full((x_BL.shape[0], min(k, x_BL.shape[1])), fill)], dim=1)
+
+
+class HybridLM(nn.Module):
+    def __init__(self, config: ModelConfig, *, seed: int | None = None) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        d, V = config.d_model, config.vocab_size
+        self.embeddings = nn.Embedding(V, d)
+        self.layers = build_blocks(config, config.pattern)
+        self.norm_f = RMSNorm(d, eps=config.norm_eps)
+        self.lm_head = nn.Linear(d, V, bias=False)
+        self.tie_weights()
+        self.mtp = MTP(config) if config.mtp.pattern else None
+        if self.embeddings.weight.device.type != "meta":
+            self.init_weights(seed=seed)
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """The init laws in one place.
+
+        - embeddings, LM head, every input projection, router, experts' up: N(0, init_std)
+        - output projections writing into the residual stream (Mamba out_proj, attention o_proj,
+          MLP/expert/shared down_proj, fc2_latent_proj): N(0, init_std / sqrt(2 * n_blocks)),
+          the depth-scaled init of GPT-2 / Megatron
+        - Mamba: A_log = log U[1, 16], dt_bias = softplus^-1(logU[dt_min, dt_max]), D = 1
+        - norms 1, correction bias 0, RoPE frequencies recomputed (non-persistent buffers)
+        """
+        gen_state = torch.random.get_rng_state()
+        if seed is not None:
+            torch.manual_seed(seed)
+        try:
+            std = self.config.init_std
+            out_std = std / math.sqrt(2 * len(self.config.pattern))
+            nn.init.normal_(self.embeddings.weight, std=std)
+            if not self.config.tie_embeddings:
+                nn.init.normal_(self.lm_head.weight, std=std)
+            self.norm_f.reset_parameters()
+            blocks = list(self.layers) + (list(self.mtp.layers) if self.mtp is not None else [])
+            for block in blocks:
+                block.norm.reset_parameters()
+                block.mixer.reset_parameters(std, out_std)
+            if self.mtp is not None:
+                for norm in (self.mtp.enorm, self.mtp.hnorm, self.mtp.final_layernorm):
+                    norm.reset_parameters()
+                nn.init.normal_(self.mtp.eh_proj.weight, std=std)
+        finally:
+            if seed is not None:
+                torch.random.set_rng_state(gen_state)
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when `tie_embeddings` is set."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embeddings.weight
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute non-persistent buffers (RoPE frequencies, expert-load counters), e.g. after
+        `load_state_dict(assign=True)` onto a meta-device model."""
+        device = self.embeddings.weight.device
+        for module in self.modules():
+            if module is not self and hasattr(module, "init_buffers"):
+                module.init_buffers(device)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        cache: HybridCache | None = None,
+        num_valid_tokens: int | torch.Tensor | None = None,
+        mtp_depth: int | None = None,
+        return_hidden: bool = False,
+    ) -> ModelOutput:
+        """`num_valid_tokens`: the global count of label tokens (after the shift) across all
+        micro-batches and ranks, so that accumulation and data parallelism give the gradient of
+        the global mean. Default: this batch's own count."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        Bsz, L = input_ids.shape
+        offset = cache.seen_tokens if cache is not None else 0
+        positions_L = torch.arange(offset, offset + L, device=input_ids.device)
+        h = self.embeddings(input_ids)
+        for i, block in enumerate(self.layers):
+            h = block(h, positions_L=positions_L, state=cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.seen_tokens += L
+        h = self.norm_f(h)
+        out = ModelOutput(logits=self.lm_head(h), hidden=h if return_hidden else None)
+        if labels is None:
+            return out
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+
+        ce, n = self._ce(out.logits, _shift_left(labels, 1, IGNORE_INDEX), num_valid_tokens)
+        out.losses["ce"] = ce
+        total = ce
+        depth = self.config.mtp.depth if mtp_depth is None else mtp_depth
+        if self.mtp is not None and depth > 0:
+            mtp_losses, h_k = [], h
+            for k in range(1, depth + 1):
+                emb = self.embeddings(_shift_left(input_ids, k, 0))
+                h_k = self.mtp(h_k, emb, positions_L=positions_L)
+                logits_k = self.lm_head(h_k)
+                out.mtp_logits.append(logits_k)
+                loss_k, _ = self._ce(logits_k, _shift_left(labels, k + 1, IGNORE_INDEX), num_valid_tokens)
+                out.losses[f"mtp_{k}"] = loss_k
+                mtp_losses.append(loss_k)
+            out.losses["mtp"] = torch.stack(mtp_losses).mean()
+            total = total + self.config.mtp.loss_weight * out.losses["mtp"]
+        aux = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        if aux:
+            out.losses["moe_aux"] = torch.stack(aux).sum()
+            total = total + out.losses["moe_aux"]
+        out.loss = total
+        return out
+
+    @staticmethod
+    def _ce(logits_BLV: torch.Tensor, targets_BL: torch.Tensor,
+            denom: int | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        n = (targets_BL != IGNORE_INDEX).sum()
+        loss_sum = F.cross_entropy(
+            logits_BLV.flatten(0, 1).float(), targets_BL.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        return loss_sum / (n.clamp(min=1) if denom is None else denom), n
+
+    # ------------------------------------------------------------------ MoE balancing
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def expert_load(self) -> torch.Tensor:
+        """Tokens routed to each expert since the last bias update: [n_moe_layers, n_experts]."""
+        layers = self.moe_layers()
+        if not layers:
+            return torch.zeros(0, 0)
+        return torch.stack([m.load_E for m in layers])
+
+    def update_moe_bias(self, load: torch.Tensor | None = None) -> None:
+        """Aux-loss-free bias step for every MoE layer; call after each optimizer step. Pass the
+        all-reduced `expert_load()` under data parallelism so every rank applies the same step."""
+        for i, m in enumerate(self.moe_layers()):
+            m.update_bias(None if load is None else load[i])
+
+    # ------------------------------------------------------------------ facts and I/O
+    def count_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | None = None) -> HybridLM:
+        """Load a hybridlm or transformers (NemotronH / Olmo3) checkpoint directory."""
+        from ..interop.hf import load_pretrained
+
+        return load_pretrained(path, dtype=dtype)
+
+    def save_pretrained(self, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+        """Write a transformers checkpoint (config.json + safetensors) that
+        `AutoModelForCausalLM.from_pretrained` loads; MTP weights use vLLM's key names."""
+        from ..interop.hf import save_pretrained
+
+        save_pretrained(self, path, max_shard_bytes=max_shard_bytes)

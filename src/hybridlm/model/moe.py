@@ -1,0 +1,165 @@
+"""MoE and LatentMoE with a sigmoid top-k router (Nemotron 3 Super §2.1.1, notes §1.5).
+
+Shape legend: B batch, L sequence, T = B*L tokens, D model width, W routed width (latent size
+for LatentMoE, else D), F expert hidden, E experts, K top-k, A = T*K assignments.
+
+Per token x:   s = sigmoid(x W_r) in fp32 at full width; experts = topk(s + bias) where the
+correction bias steers *selection only*; gates = chosen s, renormalised, x routed scaling factor;
+y = W_up( sum_k g_k * expert_k(W_down x) ) + shared_expert(x), experts W->F->W with relu^2.
+Names and semantics match transformers' NemotronHMoE (`gate.e_score_correction_bias`,
+`fc1_latent_proj`, `fc2_latent_proj`, 3-D `experts.up_proj` / `experts.down_proj`).
+Balancing: the aux-loss-free bias update (`bias += rate * sign(mean_load - load)`, applied by the
+trainer after each optimizer step through `HybridLM.update_moe_bias`) plus a sequence-level
+load-balancing loss (DeepSeek-V3 §2.1.2 "complementary sequence-wise auxiliary loss").
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .mlp import MLP, relu2
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, d_model: int, cfg_moe) -> None:
+        super().__init__()
+        self.cfg = cfg_moe
+        self.weight = nn.Parameter(torch.empty(cfg_moe.num_experts, d_model, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg_moe.num_experts, dtype=torch.float32))
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (scores_TE, topk_idx_TK, topk_weight_TK); routing is computed in fp32."""
+        c = self.cfg
+        scores_TE = F.linear(x_TD.float(), self.weight.float()).sigmoid()
+        choice_TE = scores_TE.detach() + self.e_score_correction_bias.float()
+        if c.n_group > 1:  # group-limited routing: keep the topk_group groups with best top-2 sums
+            grouped = choice_TE.view(-1, c.n_group, c.num_experts // c.n_group)
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(c.topk_group, dim=-1).indices, 1.0)
+            choice_TE = grouped.masked_fill(keep[..., None] == 0, float("-inf")).view_as(choice_TE)
+        idx_TK = choice_TE.topk(c.top_k, dim=-1, sorted=False).indices
+        w_TK = scores_TE.gather(1, idx_TK)
+        if c.norm_topk_prob:
+            w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
+        return scores_TE, idx_TK, w_TK * c.routed_scaling_factor
+
+
+def _experts_loop(z_AW: torch.Tensor, counts: list[int], up_EFW: torch.Tensor,
+                  down_EWF: torch.Tensor) -> torch.Tensor:
+    """Reference dispatch: one matmul pair per expert over its contiguous slice of sorted tokens."""
+    outs = []
+    for e, chunk in enumerate(z_AW.split(counts)):
+        if chunk.shape[0]:
+            outs.append(F.linear(relu2(F.linear(chunk, up_EFW[e])), down_EWF[e]))
+    return torch.cat(outs) if outs else z_AW.new_zeros(0, down_EWF.shape[1])
+
+
+def _experts_grouped(z_AW: torch.Tensor, counts: list[int], up_EFW: torch.Tensor,
+                     down_EWF: torch.Tensor) -> torch.Tensor:
+    """Fast path: two grouped GEMMs over the same sorted layout (torch grouped_mm)."""
+    offs = torch.tensor(counts, device=z_AW.device).cumsum(0).to(torch.int32)
+    h_AF = relu2(F.grouped_mm(z_AW, up_EFW.transpose(1, 2), offs=offs))
+    return F.grouped_mm(h_AF, down_EWF.transpose(1, 2), offs=offs)
+
+
+def grouped_mm_available(device: torch.device) -> bool:
+    # torch's grouped_mm backward is CUDA-only; the per-expert loop is the CPU path
+    return device.type == "cuda" and hasattr(F, "grouped_mm")
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
+        self.impl = "auto"  # "auto" | "loop" | "grouped"
+
+    def forward(self, z_TW: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        T, K = idx_TK.shape
+        E = self.up_proj.shape[0]
+        flat_A = idx_TK.reshape(-1)
+        order_A = flat_A.argsort(stable=True)  # sort assignments by expert
+        token_A = order_A // K
+        counts = torch.bincount(flat_A, minlength=E).tolist()
+        z_AW = z_TW[token_A]
+        impl = self.impl
+        if impl == "auto":
+            impl = "grouped" if grouped_mm_available(z_TW.device) else "loop"
+        fn = _experts_grouped if impl == "grouped" else _experts_loop
+        y_AW = fn(z_AW, counts, self.up_proj, self.down_proj)
+        y_AW = y_AW * w_TK.reshape(-1)[order_A, None].to(y_AW.dtype)
+        return torch.zeros_like(z_TW, dtype=y_AW.dtype).index_add_(0, token_A, y_AW).to(z_TW.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, spec: object = None) -> None:
+        super().__init__()
+        e = self.cfg = cfg.moe
+        d = cfg.d_model
+        width = e.latent_size or d
+        self.gate = TopKRouter(d, e)
+        self.experts = Experts(e.num_experts, width, e.expert_hidden)
+        if e.shared_expert_hidden:
+            self.shared_experts = MLP(d, e.shared_expert_hidden, "relu2")
+        if e.latent_size:
+            self.fc1_latent_proj = nn.Linear(d, e.latent_size, bias=False)
+            self.fc2_latent_proj = nn.Linear(e.latent_size, d, bias=False)
+        self.register_buffer("load_E", torch.zeros(e.num_experts), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.gate.weight, std=std)
+        self.gate.e_score_correction_bias.zero_()
+        nn.init.normal_(self.experts.up_proj, std=std)
+        nn.init.normal_(self.experts.down_proj, std=out_std)
+        if self.cfg.shared_expert_hidden:
+            self.shared_experts.reset_parameters(std, out_std)
+        if self.cfg.latent_size:
+            nn.init.normal_(self.fc1_latent_proj.weight, std=std)
+            nn.init.normal_(self.fc2_latent_proj.weight, std=out_std)
+        self.init_buffers(self.gate.weight.device)
+
+    def init_buffers(self, device: torch.device) -> None:
+        self.load_E = torch.zeros(self.cfg.num_experts, device=device)
+
+    def forward(self, x_BLD: torch.Tensor, **_: object) -> torch.Tensor:
+        c = self.cfg
+        Bsz, L, D = x_BLD.shape
+        x_TD = x_BLD.reshape(-1, D)
+        scores_TE, idx_TK, w_TK = self.gate(x_TD)
+        with torch.no_grad():
+            self.load_E += torch.bincount(idx_TK.reshape(-1), minlength=c.num_experts).to(self.load_E.dtype)
+        self.aux_loss = self._sequence_aux_loss(scores_TE, idx_TK, Bsz, L) if self.training else None
+
+        z_TW = self.fc1_latent_proj(x_TD) if c.latent_size else x_TD
+        y_TW = self.experts(z_TW, idx_TK, w_TK)
+        y_TD = self.fc2_latent_proj(y_TW) if c.latent_size else y_TW
+        if c.shared_expert_hidden:  # shared expert at full width, added in d-space
+            y_TD = y_TD + self.shared_experts(x_TD)
+        return y_TD.view(Bsz, L, D)
+
+    def _sequence_aux_loss(self, scores_TE: torch.Tensor, idx_TK: torch.Tensor, Bsz: int, L: int
+                           ) -> torch.Tensor | None:
+        """alpha * sum_i f_i P_i per sequence, averaged over sequences (DeepSeek-V3 eq. 17-20):
+        f_i = E/(K L) * #tokens choosing i, P_i = mean over tokens of normalised scores."""
+        c = self.cfg
+        if c.aux_loss_coef <= 0:
+            return None
+        E, K = c.num_experts, c.top_k
+        probs_BLE = (scores_TE / scores_TE.sum(-1, keepdim=True)).view(Bsz, L, E)
+        chosen = torch.zeros(Bsz * L, E, device=scores_TE.device).scatter_(1, idx_TK, 1.0)
+        f_BE = chosen.view(Bsz, L, E).sum(1) * (E / (K * L))
+        return c.aux_loss_coef * (f_BE * probs_BLE.mean(1)).sum(-1).mean()
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor | None = None) -> None:
+        """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower the
+        over-loaded ones (DeepSeek-V3 §2.1.2; rate 1e-3 in Nemotron 3 Super)."""
+        load = self.load_E if load_E is None else load_E.to(self.load_E)
+        bias = self.gate.e_score_correction_bias
+        bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load).to(bias.dtype)
+        self.load_E.zero_()
