@@ -10,8 +10,13 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, NemotronHConfig, NemotronHForCausalLM  # noqa: E402
-from transformers import Olmo3Config, Olmo3ForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402  # noqa: E402
+    AutoModelForCausalLM,
+    NemotronHConfig,
+    NemotronHForCausalLM,
+    Olmo3Config,
+    Olmo3ForCausalLM,
+)
 
 from hybridlm import HybridLM  # noqa: E402
 from hybridlm.interop.hf import family, to_hf_config  # noqa: E402
@@ -19,34 +24,80 @@ from hybridlm.interop.hf import family, to_hf_config  # noqa: E402
 ATOL = 1e-5
 
 NEMOTRON_BASE = dict(
-    vocab_size=257, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, chunk_size=8,
-    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-    moe_shared_expert_intermediate_size=48, intermediate_size=96, use_cache=False,
+    vocab_size=257,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    mamba_num_heads=8,
+    mamba_head_dim=8,
+    ssm_state_size=16,
+    n_groups=2,
+    chunk_size=8,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48,
+    intermediate_size=96,
+    use_cache=False,
 )
 NEMOTRON_CASES = {
     "dense-mlp": dict(hybrid_override_pattern="M*M-"),
     "moe": dict(hybrid_override_pattern="ME*E", routed_scaling_factor=2.5),
-    "moe-group-limited": dict(hybrid_override_pattern="E*ME", n_group=2, topk_group=1, num_experts_per_tok=3),
-    "latent-moe": dict(hybrid_override_pattern="MEM*E", moe_latent_size=32, routed_scaling_factor=5.0,
-                       num_experts_per_tok=3),
+    "moe-group-limited": dict(
+        hybrid_override_pattern="E*ME", n_group=2, topk_group=1, num_experts_per_tok=3
+    ),
+    "latent-moe": dict(
+        hybrid_override_pattern="MEM*E",
+        moe_latent_size=32,
+        routed_scaling_factor=5.0,
+        num_experts_per_tok=3,
+    ),
     "gqa-4-to-1": dict(hybrid_override_pattern="*-*E", num_key_value_heads=1),
-    "mha-one-group": dict(hybrid_override_pattern="M*", num_key_value_heads=4, n_groups=1, chunk_size=16),
+    "mha-one-group": dict(
+        hybrid_override_pattern="M*", num_key_value_heads=4, n_groups=1, chunk_size=16
+    ),
     "mamba-no-conv-bias": dict(hybrid_override_pattern="MMM", use_conv_bias=False, n_groups=4),
 }
 
 OLMO_BASE = dict(
-    vocab_size=257, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=256, use_cache=False, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    vocab_size=257,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    use_cache=False,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
 )
 OLMO_CASES = {
-    "swa-yarn": dict(num_hidden_layers=4, sliding_window=5, rope_parameters={
-        "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                           "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-    "swa-6-layers-gqa": dict(num_hidden_layers=6, sliding_window=3, num_attention_heads=8, num_key_value_heads=2),
-    "full-mha-tied": dict(num_hidden_layers=2, sliding_window=4, num_key_value_heads=4,
-                          layer_types=["full_attention", "full_attention"], tie_word_embeddings=True),
+    "swa-yarn": dict(
+        num_hidden_layers=4,
+        sliding_window=5,
+        rope_parameters={
+            "full_attention": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    "swa-6-layers-gqa": dict(
+        num_hidden_layers=6, sliding_window=3, num_attention_heads=8, num_key_value_heads=2
+    ),
+    "full-mha-tied": dict(
+        num_hidden_layers=2,
+        sliding_window=4,
+        num_key_value_heads=4,
+        layer_types=["full_attention", "full_attention"],
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -140,11 +191,18 @@ def test_mtp_weights_use_vllm_names_and_round_trip(tmp_path):
     with safe_open(tmp_path / "ckpt" / "model.safetensors", "pt") as f:
         keys = set(f.keys())
     mtp = {k for k in keys if k.startswith("mtp.")}
-    for name in ("mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.layers.0.eh_proj.weight",
-                 "mtp.layers.0.norm.weight", "mtp.layers.0.mixer.q_proj.weight",
-                 "mtp.layers.1.mixer.gate.weight", "mtp.layers.1.mixer.gate.e_score_correction_bias",
-                 "mtp.layers.1.mixer.experts.0.up_proj.weight", "mtp.layers.1.mixer.fc1_latent_proj.weight",
-                 "mtp.layers.1.final_layernorm.weight"):
+    for name in (
+        "mtp.layers.0.enorm.weight",
+        "mtp.layers.0.hnorm.weight",
+        "mtp.layers.0.eh_proj.weight",
+        "mtp.layers.0.norm.weight",
+        "mtp.layers.0.mixer.q_proj.weight",
+        "mtp.layers.1.mixer.gate.weight",
+        "mtp.layers.1.mixer.gate.e_score_correction_bias",
+        "mtp.layers.1.mixer.experts.0.up_proj.weight",
+        "mtp.layers.1.mixer.fc1_latent_proj.weight",
+        "mtp.layers.1.final_layernorm.weight",
+    ):
         assert name in mtp, name
     hf_cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert hf_cfg["num_nextn_predict_layers"] == 1 and hf_cfg["mtp_hybrid_override_pattern"] == "*E"

@@ -20,7 +20,9 @@ def _inputs(L, dtype, B=2, H=6, P=5, G=3, N=7, seed=0):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
-@pytest.mark.parametrize("L,chunk", [(1, 4), (7, 4), (16, 4), (33, 8), (50, 16), (64, 64), (45, 128)])
+@pytest.mark.parametrize(
+    "L,chunk", [(1, 4), (7, 4), (16, 4), (33, 8), (50, 16), (64, 64), (45, 128)]
+)
 @pytest.mark.parametrize("with_init", [False, True])
 def test_chunked_equals_recurrence(dtype, tol, L, chunk, with_init):
     x, dt, A, Bm, Cm, D, h0 = _inputs(L, dtype)
@@ -54,32 +56,60 @@ def test_chunked_gradients_match_recurrence():
         y, s = fn(*leaves)
         (y.sin().sum() + s.cos().sum()).backward()
         grads.append([t.grad.clone() for t in leaves])
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("K,L", [(4, 1), (4, 9), (2, 5), (1, 3)])
 def test_causal_conv_fast_equals_reference(K, L):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 6, L, generator=g, dtype=torch.float64)
+    x = torch.randn(2, L, 6, generator=g, dtype=torch.float64)
     w = torch.randn(6, K, generator=g, dtype=torch.float64)
     b = torch.randn(6, generator=g, dtype=torch.float64)
-    state = torch.randn(2, 6, K - 1, generator=g, dtype=torch.float64)
+    state = torch.randn(2, K - 1, 6, generator=g, dtype=torch.float64)
     for st in (None, state):
         y, s = causal_conv1d(x, w, b, st)
         y_ref, s_ref = causal_conv1d_ref(x, w, b, st)
         torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-12)
         torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    # the hand-written backward against autograd through F.conv1d
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, state)]
+    grads = []
+    for fn in (causal_conv1d, causal_conv1d_ref):
+        y, s = fn(*leaves)
+        g_out = torch.autograd.grad((y.sin().sum() + s.cos().sum()), leaves)
+        grads.append(g_out)
+    for a, r in zip(*grads, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
 
 
 def test_conv_streaming_equals_full():
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(1, 4, 12, generator=g, dtype=torch.float64)
+    x = torch.randn(1, 12, 4, generator=g, dtype=torch.float64)
     w = torch.randn(4, 4, generator=g, dtype=torch.float64)
     y_full, _ = causal_conv1d(x, w, None)
-    y_a, st = causal_conv1d(x[..., :5], w, None)
+    y_a, st = causal_conv1d(x[:, :5], w, None)
     outs = [y_a]
     for t in range(5, 12):
-        y_t, st = causal_conv1d(x[..., t : t + 1], w, None, st)
+        y_t, st = causal_conv1d(x[:, t : t + 1], w, None, st)
         outs.append(y_t)
-    torch.testing.assert_close(torch.cat(outs, -1), y_full, rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.cat(outs, 1), y_full, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("span_limit", [-1.0, float("inf")])
+def test_both_intra_chunk_forms_equal_recurrence(span_limit, monkeypatch):
+    """Force the direct masked form (limit -1) or the factorised form (limit inf; dt kept small
+    so its factors stay in range) and check each against the recurrence, with gradients."""
+    import hybridlm.ops.ssd as ssd
+
+    monkeypatch.setattr(ssd, "FACTORISED_MAX_SPAN", span_limit)
+    x, dt, A, Bm, Cm, D, h0 = _inputs(37, torch.float64)
+    dt = dt * 0.2
+    y_ref, s_ref = ssd_recurrent(x, dt, A, Bm, Cm, D, h0)
+    y, s = ssd_chunked(x, dt, A, Bm, Cm, D, 16, h0)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-10)
+    xg = x.clone().requires_grad_()
+    g1 = torch.autograd.grad(ssd_chunked(xg, dt, A, Bm, Cm, D, 16, h0)[0].sum(), xg)[0]
+    g2 = torch.autograd.grad(ssd_recurrent(xg, dt, A, Bm, Cm, D, h0)[0].sum(), xg)[0]
+    torch.testing.assert_close(g1, g2, rtol=1e-9, atol=1e-9)

@@ -42,8 +42,8 @@ class MambaConfig:
     conv_kernel: int = 4
     conv_bias: bool = True
     chunk_size: int = 64  # SSD chunk length for training / prefill
-    # dt = softplus(dt_raw + dt_bias), then clamped to [dt_min, dt_clamp_max]. transformers' NemotronH
-    # clamps the chunked path at time_step_min; we do the same in every path so prefill == decode.
+    # dt = softplus(dt_raw + dt_bias), clamped to [dt_min, dt_clamp_max]. transformers' NemotronH
+    # clamps its chunked path at time_step_min; every path here does, so prefill == decode.
     dt_min: float = 1e-3
     dt_max: float = 0.1  # upper end of the dt init range
     dt_init_floor: float = 1e-4
@@ -71,7 +71,7 @@ class YarnConfig:
 
 @dataclass(kw_only=True)
 class AttentionConfig:
-    """Grouped-query attention. `rope_theta=None` means no positional embedding (Nemotron 3 §2.1)."""
+    """Grouped-query attention; `rope_theta=None`: no positional embedding (Nemotron 3 §2.1)."""
 
     num_heads: int = 4
     num_kv_heads: int = 2
@@ -80,8 +80,8 @@ class AttentionConfig:
     yarn: YarnConfig | None = None  # applied to full-attention layers only (Olmo 3 §3.6)
     qk_norm: bool = False  # RMSNorm over the whole q / k projection (Olmo 2/3)
     sliding_window: int | None = None
-    # One letter per attention layer, 'S' sliding or 'F' full. Empty: every `full_every`-th attention
-    # layer is full and so is the last one (Olmo 3: SWA on 3 of 4 layers, last layer full).
+    # One letter per attention layer, 'S' sliding or 'F' full. Empty: every `full_every`-th
+    # attention layer is full and so is the last (Olmo 3: SWA on 3 of 4 layers, last one full).
     window_pattern: str = ""
     full_every: int = 4
 
@@ -146,7 +146,9 @@ class ModelConfig:
         if self.mtp.pattern:
             _check_pattern(self.mtp.pattern, "mtp.pattern")
             if self.mtp.depth < 1:
-                raise ValueError(f"mtp.depth must be >= 1 when mtp.pattern is set, got {self.mtp.depth}")
+                raise ValueError(
+                    f"mtp.depth must be >= 1 when mtp.pattern is set, got {self.mtp.depth}"
+                )
         for name in ("vocab_size", "d_model", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -159,10 +161,13 @@ class ModelConfig:
             _positive(m, "mamba", "chunk_size")
             if m.num_heads % m.n_groups:
                 raise ValueError(
-                    f"mamba.num_heads ({m.num_heads}) must be divisible by mamba.n_groups ({m.n_groups})"
+                    f"mamba.num_heads ({m.num_heads}) must be divisible by "
+                    f"mamba.n_groups ({m.n_groups})"
                 )
             if not 0 < m.dt_min <= m.dt_max:
-                raise ValueError(f"need 0 < mamba.dt_min <= mamba.dt_max, got {m.dt_min}, {m.dt_max}")
+                raise ValueError(
+                    f"need 0 < mamba.dt_min <= mamba.dt_max, got {m.dt_min}, {m.dt_max}"
+                )
         if "*" in letters:
             a = self.attention
             _positive(a, "attention", "num_heads", "num_kv_heads", "head_dim")
@@ -176,7 +181,9 @@ class ModelConfig:
             if a.yarn is not None and a.rope_theta is None:
                 raise ValueError("attention.yarn needs attention.rope_theta (YaRN rescales RoPE)")
             if a.sliding_window is not None and a.sliding_window <= 0:
-                raise ValueError(f"attention.sliding_window must be positive, got {a.sliding_window}")
+                raise ValueError(
+                    f"attention.sliding_window must be positive, got {a.sliding_window}"
+                )
             if a.window_pattern:
                 if set(a.window_pattern) - {"S", "F"}:
                     raise ValueError(
@@ -185,11 +192,14 @@ class ModelConfig:
                 n_attn = self.pattern.count("*")
                 if len(a.window_pattern) != n_attn:
                     raise ValueError(
-                        f"attention.window_pattern has {len(a.window_pattern)} letters but the pattern "
+                        f"attention.window_pattern has {len(a.window_pattern)} letters "
+                        "but the pattern "
                         f"has {n_attn} attention layers"
                     )
                 if "S" in a.window_pattern and a.sliding_window is None:
-                    raise ValueError("attention.window_pattern has 'S' layers but no sliding_window")
+                    raise ValueError(
+                        "attention.window_pattern has 'S' layers but no sliding_window"
+                    )
             if a.full_every <= 0:
                 raise ValueError(f"attention.full_every must be positive, got {a.full_every}")
         if "E" in letters:
@@ -198,7 +208,9 @@ class ModelConfig:
             if e.top_k > e.num_experts:
                 raise ValueError(f"moe.top_k ({e.top_k}) exceeds moe.num_experts ({e.num_experts})")
             if e.shared_expert_hidden < 0:
-                raise ValueError("moe.shared_expert_hidden must be >= 0 (0 disables the shared expert)")
+                raise ValueError(
+                    "moe.shared_expert_hidden must be >= 0 (0 disables the shared expert)"
+                )
             if e.latent_size is not None and not 0 < e.latent_size <= self.d_model:
                 raise ValueError(
                     f"moe.latent_size ({e.latent_size}) must be in (0, d_model={self.d_model}]: "
@@ -206,7 +218,8 @@ class ModelConfig:
                 )
             if e.num_experts % e.n_group or e.topk_group > e.n_group:
                 raise ValueError(
-                    f"moe.n_group ({e.n_group}) must divide moe.num_experts ({e.num_experts}) and be "
+                    f"moe.n_group ({e.n_group}) must divide moe.num_experts "
+                    f"({e.num_experts}) and be "
                     f">= moe.topk_group ({e.topk_group})"
                 )
             if e.activation != "relu2":
@@ -214,7 +227,9 @@ class ModelConfig:
         if "-" in letters:
             _positive(self.mlp, "mlp", "hidden")
             if self.mlp.activation not in ("relu2", "swiglu"):
-                raise ValueError(f"mlp.activation must be 'relu2' or 'swiglu', got {self.mlp.activation!r}")
+                raise ValueError(
+                    f"mlp.activation must be 'relu2' or 'swiglu', got {self.mlp.activation!r}"
+                )
 
     # ------------------------------------------------------------------ layer facts
     def attention_is_sliding(self) -> list[bool]:
@@ -335,7 +350,11 @@ class ModelConfig:
         if not path.is_file():
             raise ValueError(f"config file not found: {path}")
         try:
-            data = json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
+            data = (
+                json.loads(path.read_text())
+                if path.suffix == ".json"
+                else yaml.safe_load(path.read_text())
+            )
         except (json.JSONDecodeError, yaml.YAMLError) as err:
             raise ValueError(f"cannot parse config file {path}: {err}") from None
         if not isinstance(data, dict):
@@ -377,7 +396,9 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"unknown config key(s) {[prefix + k for k in unknown]}; known: {sorted(names)}")
+        raise ValueError(
+            f"unknown config key(s) {[prefix + k for k in unknown]}; known: {sorted(names)}"
+        )
     kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in data.items()}
     return cls(**kwargs)
 
@@ -421,6 +442,17 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
     return value
 
 
+def _section_type(cls: type, name: str) -> type | None:
+    """The dataclass type of field `name` of `cls` (unwrapping `X | None`), or None."""
+    hint = typing.get_type_hints(cls).get(name)
+    candidates = (
+        typing.get_args(hint)
+        if typing.get_origin(hint) in (typing.Union, types.UnionType)
+        else (hint,)
+    )
+    return next((c for c in candidates if dataclasses.is_dataclass(c)), None)
+
+
 def apply_overrides(cfg: ModelConfig, overrides: list[str]) -> ModelConfig:
     """Return a new config with dotted `key=value` overrides applied (values parsed as YAML)."""
     data = cfg.to_dict()
@@ -429,14 +461,16 @@ def apply_overrides(cfg: ModelConfig, overrides: list[str]) -> ModelConfig:
             raise ValueError(f"override {item!r} must look like key=value, e.g. moe.top_k=8")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
-        node = data
+        node, cls = data, ModelConfig
         for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                if part in node and node[part] is None:  # e.g. attention.yarn=null -> set fields
-                    node[part] = {}
-                else:
-                    raise ValueError(f"override {item!r}: {part!r} is not a config section")
-            node = node[part]
+            section = _section_type(cls, part)
+            if section is None:
+                raise ValueError(f"override {item!r}: {part!r} is not a config section")
+            if (
+                node.get(part) is None
+            ):  # an unset optional section (e.g. attention.yarn) starts at defaults
+                node[part] = dataclasses.asdict(section())
+            node, cls = node[part], section
         if parts[-1] not in node:
             raise ValueError(f"override {item!r}: unknown key {key!r}")
         node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""

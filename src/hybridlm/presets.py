@@ -18,7 +18,9 @@ from .config import (
     YarnConfig,
 )
 
-SUPER_PATTERN = "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
+SUPER_PATTERN = (
+    "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"
+)
 NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 
 
@@ -29,7 +31,9 @@ def nemotron_3_super() -> ModelConfig:
         d_model=4096,
         pattern=SUPER_PATTERN,
         max_seq_len=1048576,
-        mamba=MambaConfig(num_heads=128, head_dim=64, state_size=128, n_groups=8, conv_kernel=4, chunk_size=128),
+        mamba=MambaConfig(
+            num_heads=128, head_dim=64, state_size=128, n_groups=8, conv_kernel=4, chunk_size=128
+        ),
         attention=AttentionConfig(num_heads=32, num_kv_heads=2, head_dim=128),
         moe=MoEConfig(
             num_experts=512,
@@ -52,7 +56,9 @@ def nemotron_3_5_lightning() -> ModelConfig:
         d_model=2688,
         pattern=NANO_PATTERN,
         max_seq_len=1048576,
-        mamba=MambaConfig(num_heads=64, head_dim=64, state_size=128, n_groups=8, conv_kernel=4, chunk_size=128),
+        mamba=MambaConfig(
+            num_heads=64, head_dim=64, state_size=128, n_groups=8, conv_kernel=4, chunk_size=128
+        ),
         attention=AttentionConfig(num_heads=32, num_kv_heads=2, head_dim=128),
         moe=MoEConfig(
             num_experts=128,
@@ -79,8 +85,13 @@ def _olmo3(layers: int, d: int, heads: int, kv_heads: int, hidden: int) -> Model
             num_kv_heads=kv_heads,
             head_dim=d // heads,
             rope_theta=500000.0,
-            yarn=YarnConfig(factor=8.0, original_max_position_embeddings=8192, beta_fast=32, beta_slow=1,
-                            attention_factor=1.2079441541679836),
+            yarn=YarnConfig(
+                factor=8.0,
+                original_max_position_embeddings=8192,
+                beta_fast=32,
+                beta_slow=1,
+                attention_factor=1.2079441541679836,
+            ),
             qk_norm=True,
             sliding_window=4096,
             full_every=4,
@@ -98,16 +109,24 @@ def olmo_3_32b() -> ModelConfig:
 
 
 def tiny_super() -> ModelConfig:
-    """Super's structure at CPU size: LatentMoE, GQA NoPE attention, grouped Mamba-2, MTP `*E`."""
+    """Super's shape at ~10M parameters: Mamba-2 with 2d inner width, state 128 and chunk 128;
+    GQA NoPE attention every 7th block; LatentMoE with latent d/4, many small relu^2 experts
+    (expert hidden 2 x latent) and a full-width shared expert; MTP `*E`."""
     return ModelConfig(
         vocab_size=4096,
         d_model=256,
-        pattern="MEM*EMEM*E",
-        max_seq_len=2048,
-        mamba=MambaConfig(num_heads=8, head_dim=64, state_size=32, n_groups=2, chunk_size=64),
+        pattern="MEMEM*EMEMEM*E",
+        max_seq_len=4096,
+        mamba=MambaConfig(num_heads=8, head_dim=64, state_size=128, n_groups=2, chunk_size=128),
         attention=AttentionConfig(num_heads=8, num_kv_heads=2, head_dim=32),
-        moe=MoEConfig(num_experts=16, top_k=4, expert_hidden=128, shared_expert_hidden=512, latent_size=64,
-                      routed_scaling_factor=2.5),
+        moe=MoEConfig(
+            num_experts=32,
+            top_k=8,
+            expert_hidden=128,
+            shared_expert_hidden=384,
+            latent_size=64,
+            routed_scaling_factor=2.5,
+        ),
         mtp=MTPConfig(pattern="*E", depth=2),
     )
 
@@ -121,14 +140,19 @@ def tiny_lightning() -> ModelConfig:
         max_seq_len=2048,
         mamba=MambaConfig(num_heads=6, head_dim=64, state_size=32, n_groups=2, chunk_size=64),
         attention=AttentionConfig(num_heads=6, num_kv_heads=2, head_dim=32),
-        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden=192, shared_expert_hidden=384,
-                      routed_scaling_factor=2.5),
+        moe=MoEConfig(
+            num_experts=8,
+            top_k=2,
+            expert_hidden=192,
+            shared_expert_hidden=384,
+            routed_scaling_factor=2.5,
+        ),
         mtp=MTPConfig(pattern="*E", depth=2),
     )
 
 
 def tiny_olmo() -> ModelConfig:
-    """Olmo 3 structure at CPU size: SWA on 3 of 4 layers, YaRN on full layers, QK-norm, post-norm."""
+    """Olmo 3 at CPU size: SWA on 3 of 4 layers, YaRN on full layers, QK-norm, post-norm."""
     cfg = _olmo3(4, 256, 8, 4, 688)
     cfg.vocab_size = 4096
     cfg.max_seq_len = 2048

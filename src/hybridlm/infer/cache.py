@@ -1,7 +1,7 @@
 """Per-layer inference state of a hybrid model: KV for attention, conv + SSM state for Mamba.
 
-Shape legend: B batch, K kv heads, S cached length, E head dim, D conv channels,
-T conv taps - 1, H heads, P head dim, N state size.
+Shape legend: B batch, K kv heads, S cached length (KV) or conv taps - 1 (conv), E head dim,
+X conv channels, H heads, P head dim, N state size.
 A `HybridCache` holds one state per block (None for stateless MLP / MoE blocks) and the number
 of tokens already seen, which is the position offset of the next forward call.
 """
@@ -18,7 +18,9 @@ class KVState:
     k_BKSE: torch.Tensor | None = None
     v_BKSE: torch.Tensor | None = None
 
-    def update(self, k_BKLE: torch.Tensor, v_BKLE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, k_BKLE: torch.Tensor, v_BKLE: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k_BKSE is None:
             self.k_BKSE, self.v_BKSE = k_BKLE, v_BKLE
         else:
@@ -29,7 +31,7 @@ class KVState:
 
 @dataclass
 class MambaState:
-    conv_BDT: torch.Tensor | None = None
+    conv_BSX: torch.Tensor | None = None
     ssm_BHPN: torch.Tensor | None = None
 
 

@@ -45,18 +45,31 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..config import AttentionConfig, MambaConfig, MLPConfig, ModelConfig, MoEConfig, MTPConfig, YarnConfig
+from ..config import (
+    AttentionConfig,
+    MambaConfig,
+    MLPConfig,
+    ModelConfig,
+    MoEConfig,
+    MTPConfig,
+    YarnConfig,
+)
 
 NEMOTRON_LETTERS = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
 HF_LAYER_TYPES = {
-    "mamba": "M", "linear_attention": "M", "moe": "E", "attention": "*", "full_attention": "*", "mlp": "-",
+    "mamba": "M",
+    "linear_attention": "M",
+    "moe": "E",
+    "attention": "*",
+    "full_attention": "*",
+    "mlp": "-",
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ====================================================================== configs
 def family(cfg: ModelConfig) -> str:
-    """'olmo3' for dense reordered-norm SwiGLU stacks of (attention, MLP) pairs, else 'nemotron_h'."""
+    """'olmo3' for reordered-norm SwiGLU stacks of (attention, MLP) pairs, else 'nemotron_h'."""
     pairs = len(cfg.pattern) % 2 == 0 and cfg.pattern == "*-" * (len(cfg.pattern) // 2)
     if pairs and cfg.norm_placement == "post" and cfg.mlp.activation == "swiglu":
         return "olmo3"
@@ -80,15 +93,21 @@ def _nemotron_config(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
     if cfg.norm_placement != "pre":
         raise _unsupported("NemotronH uses pre-norm blocks (norm_placement='pre')", "NemotronH")
     if "*" in letters and (a.rope_theta is not None or a.qk_norm or a.sliding_window is not None):
-        raise _unsupported("NemotronH attention has no RoPE, QK-norm or sliding window", "NemotronH")
+        raise _unsupported(
+            "NemotronH attention has no RoPE, QK-norm or sliding window", "NemotronH"
+        )
     if "-" in letters and cfg.mlp.activation != "relu2":
         raise _unsupported("NemotronH dense MLPs are relu2", "NemotronH")
     if "E" in letters and e.shared_expert_hidden == 0:
         raise _unsupported("transformers' NemotronHMoE always has a shared expert", "NemotronH")
     if m.dt_clamp_max is not None:
-        raise _unsupported("transformers clamps dt below only (mamba.dt_clamp_max must be None)", "NemotronH")
+        raise _unsupported(
+            "transformers clamps dt below only (mamba.dt_clamp_max must be None)", "NemotronH"
+        )
     if cfg.mtp.pattern and set(cfg.mtp.pattern) - {"*", "E"}:
-        raise _unsupported("vLLM's NemotronH MTP layers are attention and MoE blocks only", "NemotronH")
+        raise _unsupported(
+            "vLLM's NemotronH MTP layers are attention and MoE blocks only", "NemotronH"
+        )
     out = {
         "architectures": ["NemotronHForCausalLM"],
         "model_type": "nemotron_h",
@@ -134,8 +153,12 @@ def _nemotron_config(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
         "n_group": e.n_group,
         "topk_group": e.topk_group,
         "num_nextn_predict_layers": 1 if cfg.mtp.pattern else 0,
-        "hybridlm": {"mtp_depth": cfg.mtp.depth, "mtp_loss_weight": cfg.mtp.loss_weight,
-                     "moe_bias_update_rate": e.bias_update_rate, "moe_aux_loss_coef": e.aux_loss_coef},
+        "hybridlm": {
+            "mtp_depth": cfg.mtp.depth,
+            "mtp_loss_weight": cfg.mtp.loss_weight,
+            "moe_bias_update_rate": e.bias_update_rate,
+            "moe_aux_loss_coef": e.aux_loss_coef,
+        },
     }
     if cfg.mtp.pattern:
         out["mtp_hybrid_override_pattern"] = cfg.mtp.pattern
@@ -169,7 +192,9 @@ def _olmo3_config(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
         "attention_bias": False,
         "rope_theta": a.rope_theta,
         "sliding_window": a.sliding_window,
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in cfg.attention_is_sliding()],
+        "layer_types": [
+            "sliding_attention" if s else "full_attention" for s in cfg.attention_is_sliding()
+        ],
         "pad_token_id": None,
         "bos_token_id": None,
         "eos_token_id": None,
@@ -179,13 +204,18 @@ def _olmo3_config(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
     if a.yarn is not None:
         y = a.yarn
         full = {
-            "rope_type": "yarn", "rope_theta": a.rope_theta, "factor": y.factor, "beta_fast": y.beta_fast,
-            "beta_slow": y.beta_slow, "original_max_position_embeddings": y.original_max_position_embeddings,
+            "rope_type": "yarn",
+            "rope_theta": a.rope_theta,
+            "factor": y.factor,
+            "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow,
+            "original_max_position_embeddings": y.original_max_position_embeddings,
             "attention_factor": y.attention_factor,
         }
         out["rope_scaling"] = {k: v for k, v in full.items() if k != "rope_theta"}
     out["rope_parameters"] = {
-        "full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": a.rope_theta},
+        "full_attention": full,
+        "sliding_attention": {"rope_type": "default", "rope_theta": a.rope_theta},
     }
     return out
 
@@ -196,7 +226,9 @@ def from_hf_config(hf: dict[str, Any], *, has_mtp: bool | None = None) -> ModelC
         return _from_nemotron(hf, has_mtp)
     if model_type == "olmo3":
         return _from_olmo3(hf)
-    raise ValueError(f"unsupported model_type {model_type!r}: hybridlm reads 'nemotron_h' and 'olmo3'")
+    raise ValueError(
+        f"unsupported model_type {model_type!r}: hybridlm reads 'nemotron_h' and 'olmo3'"
+    )
 
 
 def _pattern_from(value: Any, key: str) -> str:
@@ -214,11 +246,15 @@ def _from_nemotron(hf: dict[str, Any], has_mtp: bool | None) -> ModelConfig:
     elif hf.get("hybrid_override_pattern"):
         pattern = hf["hybrid_override_pattern"]
     else:
-        raise ValueError("NemotronH config.json has neither layers_block_type nor hybrid_override_pattern")
+        raise ValueError(
+            "NemotronH config.json has neither layers_block_type nor hybrid_override_pattern"
+        )
     mtp_pattern = ""
     if hf.get("num_nextn_predict_layers", 0) and has_mtp is not False:
         if hf.get("num_nextn_predict_layers") != 1:
-            raise ValueError("hybridlm reads one shared-weight MTP layer (num_nextn_predict_layers=1)")
+            raise ValueError(
+                "hybridlm reads one shared-weight MTP layer (num_nextn_predict_layers=1)"
+            )
         raw = hf.get("mtp_layers_block_type") or hf.get("mtp_hybrid_override_pattern") or "*E"
         mtp_pattern = _pattern_from(raw, "mtp_layers_block_type")
     extra = hf.get("hybridlm", {})
@@ -262,8 +298,11 @@ def _from_nemotron(hf: dict[str, Any], has_mtp: bool | None) -> ModelConfig:
             aux_loss_coef=extra.get("moe_aux_loss_coef", 1e-4),
         ),
         mlp=MLPConfig(hidden=hf.get("intermediate_size", 21504), activation="relu2"),
-        mtp=MTPConfig(pattern=mtp_pattern, depth=extra.get("mtp_depth", 2),
-                      loss_weight=extra.get("mtp_loss_weight", 0.3)),
+        mtp=MTPConfig(
+            pattern=mtp_pattern,
+            depth=extra.get("mtp_depth", 2),
+            loss_weight=extra.get("mtp_loss_weight", 0.3),
+        ),
     )
 
 
@@ -272,18 +311,25 @@ def _olmo3_rope(hf: dict[str, Any]) -> tuple[float, YarnConfig | None]:
     if isinstance(params, dict) and "full_attention" in params:
         full, sliding = params.get("full_attention") or {}, params.get("sliding_attention") or {}
         if sliding.get("rope_type", "default") != "default":
-            raise ValueError("hybridlm applies RoPE scaling to full-attention layers only (Olmo 3 recipe)")
-        theta = float(full.get("rope_theta", sliding.get("rope_theta", hf.get("rope_theta", 500000.0))))
+            raise ValueError(
+                "hybridlm applies RoPE scaling to full-attention layers only (Olmo 3 recipe)"
+            )
+        theta = float(
+            full.get("rope_theta", sliding.get("rope_theta", hf.get("rope_theta", 500000.0)))
+        )
         if float(sliding.get("rope_theta", theta)) != theta:
             raise ValueError(
-                f"Olmo3 config has rope_theta {sliding['rope_theta']} on sliding layers but {theta} on full "
+                f"Olmo3 config has rope_theta {sliding['rope_theta']} on sliding layers but "
+                f"{theta} on full "
                 "layers; hybridlm uses one base frequency for both"
             )
         scaling = full if full.get("rope_type", "default") != "default" else None
     else:
         flat = params if isinstance(params, dict) else {}
         theta = float(flat.get("rope_theta", hf.get("rope_theta", 500000.0)))
-        scaling = hf.get("rope_scaling") or (flat if flat.get("rope_type", "default") != "default" else None)
+        scaling = hf.get("rope_scaling") or (
+            flat if flat.get("rope_type", "default") != "default" else None
+        )
     if scaling is None:
         return theta, None
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -323,14 +369,18 @@ def _from_olmo3(hf: dict[str, Any]) -> ModelConfig:
             yarn=yarn,
             qk_norm=True,
             sliding_window=window,
-            window_pattern="".join("S" if t == "sliding_attention" else "F" for t in types) if window else "",
+            window_pattern="".join("S" if t == "sliding_attention" else "F" for t in types)
+            if window
+            else "",
         ),
         mlp=MLPConfig(hidden=hf["intermediate_size"], activation="swiglu"),
     )
 
 
 # ====================================================================== state dicts
-_OLMO_ATTN = re.compile(r"^layers\.(\d+)\.mixer\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.weight$")
+_OLMO_ATTN = re.compile(
+    r"^layers\.(\d+)\.mixer\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)\.weight$"
+)
 _OLMO_MLP = re.compile(r"^layers\.(\d+)\.mixer\.(gate_proj|up_proj|down_proj)\.weight$")
 _OLMO_NORM = re.compile(r"^layers\.(\d+)\.norm\.weight$")
 
@@ -399,7 +449,7 @@ def _from_nemotron_sd(cfg: ModelConfig, hf_sd: dict[str, torch.Tensor]) -> dict[
         name = name.removeprefix("language_model.")
         for prefix in ("backbone.", "model."):
             if name.startswith(prefix):
-                name = name[len(prefix):]
+                name = name[len(prefix) :]
         if name.startswith("mtp."):
             if not cfg.mtp.pattern:
                 continue
@@ -437,8 +487,10 @@ def _from_olmo3_sd(hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[f"layers.{2 * int(m.group(1))}.mixer.{m.group(2)}.weight"] = t
         elif m := re.match(r"^model\.layers\.(\d+)\.mlp\.(\w+)\.weight$", name):
             out[f"layers.{2 * int(m.group(1)) + 1}.mixer.{m.group(2)}.weight"] = t
-        elif m := re.match(r"^model\.layers\.(\d+)\.(post_attention_layernorm|post_feedforward_layernorm)\.weight$",
-                           name):
+        elif m := re.match(
+            r"^model\.layers\.(\d+)\.(post_attention_layernorm|post_feedforward_layernorm)\.weight$",
+            name,
+        ):
             i = 2 * int(m.group(1)) + (m.group(2) == "post_feedforward_layernorm")
             out[f"layers.{i}.norm.weight"] = t
         else:
@@ -499,10 +551,13 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None):
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unexpected:
         raise ValueError(
-            f"checkpoint {path} does not match its config: missing {missing[:6]}, unexpected {unexpected[:6]}"
+            f"checkpoint {path} does not match its config: missing {missing[:6]}, "
+            f"unexpected {unexpected[:6]}"
         )
     if dtype is None:
-        dtype = _DTYPES.get(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "float32", torch.float32)
+        dtype = _DTYPES.get(
+            hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "float32", torch.float32
+        )
     for name, t in sd.items():
         keep_fp32 = name.endswith(("gate.weight", "e_score_correction_bias"))  # router stays fp32
         sd[name] = t.to(torch.float32 if keep_fp32 else dtype)

@@ -48,13 +48,21 @@ class Attention(nn.Module):
     def init_buffers(self, device: torch.device) -> None:
         """Recompute the RoPE frequencies (a non-persistent buffer, never in checkpoints)."""
         if self.a.rope_theta is not None:
-            inv_freq, self.rope_scaling = rope_frequencies(self.a.head_dim, self.a.rope_theta, self.yarn)
+            inv_freq, self.rope_scaling = rope_frequencies(
+                self.a.head_dim, self.a.rope_theta, self.yarn
+            )
             self.inv_freq = inv_freq.to(device)
         else:
             self.inv_freq = torch.zeros(self.a.head_dim // 2, device=device)
 
-    def forward(self, x_BLD: torch.Tensor, *, positions_L: torch.Tensor, state: KVState | None = None,
-                **_: object) -> torch.Tensor:
+    def forward(
+        self,
+        x_BLD: torch.Tensor,
+        *,
+        positions_L: torch.Tensor,
+        state: KVState | None = None,
+        **_: object,
+    ) -> torch.Tensor:
         a = self.a
         Bsz, L, _ = x_BLD.shape
         q, k, v = self.q_proj(x_BLD), self.k_proj(x_BLD), self.v_proj(x_BLD)

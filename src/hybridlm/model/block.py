@@ -27,7 +27,7 @@ MIXERS: dict[str, Callable[[ModelConfig, LayerSpec], nn.Module]] = {
 
 
 class Block(nn.Module):
-    """`x + mixer(norm(x))` (pre-norm, Nemotron-H) or `x + norm(mixer(x))` (Olmo 3 reordered norm)."""
+    """`x + mixer(norm(x))` (pre-norm, Nemotron-H) or `x + norm(mixer(x))` (Olmo 3 reordered)."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec) -> None:
         super().__init__()

@@ -26,8 +26,12 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         m = self.m = cfg.mamba
         d = cfg.d_model
-        self.in_proj = nn.Linear(d, 2 * m.d_inner + 2 * m.n_groups * m.state_size + m.num_heads, bias=False)
-        self.conv1d = nn.Conv1d(m.conv_dim, m.conv_dim, m.conv_kernel, groups=m.conv_dim, bias=m.conv_bias)
+        self.in_proj = nn.Linear(
+            d, 2 * m.d_inner + 2 * m.n_groups * m.state_size + m.num_heads, bias=False
+        )
+        self.conv1d = nn.Conv1d(
+            m.conv_dim, m.conv_dim, m.conv_kernel, groups=m.conv_dim, bias=m.conv_bias
+        )
         self.dt_bias = nn.Parameter(torch.empty(m.num_heads))
         self.A_log = nn.Parameter(torch.empty(m.num_heads))
         self.D = nn.Parameter(torch.empty(m.num_heads))
@@ -44,23 +48,28 @@ class Mamba2Mixer(nn.Module):
         self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
         # dt ~ logU[dt_min, dt_max]; dt_bias = softplus^{-1}(dt) (Mamba §3.6 init)
         dt = torch.exp(
-            torch.rand_like(self.dt_bias) * (math.log(m.dt_max) - math.log(m.dt_min)) + math.log(m.dt_min)
+            torch.rand_like(self.dt_bias) * (math.log(m.dt_max) - math.log(m.dt_min))
+            + math.log(m.dt_min)
         ).clamp(min=m.dt_init_floor)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         self.D.fill_(1.0)
         self.norm.reset_parameters()
 
-    def forward(self, x_BLD: torch.Tensor, *, state: MambaState | None = None, **_: object) -> torch.Tensor:
+    def forward(
+        self, x_BLD: torch.Tensor, *, state: MambaState | None = None, **_: object
+    ) -> torch.Tensor:
         m = self.m
         Bsz, L, _ = x_BLD.shape
         GN = m.n_groups * m.state_size
-        z_BLI, xbc_BLX, dt_BLH = self.in_proj(x_BLD).split([m.d_inner, m.conv_dim, m.num_heads], dim=-1)
-
-        conv_in = state.conv_BDT if state is not None else None
-        xbc_BXL, conv_out = causal_conv1d(
-            xbc_BLX.transpose(1, 2), self.conv1d.weight[:, 0], self.conv1d.bias, conv_in
+        z_BLI, xbc_BLX, dt_BLH = self.in_proj(x_BLD).split(
+            [m.d_inner, m.conv_dim, m.num_heads], dim=-1
         )
-        xbc_BLX = F.silu(xbc_BXL.transpose(1, 2))
+
+        conv_in = state.conv_BSX if state is not None else None
+        xbc_BLX, conv_out = causal_conv1d(
+            xbc_BLX, self.conv1d.weight[:, 0], self.conv1d.bias, conv_in
+        )
+        xbc_BLX = F.silu(xbc_BLX)
         xs_BLI, B_BLG, C_BLG = xbc_BLX.split([m.d_inner, GN, GN], dim=-1)
 
         dt_BLH = F.softplus(dt_BLH.float() + self.dt_bias.float())
@@ -76,7 +85,7 @@ class Mamba2Mixer(nn.Module):
         else:
             y_BLHP, ssm_out = ssd_chunked(xs, dt_BLH, A_H, Bm, Cm, self.D, m.chunk_size, ssm_in)
         if state is not None:
-            state.conv_BDT, state.ssm_BHPN = conv_out, ssm_out
+            state.conv_BSX, state.ssm_BHPN = conv_out, ssm_out
 
         y_BLI = self.norm(y_BLHP.reshape(Bsz, L, m.d_inner), z_BLI)
         return self.out_proj(y_BLI.to(x_BLD.dtype))

@@ -1,4 +1,7 @@
-"""Dense MLPs: relu^2 (non-gated, Nemotron-H) and SwiGLU (Olmo 3). Shape legend: D width, F hidden."""
+"""Dense MLPs: relu^2 (non-gated, Nemotron-H) and SwiGLU (Olmo 3).
+
+Shape legend: B batch, L sequence, D width.
+"""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..infer.cache import HybridCache
+from ..ops.cross_entropy import linear_cross_entropy
 from .block import build_blocks
 from .moe import MoE
 from .mtp import MTP
@@ -37,7 +38,7 @@ IGNORE_INDEX = -100
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None with return_logits=False (fused LM-head + CE)
     loss: torch.Tensor | None = None
     losses: dict[str, torch.Tensor] = field(default_factory=dict)
     hidden: torch.Tensor | None = None  # final-normed hidden states, the MTP module's input
@@ -48,7 +49,9 @@ def _shift_left(x_BL: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     """out[:, t] = x[:, t + k]; the last k positions get `fill`."""
     if k == 0:
         return x_BL
-    return torch.cat([x_BL[:, k:], x_BL.new_full((x_BL.shape[0], min(k, x_BL.shape[1])), fill)], dim=1)
+    return torch.cat(
+        [x_BL[:, k:], x_BL.new_full((x_BL.shape[0], min(k, x_BL.shape[1])), fill)], dim=1
+    )
 
 
 class HybridLM(nn.Module):
@@ -124,10 +127,14 @@ class HybridLM(nn.Module):
         num_valid_tokens: int | torch.Tensor | None = None,
         mtp_depth: int | None = None,
         return_hidden: bool = False,
+        return_logits: bool = True,
     ) -> ModelOutput:
         """`num_valid_tokens`: the global count of label tokens (after the shift) across all
         micro-batches and ranks, so that accumulation and data parallelism give the gradient of
-        the global mean. Default: this batch's own count."""
+        the global mean. Default: this batch's own count.
+
+        `return_logits=False` (training) computes the LM-head and cross-entropy fused, chunk by
+        chunk (`ops.cross_entropy`), never holding the [B, L, V] logits or their gradient."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         Bsz, L = input_ids.shape
@@ -135,17 +142,24 @@ class HybridLM(nn.Module):
         positions_L = torch.arange(offset, offset + L, device=input_ids.device)
         h = self.embeddings(input_ids)
         for i, block in enumerate(self.layers):
-            h = block(h, positions_L=positions_L, state=cache.layers[i] if cache is not None else None)
+            h = block(
+                h, positions_L=positions_L, state=cache.layers[i] if cache is not None else None
+            )
         if cache is not None:
             cache.seen_tokens += L
         h = self.norm_f(h)
-        out = ModelOutput(logits=self.lm_head(h), hidden=h if return_hidden else None)
+        if labels is None or return_logits:
+            out = ModelOutput(logits=self.lm_head(h), hidden=h if return_hidden else None)
+        else:
+            out = ModelOutput(logits=None, hidden=h if return_hidden else None)
         if labels is None:
             return out
         if labels.shape != input_ids.shape:
-            raise ValueError(f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
 
-        ce, n = self._ce(out.logits, _shift_left(labels, 1, IGNORE_INDEX), num_valid_tokens)
+        ce = self._loss(h, out.logits, _shift_left(labels, 1, IGNORE_INDEX), num_valid_tokens)
         out.losses["ce"] = ce
         total = ce
         depth = self.config.mtp.depth if mtp_depth is None else mtp_depth
@@ -154,9 +168,12 @@ class HybridLM(nn.Module):
             for k in range(1, depth + 1):
                 emb = self.embeddings(_shift_left(input_ids, k, 0))
                 h_k = self.mtp(h_k, emb, positions_L=positions_L)
-                logits_k = self.lm_head(h_k)
-                out.mtp_logits.append(logits_k)
-                loss_k, _ = self._ce(logits_k, _shift_left(labels, k + 1, IGNORE_INDEX), num_valid_tokens)
+                logits_k = self.lm_head(h_k) if return_logits else None
+                if logits_k is not None:
+                    out.mtp_logits.append(logits_k)
+                loss_k = self._loss(
+                    h_k, logits_k, _shift_left(labels, k + 1, IGNORE_INDEX), num_valid_tokens
+                )
                 out.losses[f"mtp_{k}"] = loss_k
                 mtp_losses.append(loss_k)
             out.losses["mtp"] = torch.stack(mtp_losses).mean()
@@ -168,14 +185,28 @@ class HybridLM(nn.Module):
         out.loss = total
         return out
 
-    @staticmethod
-    def _ce(logits_BLV: torch.Tensor, targets_BL: torch.Tensor,
-            denom: int | torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = (targets_BL != IGNORE_INDEX).sum()
+    def _loss(
+        self,
+        h_BLD: torch.Tensor,
+        logits_BLV: torch.Tensor | None,
+        targets_BL: torch.Tensor,
+        denom: int | torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Mean CE over targets != -100 (or their sum / `denom`), from logits when they exist,
+        else fused with the LM head."""
+        if denom is None:
+            denom = (targets_BL != IGNORE_INDEX).sum().clamp(min=1)
+        if logits_BLV is None:
+            return linear_cross_entropy(
+                h_BLD.flatten(0, 1), self.lm_head.weight, targets_BL.flatten(), denom
+            )
         loss_sum = F.cross_entropy(
-            logits_BLV.flatten(0, 1).float(), targets_BL.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            logits_BLV.flatten(0, 1).float(),
+            targets_BL.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
         )
-        return loss_sum / (n.clamp(min=1) if denom is None else denom), n
+        return loss_sum / denom
 
     # ------------------------------------------------------------------ MoE balancing
     def moe_layers(self) -> list[MoE]:

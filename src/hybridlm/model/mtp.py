@@ -31,8 +31,14 @@ class MTP(nn.Module):
         self.layers = build_blocks(cfg, cfg.mtp.pattern, first_index=len(cfg.pattern))
         self.final_layernorm = RMSNorm(d, eps=cfg.norm_eps)
 
-    def forward(self, h_BLD: torch.Tensor, emb_BLD: torch.Tensor, *, states: list | None = None,
-                **ctx: object) -> torch.Tensor:
+    def forward(
+        self,
+        h_BLD: torch.Tensor,
+        emb_BLD: torch.Tensor,
+        *,
+        states: list | None = None,
+        **ctx: object,
+    ) -> torch.Tensor:
         x = self.eh_proj(torch.cat([self.enorm(emb_BLD), self.hnorm(h_BLD)], dim=-1))
         for i, block in enumerate(self.layers):
             x = block(x, state=None if states is None else states[i], **ctx)

@@ -16,9 +16,9 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+        # fp32 statistics and scaling (as transformers' NemotronH/Olmo3), then back to x's dtype
+        y = nn.functional.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        return y.to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):

@@ -17,8 +17,14 @@ import torch.nn.functional as F
 Tensor = torch.Tensor
 
 
-def causal_mask(L: int, S: int, *, q_offset: int = 0, window: int | None = None,
-                device: torch.device | None = None) -> Tensor:
+def causal_mask(
+    L: int,
+    S: int,
+    *,
+    q_offset: int = 0,
+    window: int | None = None,
+    device: torch.device | None = None,
+) -> Tensor:
     """Boolean [L, S] mask, True where query i may attend to key j."""
     i = torch.arange(L, device=device)[:, None] + q_offset
     j = torch.arange(S, device=device)[None, :]
@@ -28,16 +34,24 @@ def causal_mask(L: int, S: int, *, q_offset: int = 0, window: int | None = None,
     return mask
 
 
-def _full_mask(q: Tensor, k: Tensor, q_offset: int, window: int | None,
-               extra_mask: Tensor | None) -> Tensor:
+def _full_mask(
+    q: Tensor, k: Tensor, q_offset: int, window: int | None, extra_mask: Tensor | None
+) -> Tensor:
     mask = causal_mask(q.shape[-2], k.shape[-2], q_offset=q_offset, window=window, device=q.device)
     if extra_mask is not None:
         mask = mask & extra_mask
     return mask
 
 
-def attention(q_BHLE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor, *, q_offset: int = 0,
-              window: int | None = None, extra_mask: Tensor | None = None) -> Tensor:
+def attention(
+    q_BHLE: Tensor,
+    k_BKSE: Tensor,
+    v_BKSE: Tensor,
+    *,
+    q_offset: int = 0,
+    window: int | None = None,
+    extra_mask: Tensor | None = None,
+) -> Tensor:
     """Returns o_BHLE. `extra_mask` (bool, broadcastable to [B, 1, L, S]) is AND-ed in."""
     H, K = q_BHLE.shape[1], k_BKSE.shape[1]
     L, S = q_BHLE.shape[-2], k_BKSE.shape[-2]
@@ -52,8 +66,15 @@ def attention(q_BHLE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor, *, q_offset: int =
     return F.scaled_dot_product_attention(q_BHLE, k_BKSE, v_BKSE, attn_mask=mask)
 
 
-def attention_ref(q_BHLE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor, *, q_offset: int = 0,
-                  window: int | None = None, extra_mask: Tensor | None = None) -> Tensor:
+def attention_ref(
+    q_BHLE: Tensor,
+    k_BKSE: Tensor,
+    v_BKSE: Tensor,
+    *,
+    q_offset: int = 0,
+    window: int | None = None,
+    extra_mask: Tensor | None = None,
+) -> Tensor:
     H, K = q_BHLE.shape[1], k_BKSE.shape[1]
     k = k_BKSE.repeat_interleave(H // K, dim=1)
     v = v_BKSE.repeat_interleave(H // K, dim=1)

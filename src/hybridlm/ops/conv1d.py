@@ -1,9 +1,11 @@
 """Causal depthwise conv1d (the short convolution of Mamba-2 over x, B and C).
 
-Shape legend: B batch, D channels, L sequence, K kernel taps, S = K - 1 state (previous inputs).
-`causal_conv1d` is the fast path (one grouped `F.conv1d`); `causal_conv1d_ref` is the explicit sum
-over taps it must equal. Both accept the last S inputs of a previous segment as `state_BDS`
-(zeros when absent) and return (y_BDL, new_state_BDS) so prefill and decode share one code path.
+Shape legend: B batch, L sequence, D channels, K kernel taps, S = K - 1 carried inputs, T = S + L.
+Channels-last, the layout in_proj produces, so no transposes. `causal_conv1d` is the fast path:
+K fused multiply-adds with a hand-written backward that accumulates in place (no per-tap
+allocations); `causal_conv1d_ref` is `F.conv1d` with groups=D, which it must equal. Both take the
+last S inputs of a previous segment as `state_BSD` (zeros when absent) and return
+(y_BLD, new_state_BSD), so prefill and decode share one code path.
 """
 
 from __future__ import annotations
@@ -14,29 +16,57 @@ import torch.nn.functional as F
 Tensor = torch.Tensor
 
 
-def _with_state(x_BDL: Tensor, state_BDS: Tensor | None, S: int) -> Tensor:
-    if state_BDS is None:
-        return F.pad(x_BDL, (S, 0))
-    return torch.cat([state_BDS.to(x_BDL.dtype), x_BDL], dim=-1)
+def _padded(x_BLD: Tensor, state_BSD: Tensor | None, S: int) -> Tensor:
+    if state_BSD is None:
+        return F.pad(x_BLD, (0, 0, S, 0))
+    return torch.cat([state_BSD.to(x_BLD.dtype), x_BLD], dim=1)
+
+
+class _ShiftConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xp_BTD: Tensor, w_DK: Tensor, b_D: Tensor | None, L: int) -> Tensor:
+        K = w_DK.shape[1]
+        y_BLD = xp_BTD[:, 0:L] * w_DK[:, 0]
+        for k in range(1, K):
+            y_BLD.addcmul_(xp_BTD[:, k : k + L], w_DK[:, k])
+        if b_D is not None:
+            y_BLD += b_D
+        ctx.save_for_backward(xp_BTD, w_DK)
+        ctx.has_bias = b_D is not None
+        return y_BLD
+
+    @staticmethod
+    def backward(ctx, g_BLD: Tensor):
+        xp_BTD, w_DK = ctx.saved_tensors
+        K, L = w_DK.shape[1], g_BLD.shape[1]
+        g_xp = torch.zeros_like(xp_BTD)
+        g_w = torch.empty_like(w_DK)
+        for k in range(K):
+            g_xp[:, k : k + L].addcmul_(g_BLD, w_DK[:, k])
+            g_w[:, k] = (g_BLD * xp_BTD[:, k : k + L]).sum((0, 1))
+        g_b = g_BLD.sum((0, 1)) if ctx.has_bias else None
+        return g_xp, g_w, g_b, None
 
 
 def causal_conv1d(
-    x_BDL: Tensor, weight_DK: Tensor, bias_D: Tensor | None, state_BDS: Tensor | None = None
+    x_BLD: Tensor, weight_DK: Tensor, bias_D: Tensor | None, state_BSD: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     K = weight_DK.shape[-1]
-    xp = _with_state(x_BDL, state_BDS, K - 1)
-    y = F.conv1d(xp, weight_DK.unsqueeze(1).to(xp.dtype), None if bias_D is None else bias_D.to(xp.dtype),
-                 groups=x_BDL.shape[1])
-    return y, xp[..., xp.shape[-1] - (K - 1):]
+    xp = _padded(x_BLD, state_BSD, K - 1)
+    dtype = torch.promote_types(xp.dtype, weight_DK.dtype)
+    y = _ShiftConv.apply(
+        xp.to(dtype),
+        weight_DK.to(dtype),
+        None if bias_D is None else bias_D.to(dtype),
+        x_BLD.shape[1],
+    )
+    return y, xp[:, xp.shape[1] - (K - 1) :]
 
 
 def causal_conv1d_ref(
-    x_BDL: Tensor, weight_DK: Tensor, bias_D: Tensor | None, state_BDS: Tensor | None = None
+    x_BLD: Tensor, weight_DK: Tensor, bias_D: Tensor | None, state_BSD: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     K = weight_DK.shape[-1]
-    L = x_BDL.shape[-1]
-    xp = _with_state(x_BDL, state_BDS, K - 1)
-    y = sum(weight_DK[None, :, k, None] * xp[..., k : k + L] for k in range(K))
-    if bias_D is not None:
-        y = y + bias_D[None, :, None]
-    return y, xp[..., xp.shape[-1] - (K - 1):]
+    xp = _padded(x_BLD, state_BSD, K - 1)
+    y = F.conv1d(xp.transpose(1, 2), weight_DK.unsqueeze(1), bias_D, groups=x_BLD.shape[2])
+    return y.transpose(1, 2), xp[:, xp.shape[1] - (K - 1) :]

@@ -15,7 +15,9 @@ from ..config import YarnConfig
 Tensor = torch.Tensor
 
 
-def rope_frequencies(head_dim: int, theta: float, yarn: YarnConfig | None = None) -> tuple[Tensor, float]:
+def rope_frequencies(
+    head_dim: int, theta: float, yarn: YarnConfig | None = None
+) -> tuple[Tensor, float]:
     """(inv_freq_F, attention_scaling). YaRN blends interpolated and original frequencies by a
     linear ramp between the correction dims of beta_fast / beta_slow rotations (YaRN §3.2)."""
     # fp32 as in transformers, so converted checkpoints see bit-identical frequencies
@@ -28,9 +30,9 @@ def rope_frequencies(head_dim: int, theta: float, yarn: YarnConfig | None = None
         attn_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
     def correction_dim(rotations: float) -> float:
-        return (head_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
-            2 * math.log(theta)
-        )
+        return (
+            head_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))
+        ) / (2 * math.log(theta))
 
     low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
     high = min(math.ceil(correction_dim(yarn.beta_slow)), head_dim - 1)
@@ -42,7 +44,9 @@ def rope_frequencies(head_dim: int, theta: float, yarn: YarnConfig | None = None
     return inv, float(attn_factor)
 
 
-def rope_cos_sin(inv_freq_F: Tensor, positions_L: Tensor, scaling: float = 1.0) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(
+    inv_freq_F: Tensor, positions_L: Tensor, scaling: float = 1.0
+) -> tuple[Tensor, Tensor]:
     freqs_LF = positions_L.float()[..., None] * inv_freq_F.float()
     emb_LE = torch.cat([freqs_LF, freqs_LF], dim=-1)
     return emb_LE.cos() * scaling, emb_LE.sin() * scaling

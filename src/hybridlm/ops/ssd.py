@@ -18,6 +18,7 @@ upcast to at least fp32 (fp64 stays fp64) and outputs are returned in that compu
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 Tensor = torch.Tensor
 
@@ -26,14 +27,37 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def segsum(a_LQ: Tensor) -> Tensor:
-    """Stable segment sums: out[..., q, s] = sum_{s < k <= q} a[..., k] for q >= s, else -inf."""
-    Q = a_LQ.shape[-1]
-    x = a_LQ[..., None].expand(*a_LQ.shape, Q)  # [..., k, s] = a[k]
-    strict = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=a_LQ.device), diagonal=-1)
-    x = x.masked_fill(~strict, 0.0).cumsum(dim=-2)
-    lower = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=a_LQ.device))
-    return x.masked_fill(~lower, float("-inf"))
+# Largest in-chunk log-decay span for which the factorised intra-chunk form is used: its factors
+# are at most exp(span / 2) = e^40 and at least e^-40, far inside fp32 range.
+FACTORISED_MAX_SPAN = 80.0
+
+
+def _intra_chunk(
+    cb_BCGQS: Tensor, acum_BCGRQ: Tensor, xdt_BCGQRP: Tensor, causal_QS: Tensor
+) -> Tensor:
+    """sum_{s<=q} cb[q, s] exp(acum_q - acum_s) xdt_s for every head r of each group.
+
+    When the decay span inside every chunk is moderate, exp(acum_q - acum_s) is factorised about
+    the chunk's mid value m: exp(acum_q - m) * exp(m - acum_s). The s-factor scales the inputs and
+    the q-factor the outputs, so the only Q x Q work is the per-group masked C.B^T, shared by the
+    group's R heads, and one (Q x Q) @ (Q x R*P) matmul. Otherwise (fast decay) the direct masked
+    exp(acum_q - acum_s) per head is used; both are the same sum, term by term.
+    """
+    Bsz, Cn, G, R, Q = acum_BCGRQ.shape
+    P = xdt_BCGQRP.shape[-1]
+    span = (acum_BCGRQ[..., 0] - acum_BCGRQ[..., -1]).max() if Q > 1 else acum_BCGRQ.new_zeros(())
+    if float(span.detach()) <= FACTORISED_MAX_SPAN:
+        mid_BCGR1 = (0.5 * (acum_BCGRQ[..., :1] + acum_BCGRQ[..., -1:])).detach()
+        in_scale_BCGQR1 = torch.exp(mid_BCGR1 - acum_BCGRQ).transpose(3, 4)[..., None]
+        out_scale_BCGQR1 = torch.exp(acum_BCGRQ - mid_BCGR1).transpose(3, 4)[..., None]
+        xs_BCGQX = (xdt_BCGQRP * in_scale_BCGQR1).reshape(Bsz, Cn, G, Q, R * P)
+        y_BCGQX = cb_BCGQS.masked_fill(~causal_QS, 0.0) @ xs_BCGQX
+        return y_BCGQX.view(Bsz, Cn, G, Q, R, P) * out_scale_BCGQR1
+    seg_BCGRQS = (acum_BCGRQ[..., :, None] - acum_BCGRQ[..., None, :]).masked_fill(
+        ~causal_QS, float("-inf")
+    )
+    y_BCGRQP = (cb_BCGQS[:, :, :, None] * torch.exp(seg_BCGRQS)) @ xdt_BCGQRP.transpose(3, 4)
+    return y_BCGRQP.transpose(3, 4)
 
 
 def ssd_chunked(
@@ -46,59 +70,64 @@ def ssd_chunked(
     chunk_size: int,
     initial_state_BHPN: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Chunked SSD scan. Returns (y_BLHP, final_state_BHPN) in the compute dtype."""
+    """Chunked SSD scan. Returns (y_BLHP, final_state_BHPN) in the compute dtype.
+
+    Every contraction is one batched matmul over leading (B, C, G) dims; the per-group C.B^T is
+    computed once and shared by the R heads of the group (transformers' reference repeats B and C
+    to all heads first). The decay inside a chunk is exp(cumsum_q - cumsum_s), masked to s <= q,
+    as in the Mamba-2 Triton kernels.
+    """
     Bsz, L, H, P = x_BLHP.shape
     G, N = B_BLGN.shape[-2:]
     R = H // G
     ct = _compute_dtype(x_BLHP)
     Q = chunk_size
     pad = (-L) % Q
-    Lp = L + pad
-    Cn = Lp // Q
-
-    x = x_BLHP.to(ct)
-    dt = dt_BLH.to(ct)
+    Cn = (L + pad) // Q
+    x, dt = x_BLHP.to(ct), dt_BLH.to(ct)
+    Bm, Cm = B_BLGN.to(ct), C_BLGN.to(ct)
     if pad:  # zero dt on padding: no decay and no input, so the final state is exact
-        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
-        dt = torch.nn.functional.pad(dt, (0, 0, 0, pad))
-        B_BLGN = torch.nn.functional.pad(B_BLGN, (0, 0, 0, 0, 0, pad))
-        C_BLGN = torch.nn.functional.pad(C_BLGN, (0, 0, 0, 0, 0, pad))
+        x, dt = F.pad(x, (0, 0, 0, 0, 0, pad)), F.pad(dt, (0, 0, 0, pad))
+        Bm, Cm = F.pad(Bm, (0, 0, 0, 0, 0, pad)), F.pad(Cm, (0, 0, 0, 0, 0, pad))
 
-    xdt_BCQGRP = (x * dt[..., None]).view(Bsz, Cn, Q, G, R, P)
-    B_BCQGN = B_BLGN.to(ct).view(Bsz, Cn, Q, G, N)
-    C_BCQGN = C_BLGN.to(ct).view(Bsz, Cn, Q, G, N)
-    a_BGRCQ = (dt * A_H.to(ct)).view(Bsz, Cn, Q, G, R).permute(0, 3, 4, 1, 2)
-    acum_BGRCQ = a_BGRCQ.cumsum(dim=-1)
+    xdt_BCGQRP = (x * dt[..., None]).view(Bsz, Cn, Q, G, R, P).permute(0, 1, 3, 2, 4, 5)
+    B_BCGQN = Bm.view(Bsz, Cn, Q, G, N).permute(0, 1, 3, 2, 4)
+    C_BCGQN = Cm.view(Bsz, Cn, Q, G, N).permute(0, 1, 3, 2, 4)
+    acum_BCGRQ = (dt * A_H.to(ct)).view(Bsz, Cn, Q, G, R).permute(0, 1, 3, 4, 2).cumsum(-1)
 
-    # 1) intra-chunk (diagonal blocks): y_q = sum_{s<=q} C_q.B_s * exp(sum_{s<k<=q} a_k) * dt_s x_s
-    decay_BGRCQS = torch.exp(segsum(a_BGRCQ))
-    cb_BCGQS = torch.einsum("bcqgn,bcsgn->bcgqs", C_BCQGN, B_BCQGN)
-    y_diag = torch.einsum("bcgqs,bgrcqs,bcsgrp->bcqgrp", cb_BCGQS, decay_BGRCQS, xdt_BCQGRP)
+    # 1) intra-chunk: y_q = sum_{s<=q} (C_q . B_s) exp(acum_q - acum_s) dt_s x_s
+    causal_QS = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
+    cb_BCGQS = C_BCGQN @ B_BCGQN.transpose(-1, -2)
+    y_diag_BCGQRP = _intra_chunk(cb_BCGQS, acum_BCGRQ, xdt_BCGQRP, causal_QS)
 
-    # 2) each chunk's own final state, decayed to the chunk end
-    to_end_BGRCQ = torch.exp(acum_BGRCQ[..., -1:] - acum_BGRCQ)
-    chunk_state_BCGRPN = torch.einsum("bcqgn,bgrcq,bcqgrp->bcgrpn", B_BCQGN, to_end_BGRCQ, xdt_BCQGRP)
+    # 2) each chunk's own final state, its inputs decayed to the chunk end
+    to_end_BCGQR = torch.exp(acum_BCGRQ[..., -1:] - acum_BCGRQ).transpose(3, 4)
+    xs_BCGQX = (xdt_BCGQRP * to_end_BCGQR[..., None]).reshape(Bsz, Cn, G, Q, R * P)
+    chunk_state_BCGNRP = (B_BCGQN.transpose(-1, -2) @ xs_BCGQX).view(Bsz, Cn, G, N, R, P)
 
-    # 3) inter-chunk recurrence on states (C steps); state_in[c] is the state entering chunk c
-    chunk_decay_BGRC = torch.exp(acum_BGRCQ[..., -1])
+    # 3) recurrence across chunks; state_in[c] is the state entering chunk c
+    chunk_decay_BCGR = torch.exp(acum_BCGRQ[..., -1])
     if initial_state_BHPN is None:
-        state = x.new_zeros(Bsz, G, R, P, N)
+        state_BGNRP = x.new_zeros(Bsz, G, N, R, P)
     else:
-        state = initial_state_BHPN.to(ct).reshape(Bsz, G, R, P, N)
+        state_BGNRP = initial_state_BHPN.to(ct).view(Bsz, G, R, P, N).permute(0, 1, 4, 2, 3)
     states_in = []
     for c in range(Cn):
-        states_in.append(state)
-        state = chunk_decay_BGRC[..., c, None, None] * state + chunk_state_BCGRPN[:, c]
-    state_in_BCGRPN = torch.stack(states_in, dim=1)
+        states_in.append(state_BGNRP)
+        state_BGNRP = (
+            chunk_decay_BCGR[:, c, :, None, :, None] * state_BGNRP + chunk_state_BCGNRP[:, c]
+        )
+    state_in_BCGNX = torch.stack(states_in, 1).reshape(Bsz, Cn, G, N, R * P)
 
-    # 4) contribution of the entering state to every position of the chunk
-    from_start_BGRCQ = torch.exp(acum_BGRCQ)
-    y_off = torch.einsum("bcqgn,bcgrpn,bgrcq->bcqgrp", C_BCQGN, state_in_BCGRPN, from_start_BGRCQ)
+    # 4) the entering state's contribution, decayed from the chunk start
+    y_off_BCGQRP = (C_BCGQN @ state_in_BCGNX).view(Bsz, Cn, G, Q, R, P)
+    y_off_BCGQRP = y_off_BCGQRP * torch.exp(acum_BCGRQ).transpose(3, 4)[..., None]
 
-    y_BLHP = (y_diag + y_off).reshape(Bsz, Lp, H, P)[:, :L]
+    y_BCGQRP = y_diag_BCGQRP + y_off_BCGQRP
+    y_BLHP = y_BCGQRP.permute(0, 1, 3, 2, 4, 5).reshape(Bsz, Cn * Q, H, P)[:, :L]
     if D_H is not None:
         y_BLHP = y_BLHP + D_H.to(ct)[:, None] * x[:, :L]
-    return y_BLHP, state.reshape(Bsz, H, P, N)
+    return y_BLHP, state_BGNRP.permute(0, 1, 3, 4, 2).reshape(Bsz, H, P, N)
 
 
 def ssd_step(

@@ -1,0 +1,193 @@
+"""`hybridlm <stage> ...`: the command line of every stage.
+
+    hybridlm info --preset nemotron-3-super-120b-a12b
+    hybridlm config --preset tiny-super --set moe.top_k=8 > my.yaml
+    hybridlm generate --preset tiny-super --prompt "To be, or not to be"
+    hybridlm export-hf --preset tiny-super --out ckpt/    # or --checkpoint dir (any HF dir)
+
+A model comes from `--preset NAME`, `--config FILE.yaml|json` or `--checkpoint DIR` (a transformers
+NemotronH / Olmo3 directory), with `--set a.b=value` overrides for the first two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import yaml
+
+from .config import ModelConfig, apply_overrides
+from .presets import PRESETS, get_preset
+
+
+def _add_model_args(p: argparse.ArgumentParser, *, checkpoint: bool = True) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(PRESETS), help="a named model configuration")
+    src.add_argument("--config", help="a YAML or JSON ModelConfig file")
+    if checkpoint:
+        src.add_argument(
+            "--checkpoint", help="a transformers NemotronH / Olmo3 checkpoint directory"
+        )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, e.g. --set moe.top_k=8 (repeatable)",
+    )
+
+
+def _config(args: argparse.Namespace, default: str = "tiny-super") -> ModelConfig:
+    if args.config:
+        cfg = ModelConfig.load(args.config)
+    else:
+        cfg = get_preset(args.preset or default)
+    return apply_overrides(cfg, args.overrides) if args.overrides else cfg
+
+
+def _model(args: argparse.Namespace):
+    import torch
+
+    from .model.model import HybridLM
+
+    if getattr(args, "checkpoint", None):
+        if args.overrides:
+            raise ValueError("--set applies to --preset / --config, not to --checkpoint")
+        return HybridLM.from_pretrained(args.checkpoint)
+    return HybridLM(_config(args), seed=args.seed if hasattr(args, "seed") else 0).to(torch.float32)
+
+
+def _fmt_count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(int(n))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def cmd_info(args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    cfg = _config(args)
+    n = cfg.num_params()
+    table = Table(title=args.preset or args.config or "tiny-super", show_header=False)
+    counts = {c: cfg.pattern.count(c) for c in "M*E-"}
+    table.add_row(
+        "layers",
+        f"{len(cfg.pattern)}  (M {counts['M']}, * {counts['*']}, E {counts['E']}, - {counts['-']})",
+    )
+    table.add_row("pattern", cfg.pattern if len(cfg.pattern) <= 96 else cfg.pattern[:93] + "...")
+    table.add_row("params total", f"{_fmt_count(n.total)}  ({n.total:,})")
+    table.add_row("params active", f"{_fmt_count(n.active)}  ({n.active:,})")
+    table.add_row("params embedding", f"{_fmt_count(n.embedding)}")
+    if cfg.mtp.pattern:
+        table.add_row(
+            "MTP module",
+            f"{_fmt_count(n.mtp_total)} total, {_fmt_count(n.mtp_active)} active "
+            f"(pattern {cfg.mtp.pattern}, depth {cfg.mtp.depth})",
+        )
+    seq = args.seq_len
+    table.add_row(f"FLOPs/token fwd @ {seq}", f"{cfg.flops_per_token(seq) / 1e9:.2f} GFLOP")
+    table.add_row(
+        f"FLOPs/token train @ {seq}", f"{cfg.flops_per_token(seq, training=True) / 1e9:.2f} GFLOP"
+    )
+    table.add_row("KV cache / token (bf16)", _fmt_bytes(cfg.kv_cache_bytes_per_token(2)))
+    table.add_row(
+        "Mamba state / sequence (fp32)", _fmt_bytes(cfg.mamba_state_bytes_per_sequence(4))
+    )
+    Console().print(table)
+
+
+def cmd_config(args: argparse.Namespace) -> None:
+    sys.stdout.write(yaml.safe_dump(_config(args).to_dict(), sort_keys=False))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from .data.tokenizer import ByteTokenizer
+    from .infer.generate import generate
+
+    tok = ByteTokenizer()
+    model = _model(args)
+    if model.config.vocab_size < tok.vocab_size:
+        raise ValueError(f"the byte tokenizer needs vocab_size >= {tok.vocab_size}")
+    ids = torch.tensor([tok.encode(args.prompt)])
+    t0 = time.perf_counter()
+    out = generate(
+        model,
+        ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        eos_id=tok.eos_id,
+        seed=args.seed,
+    )
+    dt = time.perf_counter() - t0
+    print(args.prompt + tok.decode(out[0].tolist()))
+    print(
+        f"[{out.shape[1]} tokens in {dt:.2f}s, {out.shape[1] / dt:.1f} tok/s; "
+        f"{model.count_params():,} parameters]",
+        file=sys.stderr,
+    )
+
+
+def cmd_export_hf(args: argparse.Namespace) -> None:
+    model = _model(args)
+    model.save_pretrained(args.out)
+    print(f"wrote {args.out} ({model.count_params():,} parameters)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridlm", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="parameter counts, FLOPs, cache and state sizes of a model")
+    _add_model_args(p, checkpoint=False)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.set_defaults(fn=cmd_info)
+
+    p = sub.add_parser("config", help="print a model config as YAML (with overrides applied)")
+    _add_model_args(p, checkpoint=False)
+    p.set_defaults(fn=cmd_config)
+
+    p = sub.add_parser(
+        "generate", help="generate text (byte tokenizer) from a preset or checkpoint"
+    )
+    _add_model_args(p)
+    p.add_argument("--prompt", default="To be, or not to be")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("export-hf", help="write a transformers checkpoint directory")
+    _add_model_args(p)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_export_hf)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except ValueError as err:
+        print(f"hybridlm {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

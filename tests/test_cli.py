@@ -1,0 +1,56 @@
+"""The command line: every command runs; user mistakes give a message, not a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+from hybridlm.cli import main
+
+
+def test_info_prints_counts(capsys):
+    assert main(["info", "--preset", "nemotron-3-super-120b-a12b"]) == 0
+    out = capsys.readouterr().out
+    assert "120.67B" in out and "12.77B" in out and "8.00 KiB" in out
+
+
+def test_config_round_trips_through_yaml(capsys, tmp_path):
+    assert main(["config", "--preset", "tiny-super", "--set", "moe.top_k=4"]) == 0
+    path = tmp_path / "c.yaml"
+    path.write_text(capsys.readouterr().out)
+    assert main(["info", "--config", str(path)]) == 0
+
+
+def test_generate_and_export(tmp_path, capsys):
+    assert (
+        main(["generate", "--preset", "tiny-olmo", "--prompt", "Hi", "--max-new-tokens", "4"]) == 0
+    )
+    assert capsys.readouterr().out.startswith("Hi")
+    assert main(["export-hf", "--preset", "tiny-lightning", "--out", str(tmp_path / "ckpt")]) == 0
+    assert (tmp_path / "ckpt" / "config.json").is_file()
+    assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--max-new-tokens", "2"]) == 0
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["info", "--preset", "tiny-super", "--set", "moe.top_k=99"], "exceeds"),
+        (["info", "--config", "/nonexistent.yaml"], "not found"),
+        (["generate", "--checkpoint", "/nonexistent"], "no config.json"),
+        (["generate", "--preset", "tiny-super", "--max-new-tokens", "-1"], "max_new_tokens"),
+    ],
+)
+def test_user_mistakes_are_reported(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_console_entry_point_runs():
+    res = subprocess.run(
+        [sys.executable, "-m", "hybridlm.cli", "info", "--preset", "tiny-super"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0 and "params total" in res.stdout

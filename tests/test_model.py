@@ -1,0 +1,275 @@
+"""HybridLM behaviour: init, losses, causality, MTP alignment, MoE routing and balancing, caches."""
+
+import pytest
+import torch
+
+from hybridlm import HybridLM, ModelConfig, MoEConfig, MTPConfig
+from hybridlm.infer.cache import HybridCache
+from hybridlm.model.moe import MoE, _experts_grouped, _experts_loop
+from hybridlm.presets import PRESETS, get_preset
+
+TINY = sorted(n for n in PRESETS if n.startswith("tiny-"))
+
+
+def _small(name: str) -> ModelConfig:
+    """The tiny preset, narrowed further so each test runs in well under a second."""
+    cfg = get_preset(name)
+    cfg.vocab_size = 300
+    return cfg
+
+
+def _ids(cfg, B=2, L=29, seed=0):
+    return torch.randint(0, cfg.vocab_size, (B, L), generator=torch.Generator().manual_seed(seed))
+
+
+def test_meta_build_then_init_equals_direct_build():
+    cfg = _small("tiny-super")
+    direct = HybridLM(cfg, seed=3)
+    with torch.device("meta"):
+        lazy = HybridLM(cfg)
+    assert all(p.device.type == "meta" for p in lazy.parameters())
+    lazy.to_empty(device="cpu")
+    lazy.init_weights(seed=3)
+    for (n, a), b in zip(direct.state_dict().items(), lazy.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
+
+
+def test_init_laws():
+    cfg = _small("tiny-super")
+    model = HybridLM(cfg, seed=0)
+    mamba = model.layers[0].mixer
+    A = torch.exp(mamba.A_log)
+    assert A.min() >= 1 and A.max() <= 16
+    dt = torch.nn.functional.softplus(mamba.dt_bias)
+    assert dt.min() >= cfg.mamba.dt_init_floor * 0.999 and dt.max() <= cfg.mamba.dt_max * 1.001
+    assert torch.equal(mamba.D, torch.ones_like(mamba.D))
+    out_std = cfg.init_std / (2 * len(cfg.pattern)) ** 0.5
+    assert abs(mamba.out_proj.weight.std().item() - out_std) / out_std < 0.1
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_loss_parts_and_backward(name):
+    cfg = _small(name)
+    model = HybridLM(cfg, seed=0)
+    x = _ids(cfg)
+    out = model(x, labels=x)
+    expected = out.losses["ce"]
+    if "mtp" in out.losses:
+        assert len(out.mtp_logits) == cfg.mtp.depth
+        expected = expected + cfg.mtp.loss_weight * out.losses["mtp"]
+    if "moe_aux" in out.losses:
+        expected = expected + out.losses["moe_aux"]
+    torch.testing.assert_close(out.loss, expected)
+    assert (
+        abs(out.losses["ce"].item() - torch.log(torch.tensor(300.0)).item()) < 0.5
+    )  # near-uniform init
+    out.loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_causality(name):
+    cfg = _small(name)
+    model = HybridLM(cfg, seed=0).eval()
+    x = _ids(cfg, L=20)
+    y = x.clone()
+    y[:, 13] = (y[:, 13] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        a, b = model(x, labels=x), model(y, labels=y)
+    # (not bit-exact: expert GEMMs see other token counts and may round differently)
+    torch.testing.assert_close(a.logits[:, :13], b.logits[:, :13], rtol=0, atol=1e-6)
+    assert not torch.allclose(a.logits[:, 13:], b.logits[:, 13:])
+    for k, (ma, mb) in enumerate(zip(a.mtp_logits, b.mtp_logits, strict=True), start=1):
+        # depth k at position t reads tokens <= t + k, so positions < 13 - k are untouched
+        torch.testing.assert_close(ma[:, : 13 - k], mb[:, : 13 - k], rtol=0, atol=1e-6)
+        assert not torch.allclose(ma[:, 13 - k], mb[:, 13 - k])
+
+
+def test_global_token_normalisation_makes_accumulation_exact():
+    cfg = _small("tiny-lightning")
+    cfg.moe.aux_loss_coef = 0.0
+    model = HybridLM(cfg, seed=0)
+    x = _ids(cfg, B=4)
+    labels = x.clone()
+    labels[0, :10] = -100
+
+    def grads(loss):
+        model.zero_grad()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    out = model(x, labels=labels)
+    g_full = grads(out.loss)
+    n = (labels[:, 1:] != -100).sum()  # the global count of CE targets
+    parts = [model(x[i : i + 2], labels=labels[i : i + 2], num_valid_tokens=n) for i in (0, 2)]
+    # with one global denominator the micro-batch CE parts add up to the full-batch CE, and so do
+    # their gradients (a per-micro-batch mean would weight the masked row's tokens differently)
+    acc = sum(p.losses["ce"] for p in parts)
+    torch.testing.assert_close(acc, out.losses["ce"])
+    g_acc = grads(acc)
+    g_ce = grads(model(x, labels=labels).losses["ce"])
+    assert len(g_acc) == len(g_ce) and len(g_full) > len(g_ce)  # the total also trains MTP
+    for a, b in zip(g_acc, g_ce, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _naive_moe(moe: MoE, x_TD: torch.Tensor) -> torch.Tensor:
+    """Token-by-token reading of SPEC §1 LatentMoE, independent of the sorted dispatch."""
+    c = moe.cfg
+    out = []
+    for x in x_TD:
+        s = torch.sigmoid(moe.gate.weight.float() @ x.float())
+        idx = torch.topk(s + moe.gate.e_score_correction_bias, c.top_k).indices
+        g = s[idx] / s[idx].sum() * c.routed_scaling_factor
+        z = moe.fc1_latent_proj(x) if c.latent_size else x
+        y = sum(
+            g[j] * (torch.relu(moe.experts.up_proj[e] @ z) ** 2 @ moe.experts.down_proj[e].T)
+            for j, e in enumerate(idx.tolist())
+        )
+        y = moe.fc2_latent_proj(y) if c.latent_size else y
+        out.append(y + moe.shared_experts(x))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("latent", [None, 16])
+def test_moe_dispatch_equals_naive_reference(latent):
+    cfg = ModelConfig(
+        d_model=32,
+        pattern="E",
+        moe=MoEConfig(
+            num_experts=6,
+            top_k=3,
+            expert_hidden=24,
+            shared_expert_hidden=40,
+            latent_size=latent,
+            routed_scaling_factor=2.5,
+        ),
+    )
+    model = HybridLM(cfg, seed=0)
+    moe = model.layers[0].mixer
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias.copy_(torch.randn(6) * 0.2)
+        x = torch.randn(2, 11, 32)
+        torch.testing.assert_close(
+            moe(x).reshape(-1, 32), _naive_moe(moe, x.reshape(-1, 32)), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_grouped_mm_path_equals_loop():
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        pytest.skip("torch has no grouped_mm")
+    g = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 1]
+    z = torch.randn(9, 8, generator=g)
+    up, down = torch.randn(4, 12, 8, generator=g), torch.randn(4, 8, 12, generator=g)
+    try:
+        fast = _experts_grouped(z, counts, up, down)
+    except RuntimeError as err:  # some CPU builds lack the kernel
+        pytest.skip(f"grouped_mm unavailable here: {err}")
+    torch.testing.assert_close(fast, _experts_loop(z, counts, up, down), rtol=1e-5, atol=1e-5)
+
+
+def test_correction_bias_steers_selection_not_weights():
+    cfg = ModelConfig(
+        d_model=16, pattern="E", moe=MoEConfig(num_experts=4, top_k=1, shared_expert_hidden=8)
+    )
+    router = HybridLM(cfg, seed=0).layers[0].mixer.gate
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(torch.tensor([10.0, 0, 0, 0]))
+        scores, idx, w = router(x)
+    assert torch.all(idx[:, 0] == 0)  # the bias forces expert 0 ...
+    torch.testing.assert_close(w[:, 0], torch.ones(5))  # ... but the gate is the renormalised score
+
+
+def test_aux_loss_free_bias_update_and_load():
+    cfg = _small("tiny-lightning")
+    model = HybridLM(cfg, seed=0)
+    x = _ids(cfg, B=4, L=64)
+    model(x, labels=x, mtp_depth=1)  # one MTP pass: its MoE layer sees every token once too
+    load = model.expert_load()
+    assert load.shape == (len(model.moe_layers()), cfg.moe.num_experts)
+    assert torch.all(load.sum(-1) == 4 * 64 * cfg.moe.top_k)
+    before = [m.gate.e_score_correction_bias.clone() for m in model.moe_layers()]
+    model.update_moe_bias()
+    for m, b0, l in zip(model.moe_layers(), before, load, strict=True):
+        step = m.gate.e_score_correction_bias - b0
+        torch.testing.assert_close(step, cfg.moe.bias_update_rate * torch.sign(l.mean() - l))
+    assert model.expert_load().sum() == 0
+
+
+def test_sequence_aux_loss_formula():
+    cfg = ModelConfig(
+        d_model=16,
+        pattern="E",
+        moe=MoEConfig(num_experts=4, top_k=2, aux_loss_coef=0.5, shared_expert_hidden=8),
+    )
+    model = HybridLM(cfg, seed=0)
+    moe = model.layers[0].mixer
+    x = torch.randn(3, 7, 16)
+    moe(x)
+    scores, idx, _ = moe.gate(x.reshape(-1, 16))
+    p = (scores / scores.sum(-1, keepdim=True)).view(3, 7, 4).mean(1)
+    f = torch.nn.functional.one_hot(idx, 4).sum(1).view(3, 7, 4).sum(1).float() * 4 / (2 * 7)
+    torch.testing.assert_close(moe.aux_loss, 0.5 * (f * p).sum(-1).mean())
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_incremental_decode_equals_full_forward(name):
+    cfg = _small(name)
+    cfg.mamba.chunk_size = 8
+    model = HybridLM(cfg, seed=0).eval()
+    x = _ids(cfg, L=27)
+    with torch.no_grad():
+        full = model(x).logits
+        cache = HybridCache.for_pattern(cfg.pattern)
+        parts = [model(x[:, :19], cache=cache).logits]
+        for t in range(19, 27):
+            parts.append(model(x[:, t : t + 1], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_sliding_window_limits_context():
+    cfg = _small("tiny-olmo")
+    cfg.attention.sliding_window = 4
+    cfg.attention.window_pattern = "SSSS"
+    cfg.pattern = "*-" * 4
+    model = HybridLM(cfg, seed=0).eval()
+    x = _ids(cfg, L=30)
+    y = x.clone()
+    y[:, 2] = (y[:, 2] + 1) % cfg.vocab_size
+    with torch.no_grad():
+        a, b = model(x).logits, model(y).logits
+    # 4 layers of window 4 see at most 4 * 3 = 12 positions back
+    torch.testing.assert_close(a[:, 2 + 13 :], b[:, 2 + 13 :], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 2:14], b[:, 2:14])
+
+
+def test_bf16_autocast_forward_backward():
+    cfg = _small("tiny-super")
+    model = HybridLM(cfg, seed=0)
+    x = _ids(cfg)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, labels=x)
+    assert torch.isfinite(out.loss)
+    out.loss.backward()
+
+
+def test_bad_inputs():
+    cfg = _small("tiny-super")
+    model = HybridLM(cfg, seed=0)
+    with pytest.raises(ValueError, match="batch, seq"):
+        model(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="labels shape"):
+        model(torch.zeros(1, 5, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_mtp_depth_override_and_no_mtp():
+    cfg = _small("tiny-super")
+    model = HybridLM(cfg, seed=0)
+    x = _ids(cfg)
+    assert len(model(x, labels=x, mtp_depth=3).mtp_logits) == 3
+    assert "mtp" not in model(x, labels=x, mtp_depth=0).losses
+    no_mtp = HybridLM(ModelConfig(pattern="M*", mtp=MTPConfig()), seed=0)
+    assert no_mtp.mtp is None
