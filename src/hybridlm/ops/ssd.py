@@ -27,39 +27,6 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-# Largest in-chunk log-decay span for which the factorised intra-chunk form is used: its factors
-# are at most exp(span / 2) = e^40 and at least e^-40, far inside fp32 range.
-FACTORISED_MAX_SPAN = 80.0
-
-
-def _intra_chunk(
-    cb_BCGQS: Tensor, acum_BCGRQ: Tensor, xdt_BCGQRP: Tensor, causal_QS: Tensor
-) -> Tensor:
-    """sum_{s<=q} cb[q, s] exp(acum_q - acum_s) xdt_s for every head r of each group.
-
-    When the decay span inside every chunk is moderate, exp(acum_q - acum_s) is factorised about
-    the chunk's mid value m: exp(acum_q - m) * exp(m - acum_s). The s-factor scales the inputs and
-    the q-factor the outputs, so the only Q x Q work is the per-group masked C.B^T, shared by the
-    group's R heads, and one (Q x Q) @ (Q x R*P) matmul. Otherwise (fast decay) the direct masked
-    exp(acum_q - acum_s) per head is used; both are the same sum, term by term.
-    """
-    Bsz, Cn, G, R, Q = acum_BCGRQ.shape
-    P = xdt_BCGQRP.shape[-1]
-    span = (acum_BCGRQ[..., 0] - acum_BCGRQ[..., -1]).max() if Q > 1 else acum_BCGRQ.new_zeros(())
-    if float(span.detach()) <= FACTORISED_MAX_SPAN:
-        mid_BCGR1 = (0.5 * (acum_BCGRQ[..., :1] + acum_BCGRQ[..., -1:])).detach()
-        in_scale_BCGQR1 = torch.exp(mid_BCGR1 - acum_BCGRQ).transpose(3, 4)[..., None]
-        out_scale_BCGQR1 = torch.exp(acum_BCGRQ - mid_BCGR1).transpose(3, 4)[..., None]
-        xs_BCGQX = (xdt_BCGQRP * in_scale_BCGQR1).reshape(Bsz, Cn, G, Q, R * P)
-        y_BCGQX = cb_BCGQS.masked_fill(~causal_QS, 0.0) @ xs_BCGQX
-        return y_BCGQX.view(Bsz, Cn, G, Q, R, P) * out_scale_BCGQR1
-    seg_BCGRQS = (acum_BCGRQ[..., :, None] - acum_BCGRQ[..., None, :]).masked_fill(
-        ~causal_QS, float("-inf")
-    )
-    y_BCGRQP = (cb_BCGQS[:, :, :, None] * torch.exp(seg_BCGRQS)) @ xdt_BCGQRP.transpose(3, 4)
-    return y_BCGRQP.transpose(3, 4)
-
-
 def ssd_chunked(
     x_BLHP: Tensor,
     dt_BLH: Tensor,
@@ -97,8 +64,10 @@ def ssd_chunked(
 
     # 1) intra-chunk: y_q = sum_{s<=q} (C_q . B_s) exp(acum_q - acum_s) dt_s x_s
     causal_QS = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
-    cb_BCGQS = C_BCGQN @ B_BCGQN.transpose(-1, -2)
-    y_diag_BCGQRP = _intra_chunk(cb_BCGQS, acum_BCGRQ, xdt_BCGQRP, causal_QS)
+    seg_BCGRQS = acum_BCGRQ[..., :, None] - acum_BCGRQ[..., None, :]
+    decay_BCGRQS = torch.exp(seg_BCGRQS.masked_fill(~causal_QS, float("-inf")))
+    cb_BCGQS = C_BCGQN @ B_BCGQN.transpose(-1, -2)  # once per group, shared by its R heads
+    y_diag_BCGRQP = (cb_BCGQS[:, :, :, None] * decay_BCGRQS) @ xdt_BCGQRP.transpose(3, 4)
 
     # 2) each chunk's own final state, its inputs decayed to the chunk end
     to_end_BCGQR = torch.exp(acum_BCGRQ[..., -1:] - acum_BCGRQ).transpose(3, 4)
@@ -123,7 +92,7 @@ def ssd_chunked(
     y_off_BCGQRP = (C_BCGQN @ state_in_BCGNX).view(Bsz, Cn, G, Q, R, P)
     y_off_BCGQRP = y_off_BCGQRP * torch.exp(acum_BCGRQ).transpose(3, 4)[..., None]
 
-    y_BCGQRP = y_diag_BCGQRP + y_off_BCGQRP
+    y_BCGQRP = y_diag_BCGRQP.transpose(3, 4) + y_off_BCGQRP
     y_BLHP = y_BCGQRP.permute(0, 1, 3, 2, 4, 5).reshape(Bsz, Cn * Q, H, P)[:, :L]
     if D_H is not None:
         y_BLHP = y_BLHP + D_H.to(ct)[:, None] * x[:, :L]
