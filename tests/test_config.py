@@ -88,3 +88,11 @@ def test_sliding_layout_follows_olmo3():
     sliding = cfg.attention_is_sliding()
     assert len(sliding) == 32 and sum(sliding) == 24
     assert [i for i, s in enumerate(sliding) if not s] == list(range(3, 32, 4))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_shipped_yaml_configs_match_presets(name):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "models" / f"{name}.yaml"
+    assert ModelConfig.load(path) == get_preset(name), f"regenerate {path} with `hybridlm config`"

@@ -212,7 +212,8 @@ def test_sequence_aux_loss_formula():
     scores, idx, _ = moe.gate(x.reshape(-1, 16))
     p = (scores / scores.sum(-1, keepdim=True)).view(3, 7, 4).mean(1)
     f = torch.nn.functional.one_hot(idx, 4).sum(1).view(3, 7, 4).sum(1).float() * 4 / (2 * 7)
-    torch.testing.assert_close(moe.aux_loss, 0.5 * (f * p).sum(-1).mean())
+    assert len(moe.aux_losses) == 1
+    torch.testing.assert_close(moe.aux_losses[0], 0.5 * (f * p).sum(-1).mean())
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -273,3 +274,42 @@ def test_mtp_depth_override_and_no_mtp():
     assert "mtp" not in model(x, labels=x, mtp_depth=0).losses
     no_mtp = HybridLM(ModelConfig(pattern="M*", mtp=MTPConfig()), seed=0)
     assert no_mtp.mtp is None
+
+
+def test_router_stays_fp32_under_bf16_cast(tmp_path):
+    cfg = _small("tiny-super")
+    model = HybridLM(cfg, seed=0).to(torch.bfloat16)
+    gate = model.layers[1].mixer.gate
+    assert (
+        gate.weight.dtype == torch.float32 and gate.e_score_correction_bias.dtype == torch.float32
+    )
+    assert model.layers[0].mixer.in_proj.weight.dtype == torch.bfloat16
+    x = _ids(cfg)
+    out = model(x, labels=x)
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
+    model.save_pretrained(tmp_path)
+    again = HybridLM.from_pretrained(tmp_path)
+    assert again.layers[0].mixer.in_proj.weight.dtype == torch.bfloat16
+    assert again.layers[1].mixer.gate.weight.dtype == torch.float32
+
+
+def test_balancing_loss_counts_every_mtp_depth_and_never_goes_stale():
+    cfg = _small("tiny-super")
+    model = HybridLM(cfg, seed=0)
+    x = _ids(cfg)
+    out = model(x, labels=x, mtp_depth=2)
+    n_backbone = cfg.pattern.count("E")
+    per_call = [loss for m in model.moe_layers() for loss in m.aux_losses]
+    assert len(per_call) == n_backbone + 2  # the MTP MoE adds one loss per depth
+    torch.testing.assert_close(out.losses["moe_aux"], torch.stack(per_call).sum())
+    out.loss.backward()
+    again = model(x, labels=x, mtp_depth=0)  # no MTP now: nothing left over from the last call
+    assert len([lo for m in model.moe_layers() for lo in m.aux_losses]) == n_backbone
+    again.loss.backward()
+
+
+def test_expert_load_counts_training_steps_only():
+    cfg = _small("tiny-lightning")
+    model = HybridLM(cfg, seed=0).eval()
+    model(_ids(cfg))
+    assert model.expert_load().sum() == 0

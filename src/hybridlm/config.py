@@ -363,6 +363,15 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class LayerSpec:
+    """What a mixer is told about its place in the stack (built by `model.block.build_blocks`)."""
+
+    index: int
+    letter: str
+    sliding: bool = False
+
+
+@dataclass(frozen=True)
 class ParamCount:
     total: int
     active: int

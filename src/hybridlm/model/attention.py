@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import LayerSpec, ModelConfig
 from ..infer.cache import KVState
 from ..ops.attention import attention
 from ..ops.rope import apply_rope, rope_cos_sin, rope_frequencies
@@ -79,10 +79,3 @@ class Attention(nn.Module):
             k_BKLE, v_BKLE = state.update(k_BKLE, v_BKLE)
         o_BHLE = attention(q_BHLE, k_BKLE, v_BKLE, q_offset=offset, window=self.window)
         return self.o_proj(o_BHLE.transpose(1, 2).reshape(Bsz, L, -1))
-
-
-class LayerSpec:
-    """What a mixer needs to know about its place in the stack."""
-
-    def __init__(self, index: int, letter: str, sliding: bool = False) -> None:
-        self.index, self.letter, self.sliding = index, letter, sliding

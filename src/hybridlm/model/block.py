@@ -10,8 +10,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from .attention import Attention, LayerSpec
+from ..config import LayerSpec, ModelConfig
+from .attention import Attention
 from .mamba2 import Mamba2Mixer
 from .mlp import MLP
 from .moe import MoE

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import LayerSpec, ModelConfig
 from ..infer.cache import MambaState
 from ..ops.conv1d import causal_conv1d
 from ..ops.ssd import ssd_chunked, ssd_step
@@ -22,7 +22,7 @@ from .norm import GatedRMSNorm
 
 
 class Mamba2Mixer(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: object = None) -> None:
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec | None = None) -> None:
         super().__init__()
         m = self.m = cfg.mamba
         d = cfg.d_model

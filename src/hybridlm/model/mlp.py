@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import LayerSpec, ModelConfig
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -27,7 +27,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, spec: object = None) -> MLP:
+    def from_config(cls, cfg: ModelConfig, spec: LayerSpec | None = None) -> MLP:
         return cls(cfg.d_model, cfg.mlp.hidden, cfg.mlp.activation)
 
     @torch.no_grad()

@@ -138,6 +138,9 @@ class HybridLM(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         Bsz, L = input_ids.shape
+        moe = self.moe_layers()
+        for m in moe:  # balancing losses are collected per call
+            m.aux_losses.clear()
         offset = cache.seen_tokens if cache is not None else 0
         positions_L = torch.arange(offset, offset + L, device=input_ids.device)
         h = self.embeddings(input_ids)
@@ -178,7 +181,7 @@ class HybridLM(nn.Module):
                 mtp_losses.append(loss_k)
             out.losses["mtp"] = torch.stack(mtp_losses).mean()
             total = total + self.config.mtp.loss_weight * out.losses["mtp"]
-        aux = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        aux = [loss for m in moe for loss in m.aux_losses]
         if aux:
             out.losses["moe_aux"] = torch.stack(aux).sum()
             total = total + out.losses["moe_aux"]

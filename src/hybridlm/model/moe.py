@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import LayerSpec, ModelConfig
 from .mlp import MLP, relu2
 
 
@@ -31,6 +31,16 @@ class TopKRouter(nn.Module):
         self.register_buffer(
             "e_score_correction_bias", torch.zeros(cfg_moe.num_experts, dtype=torch.float32)
         )
+
+    def _apply(self, fn, recurse: bool = True):
+        # The router stays fp32 through model.to(bfloat16) / .half(), as transformers keeps
+        # `gate.weight` and the correction bias (Nemotron 3 Super: router computed in fp32).
+        super()._apply(fn, recurse)
+        if self.weight.is_floating_point() and self.weight.dtype != torch.float32:
+            self.weight.data = self.weight.data.float()
+        if self.e_score_correction_bias.dtype != torch.float32:
+            self.e_score_correction_bias = self.e_score_correction_bias.float()
+        return self
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (scores_TE, topk_idx_TK, topk_weight_TK); routing is computed in fp32."""
@@ -118,7 +128,7 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, spec: object = None) -> None:
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec | None = None) -> None:
         super().__init__()
         e = self.cfg = cfg.moe
         d = cfg.d_model
@@ -131,7 +141,9 @@ class MoE(nn.Module):
             self.fc1_latent_proj = nn.Linear(d, e.latent_size, bias=False)
             self.fc2_latent_proj = nn.Linear(e.latent_size, d, bias=False)
         self.register_buffer("load_E", torch.zeros(e.num_experts), persistent=False)
-        self.aux_loss: torch.Tensor | None = None
+        # one entry per training forward call since the model last cleared it (the MTP module's
+        # MoE runs once per depth); HybridLM.forward clears and sums these
+        self.aux_losses: list[torch.Tensor] = []
 
     @torch.no_grad()
     def reset_parameters(self, std: float, out_std: float) -> None:
@@ -154,13 +166,13 @@ class MoE(nn.Module):
         Bsz, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(-1, D)
         scores_TE, idx_TK, w_TK = self.gate(x_TD)
-        with torch.no_grad():
-            self.load_E += torch.bincount(idx_TK.reshape(-1), minlength=c.num_experts).to(
-                self.load_E.dtype
-            )
-        self.aux_loss = (
-            self._sequence_aux_loss(scores_TE, idx_TK, Bsz, L) if self.training else None
-        )
+        if self.training:  # routing statistics of training steps only
+            with torch.no_grad():
+                counts = torch.bincount(idx_TK.reshape(-1), minlength=c.num_experts)
+                self.load_E += counts.to(self.load_E.dtype)
+            aux = self._sequence_aux_loss(scores_TE, idx_TK, Bsz, L)
+            if aux is not None:
+                self.aux_losses.append(aux)
 
         z_TW = self.fc1_latent_proj(x_TD) if c.latent_size else x_TD
         y_TW = self.experts(z_TW, idx_TK, w_TK)
