@@ -251,10 +251,11 @@ def test_bf16_autocast_forward_backward():
     cfg = _small("tiny-super")
     model = HybridLM(cfg, seed=0)
     x = _ids(cfg)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(x, labels=x)
-    assert torch.isfinite(out.loss)
-    out.loss.backward()
+    for fused in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x, labels=x, return_logits=not fused)
+        assert torch.isfinite(out.loss)
+        out.loss.backward()
 
 
 def test_bad_inputs():
