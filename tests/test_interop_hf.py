@@ -232,3 +232,17 @@ def test_bad_checkpoint_dirs_raise_value_errors(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError):
         HybridLM.from_pretrained(tmp_path)
+
+
+def test_failed_export_leaves_the_old_checkpoint(tmp_path):
+    from hybridlm import ModelConfig
+    from hybridlm.presets import get_preset
+
+    good = HybridLM(get_preset("tiny-lightning"), seed=0)
+    good.save_pretrained(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    bad = HybridLM(ModelConfig(pattern="M*", norm_placement="post"), seed=0)  # not exportable
+    with pytest.raises(ValueError):
+        bad.save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    HybridLM.from_pretrained(tmp_path)  # still loads

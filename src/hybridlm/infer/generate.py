@@ -49,20 +49,22 @@ def generate(
     )
     was_training = model.training
     model.eval()
-    cache = HybridCache.for_pattern(model.config.pattern)
-    logits = model(input_ids_BL, cache=cache).logits[:, -1]
-    done = torch.zeros(input_ids_BL.shape[0], dtype=torch.bool, device=input_ids_BL.device)
-    out = []
-    for _ in range(max_new_tokens):
-        nxt = sample_next(logits, temperature=temperature, top_k=top_k, generator=gen)
-        if eos_id is not None:
-            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
-            done |= nxt == eos_id
-        out.append(nxt)
-        if eos_id is not None and bool(done.all()):
-            break
-        logits = model(nxt[:, None], cache=cache).logits[:, -1]
-    model.train(was_training)
+    try:
+        cache = HybridCache.for_pattern(model.config.pattern)
+        logits = model(input_ids_BL, cache=cache).logits[:, -1]
+        done = torch.zeros(input_ids_BL.shape[0], dtype=torch.bool, device=input_ids_BL.device)
+        out = []
+        for _ in range(max_new_tokens):
+            nxt = sample_next(logits, temperature=temperature, top_k=top_k, generator=gen)
+            if eos_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+                done |= nxt == eos_id
+            out.append(nxt)
+            if eos_id is not None and bool(done.all()):
+                break
+            logits = model(nxt[:, None], cache=cache).logits[:, -1]
+    finally:
+        model.train(was_training)
     if not out:
         return input_ids_BL.new_zeros(input_ids_BL.shape[0], 0)
     return torch.stack(out, dim=1)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -571,9 +572,10 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None):
 
 def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} exists and is not a directory")
     dtype = model.embeddings.weight.dtype
-    hf_cfg = to_hf_config(model.config, dtype)
+    hf_cfg = to_hf_config(model.config, dtype)  # raises before anything is written
     tensors = to_hf_state_dict(model)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -584,17 +586,23 @@ def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
             size = 0
         shards[-1][name] = t
         size += nbytes
-    for old in path.glob("model*.safetensors*"):
-        old.unlink()
-    if len(shards) == 1:
-        save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, path / fname, metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    path.mkdir(parents=True, exist_ok=True)
+    # Write everything into a staging folder first, so a failure leaves the old checkpoint intact.
+    with tempfile.TemporaryDirectory(dir=path, prefix=".staging-") as tmp:
+        staging = Path(tmp)
+        if len(shards) == 1:
+            save_file(shards[0], staging / "model.safetensors", metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, staging / fname, metadata={"format": "pt"})
+                weight_map.update({k: fname for k in shard})
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (staging / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+        for old in path.glob("model*.safetensors*"):  # shards of an earlier save would be stale
+            old.unlink()
+        for f in staging.iterdir():
+            f.replace(path / f.name)
