@@ -9,6 +9,12 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same global RNG state, so runs are repeatable."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture
 def shared_data() -> Path:
     """../shared/data, or skip: a fresh clone has no ../shared."""

@@ -314,3 +314,22 @@ def test_expert_load_counts_training_steps_only():
     model = HybridLM(cfg, seed=0).eval()
     model(_ids(cfg))
     assert model.expert_load().sum() == 0
+
+
+def test_chunked_prefill_equals_one_pass():
+    """A prompt fed in pieces (KV appended, Mamba conv/SSM state carried) == one forward."""
+    cfg = _small("tiny-super")
+    cfg.mamba.chunk_size = 16
+    model = HybridLM(cfg, seed=0).eval()
+    x = _ids(cfg, L=70)
+    with torch.no_grad():
+        full = model(x).logits
+        cache = HybridCache.for_pattern(cfg.pattern)
+        parts = [model(x[:, a:b], cache=cache).logits for a, b in ((0, 23), (23, 24), (24, 70))]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-4, atol=1e-4)
+    kv = cache.layers[cfg.pattern.index("*")]
+    assert kv.length == 70 and kv.k_BKSE.shape[2] == 70
+    kv.truncate(60)
+    assert kv.k_BKSE.shape[2] == 60
+    with pytest.raises(ValueError):
+        kv.truncate(61)

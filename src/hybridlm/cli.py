@@ -18,6 +18,7 @@ import time
 import yaml
 
 from .config import ModelConfig, apply_overrides
+from .infer.state_precision import SSM_PRECISIONS
 from .presets import PRESETS, get_preset
 
 
@@ -131,6 +132,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         top_k=args.top_k,
         eos_id=tok.eos_id,
         seed=args.seed,
+        ssm_precision=args.ssm_precision,
     )
     dt = time.perf_counter() - t0
     print(args.prompt + tok.decode(out[0].tolist()))
@@ -169,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ssm-precision",
+        choices=SSM_PRECISIONS,
+        default="fp32",
+        help="storage precision of the Mamba state cache",
+    )
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("export-hf", help="write a transformers checkpoint directory")

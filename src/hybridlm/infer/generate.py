@@ -38,8 +38,10 @@ def generate(
     top_k: int | None = None,
     eos_id: int | None = None,
     seed: int | None = None,
+    ssm_precision: str = "fp32",
 ) -> torch.Tensor:
-    """Returns the generated tokens [B, <= max_new_tokens] (stops early once all rows hit eos)."""
+    """Returns the generated tokens [B, <= max_new_tokens] (stops early once all rows hit eos).
+    `ssm_precision` is the storage precision of the Mamba state cache (`infer.state_precision`)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if input_ids_BL.dim() != 2 or input_ids_BL.shape[1] == 0:
@@ -50,7 +52,9 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        cache = HybridCache.for_pattern(model.config.pattern)
+        cache = HybridCache.for_pattern(
+            model.config.pattern, ssm_precision=ssm_precision, seed=seed or 0
+        )
         logits = model(input_ids_BL, cache=cache).logits[:, -1]
         done = torch.zeros(input_ids_BL.shape[0], dtype=torch.bool, device=input_ids_BL.device)
         out = []
