@@ -29,6 +29,13 @@ def test_generate_and_export(tmp_path, capsys):
     assert main(["export-hf", "--preset", "tiny-lightning", "--out", str(tmp_path / "ckpt")]) == 0
     assert (tmp_path / "ckpt" / "config.json").is_file()
     assert main(["generate", "--checkpoint", str(tmp_path / "ckpt"), "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    argv = ["generate", "--preset", "tiny-super", "--prompt", "Hi", "--max-new-tokens", "6"]
+    assert main(argv + ["--speculative", "3"]) == 0
+    spec = capsys.readouterr()
+    assert "acceptance length" in spec.err
+    assert main(argv) == 0
+    assert capsys.readouterr().out == spec.out  # greedy with and without drafts
 
 
 @pytest.mark.parametrize(
@@ -38,6 +45,11 @@ def test_generate_and_export(tmp_path, capsys):
         (["info", "--config", "/nonexistent.yaml"], "not found"),
         (["generate", "--checkpoint", "/nonexistent"], "no config.json"),
         (["generate", "--preset", "tiny-super", "--max-new-tokens", "-1"], "max_new_tokens"),
+        (["generate", "--preset", "tiny-olmo", "--speculative", "3"], "MTP"),
+        (
+            ["generate", "--preset", "tiny-super", "--speculative", "3", "--temperature", "1"],
+            "greedy",
+        ),
     ],
 )
 def test_user_mistakes_are_reported(argv, message, capsys):

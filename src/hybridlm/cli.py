@@ -124,16 +124,26 @@ def cmd_generate(args: argparse.Namespace) -> None:
         raise ValueError(f"the byte tokenizer needs vocab_size >= {tok.vocab_size}")
     ids = torch.tensor([tok.encode(args.prompt)])
     t0 = time.perf_counter()
-    out = generate(
-        model,
-        ids,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        eos_id=tok.eos_id,
-        seed=args.seed,
-        ssm_precision=args.ssm_precision,
-    )
+    stats = None
+    if args.speculative:
+        from .infer.speculative import speculative_generate
+
+        if args.temperature > 0 or args.ssm_precision != "fp32":
+            raise ValueError("--speculative decodes greedily with an fp32 state cache")
+        out, stats = speculative_generate(
+            model, ids, args.max_new_tokens, draft_len=args.speculative, eos_id=tok.eos_id
+        )
+    else:
+        out = generate(
+            model,
+            ids,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            eos_id=tok.eos_id,
+            seed=args.seed,
+            ssm_precision=args.ssm_precision,
+        )
     dt = time.perf_counter() - t0
     print(args.prompt + tok.decode(out[0].tolist()))
     print(
@@ -141,6 +151,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
         f"{model.count_params():,} parameters]",
         file=sys.stderr,
     )
+    if stats is not None:
+        by_pos = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position())
+        print(
+            f"[speculative k={args.speculative}: acceptance length {stats.acceptance_length:.2f}, "
+            f"acceptance by draft position {by_pos}]",
+            file=sys.stderr,
+        )
 
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
@@ -176,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SSM_PRECISIONS,
         default="fp32",
         help="storage precision of the Mamba state cache",
+    )
+    p.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="K",
+        help="draft K tokens per step with the MTP head (greedy; output equals plain greedy)",
     )
     p.set_defaults(fn=cmd_generate)
 
