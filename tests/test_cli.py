@@ -48,7 +48,7 @@ def test_generate_and_export(tmp_path, capsys):
         (["generate", "--preset", "tiny-olmo", "--speculative", "3"], "MTP"),
         (
             ["generate", "--preset", "tiny-super", "--speculative", "3", "--temperature", "1"],
-            "greedy",
+            "greedily",
         ),
     ],
 )
