@@ -49,15 +49,13 @@ def _config(args: argparse.Namespace, default: str = "tiny-super") -> ModelConfi
 
 
 def _model(args: argparse.Namespace):
-    import torch
-
     from .model.model import HybridLM
 
     if getattr(args, "checkpoint", None):
         if args.overrides:
             raise ValueError("--set applies to --preset / --config, not to --checkpoint")
         return HybridLM.from_pretrained(args.checkpoint)
-    return HybridLM(_config(args), seed=args.seed if hasattr(args, "seed") else 0).to(torch.float32)
+    return HybridLM(_config(args), seed=args.seed)
 
 
 def _fmt_count(n: float) -> str:

@@ -91,6 +91,13 @@ class MambaState:
     def ssm_nbytes(self) -> int:
         return 0 if self._ssm is None else self._ssm.nbytes()
 
+    def snapshot(self) -> tuple:
+        # every step replaces conv_BSX and _ssm instead of mutating them, so references suffice
+        return self.conv_BSX, self._ssm, self.steps
+
+    def restore(self, snap: tuple) -> None:
+        self.conv_BSX, self._ssm, self.steps = snap
+
 
 @dataclass
 class HybridCache:
@@ -112,3 +119,30 @@ class HybridCache:
             return None
 
         return cls(layers=[make(i, c) for i, c in enumerate(pattern)])
+
+    def snapshot(self) -> tuple:
+        """A cheap restore point: KV lengths and references to the Mamba states."""
+        saved = [
+            st.length if isinstance(st, KVState) else st.snapshot() if st is not None else None
+            for st in self.layers
+        ]
+        return self.seen_tokens, saved
+
+    def restore(self, snap: tuple) -> None:
+        """Return to a `snapshot()` taken earlier on this cache (later tokens are forgotten)."""
+        self.seen_tokens, saved = snap
+        for st, s in zip(self.layers, saved, strict=True):
+            if isinstance(st, KVState):
+                st.truncate(s)
+            elif st is not None:
+                st.restore(s)
+
+    def truncate(self, length: int) -> None:
+        """Forget positions from `length` on; only attention-only caches can (Mamba states
+        cannot be rewound without a snapshot)."""
+        if any(isinstance(st, MambaState) for st in self.layers):
+            raise ValueError("a cache with Mamba states rewinds through snapshot()/restore()")
+        for st in self.layers:
+            if isinstance(st, KVState):
+                st.truncate(length)
+        self.seen_tokens = length

@@ -11,11 +11,11 @@ Each round, with backbone hidden h_t of the last processed position t and the ne
 2. verify: one backbone forward over [x_{t+1}, d_1..d_K]; drafts are accepted while they equal
    the backbone's greedy choice, and the first disagreement (or the bonus after K accepted)
    becomes the next token. Output is therefore the backbone's greedy output, token for token.
-3. rollback, by recompute: if a draft was rejected, the backbone cache is restored to its state
-   before the verify pass (attention KV truncated; Mamba conv and SSM states are replaced, not
-   mutated, by every step, so the snapshot holds references) and the accepted tokens are run
-   again. This costs a second short forward on rejection but needs no per-position Mamba states.
-   The MTP cache is truncated to its last exact position and refilled with true hiddens.
+3. rollback, by recompute: if a draft was rejected, the backbone cache is restored to its
+   `HybridCache.snapshot()` from before the verify pass (attention KV truncated, Mamba conv and
+   SSM states put back) and the accepted tokens are run again. This costs a second short
+   forward on rejection but needs no per-position Mamba states. The MTP cache is truncated to
+   its last exact position and refilled with true hiddens.
 
 `SpecStats` follows SPEED-Bench: acceptance length = tokens emitted per verify step (accepted
 drafts + 1), and the acceptance rate of each draft position.
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.model import HybridLM
-from .cache import HybridCache, KVState, MambaState
+from .cache import HybridCache
 
 
 @dataclass
@@ -56,34 +56,6 @@ class SpecStats:
 
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
-
-
-def _snapshot(cache: HybridCache) -> tuple:
-    layers = []
-    for st in cache.layers:
-        if isinstance(st, KVState):
-            layers.append(st.length)
-        elif isinstance(st, MambaState):
-            layers.append((st.conv_BSX, st._ssm, st.steps))
-        else:
-            layers.append(None)
-    return cache.seen_tokens, layers
-
-
-def _restore(cache: HybridCache, snap: tuple) -> None:
-    cache.seen_tokens, layers = snap
-    for st, saved in zip(cache.layers, layers, strict=True):
-        if isinstance(st, KVState):
-            st.truncate(saved)
-        elif isinstance(st, MambaState):
-            st.conv_BSX, st._ssm, st.steps = saved
-
-
-def _truncate(cache: HybridCache, length: int) -> None:
-    for st in cache.layers:
-        if isinstance(st, KVState):
-            st.truncate(length)
-    cache.seen_tokens = length
 
 
 def _mtp(model: HybridLM, h_BLD: torch.Tensor, next_BL: torch.Tensor, cache: HybridCache):
@@ -141,7 +113,7 @@ def speculative_generate(
                 drafts.append(tok)
             # 2) verify all drafts in one forward
             seq = torch.cat([nxt, *drafts], dim=1)
-            snap = _snapshot(cache)
+            snap = cache.snapshot()
             ver = model(seq, cache=cache, return_hidden=True)
             greedy = ver.logits[0].argmax(-1)
             m = 0
@@ -150,10 +122,10 @@ def speculative_generate(
             stats.record(len(drafts), m)
             # 3) rollback rejected drafts by recompute
             if m < len(drafts):
-                _restore(cache, snap)
+                cache.restore(snap)
                 ver = model(seq[:, : m + 1], cache=cache, return_hidden=True)
             hidden = ver.hidden[:, : m + 1]
-            _truncate(mtp_cache, exact)
+            mtp_cache.truncate(exact)
             if m:
                 _mtp(model, hidden[:, :m], seq[:, 1 : m + 1], mtp_cache)
             for j in range(m):
