@@ -3,7 +3,16 @@
 Shape legend: B batch, K kv heads, S cached length (KV) or conv taps - 1 (conv), E head dim,
 X conv channels, H heads, P head dim, N state size.
 A `HybridCache` holds one state per block (None for stateless MLP / MoE blocks) and the number
-of tokens already seen, which is the position offset of the next forward call.
+of cache columns already written, which is the position offset of the next forward call.
+
+Batches whose rows have different lengths (left-padded prompts, continuous batching) are kept
+*right-aligned*: every row's real tokens are contiguous and end at the last column, padding sits
+on the left and is masked by `key_mask_BS`; `positions_B` holds each row's next position. Then a
+decode step appends one column for every row, a causal mask over columns is the causal mask over
+positions, and a sliding window over columns is the window over positions. `select` (rows leave),
+`cat` (rows join, shorter caches padded on the left) and `trim` (drop all-padding columns) keep
+that layout. Mamba states need no padding: padded prompt positions leave them untouched (the
+mixer zeroes their conv input and dt).
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from .state_precision import StoredState, check_precision
 
@@ -58,9 +68,38 @@ class KVState:
         self.length = length
 
     def nbytes(self) -> int:
+        """Bytes of the valid keys and values."""
         if self._k is None:
             return 0
         return 2 * self._k[:, :, : self.length].numel() * self._k.element_size()
+
+    def allocated_nbytes(self) -> int:
+        """Bytes of the buffers, including the capacity not yet written."""
+        if self._k is None:
+            return 0
+        return 2 * self._k.numel() * self._k.element_size()
+
+    @classmethod
+    def from_tensors(cls, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> KVState:
+        """A state owning copies of `k`/`v` (with room to grow)."""
+        st = cls(capacity=max(256, 2 * k_BKSE.shape[2]))
+        st.update(k_BKSE, v_BKSE)
+        return st
+
+    def select(self, rows: torch.Tensor) -> KVState:
+        return KVState.from_tensors(self.k_BKSE[rows], self.v_BKSE[rows])
+
+    def padded_left(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Valid keys/values with `n` zero columns in front."""
+        k, v = self.k_BKSE, self.v_BKSE
+        return F.pad(k, (0, 0, n, 0)), F.pad(v, (0, 0, n, 0))
+
+    def drop_left(self, n: int) -> None:
+        """Forget the first `n` columns (all-padding columns after rows left the batch)."""
+        if n:
+            k, v = self.k_BKSE[:, :, n:].clone(), self.v_BKSE[:, :, n:].clone()
+            self._k, self._v, self.length = None, None, 0
+            self.update(k, v)
 
 
 class MambaState:
@@ -73,6 +112,8 @@ class MambaState:
         self.seed, self.layer, self.steps = seed, layer, 0
         self.conv_BSX: torch.Tensor | None = None
         self._ssm: StoredState | None = None
+        self.record_history = False  # keep the state after each position of the next call
+        self._history: tuple | None = None
 
     @property
     def ssm_BHPN(self) -> torch.Tensor | None:
@@ -88,6 +129,30 @@ class MambaState:
         )
         self.steps += 1
 
+    def set_history(
+        self, conv_in_BSX: torch.Tensor | None, xbc_BLX: torch.Tensor, ssm_BLHPN: torch.Tensor
+    ) -> None:
+        """Called by the mixer when `record_history` is on: the conv input of the call (the
+        conv state after position j is the last S inputs up to j) and every position's state."""
+        self._history = (conv_in_BSX, xbc_BLX, ssm_BLHPN)
+
+    def rewind(self, keep: int) -> None:
+        """Keep only the first `keep` (>= 1) positions of the last recorded call."""
+        if self._history is None:
+            raise ValueError("rewind needs a call made with record_history on")
+        conv_in, xbc, ssm = self._history
+        L = xbc.shape[1]
+        if not 1 <= keep <= L:
+            raise ValueError(f"can keep 1..{L} positions of the last call, not {keep}")
+        S = self.conv_BSX.shape[1]
+        if conv_in is None:
+            xp = F.pad(xbc, (0, 0, S, 0))
+        else:
+            xp = torch.cat([conv_in.to(xbc.dtype), xbc], dim=1)
+        self.conv_BSX = xp[:, keep : keep + S]
+        self.ssm_BHPN = ssm[:, keep - 1]
+        self._history = None
+
     def ssm_nbytes(self) -> int:
         return 0 if self._ssm is None else self._ssm.nbytes()
 
@@ -98,11 +163,160 @@ class MambaState:
     def restore(self, snap: tuple) -> None:
         self.conv_BSX, self._ssm, self.steps = snap
 
+    def _like(self, conv: torch.Tensor | None, ssm: StoredState | None, steps: int) -> MambaState:
+        out = MambaState(self.precision, seed=self.seed, layer=self.layer)
+        out.conv_BSX, out._ssm, out.steps = conv, ssm, steps
+        return out
+
+    def select(self, rows: torch.Tensor) -> MambaState:
+        conv = None if self.conv_BSX is None else self.conv_BSX[rows]
+        ssm = None if self._ssm is None else self._ssm.select(rows)
+        return self._like(conv, ssm, self.steps)
+
+    @staticmethod
+    def cat(states: list[MambaState]) -> MambaState:
+        """Rows of several states in one (all must have run at least one step)."""
+        if any(st.conv_BSX is None or st._ssm is None for st in states):
+            raise ValueError("only Mamba states that have seen tokens can be batched together")
+        ssm = StoredState.cat([st._ssm for st in states])
+        conv = torch.cat([st.conv_BSX for st in states])
+        return states[0]._like(conv, ssm, max(st.steps for st in states))
+
 
 @dataclass
 class HybridCache:
     layers: list[KVState | MambaState | None] = field(default_factory=list)
-    seen_tokens: int = 0
+    seen_tokens: int = 0  # columns written (= tokens seen when rows are unpadded)
+    key_mask_BS: torch.Tensor | None = None  # False on padding columns; None: all valid
+    positions_B: torch.Tensor | None = None  # next position of each row; None: seen_tokens
+
+    @property
+    def padded(self) -> bool:
+        return self.key_mask_BS is not None
+
+    def next_positions(self, batch: int, device: torch.device) -> torch.Tensor:
+        if self.positions_B is not None:
+            return self.positions_B
+        return torch.full((batch,), self.seen_tokens, dtype=torch.long, device=device)
+
+    def batch_size(self) -> int:
+        if self.key_mask_BS is not None:
+            return self.key_mask_BS.shape[0]
+        for st in self.layers:
+            if isinstance(st, KVState) and st.k_BKSE is not None:
+                return st.k_BKSE.shape[0]
+            if isinstance(st, MambaState) and st.conv_BSX is not None:
+                return st.conv_BSX.shape[0]
+        raise ValueError("an empty cache has no batch size")
+
+    def _device(self) -> torch.device:
+        for st in self.layers:
+            if isinstance(st, KVState) and st.k_BKSE is not None:
+                return st.k_BKSE.device
+            if isinstance(st, MambaState) and st.conv_BSX is not None:
+                return st.conv_BSX.device
+        return torch.device("cpu")
+
+    def _full_mask(self) -> torch.Tensor:
+        if self.key_mask_BS is not None:
+            return self.key_mask_BS
+        return torch.ones(
+            self.batch_size(), self.seen_tokens, dtype=torch.bool, device=self._device()
+        )
+
+    def _full_positions(self) -> torch.Tensor:
+        return self.next_positions(self.batch_size(), self._device())
+
+    def select(self, rows: torch.Tensor | list[int]) -> HybridCache:
+        """A cache of the given rows (e.g. the requests still running)."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self._device())
+        layers = [None if st is None else st.select(rows) for st in self.layers]
+        out = HybridCache(layers, self.seen_tokens)
+        out.key_mask_BS = self._full_mask()[rows]
+        out.positions_B = self._full_positions()[rows]
+        out.trim()
+        return out
+
+    @classmethod
+    def cat(cls, caches: list[HybridCache]) -> HybridCache:
+        """Rows of several caches in one, right-aligned: shorter caches are padded on the left
+        (masked columns), so every row's last token sits in the last column."""
+        S = max(c.seen_tokens for c in caches)
+        layers: list[KVState | MambaState | None] = []
+        for states in zip(*(c.layers for c in caches), strict=True):
+            first = states[0]
+            if isinstance(first, KVState):
+                kv = [
+                    st.padded_left(S - c.seen_tokens) for st, c in zip(states, caches, strict=True)
+                ]
+                layers.append(
+                    KVState.from_tensors(
+                        torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])
+                    )
+                )
+            elif isinstance(first, MambaState):
+                layers.append(MambaState.cat(list(states)))
+            else:
+                layers.append(None)
+        masks = [F.pad(c._full_mask(), (S - c.seen_tokens, 0), value=False) for c in caches]
+        out = cls(layers, S)
+        out.key_mask_BS = torch.cat(masks)
+        out.positions_B = torch.cat([c._full_positions() for c in caches])
+        return out
+
+    def trim(self) -> None:
+        """Drop leading columns that are padding in every row."""
+        if self.key_mask_BS is None:
+            return
+        any_valid = self.key_mask_BS.any(0)
+        n = int(any_valid.long().argmax()) if bool(any_valid.any()) else self.seen_tokens
+        if n:
+            for st in self.layers:
+                if isinstance(st, KVState):
+                    st.drop_left(n)
+            self.key_mask_BS = self.key_mask_BS[:, n:]
+            self.seen_tokens -= n
+        if bool(self.key_mask_BS.all()) and bool((self.positions_B == self.seen_tokens).all()):
+            self.key_mask_BS, self.positions_B = None, None  # back on the unpadded fast path
+
+    def prefix_view(self) -> HybridCache:
+        """A copy that shares storage: KV views of the valid columns and the (immutable) Mamba
+        state tensors. Later appends to this cache do not reach the copy, and vice versa once the
+        copy is `fork()`ed. Used to keep a prefix checkpoint without copying."""
+        layers: list[KVState | MambaState | None] = []
+        for st in self.layers:
+            if isinstance(st, KVState):
+                view = KVState()
+                view._k, view._v, view.length = st.k_BKSE, st.v_BKSE, st.length
+                layers.append(view)
+            elif isinstance(st, MambaState):
+                layers.append(st._like(st.conv_BSX, st._ssm, st.steps))
+            else:
+                layers.append(None)
+        out = HybridCache(layers, self.seen_tokens)
+        out.key_mask_BS, out.positions_B = self.key_mask_BS, self.positions_B
+        return out
+
+    def fork(self) -> HybridCache:
+        """An independent cache continuing from this one (KV copied, Mamba states shared until
+        replaced)."""
+        out = self.prefix_view()
+        for i, st in enumerate(out.layers):
+            if isinstance(st, KVState) and st._k is not None:
+                out.layers[i] = KVState.from_tensors(st.k_BKSE, st.v_BKSE)
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes of valid cache content: KV, conv states and stored SSM states."""
+        total = 0
+        for st in self.layers:
+            if isinstance(st, KVState):
+                total += st.nbytes()
+            elif isinstance(st, MambaState):
+                conv = st.conv_BSX
+                total += 0 if conv is None else conv.numel() * conv.element_size()
+                total += st.ssm_nbytes()
+        return total
 
     @classmethod
     def for_pattern(
@@ -126,22 +340,49 @@ class HybridCache:
             st.length if isinstance(st, KVState) else st.snapshot() if st is not None else None
             for st in self.layers
         ]
-        return self.seen_tokens, saved
+        return self.seen_tokens, saved, self.key_mask_BS, self.positions_B
 
     def restore(self, snap: tuple) -> None:
         """Return to a `snapshot()` taken earlier on this cache (later tokens are forgotten)."""
-        self.seen_tokens, saved = snap
+        self.seen_tokens, saved, self.key_mask_BS, self.positions_B = snap
         for st, s in zip(self.layers, saved, strict=True):
             if isinstance(st, KVState):
                 st.truncate(s)
             elif st is not None:
                 st.restore(s)
 
+    def record_history(self, on: bool = True) -> None:
+        """Make Mamba layers keep their state after every position of the following calls
+        (speculative verification), so `rewind` can drop the tail of the last call."""
+        for st in self.layers:
+            if isinstance(st, MambaState):
+                st.record_history = on
+                if on:
+                    st._history = None
+
+    def rewind(self, drop: int) -> None:
+        """Forget the last `drop` positions of the last call (made with `record_history`): KV
+        truncated, Mamba conv and SSM states set to those after the last kept position."""
+        if drop <= 0:
+            return
+        if self.key_mask_BS is not None:
+            raise ValueError("rewind applies to unpadded caches")
+        for st in self.layers:
+            if isinstance(st, KVState):
+                st.truncate(st.length - drop)
+            elif isinstance(st, MambaState):
+                st.rewind(st._history[1].shape[1] - drop)
+            if isinstance(st, MambaState):
+                st._history = None
+        self.seen_tokens -= drop
+
     def truncate(self, length: int) -> None:
         """Forget positions from `length` on; only attention-only caches can (Mamba states
         cannot be rewound without a snapshot)."""
         if any(isinstance(st, MambaState) for st in self.layers):
             raise ValueError("a cache with Mamba states rewinds through snapshot()/restore()")
+        if self.key_mask_BS is not None:
+            raise ValueError("truncate applies to unpadded caches")
         for st in self.layers:
             if isinstance(st, KVState):
                 st.truncate(length)

@@ -9,23 +9,27 @@ import torch
 
 from ..model.model import HybridLM
 from .cache import HybridCache
+from .sampling import sample_next
+
+__all__ = ["generate", "left_align", "sample_next"]
 
 
-def sample_next(
-    logits_BV: torch.Tensor,
-    *,
-    temperature: float,
-    top_k: int | None,
-    generator: torch.Generator | None,
-) -> torch.Tensor:
-    """Greedy at temperature 0, else softmax sampling (optionally restricted to the top k)."""
-    if temperature <= 0:
-        return logits_BV.argmax(-1)
-    logits = logits_BV.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+def left_align(
+    input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move every row's tokens to the right end (left padding), whatever padding it came with;
+    the hybrid cache keeps batches right-aligned (`infer.cache`)."""
+    mask = attention_mask_BL.bool()
+    if bool(mask.any(1).logical_not().any()):
+        raise ValueError("every row of attention_mask needs at least one token")
+    L = mask.shape[1]
+    # stable sort puts padding first and keeps token order within a row
+    order = torch.sort(mask.long(), dim=1, stable=True).indices
+    ids = input_ids_BL.gather(1, order)
+    new_mask = mask.gather(1, order)
+    ids = ids.masked_fill(~new_mask, 0)
+    assert new_mask[:, L - 1].all()
+    return ids, new_mask
 
 
 @torch.no_grad()
@@ -36,12 +40,19 @@ def generate(
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float = 1.0,
     eos_id: int | None = None,
     seed: int | None = None,
     ssm_precision: str = "fp32",
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Returns the generated tokens [B, <= max_new_tokens] (stops early once all rows hit eos).
-    `ssm_precision` is the storage precision of the Mamba state cache (`infer.state_precision`)."""
+    """Returns the generated tokens [B, <= max_new_tokens] (stops early once all rows hit eos;
+    rows that finished earlier are filled with eos).
+
+    `attention_mask` [B, L] marks padding (0) of a batch of prompts of different lengths; left or
+    right padding (or any mix) gives each row the tokens it would get alone. `ssm_precision` is
+    the storage precision of the Mamba state cache (`infer.state_precision`). For serving many
+    requests (continuous batching, stop strings, prefix reuse) use `infer.engine.Engine`."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if input_ids_BL.dim() != 2 or input_ids_BL.shape[1] == 0:
@@ -55,11 +66,19 @@ def generate(
         cache = HybridCache.for_pattern(
             model.config.pattern, ssm_precision=ssm_precision, seed=seed or 0
         )
-        logits = model(input_ids_BL, cache=cache).logits[:, -1]
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids_BL.shape:
+                raise ValueError("attention_mask must have the shape of input_ids")
+            if not bool(attention_mask.bool().all()):
+                input_ids_BL, mask = left_align(input_ids_BL, attention_mask)
+        logits = model(input_ids_BL, cache=cache, attention_mask=mask).logits[:, -1]
         done = torch.zeros(input_ids_BL.shape[0], dtype=torch.bool, device=input_ids_BL.device)
         out = []
         for _ in range(max_new_tokens):
-            nxt = sample_next(logits, temperature=temperature, top_k=top_k, generator=gen)
+            nxt = sample_next(
+                logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen
+            )
             if eos_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
                 done |= nxt == eos_id

@@ -78,9 +78,9 @@ class StoredState:
     def store(
         cls, x_BHPN: Tensor, precision: str, *, seed: int = 0, layer: int = 0, step: int = 0
     ) -> StoredState:
+        if precision == "fp32":  # exact: fp32, or fp64 for fp64 models
+            return cls(precision, x_BHPN.to(torch.promote_types(x_BHPN.dtype, torch.float32)))
         x = x_BHPN.float()
-        if precision == "fp32":
-            return cls(precision, x)
         if precision == "fp16":
             return cls(precision, x.to(torch.float16))
         if precision == "fp16-sr":
@@ -98,7 +98,23 @@ class StoredState:
     def load(self) -> Tensor:
         if self.precision == "int16-block":
             return (self.data.float() * self.scale).reshape(self.shape)
-        return self.data.float()
+        return self.data if self.precision == "fp32" else self.data.float()
+
+    def select(self, rows: Tensor) -> StoredState:
+        """The stored state of some batch rows (dim 0), without re-rounding."""
+        scale = None if self.scale is None else self.scale[rows]
+        shape = None if self.shape is None else torch.Size([len(rows), *self.shape[1:]])
+        return StoredState(self.precision, self.data[rows], scale, shape)
+
+    @staticmethod
+    def cat(states: list[StoredState]) -> StoredState:
+        first = states[0]
+        if any(st.precision != first.precision for st in states):
+            raise ValueError("cannot batch SSM states stored in different precisions")
+        data = torch.cat([st.data for st in states])
+        scale = None if first.scale is None else torch.cat([st.scale for st in states])
+        shape = None if first.shape is None else torch.Size([data.shape[0], *first.shape[1:]])
+        return StoredState(first.precision, data, scale, shape)
 
     def nbytes(self) -> int:
         extra = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()

@@ -60,9 +60,13 @@ class Attention(nn.Module):
         x_BLD: torch.Tensor,
         *,
         positions_L: torch.Tensor,
+        positions_BL: torch.Tensor | None = None,
+        key_mask_BS: torch.Tensor | None = None,
         state: KVState | None = None,
         **_: object,
     ) -> torch.Tensor:
+        """`positions_BL` / `key_mask_BS` are given for padded batches (see `HybridLM.forward`);
+        `key_mask_BS` covers the cached columns followed by this call's."""
         a = self.a
         Bsz, L, _ = x_BLD.shape
         q, k, v = self.q_proj(x_BLD), self.k_proj(x_BLD), self.v_proj(x_BLD)
@@ -72,10 +76,25 @@ class Attention(nn.Module):
         k_BKLE = k.view(Bsz, L, a.num_kv_heads, a.head_dim).transpose(1, 2)
         v_BKLE = v.view(Bsz, L, a.num_kv_heads, a.head_dim).transpose(1, 2)
         if a.rope_theta is not None:
-            cos, sin = rope_cos_sin(self.inv_freq, positions_L, self.rope_scaling)
+            if positions_BL is not None:
+                cos, sin = rope_cos_sin(self.inv_freq, positions_BL, self.rope_scaling)
+                cos, sin = cos[:, None], sin[:, None]  # broadcast over heads
+            else:
+                cos, sin = rope_cos_sin(self.inv_freq, positions_L, self.rope_scaling)
             q_BHLE, k_BKLE = apply_rope(q_BHLE, cos, sin), apply_rope(k_BKLE, cos, sin)
-        offset = int(positions_L[0]) if state is not None else 0
+        offset = state.length if state is not None else 0  # cache columns before this call
         if state is not None:
             k_BKLE, v_BKLE = state.update(k_BKLE, v_BKLE)
-        o_BHLE = attention(q_BHLE, k_BKLE, v_BKLE, q_offset=offset, window=self.window)
+        extra = None
+        if key_mask_BS is not None:
+            # a padded query sees at least itself, so no softmax row is empty (no NaN to leak)
+            S = k_BKLE.shape[2]
+            self_BLS = (
+                torch.arange(S, device=x_BLD.device)
+                == (offset + torch.arange(L, device=x_BLD.device))[:, None]
+            )
+            extra = (key_mask_BS[:, None, :] | self_BLS)[:, None]
+        o_BHLE = attention(
+            q_BHLE, k_BKLE, v_BKLE, q_offset=offset, window=self.window, extra_mask=extra
+        )
         return self.o_proj(o_BHLE.transpose(1, 2).reshape(Bsz, L, -1))

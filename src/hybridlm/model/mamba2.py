@@ -17,7 +17,7 @@ from torch import nn
 from ..config import LayerSpec, ModelConfig
 from ..infer.cache import MambaState
 from ..ops.conv1d import causal_conv1d
-from ..ops.ssd import ssd_chunked, ssd_step
+from ..ops.ssd import ssd_chunked, ssd_recurrent, ssd_step
 from .norm import GatedRMSNorm
 
 
@@ -56,8 +56,16 @@ class Mamba2Mixer(nn.Module):
         self.norm.reset_parameters()
 
     def forward(
-        self, x_BLD: torch.Tensor, *, state: MambaState | None = None, **_: object
+        self,
+        x_BLD: torch.Tensor,
+        *,
+        state: MambaState | None = None,
+        token_mask_BL: torch.Tensor | None = None,
+        **_: object,
     ) -> torch.Tensor:
+        """`token_mask_BL` (False on left padding): padded positions get zero conv input and
+        zero dt, i.e. no decay and no input, so the states a row carries past its padding are
+        exactly those of the unpadded row."""
         m = self.m
         Bsz, L, _ = x_BLD.shape
         GN = m.n_groups * m.state_size
@@ -65,21 +73,36 @@ class Mamba2Mixer(nn.Module):
             [m.d_inner, m.conv_dim, m.num_heads], dim=-1
         )
 
+        if token_mask_BL is not None:
+            xbc_BLX = xbc_BLX * token_mask_BL[..., None].to(xbc_BLX.dtype)
         conv_in = state.conv_BSX if state is not None else None
+        xbc_pre_BLX = xbc_BLX
         xbc_BLX, conv_out = causal_conv1d(
             xbc_BLX, self.conv1d.weight[:, 0], self.conv1d.bias, conv_in
         )
         xbc_BLX = F.silu(xbc_BLX)
         xs_BLI, B_BLG, C_BLG = xbc_BLX.split([m.d_inner, GN, GN], dim=-1)
 
-        dt_BLH = F.softplus(dt_BLH.float() + self.dt_bias.float())
+        ct = torch.promote_types(x_BLD.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
+        dt_BLH = F.softplus(dt_BLH.to(ct) + self.dt_bias.to(ct))
         dt_BLH = dt_BLH.clamp(min=m.dt_min, max=m.dt_clamp_max)
-        A_H = -torch.exp(self.A_log.float())
+        if token_mask_BL is not None:
+            dt_BLH = dt_BLH * token_mask_BL[..., None]
+        A_H = -torch.exp(self.A_log.to(ct))
         xs = xs_BLI.reshape(Bsz, L, m.num_heads, m.head_dim)
         Bm = B_BLG.reshape(Bsz, L, m.n_groups, m.state_size)
         Cm = C_BLG.reshape(Bsz, L, m.n_groups, m.state_size)
         ssm_in = state.ssm_BHPN if state is not None else None
-        if L == 1 and ssm_in is not None:
+        if state is not None and state.record_history:
+            # speculative verification: the decode recurrence token by token (the same steps
+            # plain decoding takes), keeping the conv and SSM state after every position so
+            # rejected drafts roll back without recomputation (`MambaState.rewind`)
+            y_BLHP, ssm_BLHPN = ssd_recurrent(
+                xs, dt_BLH, A_H, Bm, Cm, self.D, ssm_in, return_states=True
+            )
+            ssm_out = ssm_BLHPN[:, -1]
+            state.set_history(conv_in, xbc_pre_BLX, ssm_BLHPN)
+        elif L == 1 and ssm_in is not None:
             y, ssm_out = ssd_step(ssm_in, xs[:, 0], dt_BLH[:, 0], A_H, Bm[:, 0], Cm[:, 0], self.D)
             y_BLHP = y[:, None]
         else:

@@ -124,6 +124,7 @@ class HybridLM(nn.Module):
         labels: torch.Tensor | None = None,
         *,
         cache: HybridCache | None = None,
+        attention_mask: torch.Tensor | None = None,
         num_valid_tokens: int | torch.Tensor | None = None,
         mtp_depth: int | None = None,
         return_hidden: bool = False,
@@ -143,11 +144,10 @@ class HybridLM(nn.Module):
             m.aux_losses.clear()
         offset = cache.seen_tokens if cache is not None else 0
         positions_L = torch.arange(offset, offset + L, device=input_ids.device)
+        ctx = self._padding_context(input_ids, attention_mask, cache, positions_L)
         h = self.embeddings(input_ids)
         for i, block in enumerate(self.layers):
-            h = block(
-                h, positions_L=positions_L, state=cache.layers[i] if cache is not None else None
-            )
+            h = block(h, state=cache.layers[i] if cache is not None else None, **ctx)
         if cache is not None:
             cache.seen_tokens += L
         h = self.norm_f(h)
@@ -170,7 +170,7 @@ class HybridLM(nn.Module):
             mtp_losses, h_k = [], h
             for k in range(1, depth + 1):
                 emb = self.embeddings(_shift_left(input_ids, k, 0))
-                h_k = self.mtp(h_k, emb, positions_L=positions_L)
+                h_k = self.mtp(h_k, emb, **ctx)
                 logits_k = self.lm_head(h_k) if return_logits else None
                 if logits_k is not None:
                     out.mtp_logits.append(logits_k)
@@ -187,6 +187,47 @@ class HybridLM(nn.Module):
             total = total + out.losses["moe_aux"]
         out.loss = total
         return out
+
+    @staticmethod
+    def _padding_context(
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: HybridCache | None,
+        positions_L: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """Keyword context of every block: shared positions on the unpadded fast path; per-row
+        positions, the key mask and the token mask when rows are padded. Updates the cache's
+        key mask and next positions."""
+        ctx: dict[str, torch.Tensor] = {"positions_L": positions_L}
+        padded_cache = cache is not None and cache.padded
+        if attention_mask is None and not padded_cache:
+            return ctx
+        Bsz, L = input_ids.shape
+        device = input_ids.device
+        if attention_mask is None:
+            tok_BL = torch.ones(Bsz, L, dtype=torch.bool, device=device)
+        else:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                    f"{tuple(input_ids.shape)}"
+                )
+            tok_BL = attention_mask.to(device=device, dtype=torch.bool)
+            ctx["token_mask_BL"] = tok_BL
+        base_B = (
+            cache.next_positions(Bsz, device)
+            if cache is not None
+            else torch.zeros(Bsz, dtype=torch.long, device=device)
+        )
+        ctx["positions_BL"] = base_B[:, None] + (tok_BL.long().cumsum(1) - 1).clamp(min=0)
+        key_BS = tok_BL
+        if cache is not None:
+            if cache.seen_tokens:
+                key_BS = torch.cat([cache._full_mask(), tok_BL], dim=1)
+            cache.key_mask_BS = key_BS
+            cache.positions_B = base_B + tok_BL.sum(1)
+        ctx["key_mask_BS"] = key_BS
+        return ctx
 
     def _loss(
         self,

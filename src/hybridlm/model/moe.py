@@ -45,8 +45,9 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (scores_TE, topk_idx_TK, topk_weight_TK); routing is computed in fp32."""
         c = self.cfg
-        scores_TE = F.linear(x_TD.float(), self.weight.float()).sigmoid()
-        choice_TE = scores_TE.detach() + self.e_score_correction_bias.float()
+        ct = torch.promote_types(x_TD.dtype, torch.float32)  # fp32, or fp64 for reference runs
+        scores_TE = F.linear(x_TD.to(ct), self.weight.to(ct)).sigmoid()
+        choice_TE = scores_TE.detach() + self.e_score_correction_bias.to(ct)
         if c.n_group > 1:  # group-limited routing: keep the topk_group groups with best top-2 sums
             grouped = choice_TE.view(-1, c.n_group, c.num_experts // c.n_group)
             group_score = grouped.topk(2, dim=-1).values.sum(-1)

@@ -16,8 +16,10 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics and scaling (as transformers' NemotronH/Olmo3), then back to x's dtype
-        y = nn.functional.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps)
+        # fp32 statistics and scaling (as transformers' NemotronH/Olmo3), then back to x's dtype;
+        # fp64 inputs stay fp64 (reference runs)
+        ct = torch.promote_types(x.dtype, torch.float32)
+        y = nn.functional.rms_norm(x.to(ct), (x.shape[-1],), self.weight.to(ct), self.eps)
         return y.to(x.dtype)
 
 
@@ -36,7 +38,8 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        xf = x.float() * nn.functional.silu(z.float())
+        ct = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(ct) * nn.functional.silu(z.to(ct))
         g = xf.view(*xf.shape[:-1], -1, self.group_size)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * g.view_as(xf).to(dtype)

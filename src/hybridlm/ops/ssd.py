@@ -133,8 +133,12 @@ def ssd_recurrent(
     C_BLGN: Tensor,
     D_H: Tensor | None,
     initial_state_BHPN: Tensor | None = None,
+    *,
+    return_states: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Token-by-token reference for `ssd_chunked` (same signature minus the chunk size)."""
+    """Token-by-token reference for `ssd_chunked` (same signature minus the chunk size). With
+    `return_states` the second output is the state after every token, [B, L, H, P, N]; decoding
+    uses this to keep a state per draft position (speculative verification)."""
     Bsz, L, H, P = x_BLHP.shape
     N = B_BLGN.shape[-1]
     ct = _compute_dtype(x_BLHP)
@@ -143,8 +147,11 @@ def ssd_recurrent(
         if initial_state_BHPN is None
         else initial_state_BHPN.to(ct)
     )
-    ys = []
+    ys, states = [], []
     for t in range(L):
         y, state = ssd_step(state, x_BLHP[:, t], dt_BLH[:, t], A_H, B_BLGN[:, t], C_BLGN[:, t], D_H)
         ys.append(y)
+        states.append(state)
+    if return_states:
+        return torch.stack(ys, dim=1), torch.stack(states, dim=1)
     return torch.stack(ys, dim=1), state

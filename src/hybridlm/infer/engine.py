@@ -1,0 +1,381 @@
+"""The serving engine: continuous batching over a hybrid cache, sampling, stop conditions and
+prefix reuse.
+
+Shape legend: B running requests, V vocabulary.
+
+Each `step()`:
+
+1. admits waiting requests while fewer than `max_batch_size` run: each prompt is prefilled on
+   its own (batch 1, chunked, extracting the Mamba state at the end of the prompt), its first
+   token sampled, and its cache joined to the running batch with `HybridCache.cat` (the batch is
+   right-aligned, so requests of any length share one decode step);
+2. runs one decode step for every running request: one [B, 1] forward, then per-row sampling
+   with each request's own temperature / top-k / top-p and seeded generator;
+3. retires finished requests (EOS, stop token, stop string, max_tokens, max_model_len) and
+   drops their rows with `HybridCache.select`.
+
+Requests with `params.speculative = k > 0` decode on their own with the MTP drafter
+(`infer.speculative`), one draft-and-verify round per step, interleaved with the batch.
+
+Prefix reuse: prompts are prefilled in segments that end on multiples of `prefix_block` tokens
+and the cache at each boundary is kept (attention KV as views of the request's buffers, so no
+copy; the Mamba conv and SSM states at the boundary, which are immutable tensors) in an LRU of
+`prefix_cache_size` entries keyed by the prefix tokens. A later prompt that starts with a kept
+prefix forks that cache and prefills only the rest; the result is exactly that of a full prefill
+(tested). Mamba state cannot be recovered at arbitrary positions without a snapshot, which is why
+boundaries are block-aligned (as vLLM's prefix caching does for Mamba layers).
+
+Text is streamed safely: `delta_text` never contains half of a UTF-8 character nor the start of
+a stop string that may still complete.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.model import HybridLM
+from .cache import HybridCache
+from .sampling import SamplingParams, sample_next
+from .state_precision import check_precision
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated so far (stop-trimmed once finished)
+    text: str  # detokenised generated text so far (stable, stop string removed)
+    delta_text: str  # text added since this request's previous output
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    spec_stats: object | None = None  # SpecStats when speculative
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class _Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    emitted_tokens: int = 0
+    emitted_text: int = 0
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    next_token: int | None = None  # sampled, not yet fed to the model
+    spec: object | None = None  # SpeculativeDecoder
+
+
+class Engine:
+    def __init__(
+        self,
+        model: HybridLM,
+        tokenizer,
+        *,
+        max_batch_size: int = 8,
+        max_model_len: int | None = None,
+        ssm_precision: str = "fp32",
+        prefix_block: int = 64,
+        prefix_cache_size: int = 32,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if prefix_block < 1:
+            raise ValueError(f"prefix_block must be >= 1, got {prefix_block}")
+        if model.config.vocab_size < tokenizer.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
+                f"{model.config.vocab_size}"
+            )
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len or model.config.max_seq_len
+        self.ssm_precision = check_precision(ssm_precision)
+        self.prefix_block = prefix_block
+        self.prefix_cache_size = prefix_cache_size
+        self.device = model.embeddings.weight.device
+        self._ids = itertools.count()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []  # rows of self._cache, in order
+        self._spec: list[_Request] = []
+        self._cache: HybridCache | None = None
+        self._prefixes: OrderedDict[tuple[int, ...], tuple[HybridCache, torch.Tensor]] = (
+            OrderedDict()
+        )
+        self.stats = {
+            "prefill_tokens": 0,
+            "prefix_hit_tokens": 0,
+            "decode_steps": 0,
+            "max_running": 0,
+        }
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        params.validate()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; this model takes at most "
+                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})"
+            )
+        V = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= V:
+            raise ValueError(f"prompt token ids must be in [0, {V})")
+        if params.speculative and self.model.mtp is None:
+            raise ValueError("speculative decoding needs a model with an MTP head")
+        rid = request_id or f"req-{next(self._ids)}"
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
+        self._waiting.append(_Request(rid, prompt, params, gen))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        for r in [*self._waiting, *self._running, *self._spec]:
+            if r.id == request_id and not r.finished:
+                r.finished, r.finish_reason = True, "abort"
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._spec)
+
+    def num_running(self) -> int:
+        return len(self._running) + len(self._spec)
+
+    # ------------------------------------------------------------------ the loop
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        self._drop_aborted(outputs)
+        while self._waiting and self.num_running() < self.max_batch_size:
+            req = self._waiting.popleft()
+            if req.finished:
+                outputs.append(self._output(req))
+                continue
+            if req.params.max_tokens == 0:
+                self._finish(req, "length")
+                outputs.append(self._output(req))
+            elif req.params.speculative:
+                self._start_speculative(req)
+            else:
+                self._admit(req, outputs)
+        self.stats["max_running"] = max(self.stats["max_running"], self.num_running())
+        if self._running:
+            self._decode(outputs)
+        for req in list(self._spec):
+            outputs.extend(self._speculative_round(req))
+        return outputs
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; final outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("give one SamplingParams or one per prompt")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    # ------------------------------------------------------------------ prefill
+    def _admit(self, req: _Request, outputs: list[RequestOutput]) -> None:
+        cache, logits = self._prefill(req.prompt)
+        tok = int(self._sample(logits[None], [req])[0])
+        outputs.extend(self._append(req, [tok]))
+        if req.finished:
+            return
+        req.next_token = tok
+        self._running.append(req)
+        self._cache = cache if self._cache is None else HybridCache.cat([self._cache, cache])
+
+    def _prefill(self, prompt: list[int]) -> tuple[HybridCache, torch.Tensor]:
+        """Batch-1 prefill with prefix reuse; returns (cache, logits of the last position)."""
+        blk = self.prefix_block
+        start, cache, logits = 0, None, None
+        for b in range((len(prompt) // blk) * blk, 0, -blk):
+            hit = self._prefixes.get(tuple(prompt[:b]))
+            if hit is not None:
+                self._prefixes.move_to_end(tuple(prompt[:b]))
+                cache, logits = hit[0].fork(), hit[1]
+                start = b
+                self.stats["prefix_hit_tokens"] += b
+                break
+        if cache is None:
+            cache = HybridCache.for_pattern(
+                self.model.config.pattern, ssm_precision=self.ssm_precision
+            )
+        bounds = list(range(start + blk, len(prompt) + 1, blk))
+        if start < len(prompt) and (not bounds or bounds[-1] != len(prompt)):
+            bounds.append(len(prompt))
+        for end in bounds:
+            ids = torch.tensor([prompt[start:end]], device=self.device)
+            logits = self.model(ids, cache=cache).logits[0, -1]
+            self.stats["prefill_tokens"] += end - start
+            if end % blk == 0 and self.prefix_cache_size > 0:
+                self._prefixes[tuple(prompt[:end])] = (cache.prefix_view(), logits)
+                while len(self._prefixes) > self.prefix_cache_size:
+                    self._prefixes.popitem(last=False)
+            start = end
+        return cache, logits
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, outputs: list[RequestOutput]) -> None:
+        reqs = self._running
+        x_B1 = torch.tensor([[r.next_token] for r in reqs], device=self.device)
+        logits_BV = self.model(x_B1, cache=self._cache).logits[:, -1]
+        self.stats["decode_steps"] += 1
+        toks = self._sample(logits_BV, reqs)
+        for r, t in zip(reqs, toks.tolist(), strict=True):
+            if r.finished:  # aborted while running
+                continue
+            outputs.extend(self._append(r, [t]))
+            r.next_token = t
+        keep = [i for i, r in enumerate(reqs) if not r.finished]
+        if len(keep) < len(reqs):
+            self._running = [reqs[i] for i in keep]
+            self._cache = self._cache.select(keep) if keep else None
+
+    def _sample(self, logits_BV: torch.Tensor, reqs: list[_Request]) -> torch.Tensor:
+        """Greedy rows by one argmax; sampled rows each with their own settings and generator."""
+        out = logits_BV.argmax(-1)
+        for i, r in enumerate(reqs):
+            p = r.params
+            if not p.greedy:
+                out[i] = sample_next(
+                    logits_BV[i : i + 1],
+                    temperature=p.temperature,
+                    top_k=p.top_k,
+                    top_p=p.top_p,
+                    generator=r.generator,
+                )[0]
+        return out
+
+    def _drop_aborted(self, outputs: list[RequestOutput]) -> None:
+        for r in self._spec:
+            if r.finished:
+                outputs.append(self._output(r))
+        self._spec = [r for r in self._spec if not r.finished]
+        keep = [i for i, r in enumerate(self._running) if not r.finished]
+        if len(keep) < len(self._running):
+            for r in self._running:
+                if r.finished:
+                    outputs.append(self._output(r))
+            self._running = [self._running[i] for i in keep]
+            self._cache = self._cache.select(keep) if keep else None
+
+    # ------------------------------------------------------------------ speculative
+    def _start_speculative(self, req: _Request) -> None:
+        from .speculative import SpeculativeDecoder
+
+        p = req.params
+        req.spec = SpeculativeDecoder(
+            self.model,
+            req.prompt,
+            draft_len=p.speculative,
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            seed=p.seed,
+        )
+        self._spec.append(req)
+
+    def _speculative_round(self, req: _Request) -> list[RequestOutput]:
+        left = min(
+            req.params.max_tokens - len(req.tokens),
+            self.max_model_len - len(req.prompt) - len(req.tokens),
+        )
+        toks = req.spec.step()[:left]
+        outs = self._append(req, toks)
+        if req.finished and req in self._spec:
+            self._spec.remove(req)
+        return outs
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _append(self, req: _Request, toks: list[int]) -> list[RequestOutput]:
+        """Add sampled tokens, apply the stop conditions; returns the request's output."""
+        p = req.params
+        eos = self.tokenizer.eos_id
+        for t in toks:
+            if (not p.ignore_eos and t == eos) or t in p.stop_token_ids:
+                self._finish(req, "stop")
+                break
+            req.tokens.append(t)
+            if len(req.tokens) >= p.max_tokens or len(req.prompt) + len(req.tokens) >= (
+                self.max_model_len
+            ):
+                self._finish(req, "length")
+                break
+        text = self.tokenizer.decode(req.tokens)
+        if p.stop:
+            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            if hits:
+                text = text[: min(hits)]
+                req.tokens = self._tokens_covering(req.tokens, len(text))
+                self._finish(req, "stop", keep_reason=False)
+        req.text = text
+        return [self._output(req)]
+
+    def _tokens_covering(self, tokens: list[int], n_chars: int) -> list[int]:
+        """The shortest token prefix whose text covers the first `n_chars` characters."""
+        for n in range(len(tokens) + 1):
+            if len(self.tokenizer.decode(tokens[:n]).rstrip("\ufffd")) >= n_chars:
+                return tokens[:n]
+        return tokens
+
+    def _finish(self, req: _Request, reason: str, *, keep_reason: bool = True) -> None:
+        if not req.finished or not keep_reason:
+            req.finished, req.finish_reason = True, reason
+
+    def _stable_len(self, req: _Request) -> int:
+        """Length of the text that can be streamed: not a trailing partial UTF-8 character, nor
+        a suffix that may grow into a stop string."""
+        text = req.text
+        if req.finished:
+            return len(text)
+        n = len(text)
+        while n and text[n - 1] == "\ufffd":
+            n -= 1
+        hold = 0
+        for s in req.params.stop:
+            for k in range(min(len(s) - 1, n), hold, -1):
+                if text[n - k : n] == s[:k]:
+                    hold = k
+                    break
+        return n - hold
+
+    def _output(self, req: _Request) -> RequestOutput:
+        n = max(self._stable_len(req), req.emitted_text)
+        delta_text = req.text[req.emitted_text : n]
+        delta_ids = req.tokens[req.emitted_tokens :]
+        req.emitted_text, req.emitted_tokens = n, len(req.tokens)
+        stats = getattr(req.spec, "stats", None) if req.spec is not None else None
+        return RequestOutput(
+            request_id=req.id,
+            prompt_token_ids=req.prompt,
+            token_ids=list(req.tokens),
+            text=req.text[:n] if not req.finished else req.text,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            spec_stats=stats,
+        )

@@ -1,0 +1,237 @@
+"""Padded batches, continuous batching, prefix reuse, sampling and stop conditions: every row and
+request gets exactly what it would get alone."""
+
+import pytest
+import torch
+
+from hybridlm import HybridLM
+from hybridlm.data.tokenizer import ByteTokenizer
+from hybridlm.infer.cache import HybridCache
+from hybridlm.infer.engine import Engine
+from hybridlm.infer.generate import generate, left_align
+from hybridlm.infer.sampling import SamplingParams, filtered_probs
+from hybridlm.presets import get_preset
+
+PRESETS = ["tiny-super", "tiny-lightning", "tiny-olmo"]
+
+
+def _model(name: str, seed: int = 0) -> HybridLM:
+    cfg = get_preset(name)
+    cfg.vocab_size = 300
+    if cfg.mamba is not None and "M" in cfg.pattern:
+        cfg.mamba.chunk_size = 8  # prompts span several chunks
+    if name == "tiny-olmo":
+        cfg.attention.sliding_window = 6  # windows bind inside the prompts
+    # fp64: batched and single-row forwards agree far below any argmax margin
+    return HybridLM(cfg, seed=seed).double().eval()
+
+
+def _prompts(n_tokens: list[int], seed: int = 0, prefix: list[int] | None = None):
+    g = torch.Generator().manual_seed(seed)
+    return [(prefix or []) + torch.randint(0, 256, (n,), generator=g).tolist() for n in n_tokens]
+
+
+def _padded(prompts, side):
+    L = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        s = side if side != "mixed" else ("left" if i % 2 else "right")
+        sl = slice(L - len(p), L) if s == "left" else slice(0, len(p))
+        ids[i, sl] = torch.tensor(p)
+        mask[i, sl] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_padded_forward_equals_each_row_alone(name):
+    model = _model(name)
+    prompts = _prompts([13, 4, 1, 20])
+    ids, mask = left_align(*_padded(prompts, "right"))
+    cache = HybridCache.for_pattern(model.config.pattern)
+    logits = model(ids, attention_mask=mask, cache=cache).logits
+    step = model(torch.tensor([[7]] * 4), cache=cache).logits[:, -1]
+    for i, p in enumerate(prompts):
+        c1 = HybridCache.for_pattern(model.config.pattern)
+        ref = model(torch.tensor([p]), cache=c1).logits[0]
+        torch.testing.assert_close(logits[i, -len(p) :], ref, atol=1e-10, rtol=0)
+        ref_step = model(torch.tensor([[7]]), cache=c1).logits[0, -1]
+        torch.testing.assert_close(step[i], ref_step, atol=1e-10, rtol=0)
+
+
+def _check_padded_generate(name, side):
+    model = _model(name)
+    prompts = _prompts([5, 17, 1, 9])
+    ids, mask = _padded(prompts, side)
+    out = generate(model, ids, 6, attention_mask=mask)
+    for i, p in enumerate(prompts):
+        assert torch.equal(out[i : i + 1], generate(model, torch.tensor([p]), 6)), (side, i)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_padded_generate_equals_each_prompt_alone(name):
+    _check_padded_generate(name, "mixed")  # rows padded on the left and on the right
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PRESETS)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_generate_one_side(name, side):
+    _check_padded_generate(name, side)
+
+
+def test_left_align_and_bad_mask():
+    ids = torch.tensor([[1, 2, 0], [0, 3, 4]])
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    out, m = left_align(ids, mask)
+    assert out.tolist() == [[0, 1, 2], [0, 3, 4]] and m.tolist() == [[0, 1, 1], [0, 1, 1]]
+    with pytest.raises(ValueError, match="at least one token"):
+        left_align(ids, torch.tensor([[0, 0, 0], [1, 1, 1]]))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_continuous_batching_with_prefix_reuse_equals_greedy(name):
+    """Requests of different lengths join and leave a batch of at most 3; half share a 20-token
+    prefix, so later ones start from a kept prefix cache. Each equals plain greedy alone."""
+    model = _model(name)
+    shared = _prompts([20], seed=1)[0]
+    prompts = _prompts([3, 30, 1, 11], prefix=shared) + _prompts([6, 25], seed=2)
+    max_tokens = [5, 12, 3, 9, 14, 6]
+    eng = Engine(model, ByteTokenizer(), max_batch_size=3, prefix_block=8)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outs = eng.generate(prompts, params)
+    for p, o, n in zip(prompts, outs, max_tokens, strict=True):
+        assert o.token_ids == generate(model, torch.tensor([p]), n)[0].tolist()
+        assert o.finish_reason == "length" and o.finished
+    assert eng.stats["max_running"] == 3
+    assert eng.stats["prefix_hit_tokens"] >= 3 * 16  # three requests reused >= 16 prefix tokens
+    assert not eng.has_unfinished()
+
+
+def test_prefix_cache_entry_equals_full_prefill():
+    model = _model("tiny-super")
+    prompt = _prompts([40])[0]
+    eng = Engine(model, ByteTokenizer(), prefix_block=16)
+    cache, logits = eng._prefill(prompt)
+    assert eng.stats["prefix_hit_tokens"] == 0
+    cache2, logits2 = eng._prefill(prompt[:32] + [5, 6, 7])
+    assert eng.stats["prefix_hit_tokens"] == 32
+    ref = model(torch.tensor([prompt[:32] + [5, 6, 7]])).logits[0, -1]
+    torch.testing.assert_close(logits2, ref, atol=1e-10, rtol=0)
+    # the first request's cache is untouched by the fork
+    nxt = model(torch.tensor([[9]]), cache=cache).logits[0, -1]
+    torch.testing.assert_close(nxt, model(torch.tensor([prompt + [9]])).logits[0, -1])
+
+
+def test_sampling_is_per_request_and_reproducible():
+    """A request's samples depend on its seed only, not on the batch it shares."""
+    model = _model("tiny-lightning")
+    prompts = _prompts([4, 9, 2])
+    sp = [SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2)]
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    together = Engine(model, ByteTokenizer()).generate(prompts, [sp[0], greedy, sp[1]])
+    alone = [
+        Engine(model, ByteTokenizer()).generate([prompts[i]], [p])[0]
+        for i, p in ((0, sp[0]), (2, sp[1]))
+    ]
+    assert together[0].token_ids == alone[0].token_ids
+    assert together[2].token_ids == alone[1].token_ids
+    assert together[0].token_ids != together[2].token_ids
+
+
+def test_filtered_probs_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = filtered_probs(logits, temperature=1.0, top_p=0.8)
+    torch.testing.assert_close(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    p = filtered_probs(logits, temperature=1.0, top_p=0.81)
+    assert (p > 0).sum() == 3
+    p = filtered_probs(logits, temperature=1.0, top_k=1)
+    assert p.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    hot = filtered_probs(logits, temperature=100.0)
+    assert float(hot.max() - hot.min()) < 0.01
+
+
+def test_stop_strings_eos_and_streaming():
+    model = _model("tiny-super")
+    tok = ByteTokenizer()
+    prompt = _prompts([6])[0]
+    free = Engine(model, tok).generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    stop = free.text[5:8]
+    assert len(stop) == 3
+    eng = Engine(model, tok)
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=24, stop=[stop], ignore_eos=True))
+    deltas, final = [], None
+    while eng.has_unfinished():
+        for out in eng.step():
+            assert out.request_id == rid
+            deltas.append(out.delta_text)
+            final = out
+    cut = free.text.find(stop)
+    assert final.finish_reason == "stop" and final.text == free.text[:cut]
+    assert "".join(deltas) == final.text
+    assert tok.decode(final.token_ids).startswith(final.text)
+    # stop token ids: the 4th greedy token ends the request
+    out = Engine(model, tok).generate(
+        [prompt], SamplingParams(max_tokens=24, stop_token_ids=[free.token_ids[3]])
+    )[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:3]
+
+
+def test_streamed_text_never_splits_a_character():
+    model = _model("tiny-lightning")
+    eng = Engine(model, ByteTokenizer())
+    eng.add_request(_prompts([3])[0], SamplingParams(max_tokens=40, ignore_eos=True))
+    text, final = "", None
+    while eng.has_unfinished():
+        for out in eng.step():
+            text += out.delta_text
+            final = out
+    assert text == final.text == ByteTokenizer().decode(final.token_ids)
+
+
+def test_abort_max_model_len_and_errors():
+    model = _model("tiny-super")
+    tok = ByteTokenizer()
+    eng = Engine(model, tok, max_model_len=12)
+    a = eng.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    b = eng.add_request([4, 5], SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.abort(a)
+    final = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final[a].finish_reason == "abort"
+    assert final[b].finish_reason == "length" and len(final[b].token_ids) == 10
+    with pytest.raises(ValueError, match="at most 11 prompt tokens"):
+        eng.add_request(list(range(12)), SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.add_request([1], SamplingParams(max_tokens=-1))
+    with pytest.raises(ValueError, match="top_p"):
+        eng.add_request([1], SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="token ids"):
+        eng.add_request([1, 999], SamplingParams())
+    assert Engine(model, tok).generate([[1, 2]], SamplingParams(max_tokens=0))[0].token_ids == []
+
+
+@pytest.mark.parametrize("name", ["tiny-super", "tiny-lightning"])
+@pytest.mark.parametrize("keep", [1, 3, 5])
+def test_rewind_to_a_recorded_position_equals_the_shorter_sequence(name, keep):
+    """Speculative rollback without recompute: after a 5-token call with history recording,
+    keeping `keep` positions leaves the cache of the prompt + those tokens."""
+    model = _model(name)
+    prompt = torch.tensor([_prompts([11])[0]])
+    seq = torch.tensor([[5, 6, 7, 8, 9]])
+    cache = HybridCache.for_pattern(model.config.pattern)
+    model(prompt, cache=cache)
+    cache.record_history(True)
+    model(seq, cache=cache)
+    cache.record_history(False)
+    cache.rewind(5 - keep)
+    assert cache.seen_tokens == 11 + keep
+    got = model(torch.tensor([[42]]), cache=cache).logits[0, -1]
+    ref = model(torch.cat([prompt, seq[:, :keep], torch.tensor([[42]])], 1)).logits[0, -1]
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
