@@ -47,8 +47,8 @@ def test_generate_and_export(tmp_path, capsys):
         (["generate", "--preset", "tiny-super", "--max-new-tokens", "-1"], "max_new_tokens"),
         (["generate", "--preset", "tiny-olmo", "--speculative", "3"], "MTP"),
         (
-            ["generate", "--preset", "tiny-super", "--speculative", "3", "--temperature", "1"],
-            "greedily",
+            ["generate", "--preset", "tiny-super", "--speculative", "3", "--ssm-precision", "fp16"],
+            "fp32 state cache",
         ),
     ],
 )

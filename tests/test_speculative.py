@@ -9,6 +9,16 @@ from hybridlm.infer.speculative import SpecStats, speculative_generate
 from hybridlm.presets import get_preset
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Batch-1 decoding of tiny models: intra-op threads only add synchronisation (on a busy
+    2-core machine two threads made these tests 10-25x slower than one)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _model(name, seed):
     cfg = get_preset(name)
     cfg.vocab_size = 300
@@ -17,16 +27,19 @@ def _model(name, seed):
     return HybridLM(cfg, seed=seed).double().eval()
 
 
-def _check(name, draft_len, seeds, prompt_lens, n_new=24):
+def _check(name, draft_len, seeds, prompt_lens, n_new=24, rollbacks=("history", "recompute")):
     for seed in seeds:
         model = _model(name, seed)
         g = torch.Generator().manual_seed(100 + seed)
         for prompt_len in prompt_lens:
             x = torch.randint(0, 300, (1, prompt_len), generator=g)
             ref = generate(model, x, n_new)
-            out, stats = speculative_generate(model, x, n_new, draft_len=draft_len)
-            assert torch.equal(out, ref), (name, draft_len, seed, prompt_len)
-            assert stats.steps >= 1 and 1.0 <= stats.acceptance_length <= draft_len + 1
+            for rollback in rollbacks:
+                out, stats = speculative_generate(
+                    model, x, n_new, draft_len=draft_len, rollback=rollback
+                )
+                assert torch.equal(out, ref), (name, draft_len, seed, prompt_len, rollback)
+                assert stats.steps >= 1 and 1.0 <= stats.acceptance_length <= draft_len + 1
 
 
 @pytest.mark.parametrize("name,draft_len", [("tiny-super", 3), ("tiny-lightning", 7)])
@@ -60,6 +73,14 @@ def test_stats_and_errors():
     s.record(3, 2)
     s.record(3, 0)
     assert s.acceptance_length == 2.0 and s.acceptance_by_position() == [0.5, 0.5, 0.0]
+    assert s.to_dict() == {
+        "draft_len": 3,
+        "steps": 2,
+        "acceptance_length": 2.0,
+        "acceptance_by_position": [0.5, 0.5, 0.0],
+        "accepted_tokens": 2,
+    }
+    assert SpecStats(2).acceptance_by_position() == [0.0, 0.0]
     model = _model("tiny-olmo", 0)
     with pytest.raises(ValueError, match="MTP"):
         speculative_generate(model, torch.zeros(1, 3, dtype=torch.long), 4)

@@ -4,6 +4,8 @@
     hybridlm config --preset tiny-super --set moe.top_k=8 > my.yaml
     hybridlm generate --preset tiny-super --prompt "To be, or not to be"
     hybridlm export-hf --preset tiny-super --out ckpt/    # or --checkpoint dir (any HF dir)
+    hybridlm serve --preset tiny-super --port 8000        # OpenAI-compatible server on localhost
+    hybridlm chat --preset tiny-super --system "Be brief."
 
 A model comes from `--preset NAME`, `--config FILE.yaml|json` or `--checkpoint DIR` (a transformers
 NemotronH / Olmo3 directory), with `--set a.b=value` overrides for the first two.
@@ -126,10 +128,18 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.speculative:
         from .infer.speculative import speculative_generate
 
-        if args.temperature > 0 or args.ssm_precision != "fp32":
-            raise ValueError("--speculative decodes greedily with an fp32 state cache")
+        if args.ssm_precision != "fp32":
+            raise ValueError("--speculative keeps an fp32 state cache (per-position rollback)")
         out, stats = speculative_generate(
-            model, ids, args.max_new_tokens, draft_len=args.speculative, eos_id=tok.eos_id
+            model,
+            ids,
+            args.max_new_tokens,
+            draft_len=args.speculative,
+            eos_id=tok.eos_id,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
         )
     else:
         out = generate(
@@ -138,6 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
             args.max_new_tokens,
             temperature=args.temperature,
             top_k=args.top_k,
+            top_p=args.top_p,
             eos_id=tok.eos_id,
             seed=args.seed,
             ssm_precision=args.ssm_precision,
@@ -164,6 +175,158 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
     print(f"wrote {args.out} ({model.count_params():,} parameters)")
 
 
+def _engine(args: argparse.Namespace, *, max_batch_size: int):
+    """The model of `--preset/--config/--checkpoint` behind a continuous-batching Engine."""
+    from .data.tokenizer import ByteTokenizer
+    from .infer.engine import Engine
+
+    tok = ByteTokenizer()
+    model = _model(args)
+    if model.config.vocab_size < tok.vocab_size:
+        raise ValueError(f"the byte tokenizer needs vocab_size >= {tok.vocab_size}")
+    if getattr(args, "speculative", 0) and model.mtp is None:
+        raise ValueError("--speculative needs a model with an MTP head (mtp.pattern)")
+    return Engine(
+        model,
+        tok,
+        max_batch_size=max_batch_size,
+        max_model_len=args.max_model_len,
+        ssm_precision=args.ssm_precision,
+    )
+
+
+def _model_name(args: argparse.Namespace) -> str:
+    from pathlib import Path
+
+    if args.model_name:
+        return args.model_name
+    if getattr(args, "checkpoint", None):
+        return Path(args.checkpoint).resolve().name
+    if args.config:
+        return Path(args.config).stem
+    return args.preset or "tiny-super"
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    try:
+        from .infer.server import serve
+    except ImportError as err:
+        raise ValueError(
+            f"`hybridlm serve` needs FastAPI and uvicorn: pip install 'hybridlm[serve]' ({err})"
+        ) from None
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    engine = _engine(args, max_batch_size=args.max_batch_size)
+    name = _model_name(args)
+    print(
+        f"serving {name!r} ({engine.model.count_params():,} parameters, max_model_len "
+        f"{engine.max_model_len}) at http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
+    )
+    serve(engine, name, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    """A REPL: each stdin line is a user turn; the reply streams to stdout as it is generated."""
+    from dataclasses import replace
+
+    from .data import chat as chat_template
+    from .infer.sampling import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        stop=[chat_template.STOP],
+        speculative=args.speculative,
+    ).validate()
+    engine = _engine(args, max_batch_size=1)
+    tok = engine.tokenizer
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(base)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        print("[type a message; /reset clears the conversation, /exit quits]", file=sys.stderr)
+    turn = 0
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return
+        if not line:  # end of input
+            return
+        text = line.rstrip("\r\n")
+        command = text.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            return
+        if command == "/reset":
+            messages = list(base)
+            print("[conversation reset]", file=sys.stderr)
+            continue
+        if command.startswith("/"):
+            print(f"[unknown command {command}; commands: /reset, /exit]", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": text})
+        ids = tok.encode(chat_template.render(messages))
+        seed = None if args.seed is None else args.seed + turn
+        try:
+            rid = engine.add_request(ids, replace(params, seed=seed))
+        except ValueError as err:
+            messages.pop()
+            print(f"[error: {err}; /reset starts a new conversation]", file=sys.stderr)
+            continue
+        turn += 1
+        final = None
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    sys.stdout.write(out.delta_text)
+                    sys.stdout.flush()
+                    final = out if out.finished else final
+        except KeyboardInterrupt:  # stop this reply, keep the conversation
+            engine.abort(rid)
+            while engine.has_unfinished():
+                for out in engine.step():
+                    final = out if out.finished else final
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        reply = final.text if final is not None else ""
+        messages.append({"role": "assistant", "content": reply})
+        if final is not None and final.spec_stats is not None:
+            st = final.spec_stats
+            by_pos = " ".join(f"{a:.2f}" for a in st.acceptance_by_position())
+            print(
+                f"[speculative k={args.speculative}: acceptance length "
+                f"{st.acceptance_length:.2f}, by draft position {by_pos}]",
+                file=sys.stderr,
+            )
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="weight init (random models) and sampling")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + reply in tokens (default: the model's max_seq_len)",
+    )
+    p.add_argument(
+        "--ssm-precision",
+        choices=SSM_PRECISIONS,
+        default="fp32",
+        help="storage precision of the Mamba state cache",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridlm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--ssm-precision",
@@ -197,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="K",
-        help="draft K tokens per step with the MTP head (greedy; output equals plain greedy)",
+        help="draft K tokens per step with the MTP head (greedy output equals plain greedy; "
+        "sampled output follows the model's distribution by rejection sampling)",
     )
     p.set_defaults(fn=cmd_generate)
 
@@ -206,6 +371,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_export_hf)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the [serve] extra)")
+    _add_model_args(p)
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
+    p.add_argument(
+        "--model-name",
+        default=None,
+        help="the model id clients send (default: the preset/checkpoint name)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("chat", help="interactive chat on stdin/stdout with the chat template")
+    _add_model_args(p)
+    _add_engine_args(p)
+    p.add_argument("--system", default=None, help="a system message that starts the conversation")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply")
+    p.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="K",
+        help="draft K tokens per step with the MTP head",
+    )
+    p.set_defaults(fn=cmd_chat, model_name=None)
     return parser
 
 

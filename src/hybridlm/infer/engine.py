@@ -291,10 +291,13 @@ class Engine:
             self.model,
             req.prompt,
             draft_len=p.speculative,
+            max_new_tokens=min(p.max_tokens, self.max_model_len - len(req.prompt)),
             temperature=p.temperature,
             top_k=p.top_k,
             top_p=p.top_p,
-            seed=p.seed,
+            generator=req.generator,
+            eos_id=None if p.ignore_eos else self.tokenizer.eos_id,
+            stop_token_ids=p.stop_token_ids,
         )
         self._spec.append(req)
 

@@ -1,21 +1,51 @@
-"""Greedy speculative decoding with the shared-weight MTP head (Nemotron 3 Super §2.1.2).
+"""Speculative decoding with the shared-weight MTP head (Nemotron 3 Super §2.1.2): greedy, or
+sampled with rejection sampling so that the output distribution is exactly the target's.
 
-Shape legend: B batch (1 here), L length, D model width, K draft length.
+Shape legend: B batch (1 here), L length, D model width, V vocabulary, K draft length,
+J = K + 1 verified positions.
 
-Each round, with backbone hidden h_t of the last processed position t and the next token x_{t+1}:
+`SpeculativeDecoder` holds one request and advances it by one draft + verify round per `step()`
+(the first call prefills and returns the first token), so a serving loop can interleave it with
+other work; `speculative_generate` runs it to the end. Each round, with backbone hidden h_t of
+the last processed position t and the next token x_{t+1} (emitted, not yet run):
 
 1. draft: the MTP module runs autoregressively over positions t, t+1, ...: position t takes
    (h_t, emb(x_{t+1})) and predicts d_1 = x_{t+2}; position t+j takes its own previous output in
    place of the backbone hidden and emb(d_j), predicting d_{j+1} (the recursion the shared
-   weights are trained for). The MTP attention keeps its own KV cache over positions.
-2. verify: one backbone forward over [x_{t+1}, d_1..d_K]; drafts are accepted while they equal
-   the backbone's greedy choice, and the first disagreement (or the bonus after K accepted)
-   becomes the next token. Output is therefore the backbone's greedy output, token for token.
-3. rollback, by recompute: if a draft was rejected, the backbone cache is restored to its
-   `HybridCache.snapshot()` from before the verify pass (attention KV truncated, Mamba conv and
-   SSM states put back) and the accepted tokens are run again. This costs a second short
-   forward on rejection but needs no per-position Mamba states. The MTP cache is truncated to
-   its last exact position and refilled with true hiddens.
+   weights are trained for). The MTP attention keeps its own KV cache over positions. A draft
+   is the argmax of the MTP logits (temperature 0) or a draw from q_j = `filtered_probs` of them
+   with the request's temperature / top-k / top-p.
+2. verify: one backbone forward over [x_{t+1}, d_1..d_K] gives the target p_j of every draft
+   and p_{K+1} after the last one, filtered with the same settings.
+   - temperature 0: drafts are accepted while they equal the backbone's argmax; the first
+     disagreement (or the argmax after K accepted) is the next token. The output is the
+     backbone's greedy output, token for token.
+   - temperature > 0, rejection sampling (Leviathan et al. 2023, "Fast Inference from
+     Transformers via Speculative Decoding", Alg. 1; Chen et al. 2023, "Accelerating LLM Decoding
+     with Speculative Sampling", Alg. 2): accept d_j with probability min(1, p_j(d_j) / q_j(d_j));
+     at the first rejection emit a draw from the residual norm(max(0, p_j - q_j)) and stop; if
+     all K are accepted emit a bonus draw from p_{K+1}. Every emitted token is then distributed
+     exactly as p given its prefix (Leviathan et al. Appendix A.1), whatever q is. Greedy is the
+     limit of one-hot p and q: p(d)/q(d) is 1 on a match and 0 otherwise, and the residual is
+     the one-hot of p's argmax.
+   All randomness (drafts, acceptance uniforms, residual / bonus draws) comes from one
+   `torch.Generator`, so a seed reproduces the output.
+3. rollback of rejected drafts, two ways (`rollback=`):
+   - "history" (default), a state per draft position: the verify pass runs the Mamba layers'
+     decode recurrence token by token and keeps the conv and SSM state after every position
+     (`HybridCache.record_history`); on rejection the cache is rewound to the last accepted
+     position (`HybridCache.rewind`: attention KV truncated, Mamba states picked from the
+     history). One backbone forward per round; costs K+1 SSM states per Mamba layer while the
+     round lasts (the choice of Nemotron 3 Super §4.3's serving path and vLLM's Mamba
+     speculative decoding, which also keep per-position states).
+   - "recompute": the cache is restored to its `HybridCache.snapshot()` from before the verify
+     pass and the accepted tokens run again: no extra state, but a second short forward on
+     every round with a rejection.
+   The MTP cache is truncated to its last exact position and refilled with true hiddens.
+
+Drafts are capped so a request never emits more than `max_new_tokens`: with r tokens left a
+round drafts min(K, max(r - 1, 1)) (a full round emits its drafts plus one), and emitted tokens
+stop after the first stop token.
 
 `SpecStats` follows SPEED-Bench: acceptance length = tokens emitted per verify step (accepted
 drafts + 1), and the acceptance rate of each draft position.
@@ -23,26 +53,36 @@ drafts + 1), and the acceptance rate of each draft position.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..model.model import HybridLM
 from .cache import HybridCache
+from .sampling import SamplingParams, filtered_probs
+
+Tensor = torch.Tensor
+MAX_DRAFT_LEN = 16
+ROLLBACKS = ("history", "recompute")
 
 
 @dataclass
 class SpecStats:
+    """Acceptance counters of one request. Rounds near `max_new_tokens` draft fewer than
+    `draft_len` tokens; each position's rate counts only the drafts actually made there."""
+
     draft_len: int
-    steps: int = 0
-    accepted: int = 0
+    steps: int = 0  # verify forwards
+    accepted: int = 0  # accepted drafts, over all steps
     accepted_at: list[int] = field(default_factory=list)  # per draft position
     drafted_at: list[int] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.accepted_at = self.accepted_at or [0] * self.draft_len
+        self.drafted_at = self.drafted_at or [0] * self.draft_len
+
     def record(self, n_drafted: int, n_accepted: int) -> None:
-        if not self.accepted_at:
-            self.accepted_at = [0] * self.draft_len
-            self.drafted_at = [0] * self.draft_len
         self.steps += 1
         self.accepted += n_accepted
         for i in range(n_drafted):
@@ -55,10 +95,66 @@ class SpecStats:
         return (self.accepted + self.steps) / max(self.steps, 1)
 
     def acceptance_by_position(self) -> list[float]:
+        """Fraction of the drafts at each position (1..K) that were accepted."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
 
+    def to_dict(self) -> dict[str, int | float | list[float]]:
+        """JSON-ready summary for the API and CLI (`accepted_tokens`: accepted drafts)."""
+        return {
+            "draft_len": self.draft_len,
+            "steps": self.steps,
+            "acceptance_length": self.acceptance_length,
+            "acceptance_by_position": self.acceptance_by_position(),
+            "accepted_tokens": self.accepted,
+        }
 
-def _mtp(model: HybridLM, h_BLD: torch.Tensor, next_BL: torch.Tensor, cache: HybridCache):
+
+def residual_probs(p_V: Tensor, q_V: Tensor) -> Tensor:
+    """norm(max(0, p - q)): the distribution of the token emitted after a draft from q is
+    rejected against p (Leviathan et al. 2023 Alg. 1). Where p <= q everywhere (p == q up to
+    rounding, so a rejection had probability ~0) it is p itself. Works on [..., V]."""
+    r_V = (p_V - q_V).clamp_min(0.0)
+    mass = r_V.sum(-1, keepdim=True)
+    return torch.where(mass > 0, r_V / mass.clamp_min(torch.finfo(r_V.dtype).tiny), p_V)
+
+
+def _draw(probs_V: Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs_V, 1, generator=generator))
+
+
+def rejection_verify(
+    p_JV: Tensor, q_KV: Tensor, drafts_K: Tensor, generator: torch.Generator
+) -> tuple[int, int]:
+    """Speculative sampling of K drafts (Leviathan et al. 2023 Alg. 1; Chen et al. 2023 Alg. 2).
+    `p_JV`: target distributions at the K draft positions and after the last draft (J = K + 1);
+    `q_KV`: the draft distributions the drafts were sampled from. Returns (accepted, next):
+    draft j is accepted with probability min(1, p_j(d_j) / q_j(d_j)); `next` is drawn from the
+    residual norm(max(0, p - q)) at the first rejection, else from p_{K+1} (the bonus token)."""
+    K = drafts_K.shape[0]
+    if p_JV.shape[0] != K + 1 or q_KV.shape[0] != K:
+        raise ValueError(f"need K + 1 target and K draft rows for K={K} drafts")
+    u_K = torch.rand(K, generator=generator, device=p_JV.device, dtype=p_JV.dtype)
+    idx_K = torch.arange(K, device=p_JV.device)
+    p_d, q_d = p_JV[idx_K, drafts_K], q_KV[idx_K, drafts_K]
+    # u < p/q written without the division: q(d) > 0 for a sampled d, and p(d) = 0 never accepts
+    rejected = (u_K * q_d >= p_d).tolist()
+    m = rejected.index(True) if True in rejected else K
+    if m == K:
+        return K, _draw(p_JV[K], generator)
+    return m, _draw(residual_probs(p_JV[m], q_KV[m]), generator)
+
+
+def greedy_verify(target_logits_JV: Tensor, drafts_K: Tensor) -> tuple[int, int]:
+    """Temperature 0: drafts are accepted while they equal the target's argmax; returns
+    (accepted, next) with `next` the argmax after the accepted prefix."""
+    K = drafts_K.shape[0]
+    best_J = target_logits_JV.argmax(-1)
+    mismatch = (best_J[:K] != drafts_K).tolist()
+    m = mismatch.index(True) if True in mismatch else K
+    return m, int(best_J[m])
+
+
+def _mtp(model: HybridLM, h_BLD: Tensor, next_BL: Tensor, cache: HybridCache):
     """Run the MTP module over len(next) new positions; returns (hidden, logits)."""
     L = next_BL.shape[1]
     pos = torch.arange(cache.seen_tokens, cache.seen_tokens + L, device=next_BL.device)
@@ -67,77 +163,268 @@ def _mtp(model: HybridLM, h_BLD: torch.Tensor, next_BL: torch.Tensor, cache: Hyb
     return out, model.lm_head(out)
 
 
+def _prompt_BL(prompt_ids: Sequence[int] | Tensor, vocab_size: int, device) -> Tensor:
+    shape_msg = "speculative decoding takes one non-empty prompt of shape [1, seq]"
+    if isinstance(prompt_ids, Tensor):
+        ids = prompt_ids[None] if prompt_ids.dim() == 1 else prompt_ids
+        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+            raise ValueError(f"{shape_msg}, got shape {tuple(prompt_ids.shape)}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex:
+            raise TypeError(f"prompt token ids must be integers, got {ids.dtype}")
+        ids = ids.to(device=device, dtype=torch.long)
+    else:
+        ids_list = list(prompt_ids)
+        if not ids_list or not all(isinstance(t, int) for t in ids_list):
+            raise ValueError(f"{shape_msg} (or a non-empty list of ints)")
+        ids = torch.tensor([ids_list], dtype=torch.long, device=device)
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got [{lo}, {hi}]")
+    return ids
+
+
+class SpeculativeDecoder:
+    """One request decoded speculatively with MTP drafts, one draft + verify round per `step()`.
+
+    `temperature` 0 is greedy (output == plain greedy decoding); above 0 drafts are verified by
+    rejection sampling, so the output is distributed as `filtered_probs(backbone logits,
+    temperature, top_k, top_p)`. Randomness comes from `generator`, else a generator seeded by
+    `seed` (unseeded: nondeterministic). Decoding ends after `max_new_tokens` (None: no limit)
+    or after emitting `eos_id` or one of `stop_token_ids` (the stop token is emitted).
+    `tokens` holds everything emitted so far, `stats` the acceptance statistics."""
+
+    def __init__(
+        self,
+        model: HybridLM,
+        prompt_ids: Sequence[int] | Tensor,
+        *,
+        draft_len: int = 3,
+        max_new_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        eos_id: int | None = None,
+        stop_token_ids: Iterable[int] = (),
+        rollback: str = "history",
+    ) -> None:
+        cfg = model.config
+        if rollback not in ROLLBACKS:
+            raise ValueError(f"rollback must be one of {ROLLBACKS}, got {rollback!r}")
+        self.rollback = rollback
+        if model.mtp is None:
+            raise ValueError("speculative decoding needs a model with an MTP module (mtp.pattern)")
+        if "M" in cfg.mtp.pattern:
+            # the MTP cache is rolled back by truncation, which Mamba states cannot do
+            raise ValueError(
+                "speculative drafting supports MTP layers of attention and MoE/MLP blocks"
+            )
+        if not 1 <= draft_len <= MAX_DRAFT_LEN:
+            raise ValueError(f"draft_len must be in [1, {MAX_DRAFT_LEN}], got {draft_len}")
+        if max_new_tokens is not None and max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p).validate()
+        if seed is not None and generator is not None:
+            raise ValueError("pass either seed or generator, not both")
+        device = model.embeddings.weight.device
+        self.model = model
+        self.prompt_BL = _prompt_BL(prompt_ids, cfg.vocab_size, device)
+        self.draft_len = draft_len
+        self.max_new_tokens = max_new_tokens
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(seed)
+        elif generator.device.type != device.type:
+            raise ValueError(f"generator is on {generator.device}, the model on {device}")
+        self.generator = generator
+        self.stop_ids = set(stop_token_ids) | ({eos_id} if eos_id is not None else set())
+        self.tokens: list[int] = []
+        self.stats = SpecStats(draft_len)
+        self.finished = max_new_tokens == 0
+        self._cache: HybridCache | None = None  # backbone
+        self._mtp_cache: HybridCache | None = None
+        self._h_last_BLD: Tensor | None = None  # backbone hidden of the last processed position
+        self._next_BL: Tensor | None = None  # emitted token not yet run through the backbone
+
+    @classmethod
+    def from_params(
+        cls,
+        model: HybridLM,
+        prompt_ids: Sequence[int] | Tensor,
+        params: SamplingParams,
+        *,
+        eos_id: int | None = None,
+    ) -> SpeculativeDecoder:
+        """A decoder for a request's `SamplingParams` (draft length `params.speculative`; stop
+        strings are the caller's, they need the detokenizer)."""
+        params.validate()
+        if params.speculative < 1:
+            raise ValueError("SamplingParams.speculative must be >= 1 for speculative decoding")
+        stops = list(params.stop_token_ids)
+        if eos_id is not None and not params.ignore_eos:
+            stops.append(eos_id)
+        return cls(
+            model,
+            prompt_ids,
+            draft_len=params.speculative,
+            max_new_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            seed=params.seed,
+            stop_token_ids=stops,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def _remaining(self) -> int | None:
+        return None if self.max_new_tokens is None else self.max_new_tokens - len(self.tokens)
+
+    def _probs(self, logits_BV: Tensor) -> Tensor:
+        return filtered_probs(
+            logits_BV, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p
+        )
+
+    @torch.no_grad()
+    def step(self) -> list[int]:
+        """Prefill (first call, returns the first token) or one draft + verify round (returns
+        the 1..K+1 tokens it emits). Returns [] once finished."""
+        if self.finished:
+            return []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            new = self._prefill() if self._cache is None else self._round()
+        finally:
+            self.model.train(was_training)
+        return self._emit(new)
+
+    def _emit(self, new: list[int]) -> list[int]:
+        """Append `new` up to the token limit and the first stop token; set `finished`."""
+        out = []
+        for tok in new:
+            out.append(tok)
+            if tok in self.stop_ids:
+                self.finished = True
+                break
+            if self._remaining() is not None and len(out) == self._remaining():
+                break
+        self.tokens.extend(out)
+        if self._remaining() == 0:
+            self.finished = True
+        return out
+
+    def _finishes(self, new: list[int]) -> bool:
+        r = self._remaining()
+        return (r is not None and len(new) >= r) or any(t in self.stop_ids for t in new)
+
+    def _prefill(self) -> list[int]:
+        model, x_BL = self.model, self.prompt_BL
+        self._cache = HybridCache.for_pattern(model.config.pattern)
+        self._mtp_cache = HybridCache.for_pattern(model.config.mtp.pattern)
+        pre = model(x_BL, cache=self._cache, return_hidden=True)
+        if x_BL.shape[1] > 1:  # MTP positions 0..L-2 see (h_t, x_{t+1})
+            _mtp(model, pre.hidden[:, :-1], x_BL[:, 1:], self._mtp_cache)
+        self._h_last_BLD = pre.hidden[:, -1:]
+        logits_1V = pre.logits[:, -1]
+        if self.greedy:
+            nxt = int(logits_1V.argmax(-1))
+        else:
+            nxt = _draw(self._probs(logits_1V)[0], self.generator)
+        self._next_BL = x_BL.new_full((1, 1), nxt)
+        return [nxt]
+
+    def _round(self) -> list[int]:
+        model, cache, mtp_cache = self.model, self._cache, self._mtp_cache
+        assert cache is not None and mtp_cache is not None
+        r = self._remaining()
+        K = self.draft_len if r is None else min(self.draft_len, max(r - 1, 1))
+        # 1) draft; the first MTP position has exact inputs (true hidden, true token)
+        exact = mtp_cache.seen_tokens + 1
+        h_BLD, tok_BL = self._h_last_BLD, self._next_BL
+        drafts, q_rows = [], []
+        for _ in range(K):
+            h_BLD, logits_BLV = _mtp(model, h_BLD, tok_BL, mtp_cache)
+            if self.greedy:
+                tok_BL = logits_BLV[:, -1].argmax(-1, keepdim=True)
+            else:
+                q_1V = self._probs(logits_BLV[:, -1])
+                tok_BL = torch.multinomial(q_1V, 1, generator=self.generator)
+                q_rows.append(q_1V)
+            drafts.append(tok_BL)
+        # 2) verify all drafts in one backbone forward
+        seq_BJ = torch.cat([self._next_BL, *drafts], dim=1)
+        drafts_K = seq_BJ[0, 1:]
+        history = self.rollback == "history"
+        if history:
+            cache.record_history(True)
+        else:
+            snap = cache.snapshot()
+        ver = model(seq_BJ, cache=cache, return_hidden=True)
+        if history:
+            cache.record_history(False)
+        if self.greedy:
+            m, nxt = greedy_verify(ver.logits[0], drafts_K)
+        else:
+            p_JV = self._probs(ver.logits[0])
+            m, nxt = rejection_verify(p_JV, torch.cat(q_rows), drafts_K, self.generator)
+        self.stats.record(K, m)
+        new = drafts_K[:m].tolist() + [nxt]
+        if self._finishes(new):
+            return new  # the caches are not used again
+        # 3) rollback of rejected drafts: to the states kept per position, or by recompute
+        if m < K and history:
+            cache.rewind(K - m)
+        elif m < K:
+            cache.restore(snap)
+            ver = model(seq_BJ[:, : m + 1], cache=cache, return_hidden=True)
+        hidden_BLD = ver.hidden[:, : m + 1]
+        mtp_cache.truncate(exact)
+        if m:
+            _mtp(model, hidden_BLD[:, :m], seq_BJ[:, 1 : m + 1], mtp_cache)
+        self._h_last_BLD = hidden_BLD[:, m : m + 1]
+        self._next_BL = seq_BJ.new_full((1, 1), nxt)
+        return new
+
+
 @torch.no_grad()
 def speculative_generate(
     model: HybridLM,
-    input_ids_BL: torch.Tensor,
+    input_ids_BL: Tensor,
     max_new_tokens: int,
     *,
     draft_len: int = 3,
     eos_id: int | None = None,
-) -> tuple[torch.Tensor, SpecStats]:
-    """Greedy decoding with MTP drafts; returns (tokens [1, n], stats). Equals greedy `generate`."""
-    cfg = model.config
-    if model.mtp is None:
-        raise ValueError("speculative decoding needs a model with an MTP module (mtp.pattern)")
-    if "M" in cfg.mtp.pattern:
-        raise ValueError("speculative drafting supports MTP layers of attention and MoE/MLP blocks")
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    rollback: str = "history",
+) -> tuple[Tensor, SpecStats]:
+    """Speculative decoding of one prompt [1, L] to the end; returns (tokens [1, n], stats).
+    At temperature 0 the tokens equal greedy `generate`; above 0 they are a sample of the
+    backbone's filtered distribution (reproducible with `seed`)."""
     if input_ids_BL.dim() != 2 or input_ids_BL.shape[0] != 1 or input_ids_BL.shape[1] == 0:
         raise ValueError("speculative decoding takes one non-empty prompt of shape [1, seq]")
-    if not 1 <= draft_len <= 16:
-        raise ValueError(f"draft_len must be in [1, 16], got {draft_len}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    was_training = model.training
-    model.eval()
-    stats = SpecStats(draft_len)
-    out_tokens: list[int] = []
-    try:
-        cache = HybridCache.for_pattern(cfg.pattern)
-        mtp_cache = HybridCache.for_pattern(cfg.mtp.pattern)
-        pre = model(input_ids_BL, cache=cache, return_hidden=True)
-        if input_ids_BL.shape[1] > 1:  # MTP positions 0..n-2 see (h_t, x_{t+1})
-            _mtp(model, pre.hidden[:, :-1], input_ids_BL[:, 1:], mtp_cache)
-        h_last = pre.hidden[:, -1:]
-        nxt = pre.logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
-        while len(out_tokens) < max_new_tokens:
-            out_tokens.append(int(nxt))
-            if int(nxt) == eos_id or len(out_tokens) == max_new_tokens:
-                break
-            # 1) draft
-            exact = mtp_cache.seen_tokens + 1  # the first draft position has exact inputs
-            drafts, hh, tok = [], h_last, nxt
-            for _ in range(min(draft_len, max_new_tokens - len(out_tokens))):
-                hh, logits = _mtp(model, hh, tok, mtp_cache)
-                tok = logits[:, -1].argmax(-1, keepdim=True)
-                drafts.append(tok)
-            # 2) verify all drafts in one forward
-            seq = torch.cat([nxt, *drafts], dim=1)
-            snap = cache.snapshot()
-            ver = model(seq, cache=cache, return_hidden=True)
-            greedy = ver.logits[0].argmax(-1)
-            m = 0
-            while m < len(drafts) and int(drafts[m]) == int(greedy[m]):
-                m += 1
-            stats.record(len(drafts), m)
-            # 3) rollback rejected drafts by recompute
-            if m < len(drafts):
-                cache.restore(snap)
-                ver = model(seq[:, : m + 1], cache=cache, return_hidden=True)
-            hidden = ver.hidden[:, : m + 1]
-            mtp_cache.truncate(exact)
-            if m:
-                _mtp(model, hidden[:, :m], seq[:, 1 : m + 1], mtp_cache)
-            for j in range(m):
-                if len(out_tokens) == max_new_tokens:
-                    break
-                out_tokens.append(int(seq[0, j + 1]))
-                if out_tokens[-1] == eos_id:
-                    break
-            if out_tokens and (out_tokens[-1] == eos_id or len(out_tokens) >= max_new_tokens):
-                break
-            h_last = hidden[:, m : m + 1]
-            nxt = greedy[m].view(1, 1)
-    finally:
-        model.train(was_training)
-    return torch.tensor([out_tokens], dtype=torch.long, device=input_ids_BL.device), stats
+    dec = SpeculativeDecoder(
+        model,
+        input_ids_BL,
+        draft_len=draft_len,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        eos_id=eos_id,
+        rollback=rollback,
+    )
+    while not dec.finished:
+        dec.step()
+    return torch.tensor([dec.tokens], dtype=torch.long, device=input_ids_BL.device), dec.stats

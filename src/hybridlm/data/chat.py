@@ -1,0 +1,222 @@
+"""ChatML-style chat template: render OpenAI-format messages to text, and back for assistant turns.
+
+    <|im_start|>system
+    You are a helpful assistant.<|im_end|>
+    <|im_start|>user
+    What is 2 + 2?<|im_end|>
+    <|im_start|>assistant
+    <think>
+    Add them.
+    </think>
+    4<|im_end|>
+    <|im_start|>assistant            <- the generation prompt (add_generation_prompt=True)
+
+Roles are `system`, `user`, `assistant` and `tool` (`developer`, the newer OpenAI name for
+`system`, is rendered as `system`). An assistant turn's body is, each part on its own line and
+each optional: a reasoning block `<think>\\n...\\n</think>` (from `reasoning_content`), the
+content, and one `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` line per tool call
+(OpenAI `tool_calls`). A turn ends with `STOP` (`<|im_end|>`), the stop string for generation.
+
+`render_with_spans` also returns the character spans of every assistant body (plus its `STOP`
+by default): the tokens a post-training loss is computed on. Spans are in *characters* of the
+returned text; a byte tokenizer needs `len(text[:i].encode())` to turn them into token offsets.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+STOP = IM_END  # generation of an assistant turn stops at this string
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+ROLES = ("system", "user", "assistant", "tool")
+_ROLE_ALIASES = {"developer": "system"}
+
+Message = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One validated message: its role and its rendered body (the text between the header and
+    `STOP`)."""
+
+    role: str
+    body: str
+
+    @property
+    def is_assistant(self) -> bool:
+        return self.role == "assistant"
+
+
+def _text(content: Any, where: str) -> str:
+    """OpenAI content: a string or a list of `{"type": "text", "text": ...}` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise ValueError(
+                    f"{where}: content part {j} has type {kind!r}; only text parts "
+                    '({"type": "text", "text": "..."}) are supported'
+                )
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}: content part {j} needs a string 'text'")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise ValueError(
+        f"{where}: content must be a string or a list of text parts, got {type(content).__name__}"
+    )
+
+
+def _tool_call_json(call: Any, where: str) -> str:
+    """`{"name", "arguments"}` as compact-ish JSON, from OpenAI's `{"function": {...}}` form or
+    the flat form; `arguments` may be a JSON string (OpenAI) or an object."""
+    if not isinstance(call, Mapping):
+        raise ValueError(f"{where}: each tool call must be an object, got {type(call).__name__}")
+    fn = call.get("function", call)
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise ValueError(f'{where}: a tool call needs {{"function": {{"name": "...", ...}}}}')
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{where}: tool call {fn['name']!r} has arguments that are not valid JSON ({err})"
+            ) from None
+    return json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+
+
+def assistant_body(
+    content: str | None, reasoning: str | None = None, tool_calls: Sequence[Any] = ()
+) -> str:
+    """The text of an assistant turn between its header and `STOP` (each part optional)."""
+    parts = []
+    if reasoning:
+        parts.append(f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}")
+    if content:
+        parts.append(content)
+    for call in tool_calls:
+        parts.append(f"{TOOL_OPEN}{_tool_call_json(call, 'assistant')}{TOOL_CLOSE}")
+    return "\n".join(parts)
+
+
+def validate(messages: Sequence[Message]) -> list[Turn]:
+    """Check roles and contents; returns the turns with their rendered bodies."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
+    if not messages:
+        raise ValueError("messages must contain at least one message")
+    turns = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, Mapping):
+            raise ValueError(f"{where} must be an object with 'role' and 'content'")
+        role = msg.get("role")
+        role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+        if role not in ROLES:
+            raise ValueError(f"{where}: unknown role {msg.get('role')!r}; expected one of {ROLES}")
+        content = msg.get("content")
+        tool_calls = msg.get("tool_calls") or []
+        reasoning = msg.get("reasoning_content", msg.get("reasoning"))
+        if role != "assistant":
+            if tool_calls:
+                raise ValueError(f"{where}: only assistant messages can have tool_calls")
+            if content is None:
+                raise ValueError(f"{where}: a {role} message needs 'content'")
+            turns.append(Turn(role, _text(content, where)))
+            continue
+        if content is None and not tool_calls:
+            raise ValueError(f"{where}: an assistant message needs 'content' or 'tool_calls'")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise ValueError(f"{where}: reasoning_content must be a string")
+        if not isinstance(tool_calls, Sequence) or isinstance(tool_calls, (str, Mapping)):
+            raise ValueError(f"{where}: tool_calls must be a list of tool calls")
+        text = None if content is None else _text(content, where)
+        try:
+            body = assistant_body(text, reasoning, tool_calls)
+        except ValueError as err:
+            raise ValueError(str(err).replace("assistant", where, 1)) from None
+        turns.append(Turn(role, body))
+    return turns
+
+
+def render_with_spans(
+    messages: Sequence[Message], *, add_generation_prompt: bool = False, include_stop: bool = True
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the `(start, end)` character span of every assistant body, in order.
+
+    With `include_stop` (default) each span also covers the turn's `STOP`, so a loss mask over
+    the spans teaches the model to end its turn; without it a span is exactly the body.
+    """
+    out: list[str] = []
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    for turn in validate(messages):
+        header = f"{IM_START}{turn.role}\n"
+        out.append(header + turn.body + IM_END + "\n")
+        start = pos + len(header)
+        end = start + len(turn.body) + (len(IM_END) if include_stop else 0)
+        if turn.is_assistant:
+            spans.append((start, end))
+        pos += len(out[-1])
+    if add_generation_prompt:
+        out.append(generation_prompt())
+    return "".join(out), spans
+
+
+def render(messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    """The conversation as text; with `add_generation_prompt` it ends with the assistant header,
+    ready for the model to continue until `STOP`."""
+    return render_with_spans(messages, add_generation_prompt=add_generation_prompt)[0]
+
+
+def generation_prompt() -> str:
+    """The header that opens an assistant turn."""
+    return f"{IM_START}assistant\n"
+
+
+_THINK_RE = re.compile(rf"^\s*{re.escape(THINK_OPEN)}\n?(.*?)\n?{re.escape(THINK_CLOSE)}\n?", re.S)
+_TOOL_RE = re.compile(rf"\n?{re.escape(TOOL_OPEN)}(.*?){re.escape(TOOL_CLOSE)}", re.S)
+
+
+def parse_assistant(text: str) -> dict[str, Any]:
+    """Split generated assistant text (up to `STOP`) into an OpenAI-style message:
+    `content`, and `reasoning_content` / `tool_calls` when present. Tool calls whose JSON does
+    not parse are left in the content. Inverse of `assistant_body` for the parts it renders."""
+    text = text.split(STOP, 1)[0]
+    msg: dict[str, Any] = {"role": "assistant"}
+    m = _THINK_RE.match(text)
+    if m:
+        msg["reasoning_content"] = m.group(1)
+        text = text[m.end() :]
+    calls, kept, last = [], [], 0
+    for m in _TOOL_RE.finditer(text):
+        try:
+            call = json.loads(m.group(1))
+            name, args = call["name"], call.get("arguments", {})
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+        kept.append(text[last : m.start()])
+        last = m.end()
+        calls.append(
+            {
+                "id": f"call_{len(calls)}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+            }
+        )
+    kept.append(text[last:])
+    content = "".join(kept)
+    msg["content"] = content if content or not calls else None
+    if calls:
+        msg["tool_calls"] = calls
+    return msg

@@ -1,0 +1,937 @@
+"""OpenAI-compatible HTTP server over the continuous-batching `Engine` (FastAPI + uvicorn).
+
+    hybridlm serve --preset tiny-super --port 8000
+    OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x").completions.create(...)
+
+Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`,
+`POST /v1/chat/completions` (both with SSE streaming and `stream_options.include_usage`), and
+`GET /health`. Requests take the OpenAI fields `model`, `prompt` / `messages`, `max_tokens`
+(`max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop`, `n`, `stream`, `echo`
+(completions), plus `top_k`, `ignore_eos` and `speculative` (MTP draft length, 0 = off; also the
+header `X-Speculative-Draft-Length`). Responses carry `usage`, and with speculation a top-level
+`speculative` field with the acceptance statistics. `max_tokens` defaults to 16 for completions
+(as OpenAI's) and to the rest of the context for chat; a prompt that leaves no room, or an explicit
+`max_tokens` beyond `max_model_len`, is a 400 `context_length_exceeded`. `n` (up to 128) and lists
+of prompts fan out to one engine request per choice (choice j samples with `seed + j`).
+Fields this server cannot honour (logprobs,
+penalties, logit_bias, tools, best_of != n, suffix, JSON mode) are rejected with a 400 rather
+than silently ignored; unknown fields are ignored. Every error is OpenAI-shaped JSON,
+`{"error": {"message", "type", "param", "code"}}`.
+
+Threading: the `Engine` is not thread-safe, so exactly one background thread (`EngineWorker`)
+owns it. Request handlers put commands on a thread-safe queue; the worker drains the queue,
+loops `engine.step()` while any request is unfinished and blocks on the queue otherwise. Each
+HTTP request owns an `asyncio.Queue` that the worker feeds through `loop.call_soon_threadsafe`.
+A client that disconnects aborts its requests; an engine exception fails only the requests in
+flight (500) and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response, StreamingResponse
+
+from ..data import chat as chat_template
+from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .engine import Engine, RequestOutput
+
+log = logging.getLogger("hybridlm.server")
+
+SPEC_HEADER = "X-Speculative-Draft-Length"
+MAX_CHOICES = 128  # OpenAI's limit on n; also bounds prompts x n for list prompts
+
+
+# ---------------------------------------------------------------------- errors
+class APIError(Exception):
+    """An error with an HTTP status, rendered as OpenAI's `{"error": {...}}` body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _schema_error(errors: list[dict[str, Any]]) -> APIError:
+    """Pydantic's errors as one readable 400 naming the first bad field. A value that matches
+    none of a union's forms (e.g. `prompt`) gets one message listing the forms."""
+    by_field: dict[str, list[dict[str, Any]]] = {}
+    for e in errors:
+        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        by_field.setdefault(loc[0] if loc else "", []).append({**e, "loc": loc})
+    msgs = []
+    for name, errs in by_field.items():
+        forms = sorted({e["loc"][1] for e in errs if len(e["loc"]) > 1})
+        if len(forms) > 1 and not any(f.isdigit() for f in forms):
+            got = type(errs[0].get("input")).__name__
+            msgs.append(f"{name}: got {got}, expected one of {', '.join(forms)}")
+        else:
+            where = ".".join(errs[0]["loc"])
+            msgs.append(f"{where}: {errs[0].get('msg')}" if where else str(errs[0].get("msg")))
+    first = next(iter(by_field), "")
+    return _bad("invalid request: " + "; ".join(msgs), param=first or None)
+
+
+# ---------------------------------------------------------------------- request schemas
+class _Request(BaseModel):
+    """Fields shared by both endpoints. Unknown fields are ignored (as vLLM does)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    speculative: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------- the engine thread
+@dataclass
+class _Sink:
+    """Where the worker delivers a request's events: an asyncio queue on some event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    index: int
+
+    def put(self, kind: str, payload: Any = None) -> bool:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, self.index, payload))
+            return True
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            return False
+
+
+_STOP = object()
+
+
+class EngineWorker:
+    """Owns the (not thread-safe) engine in one thread. `submit` and `abort` are thread-safe."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}  # touched by the worker thread only
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._failures = 0
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="hybridlm-engine", daemon=True
+                )
+                self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None and thread.is_alive():
+            self._commands.put(_STOP)
+            thread.join(timeout)
+
+    def submit(
+        self, request_id: str, prompt: list[int], params: SamplingParams, sink: _Sink
+    ) -> None:
+        """Queue a request; the sink receives ("accepted" | "error" | "output", index, payload)."""
+        self.start()
+        self._commands.put(("add", request_id, prompt, params, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # -- worker thread
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._run_once():
+                    return
+            except Exception as err:  # a bug outside engine.step(): keep serving
+                self._failures += 1
+                log.exception("the engine worker failed")
+                self._fail_all(APIError(500, f"the engine failed: {type(err).__name__}: {err}"))
+                time.sleep(min(0.05 * self._failures, 1.0))  # no hot loop on a broken engine
+
+    def _run_once(self) -> bool:
+        """Take the queued commands (blocking while there is nothing to do), then one step.
+        Returns False when asked to stop."""
+        idle = not self.engine.has_unfinished()
+        backoff = self._failures > 0 and not self._sinks
+        try:
+            cmd = (
+                self._commands.get(timeout=0.5 if backoff and not idle else None)
+                if idle or backoff
+                else self._commands.get_nowait()
+            )
+        except queue.Empty:
+            cmd = None
+        while cmd is not None:
+            if cmd is _STOP:
+                self._fail_all(APIError(503, "the server is shutting down"))
+                return False
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                cmd = None
+        if self.engine.has_unfinished():
+            self._step()
+        return True
+
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, rid, prompt, params, sink = cmd
+            try:
+                self.engine.add_request(prompt, params, request_id=rid)
+            except Exception as err:  # ValueError: a bad request; anything else: our bug
+                sink.put("error", err)
+                return
+            self._sinks[rid] = sink
+            if not sink.put("accepted"):
+                self._abort(rid)
+        elif cmd[0] == "abort":
+            self._abort(cmd[1])
+
+    def _abort(self, rid: str) -> None:
+        if self._sinks.pop(rid, None) is not None:
+            try:
+                self.engine.abort(rid)
+            except Exception:  # pragma: no cover - abort must never take the worker down
+                log.exception("engine.abort(%s) failed", rid)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:
+            self._failures += 1
+            log.exception(
+                "engine.step() failed; failing the %d requests in flight", len(self._sinks)
+            )
+            self._fail_all(APIError(500, f"the engine failed: {type(err).__name__}: {err}"))
+            return
+        self._failures = 0
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            if not sink.put("output", out) and not out.finished:
+                self._abort(out.request_id)
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid, sink in list(self._sinks.items()):
+            sink.put("error", err)
+            self._abort(rid)
+
+
+class _Generation:
+    """The engine requests of one HTTP request (n choices x prompts), seen from the event loop."""
+
+    def __init__(self, worker: EngineWorker, prefix: str) -> None:
+        self.worker = worker
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.rids: list[str] = []
+        self.open: set[int] = set()
+        self._early: list[tuple[int, RequestOutput]] = []
+
+    async def start(self, requests: list[tuple[list[int], SamplingParams]]) -> None:
+        """Submit every request and wait until the engine accepted all of them (or raise)."""
+        loop = asyncio.get_running_loop()
+        for i, (prompt, params) in enumerate(requests):
+            rid = f"{self.id}-{i}"
+            self.rids.append(rid)
+            self.open.add(i)
+            self.worker.submit(rid, prompt, params, _Sink(loop, self.queue, i))
+        accepted = 0
+        try:
+            while accepted < len(requests):
+                kind, idx, payload = await self.queue.get()
+                if kind == "accepted":
+                    accepted += 1
+                elif kind == "output":
+                    self._early.append((idx, payload))
+                    if payload.finished:
+                        self.open.discard(idx)
+                else:
+                    self.open.discard(idx)
+                    raise _engine_error(payload)
+        except BaseException:  # refused, or cancelled while waiting: drop the siblings too
+            self.abort()
+            raise
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) as they come, until every choice finished."""
+        for item in self._early:
+            yield item
+        self._early = []
+        while self.open:
+            kind, idx, payload = await self.queue.get()
+            if kind == "error":
+                self.open.discard(idx)
+                self.abort()
+                raise _engine_error(payload)
+            if kind == "output":
+                if payload.finished:
+                    self.open.discard(idx)
+                yield idx, payload
+
+    def abort(self) -> None:
+        """Abort every choice not finished yet (client gone, or a sibling failed)."""
+        for i in sorted(self.open):
+            self.worker.abort(self.rids[i])
+        self.open.clear()
+
+
+def _engine_error(err: Any) -> APIError:
+    if isinstance(err, APIError):
+        return err
+    if isinstance(err, ValueError):
+        return _bad(str(err))
+    return APIError(500, f"the engine failed: {type(err).__name__}: {err}")
+
+
+# ---------------------------------------------------------------------- request -> params
+def _check_unsupported(req: _Request) -> None:
+    if req.presence_penalty or req.frequency_penalty:
+        raise _bad("presence_penalty / frequency_penalty are not supported; leave them at 0")
+    if req.logit_bias:
+        raise _bad("logit_bias is not supported", param="logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.logprobs is not None:
+            raise _bad("logprobs are not supported", param="logprobs")
+        if req.best_of not in (None, req.n):
+            raise _bad("best_of must equal n (best-of ranking is not supported)", param="best_of")
+        if req.suffix:
+            raise _bad("suffix (insertion) is not supported", param="suffix")
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs or req.top_logprobs:
+            raise _bad("logprobs are not supported", param="logprobs")
+        if req.tools or req.functions:
+            raise _bad(
+                "tool definitions are not supported; describe tools in the system message "
+                "(tool_calls and tool messages in the history are rendered)",
+                param="tools",
+            )
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise _bad("only response_format {'type': 'text'} is supported", "response_format")
+
+
+def _speculative(req: _Request, headers: Any) -> int:
+    if req.speculative is not None:
+        k, param = req.speculative, "speculative"
+    else:
+        raw = headers.get(SPEC_HEADER)
+        if raw is None:
+            return 0
+        try:
+            k = int(raw)
+        except ValueError:
+            raise _bad(f"{SPEC_HEADER} must be an integer, got {raw!r}", SPEC_HEADER) from None
+        param = SPEC_HEADER
+    if not 0 <= k <= 16:
+        raise _bad(f"speculative draft length must be in [0, 16], got {k}", param)
+    return k
+
+
+def _params(
+    req: _Request,
+    *,
+    max_tokens: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    default_max_tokens: int | None,
+    extra_stop: list[str],
+    speculative: int,
+) -> SamplingParams:
+    """Validate the sampling fields (400 naming the field) and build `SamplingParams`."""
+    if max_tokens is not None and max_tokens < 0:
+        raise _bad(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if not 0.0 <= temperature <= 2.0:
+        raise _bad(f"temperature must be in [0, 2], got {temperature}", "temperature")
+    top_p = 1.0 if req.top_p is None else req.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise _bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = None if req.top_k in (None, -1, 0) else req.top_k
+    if top_k is not None and top_k < 1:
+        raise _bad(f"top_k must be >= 1 (or -1 / unset for no limit), got {top_k}", "top_k")
+    if not 1 <= req.n <= MAX_CHOICES:
+        raise _bad(f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(not s for s in stop):
+        raise _bad("stop strings must be non-empty", "stop")
+    room = max_model_len - prompt_len
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    elif max_tokens > room:
+        raise _bad(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len} and max_tokens asks for {max_tokens} more. Reduce the prompt or "
+            f"max_tokens (at most {room} here).",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=req.seed,
+        stop=stop + extra_stop,
+        ignore_eos=req.ignore_eos,
+        speculative=speculative,
+    )
+    try:
+        return params.validate()
+    except ValueError as err:
+        raise _bad(str(err)) from None
+
+
+def _check_prompt(ids: list[int], max_model_len: int, param: str) -> None:
+    if len(ids) >= max_model_len:
+        raise _bad(
+            f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+            f"{max_model_len} tokens, which leaves room for at most {max_model_len - 1} prompt "
+            "tokens. Shorten the prompt.",
+            param,
+            "context_length_exceeded",
+        )
+
+
+def _seeded(params: SamplingParams, j: int) -> SamplingParams:
+    """The j-th of n choices: seed + j, so that n samples differ and stay reproducible."""
+    seed = None if params.seed is None else params.seed + j
+    return params if j == 0 else dataclasses.replace(params, seed=seed, stop=list(params.stop))
+
+
+# ---------------------------------------------------------------------- responses
+def spec_stats_dict(stats: Any) -> dict[str, Any]:
+    """`SpecStats.to_dict()`, or the same fields read from its attributes."""
+    if hasattr(stats, "to_dict"):
+        return stats.to_dict()
+    return {
+        "draft_len": stats.draft_len,
+        "steps": stats.steps,
+        "acceptance_length": stats.acceptance_length,
+        "acceptance_by_position": list(stats.acceptance_by_position()),
+    }
+
+
+def _merged_spec(stats: list[Any]) -> dict[str, Any] | None:
+    """One stats dict for a response: the single choice's, or the counts summed over choices."""
+    stats = [s for s in stats if s is not None]
+    if not stats:
+        return None
+    if len(stats) == 1:
+        return spec_stats_dict(stats[0])
+    try:
+        merged = type(stats[0])(stats[0].draft_len)
+        for s in stats:
+            merged.steps += s.steps
+            merged.accepted += s.accepted
+            for name in ("accepted_at", "drafted_at"):
+                acc, add = getattr(merged, name), getattr(s, name)
+                if add:
+                    acc = acc or [0] * len(add)
+                    setattr(merged, name, [a + b for a, b in zip(acc, add, strict=True)])
+        return spec_stats_dict(merged)
+    except (
+        AttributeError,
+        TypeError,
+        ValueError,
+    ):  # a SpecStats of another shape: report the first
+        return spec_stats_dict(stats[0])
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+def _json(status: int, body: dict[str, Any]) -> Response:
+    return JSONResponse(body, status_code=status)
+
+
+def _error_response(err: APIError) -> Response:
+    return _json(err.status, err.body())
+
+
+@dataclass
+class _Job:
+    """A validated request, ready to run: one engine request per choice."""
+
+    kind: Literal["completion", "chat"]
+    model: str
+    stream: bool
+    include_usage: bool
+    prompts: list[list[int]]  # distinct prompts
+    requests: list[tuple[list[int], SamplingParams]]  # one per choice (prompt-major)
+    echo: list[str]  # per choice: text to prefix (completions with echo)
+
+
+# ---------------------------------------------------------------------- the app
+def create_app(engine: Engine, model_name: str) -> FastAPI:
+    """The FastAPI app serving `engine` under the model id `model_name`. The engine thread
+    starts with the first request and stops when the app shuts down."""
+    if not model_name:
+        raise ValueError("model_name must be a non-empty string (the id clients send as model)")
+    worker = EngineWorker(engine)
+    created = int(time.time())
+    tokenizer = engine.tokenizer
+    max_model_len = int(engine.max_model_len)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        yield
+        worker.stop()
+
+    app = FastAPI(title="hybridlm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.worker = worker
+    app.state.model_name = model_name
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError) -> Response:
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, err: RequestValidationError) -> Response:
+        return _error_response(_schema_error(list(err.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        return _error_response(APIError(err.status_code, str(err.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, err: Exception) -> Response:
+        log.exception("unhandled error")
+        return _error_response(APIError(500, f"internal error: {type(err).__name__}: {err}"))
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "hybridlm",
+            "max_model_len": max_model_len,
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        if model_id != model_name:
+            raise _unknown_model(model_id)
+        return _json(200, model_card())
+
+    def _unknown_model(name: str) -> APIError:
+        return APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {model_name!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+    async def parse(request: Request, schema: type[_Request]) -> _Request:
+        body = await request.body()
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise _bad(f"the request body is not valid JSON ({err})", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise _bad("the request body must be a JSON object", code="invalid_json")
+        try:
+            req = schema.model_validate(data)
+        except ValidationError as err:
+            raise _schema_error(err.errors()) from None
+        if req.model is not None and req.model != model_name:
+            raise _unknown_model(req.model)
+        _check_unsupported(req)
+        return req
+
+    def completion_job(req: CompletionRequest, headers: Any) -> _Job:
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [tokenizer.encode(p)]
+        elif not p:
+            raise _bad("prompt must not be empty", "prompt")
+        elif isinstance(p[0], str):
+            prompts = [tokenizer.encode(s) for s in p]
+        elif isinstance(p[0], int):
+            prompts = [list(p)]
+        else:
+            prompts = [list(x) for x in p]
+        for ids in prompts:
+            if not ids:
+                raise _bad("a prompt of token ids must not be empty", "prompt")
+            _check_prompt(ids, max_model_len, "prompt")
+        return _job("completion", req, headers, prompts, req.max_tokens, 16, [], req.echo)
+
+    def chat_job(req: ChatCompletionRequest, headers: Any) -> _Job:
+        try:
+            text = chat_template.render(req.messages, add_generation_prompt=True)
+        except ValueError as err:
+            raise _bad(str(err), "messages") from None
+        ids = tokenizer.encode(text)
+        _check_prompt(ids, max_model_len, "messages")
+        max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+        return _job("chat", req, headers, [ids], max_tokens, None, [chat_template.STOP], False)
+
+    def _job(
+        kind: Literal["completion", "chat"],
+        req: _Request,
+        headers: Any,
+        prompts: list[list[int]],
+        max_tokens: int | None,
+        default_max_tokens: int | None,
+        extra_stop: list[str],
+        echo: bool,
+    ) -> _Job:
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise _bad(f"prompts x n must be <= {MAX_CHOICES}, got {len(prompts) * req.n}", "n")
+        spec = _speculative(req, headers)
+        requests, echoes = [], []
+        for ids in prompts:
+            params = _params(
+                req,
+                max_tokens=max_tokens,
+                prompt_len=len(ids),
+                max_model_len=max_model_len,
+                default_max_tokens=default_max_tokens,
+                extra_stop=extra_stop,
+                speculative=spec,
+            )
+            for j in range(req.n):
+                requests.append((ids, _seeded(params, j)))
+                echoes.append(tokenizer.decode(ids) if echo else "")
+        include_usage = bool(req.stream_options and req.stream_options.get("include_usage"))
+        return _Job(kind, model_name, req.stream, include_usage, prompts, requests, echoes)
+
+    async def run(job: _Job, request: Request) -> Response:
+        gen = _Generation(worker, "cmpl" if job.kind == "completion" else "chatcmpl")
+        await gen.start(job.requests)  # raises APIError (400) if the engine refuses
+        if job.stream:
+            return _EventStream(_stream(job, gen), on_close=gen.abort)
+        collect = asyncio.ensure_future(_collect(gen))
+        gone = asyncio.ensure_future(_disconnected(request))
+        left = True
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            left = not collect.done()
+        finally:
+            gone.cancel()
+            if left:  # the client left (or we are being cancelled): stop generating for it
+                collect.cancel()
+                gen.abort()
+        if left:  # nobody reads this; uvicorn needs a response all the same
+            return _json(499, APIError(499, "client closed the request").body())
+        return _json(200, _final_body(job, gen, collect.result()))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            req = await parse(request, CompletionRequest)
+            return await run(completion_job(req, request.headers), request)
+        except APIError as err:
+            return _error_response(err)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        try:
+            req = await parse(request, ChatCompletionRequest)
+            return await run(chat_job(req, request.headers), request)
+        except APIError as err:
+            return _error_response(err)
+
+    return app
+
+
+class _EventStream(StreamingResponse):
+    """SSE response that always watches for the client leaving and aborts its requests."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Any) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.headers["Cache-Control"] = "no-cache"
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        gone = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if stream.done() and not stream.cancelled() and stream.exception():
+                if not isinstance(stream.exception(), OSError):  # OSError: client gone
+                    raise stream.exception()
+        finally:
+            for task in (stream, gone):
+                task.cancel()
+            # let the cancellation reach the generator (its `finally` aborts) before closing
+            await asyncio.gather(stream, gone, return_exceptions=True)
+            self._on_close()
+            await self.body_iterator.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read, so only that can come)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(gen: _Generation) -> dict[int, RequestOutput]:
+    final: dict[int, RequestOutput] = {}
+    async for idx, out in gen.outputs():
+        if out.finished:
+            final[idx] = out
+    return final
+
+
+def _final_body(job: _Job, gen: _Generation, final: dict[int, RequestOutput]) -> dict[str, Any]:
+    outs = [final[i] for i in range(len(job.requests))]
+    choices = []
+    for i, out in enumerate(outs):
+        if job.kind == "completion":
+            choices.append(
+                {
+                    "index": i,
+                    "text": job.echo[i] + out.text,
+                    "logprobs": None,
+                    "finish_reason": out.finish_reason,
+                }
+            )
+        else:
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": out.text},
+                    "logprobs": None,
+                    "finish_reason": out.finish_reason,
+                }
+            )
+    body: dict[str, Any] = {
+        "id": gen.id,
+        "object": "text_completion" if job.kind == "completion" else "chat.completion",
+        "created": int(time.time()),
+        "model": job.model,
+        "choices": choices,
+        "usage": _usage(sum(len(p) for p in job.prompts), sum(len(o.token_ids) for o in outs)),
+    }
+    spec = _merged_spec([o.spec_stats for o in outs])
+    if spec is not None:
+        body["speculative"] = spec
+    return body
+
+
+async def _stream(job: _Job, gen: _Generation) -> AsyncIterator[bytes]:
+    """SSE chunks: deltas per choice, a finish chunk per choice, an optional usage chunk, and
+    `data: [DONE]`. An engine failure mid-stream becomes an `{"error": ...}` event."""
+    created = int(time.time())
+    chat = job.kind == "chat"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice: dict[str, Any], **extra: Any) -> bytes:
+        body = {"id": gen.id, "object": obj, "created": created, "model": job.model}
+        body["choices"] = [choice] if choice else []
+        if job.include_usage:
+            body["usage"] = None
+        body.update(extra)
+        return _sse(body)
+
+    def delta(i: int, text: str, finish: str | None = None, first: bool = False) -> dict:
+        if chat:
+            d: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+            if text and not first:
+                d["content"] = text
+            return {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+
+    sent = [0] * len(job.requests)
+    final: dict[int, RequestOutput] = {}
+    try:
+        for i in range(len(job.requests)):
+            if chat or job.echo[i]:
+                yield chunk(delta(i, job.echo[i], first=chat))
+        async for i, out in gen.outputs():
+            # deltas from the stable text, so the stream always concatenates to the final text
+            text = out.text[sent[i] :] if len(out.text) >= sent[i] else out.delta_text
+            sent[i] = max(sent[i], len(out.text))
+            if out.finished:
+                final[i] = out
+                if text:
+                    yield chunk(delta(i, text))
+                extra = {}
+                if out.spec_stats is not None:
+                    extra["speculative"] = spec_stats_dict(out.spec_stats)
+                yield chunk(delta(i, "", finish=out.finish_reason), **extra)
+            elif text:
+                yield chunk(delta(i, text))
+        if job.include_usage:
+            outs = [final[i] for i in range(len(job.requests))]
+            extra = {
+                "usage": _usage(
+                    sum(len(p) for p in job.prompts), sum(len(o.token_ids) for o in outs)
+                )
+            }
+            spec = _merged_spec([o.spec_stats for o in outs])
+            if spec is not None:
+                extra["speculative"] = spec
+            yield chunk({}, **extra)
+        yield _sse("[DONE]")
+    except APIError as err:
+        yield _sse(err.body())
+    finally:
+        gen.abort()
+
+
+# ---------------------------------------------------------------------- running it
+def _warn_if_public(host: str) -> None:
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "binding %s: this server has no authentication; anyone who can reach it can use it",
+            host,
+        )
+
+
+def serve(
+    engine: Engine,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    log_level: str = "info",
+) -> None:
+    """Serve until interrupted (Ctrl-C). Binds to localhost unless told otherwise."""
+    import uvicorn
+
+    _warn_if_public(host)
+    uvicorn.run(create_app(engine, model_name), host=host, port=port, log_level=log_level)
+
+
+@contextmanager
+def serve_in_background(
+    engine: Engine,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    log_level: str = "warning",
+    startup_timeout: float = 30.0,
+) -> Iterator[str]:
+    """Run the server in a thread for the duration of a `with` block; yields its base URL
+    (`http://host:port/v1`). `port=0` picks a free port (bound before the server starts, so
+    there is no race)."""
+    import uvicorn
+
+    _warn_if_public(host)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(create_app(engine, model_name), log_level=log_level)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="hybridlm-server", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            sock.close()
+            raise RuntimeError(f"the server did not start on {host}:{sock.getsockname()[1]}")
+        time.sleep(0.02)
+    bound = sock.getsockname()[1]
+    try:
+        yield f"http://{host}:{bound}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(startup_timeout)
+        sock.close()

@@ -1,0 +1,117 @@
+"""Chat template: exact ChatML text, assistant spans for loss masks, parse-back, clear errors."""
+
+import json
+
+import pytest
+
+from hybridlm.data.chat import STOP, parse_assistant, render, render_with_spans
+
+CONVO = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "4", "reasoning_content": "Add them.\nTwo and two."},
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "Weather in"}, {"type": "text", "text": "Oslo?"}],
+    },
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "weather", "arguments": '{"city": "Oslo"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "-3 °C"},
+    {"role": "assistant", "content": "Cold: −3 °C."},
+]
+
+
+def test_render_is_chatml():
+    text = render(CONVO[:3])
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\nAdd them.\nTwo and two.\n</think>\n4<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert render(CONVO[:2], add_generation_prompt=False).endswith("2?<|im_end|>\n")
+    assert STOP == "<|im_end|>"
+    full = render(CONVO, add_generation_prompt=False)
+    assert "user\nWeather in\nOslo?<|im_end|>" in full
+    assert '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>' in full
+    assert "<|im_start|>tool\n-3 °C<|im_end|>" in full
+    assert render([{"role": "developer", "content": "x"}]).startswith("<|im_start|>system\nx")
+
+
+def test_spans_cover_exactly_the_assistant_turns():
+    text, spans = render_with_spans(CONVO)
+    bodies = [text[s:e] for s, e in spans]
+    assert len(bodies) == 3 and all(b.endswith(STOP) for b in bodies)
+    assert bodies[0] == "<think>\nAdd them.\nTwo and two.\n</think>\n4" + STOP
+    assert bodies[2] == "Cold: −3 °C." + STOP
+    # everything outside the spans is template or non-assistant text
+    for (s, _), (_, prev_e) in zip(spans[1:], spans[:-1], strict=True):
+        assert "<|im_start|>assistant\n" in text[prev_e:s]
+    text2, exact = render_with_spans(CONVO, include_stop=False)
+    assert text2 == text
+    assert [text[s:e] for s, e in exact] == [b[: -len(STOP)] for b in bodies]
+    # a span starts right after the assistant header
+    assert all(text[:s].endswith("<|im_start|>assistant\n") for s, _ in spans)
+    assert render_with_spans(CONVO[:2])[1] == []
+
+
+def test_parse_assistant_round_trips():
+    text, spans = render_with_spans(CONVO, include_stop=False)
+    parsed = [parse_assistant(text[s:e]) for s, e in spans]
+    assert parsed[0] == {
+        "role": "assistant",
+        "reasoning_content": "Add them.\nTwo and two.",
+        "content": "4",
+    }
+    assert parsed[1]["content"] is None
+    call = parsed[1]["tool_calls"][0]["function"]
+    assert call["name"] == "weather" and json.loads(call["arguments"]) == {"city": "Oslo"}
+    assert parsed[2] == {"role": "assistant", "content": "Cold: −3 °C."}
+    # re-rendering the parsed messages gives the same text
+    again = list(CONVO)
+    for idx, msg in zip((2, 4, 6), parsed, strict=True):
+        again[idx] = msg
+    assert render(again, add_generation_prompt=False) == text
+    assert parse_assistant("hi<|im_end|>junk") == {"role": "assistant", "content": "hi"}
+    bad = parse_assistant("x\n<tool_call>{not json}</tool_call>")
+    assert "tool_calls" not in bad and "{not json}" in bad["content"]
+
+
+@pytest.mark.parametrize(
+    "messages,match",
+    [
+        ([{"role": "wizard", "content": "x"}], "unknown role 'wizard'"),
+        ([{"content": "x"}], "unknown role None"),
+        ([{"role": "user"}], r"messages\[0\]: a user message needs 'content'"),
+        ([{"role": "assistant"}], "needs 'content' or 'tool_calls'"),
+        ([], "at least one message"),
+        ("hello", "must be a list"),
+        (["hello"], r"messages\[0\] must be an object"),
+        ([{"role": "user", "content": 3}], "must be a string or a list of text parts"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            "only text parts",
+        ),
+        (
+            [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}],
+            "only assistant messages can have tool_calls",
+        ),
+        (
+            [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+            r"messages\[0\]: tool call 'f' has arguments that are not valid JSON",
+        ),
+        ([{"role": "assistant", "tool_calls": [{"function": {}}]}], "needs"),
+    ],
+)
+def test_errors_are_actionable(messages, match):
+    with pytest.raises(ValueError, match=match):
+        render(messages)
