@@ -235,3 +235,45 @@ def test_rewind_to_a_recorded_position_equals_the_shorter_sequence(name, keep):
     got = model(torch.tensor([[42]]), cache=cache).logits[0, -1]
     ref = model(torch.cat([prompt, seq[:, :keep], torch.tensor([[42]])], 1)).logits[0, -1]
     torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
+
+
+def _decode_logits(model, prompt, steps=4):
+    cache = HybridCache.for_pattern(model.config.pattern)
+    with torch.no_grad():
+        out = [model(prompt, cache=cache).logits[:, -1]]
+        for t in range(steps):
+            out.append(model(torch.full((prompt.shape[0], 1), 3 + t), cache=cache).logits[:, -1])
+    return torch.stack(out)
+
+
+def _set_decode_fn(model, fn):
+    for module in model.modules():
+        if hasattr(module, "decode_fn"):
+            module.decode_fn = fn
+
+
+@pytest.mark.parametrize("name", ["tiny-super", "tiny-lightning"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_decode_steps_equal_the_generic_path(name, dtype):
+    """`mamba2_decode_step` / `moe_decode_step` (the functions `compile_decode` compiles) ==
+    the generic mixer forwards (conv, `ssd_step`, sorted expert dispatch)."""
+    model = _model(name).to(dtype)
+    prompt = torch.tensor(_prompts([7, 7]))
+    fused = _decode_logits(model, prompt)
+    _set_decode_fn(model, None)
+    generic = _decode_logits(model, prompt)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(fused, generic, atol=tol, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_decode_equals_eager():
+    model = _model("tiny-super").float()
+    prompt = torch.tensor(_prompts([9]))
+    eager = _decode_logits(model, prompt, steps=6)
+    model.compile_decode()
+    try:
+        compiled = _decode_logits(model, prompt, steps=6)
+    finally:
+        model.compile_decode(False)
+    torch.testing.assert_close(compiled, eager, atol=2e-5, rtol=0)

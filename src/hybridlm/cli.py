@@ -123,6 +123,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if model.config.vocab_size < tok.vocab_size:
         raise ValueError(f"the byte tokenizer needs vocab_size >= {tok.vocab_size}")
     ids = torch.tensor([tok.encode(args.prompt)])
+    if args.compile:
+        model.compile_decode()
     t0 = time.perf_counter()
     stats = None
     if args.speculative:
@@ -186,6 +188,8 @@ def _engine(args: argparse.Namespace, *, max_batch_size: int):
         raise ValueError(f"the byte tokenizer needs vocab_size >= {tok.vocab_size}")
     if getattr(args, "speculative", 0) and model.mtp is None:
         raise ValueError("--speculative needs a model with an MTP head (mtp.pattern)")
+    if args.compile:
+        model.compile_decode()
     return Engine(
         model,
         tok,
@@ -325,6 +329,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default="fp32",
         help="storage precision of the Mamba state cache",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the Mamba / MoE decode steps with torch.compile (slow first steps)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -349,6 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the Mamba / MoE decode steps with torch.compile (slow first steps)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--ssm-precision",

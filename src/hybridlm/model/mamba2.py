@@ -21,6 +21,56 @@ from ..ops.ssd import ssd_chunked, ssd_recurrent, ssd_step
 from .norm import GatedRMSNorm
 
 
+def mamba2_decode_step(
+    x_BD: torch.Tensor,
+    conv_BSX: torch.Tensor,
+    ssm_BHPN: torch.Tensor,
+    in_w: torch.Tensor,
+    conv_w_XK: torch.Tensor,
+    conv_b_X: torch.Tensor | None,
+    dt_bias_H: torch.Tensor,
+    A_log_H: torch.Tensor,
+    D_H: torch.Tensor,
+    norm_w_I: torch.Tensor,
+    out_w: torch.Tensor,
+    *,
+    heads: int,
+    head_dim: int,
+    groups: int,
+    state_size: int,
+    dt_min: float,
+    dt_max: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step of the mixer as a single pure function of tensors (same math as
+    `Mamba2Mixer.forward` with L = 1: conv tap sum, `ssd_step`, group-gated RMSNorm), so it can
+    be compiled into a few fused kernels (`HybridLM.compile_decode`). Returns
+    (y_BD, new conv_BSX, new ssm_BHPN); parity with the generic path is tested."""
+    Bsz = x_BD.shape[0]
+    G, R, P, N = groups, heads // groups, head_dim, state_size
+    I, GN = heads * head_dim, groups * state_size
+    z_BI, xbc_BX, dt_BH = F.linear(x_BD, in_w).split([I, I + 2 * GN, heads], dim=-1)
+    xp_BKX = torch.cat([conv_BSX.to(xbc_BX.dtype), xbc_BX[:, None]], dim=1)
+    xbc_BX = (xp_BKX * conv_w_XK.t()).sum(1)
+    if conv_b_X is not None:
+        xbc_BX = xbc_BX + conv_b_X
+    xs_BI, B_BG, C_BG = F.silu(xbc_BX).split([I, GN, GN], dim=-1)
+    ct = torch.promote_types(x_BD.dtype, torch.float32)
+    dt_BH = F.softplus(dt_BH.to(ct) + dt_bias_H.to(ct)).clamp(min=dt_min, max=dt_max)
+    decay_BGR11 = torch.exp(dt_BH * -torch.exp(A_log_H.to(ct))).view(Bsz, G, R, 1, 1)
+    xs_BGRP = xs_BI.to(ct).view(Bsz, G, R, P)
+    B_BG11N = B_BG.to(ct).view(Bsz, G, 1, 1, N)
+    C_BG11N = C_BG.to(ct).view(Bsz, G, 1, 1, N)
+    state = ssm_BHPN.to(ct).view(Bsz, G, R, P, N) * decay_BGR11
+    state = state + (xs_BGRP * dt_BH.view(Bsz, G, R, 1))[..., None] * B_BG11N
+    y_BGRP = (state * C_BG11N).sum(-1) + D_H.to(ct).view(1, G, R, 1) * xs_BGRP
+    g = (y_BGRP.reshape(Bsz, I) * F.silu(z_BI.to(ct))).view(Bsz, G, I // G)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    y_BI = norm_w_I * g.view(Bsz, I).to(ct)
+    y_BD = F.linear(y_BI.to(x_BD.dtype), out_w)
+    return y_BD, xp_BKX[:, 1:], state.view(Bsz, heads, P, N)
+
+
 class Mamba2Mixer(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: LayerSpec | None = None) -> None:
         super().__init__()
@@ -37,6 +87,8 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(m.num_heads))
         self.norm = GatedRMSNorm(m.d_inner, m.d_inner // m.n_groups, eps=cfg.norm_eps)
         self.out_proj = nn.Linear(m.d_inner, d, bias=False)
+        self.decode_fn = mamba2_decode_step  # HybridLM.compile_decode swaps in a compiled one
+        self.eps = cfg.norm_eps
 
     @torch.no_grad()
     def reset_parameters(self, std: float, out_std: float) -> None:
@@ -68,6 +120,15 @@ class Mamba2Mixer(nn.Module):
         exactly those of the unpadded row."""
         m = self.m
         Bsz, L, _ = x_BLD.shape
+        if (
+            L == 1
+            and state is not None
+            and state.conv_BSX is not None
+            and not state.record_history
+            and token_mask_BL is None
+            and self.decode_fn is not None
+        ):
+            return self._decode(x_BLD, state)
         GN = m.n_groups * m.state_size
         z_BLI, xbc_BLX, dt_BLH = self.in_proj(x_BLD).split(
             [m.d_inner, m.conv_dim, m.num_heads], dim=-1
@@ -112,3 +173,27 @@ class Mamba2Mixer(nn.Module):
 
         y_BLI = self.norm(y_BLHP.reshape(Bsz, L, m.d_inner), z_BLI)
         return self.out_proj(y_BLI.to(x_BLD.dtype))
+
+    def _decode(self, x_BLD: torch.Tensor, state: MambaState) -> torch.Tensor:
+        m = self.m
+        y_BD, state.conv_BSX, state.ssm_BHPN = self.decode_fn(
+            x_BLD[:, 0],
+            state.conv_BSX,
+            state.ssm_BHPN,
+            self.in_proj.weight,
+            self.conv1d.weight[:, 0],
+            self.conv1d.bias,
+            self.dt_bias,
+            self.A_log,
+            self.D,
+            self.norm.weight,
+            self.out_proj.weight,
+            heads=m.num_heads,
+            head_dim=m.head_dim,
+            groups=m.n_groups,
+            state_size=m.state_size,
+            dt_min=m.dt_min,
+            dt_max=m.dt_clamp_max,
+            eps=self.eps,
+        )
+        return y_BD[:, None]

@@ -17,6 +17,7 @@ Build on the meta device and initialise in one place:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,12 @@ def _shift_left(x_BL: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     return torch.cat(
         [x_BL[:, k:], x_BL.new_full((x_BL.shape[0], min(k, x_BL.shape[1])), fill)], dim=1
     )
+
+
+@functools.cache
+def _compiled(fn):
+    """One compiled function per decode step kind, shared by every layer (weights are inputs)."""
+    return torch.compile(fn, fullgraph=True)
 
 
 class HybridLM(nn.Module):
@@ -268,6 +275,23 @@ class HybridLM(nn.Module):
         all-reduced `expert_load()` under data parallelism so every rank applies the same step."""
         for i, m in enumerate(self.moe_layers()):
             m.update_bias(None if load is None else load[i])
+
+    # ------------------------------------------------------------------ decoding
+    def compile_decode(self, enabled: bool = True) -> HybridLM:
+        """Compile the one-token decode steps of the Mamba-2 and MoE mixers (pure functions
+        `mamba2_decode_step` / `moe_decode_step`) with `torch.compile`, fusing their
+        elementwise chains; attention stays eager (its KV length grows every step). The first
+        steps compile (tens of seconds on CPU); later ones reuse the kernels. `enabled=False`
+        restores the eager functions."""
+        from .mamba2 import Mamba2Mixer, mamba2_decode_step
+        from .moe import moe_decode_step
+
+        for module in self.modules():
+            if isinstance(module, Mamba2Mixer):
+                module.decode_fn = _compiled(mamba2_decode_step) if enabled else mamba2_decode_step
+            elif isinstance(module, MoE):
+                module.decode_fn = _compiled(moe_decode_step) if enabled else moe_decode_step
+        return self
 
     # ------------------------------------------------------------------ facts and I/O
     def count_params(self) -> int:

@@ -99,6 +99,58 @@ def _experts_padded(
     return torch.bmm(h_ECF, down_EWF.transpose(1, 2))[expert_A, slot_A]
 
 
+def experts_gathered(
+    z_TW: torch.Tensor,
+    idx_TK: torch.Tensor,
+    w_TK: torch.Tensor,
+    up_EFW: torch.Tensor,
+    down_EWF: torch.Tensor,
+) -> torch.Tensor:
+    """Decode path (few tokens): gather each assignment's expert weights and run two batched
+    matrix-vector products, skipping the sort and the E-wide padded buffer. Equals the sorted
+    dispatch (`Experts.forward` with impl "loop"); returns the gate-weighted sum [T, W]."""
+    T, K = idx_TK.shape
+    flat_A = idx_TK.reshape(-1)
+    z_TK1W = z_TW[:, None, None, :]
+    # matrix-vector products as broadcast multiply + sum: no copy of z, no N=1 GEMM kernels
+    h_TKF = relu2((up_EFW[flat_A].view(T, K, *up_EFW.shape[1:]) * z_TK1W).sum(-1))
+    y_TKW = (down_EWF[flat_A].view(T, K, *down_EWF.shape[1:]) * h_TKF[:, :, None, :]).sum(-1)
+    return (y_TKW * w_TK[..., None].to(y_TKW.dtype)).sum(1)
+
+
+def moe_decode_step(
+    x_TD: torch.Tensor,
+    gate_w_ED: torch.Tensor,
+    bias_E: torch.Tensor,
+    up_EFW: torch.Tensor,
+    down_EWF: torch.Tensor,
+    fc1_WD: torch.Tensor | None,
+    fc2_DW: torch.Tensor | None,
+    shared_up: torch.Tensor | None,
+    shared_down: torch.Tensor | None,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> torch.Tensor:
+    """The MoE forward for a few tokens (decoding) as one pure function of tensors (router without
+    group limits, gathered experts, latent projections, shared expert), so it can be compiled
+    (`HybridLM.compile_decode`). Same math as `MoE.forward`; parity is tested."""
+    ct = torch.promote_types(x_TD.dtype, torch.float32)
+    scores_TE = F.linear(x_TD.to(ct), gate_w_ED.to(ct)).sigmoid()
+    idx_TK = (scores_TE + bias_E.to(ct)).topk(top_k, dim=-1, sorted=False).indices
+    w_TK = scores_TE.gather(1, idx_TK)
+    if norm_topk_prob:
+        w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
+    w_TK = w_TK * scaling
+    z_TW = F.linear(x_TD, fc1_WD) if fc1_WD is not None else x_TD
+    y_TW = experts_gathered(z_TW, idx_TK, w_TK, up_EFW, down_EWF).to(x_TD.dtype)
+    y_TD = F.linear(y_TW, fc2_DW) if fc2_DW is not None else y_TW
+    if shared_up is not None:
+        y_TD = y_TD + F.linear(relu2(F.linear(x_TD, shared_up)), shared_down)
+    return y_TD
+
+
 def grouped_mm_available(device: torch.device) -> bool:
     # torch's grouped_mm backward is CUDA-only; the per-expert loop is the CPU path
     return device.type == "cuda" and hasattr(F, "grouped_mm")
@@ -109,17 +161,22 @@ class Experts(nn.Module):
         super().__init__()
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
         self.down_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
-        self.impl = "auto"  # "auto" | "loop" | "padded" | "grouped"
+        self.impl = "auto"  # "auto" | "loop" | "padded" | "grouped" | "gathered"
 
     def forward(self, z_TW: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         T, K = idx_TK.shape
         E = self.up_proj.shape[0]
+        impl = self.impl
+        if impl == "auto" and T * K <= E and not torch.is_grad_enabled():
+            impl = "gathered"  # decoding: fewer assignments than experts
+        if impl == "gathered":
+            y_TW = experts_gathered(z_TW, idx_TK, w_TK, self.up_proj, self.down_proj)
+            return y_TW.to(z_TW.dtype)
         flat_A = idx_TK.reshape(-1)
         order_A = flat_A.argsort(stable=True)  # sort assignments by expert
         token_A = order_A // K
         counts = torch.bincount(flat_A, minlength=E).tolist()
         z_AW = z_TW[token_A]
-        impl = self.impl
         if impl == "auto":
             impl = "grouped" if grouped_mm_available(z_TW.device) else "padded"
         fn = {"grouped": _experts_grouped, "loop": _experts_loop, "padded": _experts_padded}[impl]
@@ -142,6 +199,7 @@ class MoE(nn.Module):
             self.fc1_latent_proj = nn.Linear(d, e.latent_size, bias=False)
             self.fc2_latent_proj = nn.Linear(e.latent_size, d, bias=False)
         self.register_buffer("load_E", torch.zeros(e.num_experts), persistent=False)
+        self.decode_fn = moe_decode_step  # HybridLM.compile_decode swaps in a compiled one
         # one entry per training forward call since the model last cleared it (the MTP module's
         # MoE runs once per depth); HybridLM.forward clears and sums these
         self.aux_losses: list[torch.Tensor] = []
@@ -166,6 +224,15 @@ class MoE(nn.Module):
         c = self.cfg
         Bsz, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(-1, D)
+        if (
+            self.decode_fn is not None
+            and not self.training
+            and not torch.is_grad_enabled()
+            and c.n_group <= 1
+            and Bsz * L * c.top_k <= c.num_experts
+            and self.experts.impl == "auto"
+        ):
+            return self._decode(x_TD).view(Bsz, L, D)
         scores_TE, idx_TK, w_TK = self.gate(x_TD)
         if self.training:  # routing statistics of training steps only
             with torch.no_grad():
@@ -181,6 +248,25 @@ class MoE(nn.Module):
         if c.shared_expert_hidden:  # shared expert at full width, added in d-space
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.view(Bsz, L, D)
+
+    def _decode(self, x_TD: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        latent = bool(c.latent_size)
+        shared = bool(c.shared_expert_hidden)
+        return self.decode_fn(
+            x_TD,
+            self.gate.weight,
+            self.gate.e_score_correction_bias,
+            self.experts.up_proj,
+            self.experts.down_proj,
+            self.fc1_latent_proj.weight if latent else None,
+            self.fc2_latent_proj.weight if latent else None,
+            self.shared_experts.up_proj.weight if shared else None,
+            self.shared_experts.down_proj.weight if shared else None,
+            top_k=c.top_k,
+            norm_topk_prob=c.norm_topk_prob,
+            scaling=c.routed_scaling_factor,
+        )
 
     def _sequence_aux_loss(
         self, scores_TE: torch.Tensor, idx_TK: torch.Tensor, Bsz: int, L: int

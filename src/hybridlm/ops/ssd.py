@@ -108,21 +108,22 @@ def ssd_step(
     C_BGN: Tensor,
     D_H: Tensor | None,
 ) -> tuple[Tensor, Tensor]:
-    """One recurrence step. Returns (y_BHP, new_state_BHPN) in the compute dtype."""
+    """One recurrence step. Returns (y_BHP, new_state_BHPN) in the compute dtype. Heads are
+    viewed as [G, R] so each group's B and C broadcast to its R heads without copies."""
     ct = _compute_dtype(state_BHPN if state_BHPN.dtype == torch.float64 else x_BHP)
-    H = x_BHP.shape[1]
-    R = H // B_BGN.shape[1]
+    Bsz, H, P = x_BHP.shape
+    G, N = B_BGN.shape[1:]
+    R = H // G
     x, dt = x_BHP.to(ct), dt_BH.to(ct)
-    B_BHN = B_BGN.to(ct).repeat_interleave(R, dim=1)
-    C_BHN = C_BGN.to(ct).repeat_interleave(R, dim=1)
     decay_BH = torch.exp(dt * A_H.to(ct))
-    state = state_BHPN.to(ct) * decay_BH[..., None, None] + torch.einsum(
-        "bh,bhp,bhn->bhpn", dt, x, B_BHN
-    )
-    y = torch.einsum("bhpn,bhn->bhp", state, C_BHN)
+    xdt_BGRP1 = (x * dt[..., None]).view(Bsz, G, R, P, 1)
+    state_BGRPN = state_BHPN.to(ct).view(Bsz, G, R, P, N) * decay_BH.view(Bsz, G, R, 1, 1)
+    state_BGRPN = state_BGRPN + xdt_BGRP1 * B_BGN.to(ct)[:, :, None, None, :]
+    y_BGRP = (state_BGRPN * C_BGN.to(ct)[:, :, None, None, :]).sum(-1)
+    y = y_BGRP.reshape(Bsz, H, P)
     if D_H is not None:
         y = y + D_H.to(ct)[:, None] * x
-    return y, state
+    return y, state_BGRPN.reshape(Bsz, H, P, N)
 
 
 def ssd_recurrent(
