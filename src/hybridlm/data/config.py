@@ -1,0 +1,222 @@
+"""`DataConfig`: the typed, YAML-round-tripping description of a pretraining data pipeline.
+
+    sources:                       # each becomes a shard directory <shards_dir>/<name>
+      - {name: web, kind: jsonl, path: data/web, weight: 0.7}
+      - {name: code, kind: stdlib, weight: 0.3}
+    tokenizer: tokenizers/bpe32k   # "byte", or a tokenizer directory (trained there when absent
+    tokenizer_vocab_size: 32768    #  and tokenizer_vocab_size > 0)
+    seq_len: 4096
+    batch_size: 8                  # rows per data-parallel rank
+    packing: best_fit
+    phases:                        # optional curriculum; replaces the source weights
+      - {fraction: 0.8, weights: {web: 0.7, code: 0.3}}
+      - {fraction: 0.2, weights: {web: 0.4, code: 0.6}}
+    total_tokens: 1000000000
+
+`hybridlm.data.pipeline` turns it into shards (`prepare_shards`) and loaders (`build_loaders`).
+Source kinds map to `hybridlm.data.sources`: text, tinyshakespeare, jsonl, parquet, hf, stdlib,
+plus `shards` (an existing shard directory at `path`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .loader import Phase
+
+SourceKind = Literal["text", "tinyshakespeare", "jsonl", "parquet", "hf", "stdlib", "shards"]
+
+
+@dataclass(kw_only=True)
+class SourceConfig:
+    """One corpus and its mixture weight. Fields a kind does not use are ignored."""
+
+    name: str
+    kind: SourceKind = "stdlib"
+    path: str = ""  # file / folder / glob; the dataset for hf; the shard folder for shards
+    weight: float = 1.0  # token fraction in the mixture (normalised over sources)
+    pattern: str = ""  # glob inside folders; "" = the kind's default (**/*.txt, **/*.jsonl*, ...)
+    split: Literal["file", "blank_line", "separator"] = "file"  # text: how files become docs
+    separator: str = ""
+    group_chars: int = 0  # text / tinyshakespeare: merge passages up to this many characters
+    text_field: str = "text"  # jsonl field (dotted ok) / parquet column / hf column
+    id_field: str = ""  # "" = ids from file and line / row
+    hf_config: str = ""  # datasets.load_dataset(path, hf_config, split=hf_split, data_files=...)
+    hf_split: str = "train"
+    data_files: list[str] = field(default_factory=list)
+    docstrings_only: bool = False  # stdlib: docstrings instead of source
+    max_files: int = 0  # stdlib: 0 = all files
+
+
+def _default_sources() -> list[SourceConfig]:
+    return [SourceConfig(name="stdlib", kind="stdlib")]
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Sources with weights, tokenizer, sharding, packing, curriculum phases, held-out split."""
+
+    sources: list[SourceConfig] = field(default_factory=_default_sources)
+    tokenizer: str = "byte"  # "byte" or a tokenizer directory (tokenizer.json)
+    tokenizer_vocab_size: int = 0  # > 0: train a BPE of this size into `tokenizer` if absent
+    tokenizer_train_chars: int = 50_000_000  # characters of the sources to train it on
+    shards_dir: str = "data/shards"
+    num_workers: int = 1  # tokenising processes
+    add_bos: bool = True
+    seq_len: int = 1024
+    batch_size: int = 8  # rows per data-parallel rank
+    packing: Literal["best_fit", "greedy"] = "best_fit"
+    buffer_docs: int = 1024  # documents per best-fit buffer
+    phases: list[Phase] = field(default_factory=list)  # empty: one phase with source weights
+    total_tokens: int = 0  # training budget in tokens; needed to place phases
+    seed: int = 0
+    shuffle: bool = True
+    eval_split: Literal["hash", "last"] = "hash"
+    eval_fraction: float = 0.0  # held-out share of each source's documents
+    eval_docs: int = 0  # "last": this many documents; "hash": a cap on the held-out count
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        if not self.sources:
+            raise ValueError("data.sources must list at least one source")
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.sources names must be unique, got {names}")
+        for k, src in enumerate(self.sources):
+            where = f"data.sources[{k}] ({src.name!r})"
+            if not src.name or "/" in src.name:
+                raise ValueError(f"{where}: name must be non-empty and without '/'")
+            if src.kind not in typing.get_args(SourceKind):
+                raise ValueError(
+                    f"{where}: kind must be one of {list(typing.get_args(SourceKind))}"
+                )
+            if src.kind != "stdlib" and not src.path:
+                raise ValueError(f"{where}: kind {src.kind!r} needs a path")
+            if src.weight < 0:
+                raise ValueError(f"{where}: weight must be >= 0, got {src.weight}")
+            if src.kind == "text" and src.split == "separator" and not src.separator:
+                raise ValueError(f"{where}: split 'separator' needs a separator string")
+        if not self.phases and not any(s.weight > 0 for s in self.sources):
+            raise ValueError("data.sources: at least one source needs a positive weight")
+        for name in ("seq_len", "batch_size", "buffer_docs", "tokenizer_train_chars"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"data.{name} must be positive, got {getattr(self, name)}")
+        if self.num_workers < 0 or self.total_tokens < 0 or self.eval_docs < 0:
+            raise ValueError("data.num_workers, data.total_tokens, data.eval_docs must be >= 0")
+        if self.tokenizer_vocab_size and self.tokenizer == "byte":
+            raise ValueError(
+                "data.tokenizer_vocab_size trains a BPE: set data.tokenizer to the directory "
+                "to train it into (or set the vocab size to 0 for the byte tokenizer)"
+            )
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.phases:
+            fractions = [p.fraction for p in self.phases]
+            if any(f <= 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-6:
+                raise ValueError(
+                    f"data.phases fractions must be positive and sum to 1, got {fractions}"
+                )
+            if len(self.phases) > 1 and self.total_tokens <= 0:
+                raise ValueError("data.phases with several phases need data.total_tokens > 0")
+            for k, phase in enumerate(self.phases):
+                unknown = sorted(set(phase.weights) - set(names))
+                if unknown:
+                    raise ValueError(f"data.phases[{k}].weights: unknown sources {unknown}")
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {s.name: s.weight for s in self.sources}
+
+    # ------------------------------------------------------------------ round trip
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DataConfig:
+        return _build(cls, data, "data.")
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        data = self.to_dict()
+        text = (
+            json.dumps(data, indent=2)
+            if path.suffix == ".json"
+            else yaml.safe_dump(data, sort_keys=False)
+        )
+        path.write_text(text)
+
+    @classmethod
+    def load(cls, path: str | Path) -> DataConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"data config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+        except yaml.YAMLError as err:
+            raise ValueError(f"cannot parse data config {path}: {err}") from None
+        if isinstance(data, dict) and set(data) == {"data"}:  # a `data:` section of a recipe
+            data = data["data"]
+        if not isinstance(data, dict):
+            raise ValueError(f"data config {path} must hold a mapping")
+        return cls.from_dict(data)
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.')} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown key(s) {[prefix + k for k in unknown]}; known: {sorted(names)}")
+    return cls(**{k: _coerce(hints[k], v, prefix + k) for k, v in data.items()})
+
+
+def _coerce(tp: Any, value: Any, name: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _coerce(next(a for a in args if a is not type(None)), value, name)
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{name} must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{name} must be a list, got {value!r}")
+        return [_coerce(args[0], v, f"{name}[{k}]") for k, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be a mapping, got {value!r}")
+        return {str(k): _coerce(args[1], v, f"{name}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return value if isinstance(value, tp) else _build(tp, value, name + ".")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {value!r}")
+        return value
+    return value
