@@ -62,6 +62,7 @@ class Attention(nn.Module):
         positions_L: torch.Tensor,
         positions_BL: torch.Tensor | None = None,
         key_mask_BS: torch.Tensor | None = None,
+        doc_ids_BL: torch.Tensor | None = None,
         state: KVState | None = None,
         **_: object,
     ) -> torch.Tensor:
@@ -94,6 +95,11 @@ class Attention(nn.Module):
                 == (offset + torch.arange(L, device=x_BLD.device))[:, None]
             )
             extra = (key_mask_BS[:, None, :] | self_BLS)[:, None]
+        if doc_ids_BL is not None:  # packed documents: attend within the own document only
+            if state is not None:
+                raise ValueError("doc_ids (packed training documents) do not combine with a cache")
+            same_B1LL = (doc_ids_BL[:, :, None] == doc_ids_BL[:, None, :])[:, None]
+            extra = same_B1LL if extra is None else extra & same_B1LL
         o_BHLE = attention(
             q_BHLE, k_BKLE, v_BKLE, q_offset=offset, window=self.window, extra_mask=extra
         )

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import LayerSpec, ModelConfig
 from ..infer.cache import MambaState
-from ..ops.conv1d import causal_conv1d
+from ..ops.conv1d import causal_conv1d, causal_conv1d_docs
 from ..ops.ssd import ssd_chunked, ssd_recurrent, ssd_step
 from .norm import GatedRMSNorm
 
@@ -113,11 +113,13 @@ class Mamba2Mixer(nn.Module):
         *,
         state: MambaState | None = None,
         token_mask_BL: torch.Tensor | None = None,
+        doc_ids_BL: torch.Tensor | None = None,
         **_: object,
     ) -> torch.Tensor:
         """`token_mask_BL` (False on left padding): padded positions get zero conv input and
         zero dt, i.e. no decay and no input, so the states a row carries past its padding are
-        exactly those of the unpadded row."""
+        exactly those of the unpadded row. `doc_ids_BL` (packed documents): conv taps and the
+        SSD state do not cross document boundaries."""
         m = self.m
         Bsz, L, _ = x_BLD.shape
         if (
@@ -138,9 +140,17 @@ class Mamba2Mixer(nn.Module):
             xbc_BLX = xbc_BLX * token_mask_BL[..., None].to(xbc_BLX.dtype)
         conv_in = state.conv_BSX if state is not None else None
         xbc_pre_BLX = xbc_BLX
-        xbc_BLX, conv_out = causal_conv1d(
-            xbc_BLX, self.conv1d.weight[:, 0], self.conv1d.bias, conv_in
-        )
+        if doc_ids_BL is not None:
+            if state is not None:
+                raise ValueError("doc_ids (packed training documents) do not combine with a cache")
+            xbc_BLX = causal_conv1d_docs(
+                xbc_BLX, self.conv1d.weight[:, 0], self.conv1d.bias, doc_ids_BL
+            )
+            conv_out = None
+        else:
+            xbc_BLX, conv_out = causal_conv1d(
+                xbc_BLX, self.conv1d.weight[:, 0], self.conv1d.bias, conv_in
+            )
         xbc_BLX = F.silu(xbc_BLX)
         xs_BLI, B_BLG, C_BLG = xbc_BLX.split([m.d_inner, GN, GN], dim=-1)
 
@@ -167,7 +177,9 @@ class Mamba2Mixer(nn.Module):
             y, ssm_out = ssd_step(ssm_in, xs[:, 0], dt_BLH[:, 0], A_H, Bm[:, 0], Cm[:, 0], self.D)
             y_BLHP = y[:, None]
         else:
-            y_BLHP, ssm_out = ssd_chunked(xs, dt_BLH, A_H, Bm, Cm, self.D, m.chunk_size, ssm_in)
+            y_BLHP, ssm_out = ssd_chunked(
+                xs, dt_BLH, A_H, Bm, Cm, self.D, m.chunk_size, ssm_in, doc_ids_BL
+            )
         if state is not None:
             state.conv_BSX, state.ssm_BHPN = conv_out, ssm_out
 

@@ -132,6 +132,7 @@ class HybridLM(nn.Module):
         *,
         cache: HybridCache | None = None,
         attention_mask: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
         num_valid_tokens: int | torch.Tensor | None = None,
         mtp_depth: int | None = None,
         return_hidden: bool = False,
@@ -151,7 +152,10 @@ class HybridLM(nn.Module):
             m.aux_losses.clear()
         offset = cache.seen_tokens if cache is not None else 0
         positions_L = torch.arange(offset, offset + L, device=input_ids.device)
-        ctx = self._padding_context(input_ids, attention_mask, cache, positions_L)
+        if doc_ids is not None:
+            ctx = self._document_context(input_ids, doc_ids, attention_mask, cache)
+        else:
+            ctx = self._padding_context(input_ids, attention_mask, cache, positions_L)
         h = self.embeddings(input_ids)
         for i, block in enumerate(self.layers):
             h = block(h, state=cache.layers[i] if cache is not None else None, **ctx)
@@ -194,6 +198,34 @@ class HybridLM(nn.Module):
             total = total + out.losses["moe_aux"]
         out.loss = total
         return out
+
+    @staticmethod
+    def _document_context(
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: HybridCache | None,
+    ) -> dict[str, torch.Tensor]:
+        if cache is not None or attention_mask is not None:
+            raise ValueError("doc_ids are for packed training rows: no cache or attention_mask")
+        if doc_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"doc_ids shape {tuple(doc_ids.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        doc = doc_ids.to(input_ids.device)
+        if bool((doc[:, 1:] < doc[:, :-1]).any()):
+            raise ValueError("doc_ids must be non-decreasing along each row (packed documents)")
+        L = doc.shape[1]
+        idx_L = torch.arange(L, device=doc.device)
+        start_BL = torch.ones_like(doc, dtype=torch.bool)
+        start_BL[:, 1:] = doc[:, 1:] != doc[:, :-1]
+        # position within the document: index minus the index of the document's first token
+        first_BL = torch.cummax(torch.where(start_BL, idx_L, 0), dim=1).values
+        return {
+            "positions_L": idx_L,
+            "positions_BL": idx_L - first_BL,
+            "doc_ids_BL": doc,
+        }
 
     @staticmethod
     def _padding_context(

@@ -76,3 +76,24 @@ def causal_conv1d_ref(
     xp = _padded(x_BLD, state_BSD, K - 1)
     y = F.conv1d(xp.transpose(1, 2), weight_DK.unsqueeze(1), bias_D, groups=x_BLD.shape[2])
     return y.transpose(1, 2), xp[:, xp.shape[1] - (K - 1) :]
+
+
+def causal_conv1d_docs(
+    x_BLD: Tensor, weight_DK: Tensor, bias_D: Tensor | None, doc_ids_BL: Tensor
+) -> Tensor:
+    """Causal conv over packed documents: tap k at position t reads t - (K-1-k) only when that
+    position belongs to t's document, so no document sees its predecessor (as a fresh start with
+    a zero conv state). Equals `causal_conv1d` run on each document alone (tested)."""
+    K, L = weight_DK.shape[-1], x_BLD.shape[1]
+    dtype = torch.promote_types(x_BLD.dtype, weight_DK.dtype)
+    xp = F.pad(x_BLD.to(dtype), (0, 0, K - 1, 0))
+    dp = F.pad(doc_ids_BL, (K - 1, 0), value=-1)
+    w = weight_DK.to(dtype)
+    y = None
+    for k in range(K):
+        same_BL1 = (dp[:, k : k + L] == doc_ids_BL)[..., None].to(dtype)
+        term = xp[:, k : k + L] * same_BL1 * w[:, k]
+        y = term if y is None else y + term
+    if bias_D is not None:
+        y = y + bias_D.to(dtype)
+    return y

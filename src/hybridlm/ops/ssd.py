@@ -36,8 +36,17 @@ def ssd_chunked(
     D_H: Tensor | None,
     chunk_size: int,
     initial_state_BHPN: Tensor | None = None,
+    doc_ids_BL: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Chunked SSD scan. Returns (y_BLHP, final_state_BHPN) in the compute dtype.
+
+    `doc_ids_BL` (packed documents, non-decreasing per row) resets the state at every document
+    start: no term crosses a boundary, so each document's outputs are those of the document run
+    alone (the intra-document masking of packed pretraining, Olmo 3 §3.4 / Nemotron-H).
+    Inside a chunk the decay matrix is masked to same-document pairs; a chunk's own final state
+    keeps only its last document's inputs; the state entering a chunk reaches only positions of
+    the document that was running at the chunk start, and is carried past the chunk only if no
+    document starts inside it.
 
     Every contraction is one batched matmul over leading (B, C, G) dims; the per-group C.B^T is
     computed once and shared by the R heads of the group (transformers' reference repeats B and C
@@ -62,20 +71,40 @@ def ssd_chunked(
     C_BCGQN = Cm.view(Bsz, Cn, Q, G, N).permute(0, 1, 3, 2, 4)
     acum_BCGRQ = (dt * A_H.to(ct)).view(Bsz, Cn, Q, G, R).permute(0, 1, 3, 4, 2).cumsum(-1)
 
+    docs = None
+    if doc_ids_BL is not None:
+        d_BL = doc_ids_BL.to(x.device)
+        if pad:
+            d_BL = torch.cat([d_BL, d_BL[:, -1:].expand(-1, pad)], dim=1)
+        d_BCQ = d_BL.view(Bsz, Cn, Q)
+        # the document running just before each chunk (chunk 0: the first token's)
+        prev_BC = torch.cat([d_BCQ[:, :1, 0], d_BCQ[:, :-1, -1]], dim=1)
+        docs = (
+            (d_BCQ[:, :, :, None] == d_BCQ[:, :, None, :])[:, :, None, None],  # same_QS
+            (d_BCQ == d_BCQ[:, :, -1:])[:, :, None, :, None],  # with the chunk's last doc
+            (d_BCQ[:, :, -1] == prev_BC)[:, :, None, None],  # no boundary inside the chunk
+            (d_BCQ == prev_BC[..., None])[:, :, None, :, None, None],  # still the entering doc
+        )
+
     # 1) intra-chunk: y_q = sum_{s<=q} (C_q . B_s) exp(acum_q - acum_s) dt_s x_s
     causal_QS = torch.ones(Q, Q, dtype=torch.bool, device=x.device).tril()
     seg_BCGRQS = acum_BCGRQ[..., :, None] - acum_BCGRQ[..., None, :]
-    decay_BCGRQS = torch.exp(seg_BCGRQS.masked_fill(~causal_QS, float("-inf")))
+    keep_QS = causal_QS if docs is None else causal_QS & docs[0]
+    decay_BCGRQS = torch.exp(seg_BCGRQS.masked_fill(~keep_QS, float("-inf")))
     cb_BCGQS = C_BCGQN @ B_BCGQN.transpose(-1, -2)  # once per group, shared by its R heads
     y_diag_BCGRQP = (cb_BCGQS[:, :, :, None] * decay_BCGRQS) @ xdt_BCGQRP.transpose(3, 4)
 
     # 2) each chunk's own final state, its inputs decayed to the chunk end
     to_end_BCGQR = torch.exp(acum_BCGRQ[..., -1:] - acum_BCGRQ).transpose(3, 4)
+    if docs is not None:
+        to_end_BCGQR = to_end_BCGQR * docs[1]
     xs_BCGQX = (xdt_BCGQRP * to_end_BCGQR[..., None]).reshape(Bsz, Cn, G, Q, R * P)
     chunk_state_BCGNRP = (B_BCGQN.transpose(-1, -2) @ xs_BCGQX).view(Bsz, Cn, G, N, R, P)
 
     # 3) recurrence across chunks; state_in[c] is the state entering chunk c
     chunk_decay_BCGR = torch.exp(acum_BCGRQ[..., -1])
+    if docs is not None:
+        chunk_decay_BCGR = chunk_decay_BCGR * docs[2]
     if initial_state_BHPN is None:
         state_BGNRP = x.new_zeros(Bsz, G, N, R, P)
     else:
@@ -91,6 +120,8 @@ def ssd_chunked(
     # 4) the entering state's contribution, decayed from the chunk start
     y_off_BCGQRP = (C_BCGQN @ state_in_BCGNX).view(Bsz, Cn, G, Q, R, P)
     y_off_BCGQRP = y_off_BCGQRP * torch.exp(acum_BCGRQ).transpose(3, 4)[..., None]
+    if docs is not None:
+        y_off_BCGQRP = y_off_BCGQRP * docs[3]
 
     y_BCGQRP = y_diag_BCGRQP.transpose(3, 4) + y_off_BCGQRP
     y_BLHP = y_BCGQRP.permute(0, 1, 3, 2, 4, 5).reshape(Bsz, Cn * Q, H, P)[:, :L]
@@ -136,10 +167,12 @@ def ssd_recurrent(
     initial_state_BHPN: Tensor | None = None,
     *,
     return_states: bool = False,
+    doc_ids_BL: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Token-by-token reference for `ssd_chunked` (same signature minus the chunk size). With
     `return_states` the second output is the state after every token, [B, L, H, P, N]; decoding
-    uses this to keep a state per draft position (speculative verification)."""
+    uses this to keep a state per draft position (speculative verification). `doc_ids_BL`
+    zeroes the state where a new document starts."""
     Bsz, L, H, P = x_BLHP.shape
     N = B_BLGN.shape[-1]
     ct = _compute_dtype(x_BLHP)
@@ -150,6 +183,9 @@ def ssd_recurrent(
     )
     ys, states = [], []
     for t in range(L):
+        if doc_ids_BL is not None and t > 0:  # a document starts: forget the state
+            same_B = (doc_ids_BL[:, t] == doc_ids_BL[:, t - 1]).to(state.dtype)
+            state = state * same_B[:, None, None, None]
         y, state = ssd_step(state, x_BLHP[:, t], dt_BLH[:, t], A_H, B_BLGN[:, t], C_BLGN[:, t], D_H)
         ys.append(y)
         states.append(state)
