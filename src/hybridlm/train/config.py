@@ -1,0 +1,333 @@
+"""`TrainConfig` (optimizer, schedule, loop, checkpoints) and `RunConfig` (model + data + train).
+
+A run is one YAML file with three sections:
+
+    model: tiny-super            # a preset name, or a full ModelConfig mapping
+    data: {...}                  # hybridlm.data.config.DataConfig
+    train: {...}                 # TrainConfig below
+
+`RunConfig.load(path)`, `run.save(path)` round-trip it; `apply_run_overrides(run, ["train.lr=1e-3",
+"model.d_model=128", "data.sources.0.max_files=50"])` applies dotted overrides (values parsed as
+YAML; integer path parts index lists). Defaults follow the Nemotron 3 Super pretraining recipe
+(§2.4: AdamW beta 0.9/0.95, weight decay 0.1, WSD with minus-sqrt decay over the last 20%);
+Olmo 3's alternatives (cosine / linear schedules, z-loss 1e-5) are options.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from ..config import ModelConfig
+from ..data.config import DataConfig
+from ..presets import PRESETS, get_preset
+
+ScheduleKind = Literal["wsd", "cosine", "linear", "constant"]
+DecayShape = Literal["minus_sqrt", "linear", "cosine"]
+
+
+def _default_no_decay() -> list[str]:
+    # Globs matched against each dotted component of a parameter name (see optim.param_groups).
+    return ["*norm*", "*bias", "A_log", "D", "embeddings"]
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimizer, LR schedule, precision, loop cadence and checkpointing of one pretraining run.
+
+    Length: `max_steps` optimizer steps, or (when 0) enough steps to see `total_tokens` tokens
+    (each step sees `data.batch_size * grad_accum * data.seq_len` input tokens).
+
+    z-loss (Olmo 3; PaLM): `z_loss * sum_t logsumexp(logits_t)^2 / num_valid_tokens` over the
+    CE targets. The fused LM-head + CE path never materialises logits, so with `z_loss > 0` the
+    forward runs with `return_logits=True` and the z-term is computed from those logits (memory
+    O(B*L*V) per micro-batch; fine at the sizes z-loss is tried here).
+    """
+
+    # ---- optimizer (AdamW); Nemotron 3 Super §2.4 defaults
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float = 3e-5  # floor of the decay
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    no_decay: list[str] = field(default_factory=_default_no_decay)
+    no_decay_1d: bool = True  # every parameter with ndim < 2 also skips weight decay
+    # ---- schedule (train.schedule)
+    schedule: ScheduleKind = "wsd"
+    decay_shape: DecayShape = "minus_sqrt"  # shape of the WSD decay (Nemotron 3 Super §2.4)
+    warmup_steps: int = 100
+    decay_fraction: float = 0.2  # WSD: decay over the final fraction of the steps
+    # ---- loop
+    max_steps: int = 0
+    total_tokens: int = 0
+    grad_accum: int = 1
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: torch.autocast, fp32 master weights
+    z_loss: float = 0.0
+    intra_doc_masking: bool = False  # pass doc_ids to the model when it accepts them
+    max_consecutive_skips: int = 10  # non-finite steps in a row before the run stops
+    # ---- eval, logging, checkpoints
+    eval_interval: int = 100  # 0: no periodic eval (one at the end if a held-out split exists)
+    eval_batches: int = 10  # 0: the whole held-out split
+    log_interval: int = 10
+    checkpoint_interval: int = 500  # 0: only the final checkpoint
+    keep_last_n: int = 3  # 0: keep all
+    out_dir: str = "runs/default"
+    seed: int = 0
+    device: str = "auto"  # auto: cuda when available, else cpu
+    peak_flops: float = 0.0  # FLOP/s for MFU; 0: measure once with a matmul
+    progress: bool = True  # rich progress bar
+    plot: bool = True  # render <out>/loss.png from metrics.jsonl at the end
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        for name in ("lr", "eps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"train.min_lr must be in [0, train.lr={self.lr}], got {self.min_lr}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        for name in (
+            "weight_decay",
+            "grad_clip",
+            "z_loss",
+            "warmup_steps",
+            "max_steps",
+            "total_tokens",
+            "eval_interval",
+            "eval_batches",
+            "checkpoint_interval",
+            "keep_last_n",
+            "peak_flops",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("grad_accum", "log_interval", "max_consecutive_skips"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.decay_fraction <= 1:
+            raise ValueError(f"train.decay_fraction must be in [0, 1], got {self.decay_fraction}")
+        if self.schedule not in typing.get_args(ScheduleKind):
+            raise ValueError(
+                f"train.schedule must be one of {list(typing.get_args(ScheduleKind))}, "
+                f"got {self.schedule!r}"
+            )
+        if self.decay_shape not in typing.get_args(DecayShape):
+            raise ValueError(
+                f"train.decay_shape must be one of {list(typing.get_args(DecayShape))}, "
+                f"got {self.decay_shape!r}"
+            )
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")
+
+    def num_steps(self, tokens_per_step: int) -> int:
+        """Optimizer steps of the run: `max_steps`, else ceil(total_tokens / tokens_per_step)."""
+        if self.max_steps:
+            return self.max_steps
+        if self.total_tokens:
+            return -(-self.total_tokens // tokens_per_step)
+        raise ValueError("set train.max_steps or train.total_tokens to give the run a length")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """One pretraining run: `model` (a preset name or a ModelConfig), `data`, `train`."""
+
+    model: ModelConfig | str = "tiny-super"
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, str) and self.model not in PRESETS:
+            raise ValueError(
+                f"model {self.model!r} is not a preset; use one of {sorted(PRESETS)} "
+                "or give the model config as a mapping"
+            )
+
+    def model_config(self) -> ModelConfig:
+        """The resolved `ModelConfig` (a fresh copy)."""
+        if isinstance(self.model, str):
+            return get_preset(self.model)
+        return copy.deepcopy(self.model)
+
+    def resolved(self) -> RunConfig:
+        """A copy with the preset name replaced by its full config (what checkpoints store)."""
+        return dataclasses.replace(
+            self,
+            model=self.model_config(),
+            data=copy.deepcopy(self.data),
+            train=copy.deepcopy(self.train),
+        )
+
+    # ------------------------------------------------------------------ round trip
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model if isinstance(self.model, str) else self.model.to_dict(),
+            "data": self.data.to_dict(),
+            "train": dataclasses.asdict(self.train),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"a run config must be a mapping, got {type(data).__name__}")
+        unknown = sorted(set(data) - {"model", "data", "train"})
+        if unknown:
+            raise ValueError(f"unknown run config section(s) {unknown}; known: model, data, train")
+        kw: dict[str, Any] = {}
+        if "model" in data:
+            model = data["model"]
+            if isinstance(model, str):
+                kw["model"] = model
+            elif isinstance(model, dict):
+                kw["model"] = ModelConfig.from_dict(model)
+            else:
+                raise ValueError("model must be a preset name or a mapping of ModelConfig fields")
+        if "data" in data:
+            kw["data"] = DataConfig.from_dict(data["data"] or {})
+        if "train" in data:
+            kw["train"] = _build(TrainConfig, data["train"] or {}, "train.")
+        return cls(**kw)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        data = self.to_dict()
+        text = (
+            json.dumps(data, indent=2)
+            if path.suffix == ".json"
+            else yaml.safe_dump(data, sort_keys=False)
+        )
+        path.write_text(text)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"run config file not found: {path}")
+        try:
+            text = path.read_text()
+            # YAML 1.1 reads JSON's 1e-05 as a string: parse .json files as JSON
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as err:
+            raise ValueError(f"cannot parse run config {path}: {err}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"run config {path} must hold a mapping")
+        return cls.from_dict(data)
+
+
+def apply_run_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:
+    """A new `RunConfig` with dotted `section.key=value` overrides (values parsed as YAML).
+
+    `model=tiny-lightning` swaps the preset; `model.x=...` on a preset name resolves the preset
+    first. Integer parts index lists (`data.sources.0.max_files=20`)."""
+    data = run.to_dict()
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key=value, e.g. train.lr=1e-3")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        if parts[0] not in ("model", "data", "train"):
+            raise ValueError(f"override {item!r}: the first part must be model, data or train")
+        if len(parts) == 1:
+            data[parts[0]] = value
+            continue
+        if parts[0] == "model" and isinstance(data["model"], str):
+            data["model"] = get_preset(data["model"]).to_dict()
+        node: Any = data[parts[0]]
+        for part in parts[1:-1]:
+            node = _child(node, part, item)
+            if node is None:
+                raise ValueError(
+                    f"override {item!r}: {part!r} is unset; set the whole section instead, "
+                    f"e.g. {'.'.join(parts[:-1])}={{...}}"
+                )
+        last = parts[-1]
+        if isinstance(node, list):
+            node[_index(node, last, item)] = value
+        elif isinstance(node, dict):
+            if last not in node:
+                raise ValueError(f"override {item!r}: unknown key {key!r}")
+            node[last] = value
+        else:
+            raise ValueError(f"override {item!r}: {'.'.join(parts[:-1])} is not a section")
+    return RunConfig.from_dict(data)
+
+
+def _child(node: Any, part: str, item: str) -> Any:
+    if isinstance(node, list):
+        return node[_index(node, part, item)]
+    if isinstance(node, dict):
+        if part not in node:
+            raise ValueError(f"override {item!r}: unknown key {part!r}")
+        return node[part]
+    raise ValueError(f"override {item!r}: {part!r} is not inside a section")
+
+
+def _index(node: list, part: str, item: str) -> int:
+    if not part.lstrip("-").isdigit() or not -len(node) <= int(part) < len(node):
+        raise ValueError(f"override {item!r}: {part!r} is not an index of a {len(node)}-item list")
+    return int(part)
+
+
+# ---------------------------------------------------------------------- dict -> dataclass
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.')} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown key(s) {[prefix + k for k in unknown]}; known: {sorted(names)}")
+    return cls(**{k: _coerce(hints[k], v, prefix + k) for k, v in data.items()})
+
+
+def _coerce(tp: Any, value: Any, name: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        return _coerce(next(a for a in args if a is not type(None)), value, name)
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{name} must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{name} must be a list, got {value!r}")
+        return [_coerce(args[0], v, f"{name}[{k}]") for k, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{name} must be a string, got {value!r}")
+        return value
+    return value

@@ -1,0 +1,56 @@
+"""Loss curves rendered from `metrics.jsonl` after a run (DESIGN habit 15: reports are derived)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a `metrics.jsonl` (unparseable lines, e.g. a torn last line, are skipped)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def plot_loss_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
+    """Train loss parts (ce, mtp, total) and held-out loss / bpb against tokens seen, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [r for r in rows if r.get("kind") == "train"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=[3, 1])
+    x = [r["tokens"] for r in train]
+    for key in ("loss", "ce", "mtp"):
+        ys = [(xi, r[key]) for xi, r in zip(x, train, strict=True) if r.get(key) is not None]
+        if ys:
+            ax.plot(*zip(*ys, strict=True), label=f"train {key}", lw=1)
+    if evals:
+        ax.plot(
+            [r["tokens"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval ce"
+        )
+        ax2 = ax.twinx()
+        ax2.plot(
+            [r["tokens"] for r in evals], [r["eval_bpb"] for r in evals], "s--", c="gray", ms=3
+        )
+        ax2.set_ylabel("eval bits per byte")
+    ax.set_ylabel("loss (nats/token)")
+    ax.legend(loc="upper right")
+    ax.grid(alpha=0.3)
+    ax_lr.plot(x, [r["lr"] for r in train], lw=1)
+    ax_lr.set_ylabel("lr")
+    ax_lr.set_xlabel("tokens seen")
+    ax_lr.grid(alpha=0.3)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
