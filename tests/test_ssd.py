@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybridlm.ops.conv1d import causal_conv1d, causal_conv1d_ref
-from hybridlm.ops.ssd import ssd_chunked, ssd_recurrent, ssd_step
+from hybridlm.ops.ssd import ssd_chunked, ssd_recurrent, ssd_states, ssd_step
 
 
 def _inputs(L, dtype, B=2, H=6, P=5, G=3, N=7, seed=0):
@@ -94,3 +94,22 @@ def test_conv_streaming_equals_full():
         y_t, st = causal_conv1d(x[:, t : t + 1], w, None, st)
         outs.append(y_t)
     torch.testing.assert_close(torch.cat(outs, 1), y_full, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_ssd_states_closed_form_equals_recurrence(with_state):
+    """Per-position states of a short segment (speculative verification) == the recurrence."""
+    g = torch.Generator().manual_seed(0)
+    B, L, H, P, G, N = 2, 5, 4, 8, 2, 16
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    x, Bm, Cm, D = r(B, L, H, P), r(B, L, G, N), r(B, L, G, N), r(H)
+    s0 = r(B, H, P, N) if with_state else None
+    dt = torch.rand(B, L, H, generator=g, dtype=torch.float64)
+    A = -torch.rand(H, generator=g, dtype=torch.float64) * 3
+    y, states = ssd_states(x, dt, A, Bm, Cm, D, s0)
+    y_ref, states_ref = ssd_recurrent(x, dt, A, Bm, Cm, D, s0, return_states=True)
+    torch.testing.assert_close(y, y_ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(states, states_ref, atol=1e-12, rtol=0)

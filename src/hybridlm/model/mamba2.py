@@ -17,7 +17,7 @@ from torch import nn
 from ..config import LayerSpec, ModelConfig
 from ..infer.cache import MambaState
 from ..ops.conv1d import causal_conv1d, causal_conv1d_docs
-from ..ops.ssd import ssd_chunked, ssd_recurrent, ssd_step
+from ..ops.ssd import ssd_chunked, ssd_states, ssd_step
 from .norm import GatedRMSNorm
 
 
@@ -165,12 +165,10 @@ class Mamba2Mixer(nn.Module):
         Cm = C_BLG.reshape(Bsz, L, m.n_groups, m.state_size)
         ssm_in = state.ssm_BHPN if state is not None else None
         if state is not None and state.record_history:
-            # speculative verification: the decode recurrence token by token (the same steps
-            # plain decoding takes), keeping the conv and SSM state after every position so
-            # rejected drafts roll back without recomputation (`MambaState.rewind`)
-            y_BLHP, ssm_BLHPN = ssd_recurrent(
-                xs, dt_BLH, A_H, Bm, Cm, self.D, ssm_in, return_states=True
-            )
+            # speculative verification: the state after every position (closed form over the
+            # few verified tokens), so rejected drafts roll back without recomputation
+            # (`MambaState.rewind`)
+            y_BLHP, ssm_BLHPN = ssd_states(xs, dt_BLH, A_H, Bm, Cm, self.D, ssm_in)
             ssm_out = ssm_BLHPN[:, -1]
             state.set_history(conv_in, xbc_pre_BLX, ssm_BLHPN)
         elif L == 1 and ssm_in is not None:
