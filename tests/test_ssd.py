@@ -113,3 +113,20 @@ def test_ssd_states_closed_form_equals_recurrence(with_state):
     y_ref, states_ref = ssd_recurrent(x, dt, A, Bm, Cm, D, s0, return_states=True)
     torch.testing.assert_close(y, y_ref, atol=1e-12, rtol=0)
     torch.testing.assert_close(states, states_ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("L", [1, 7])
+def test_conv_inference_path_equals_reference(L):
+    """Under no_grad the tap sum runs without the autograd function (decode, verification)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, L, 10, generator=g, dtype=torch.float64)
+    w, b = (
+        torch.randn(10, 4, generator=g, dtype=torch.float64),
+        torch.randn(10, dtype=torch.float64),
+    )
+    state = torch.randn(2, 3, 10, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        y, s = causal_conv1d(x, w, b, state)
+    y_ref, s_ref = causal_conv1d_ref(x, w, b, state)
+    torch.testing.assert_close(y, y_ref, atol=1e-12, rtol=0)
+    torch.testing.assert_close(s, s_ref, atol=0, rtol=0)

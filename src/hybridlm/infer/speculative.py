@@ -41,7 +41,8 @@ the last processed position t and the next token x_{t+1} (emitted, not yet run):
    - "recompute": the cache is restored to its `HybridCache.snapshot()` from before the verify
      pass and the accepted tokens run again: no extra state, but a second short forward on
      every round with a rejection.
-   The MTP cache is truncated to its last exact position and refilled with true hiddens.
+   The MTP cache is truncated to its last exact position; the accepted positions rerun with true
+   hiddens in the same MTP call as the next round's first draft.
 
 Drafts are capped so a request never emits more than `max_new_tokens`: with r tokens left a
 round drafts min(K, max(r - 1, 1)) (a full round emits its drafts plus one), and emitted tokens
@@ -248,7 +249,10 @@ class SpeculativeDecoder:
         self.finished = max_new_tokens == 0
         self._cache: HybridCache | None = None  # backbone
         self._mtp_cache: HybridCache | None = None
-        self._h_last_BLD: Tensor | None = None  # backbone hidden of the last processed position
+        # MTP inputs with exact values not yet run: backbone hiddens of the processed positions
+        # and the tokens after them; the last pair is (h of the last position, emitted token)
+        self._mtp_h_BLD: Tensor | None = None
+        self._mtp_tok_BL: Tensor | None = None
         self._next_BL: Tensor | None = None  # emitted token not yet run through the backbone
 
     @classmethod
@@ -330,15 +334,15 @@ class SpeculativeDecoder:
         self._cache = HybridCache.for_pattern(model.config.pattern)
         self._mtp_cache = HybridCache.for_pattern(model.config.mtp.pattern)
         pre = model(x_BL, cache=self._cache, return_hidden=True)
-        if x_BL.shape[1] > 1:  # MTP positions 0..L-2 see (h_t, x_{t+1})
-            _mtp(model, pre.hidden[:, :-1], x_BL[:, 1:], self._mtp_cache)
-        self._h_last_BLD = pre.hidden[:, -1:]
         logits_1V = pre.logits[:, -1]
         if self.greedy:
             nxt = int(logits_1V.argmax(-1))
         else:
             nxt = _draw(self._probs(logits_1V)[0], self.generator)
         self._next_BL = x_BL.new_full((1, 1), nxt)
+        # MTP position t sees (h_t, x_{t+1}); run with the first draft of the next round
+        self._mtp_h_BLD = pre.hidden
+        self._mtp_tok_BL = torch.cat([x_BL[:, 1:], self._next_BL], dim=1)
         return [nxt]
 
     def _round(self) -> list[int]:
@@ -346,12 +350,14 @@ class SpeculativeDecoder:
         assert cache is not None and mtp_cache is not None
         r = self._remaining()
         K = self.draft_len if r is None else min(self.draft_len, max(r - 1, 1))
-        # 1) draft; the first MTP position has exact inputs (true hidden, true token)
-        exact = mtp_cache.seen_tokens + 1
-        h_BLD, tok_BL = self._h_last_BLD, self._next_BL
+        # 1) draft; the first call also runs the pending exact positions (true hiddens, true
+        # tokens: the previous round's accepted ones), so they cost no extra MTP pass
+        exact = mtp_cache.seen_tokens + self._mtp_h_BLD.shape[1]
+        h_BLD, tok_BL = self._mtp_h_BLD, self._mtp_tok_BL
         drafts, q_rows = [], []
         for _ in range(K):
             h_BLD, logits_BLV = _mtp(model, h_BLD, tok_BL, mtp_cache)
+            h_BLD = h_BLD[:, -1:]  # the recursion continues from the newest position
             if self.greedy:
                 tok_BL = logits_BLV[:, -1].argmax(-1, keepdim=True)
             else:
@@ -385,12 +391,10 @@ class SpeculativeDecoder:
         elif m < K:
             cache.restore(snap)
             ver = model(seq_BJ[:, : m + 1], cache=cache, return_hidden=True)
-        hidden_BLD = ver.hidden[:, : m + 1]
-        mtp_cache.truncate(exact)
-        if m:
-            _mtp(model, hidden_BLD[:, :m], seq_BJ[:, 1 : m + 1], mtp_cache)
-        self._h_last_BLD = hidden_BLD[:, m : m + 1]
+        mtp_cache.truncate(exact)  # drop the drafted positions; they rerun with true hiddens
         self._next_BL = seq_BJ.new_full((1, 1), nxt)
+        self._mtp_h_BLD = ver.hidden[:, : m + 1]
+        self._mtp_tok_BL = torch.cat([seq_BJ[:, 1 : m + 1], self._next_BL], dim=1)
         return new
 
 

@@ -55,11 +55,17 @@ def causal_conv1d(
     xp = _padded(x_BLD, state_BSD, K - 1)
     dtype = torch.promote_types(xp.dtype, weight_DK.dtype)
     L = x_BLD.shape[1]
-    if L == 1 and not torch.is_grad_enabled():  # decode step: one weighted sum over the taps
-        y = (xp.to(dtype) * weight_DK.to(dtype).t()).sum(1, keepdim=True)
+    if not torch.is_grad_enabled():  # inference: the same tap sum without autograd bookkeeping
+        xp_d, w_d = xp.to(dtype), weight_DK.to(dtype)
+        if L == 1:  # decode step: one weighted sum over the taps
+            y = (xp_d * w_d.t()).sum(1, keepdim=True)
+        else:
+            y = xp_d[:, 0:L] * w_d[:, 0]
+            for k in range(1, K):
+                y.addcmul_(xp_d[:, k : k + L], w_d[:, k])
         if bias_D is not None:
             y = y + bias_D.to(dtype)
-        return y, xp[:, 1:]
+        return y, xp[:, xp.shape[1] - (K - 1) :]
     y = _ShiftConv.apply(
         xp.to(dtype),
         weight_DK.to(dtype),
