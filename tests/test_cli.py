@@ -66,3 +66,24 @@ def test_console_entry_point_runs():
         timeout=120,
     )
     assert res.returncode == 0 and "params total" in res.stdout
+
+
+def test_pretrain_runs_samples_and_exports(tmp_path, capsys):
+    """`hybridlm pretrain` on a slice of the embedded corpus: trains, evaluates, samples, exports."""
+    out = tmp_path / "run"
+    argv = ["pretrain", "--sample-tokens", "8"]
+    for kv in (
+        "train.max_steps=4",
+        f"train.out_dir={out}",
+        f"data.shards_dir={out / 'shards'}",
+        "data.sources.0.max_files=12",
+        "train.eval_interval=4",
+        "train.checkpoint_interval=4",
+        "train.progress=false",
+    ):
+        argv += ["--set", kv]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "step 4/4" in printed and "eval_bpb" in printed
+    assert (out / "loss.png").is_file() and (out / "hf" / "config.json").is_file()
+    assert main(["pretrain", "--config", str(tmp_path / "missing.yaml")]) == 2

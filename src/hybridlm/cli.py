@@ -171,6 +171,55 @@ def cmd_generate(args: argparse.Namespace) -> None:
         )
 
 
+def cmd_pretrain(args: argparse.Namespace) -> None:
+    """Pretrain from a run YAML (model + data + train); ends with a sample, the loss plot and a
+    transformers export of the final weights."""
+    from pathlib import Path
+
+    import torch
+
+    from .data.pipeline import build_tokenizer
+    from .infer.generate import generate
+    from .train import RunConfig, apply_run_overrides
+    from .train.trainer import Trainer
+
+    path = Path(args.config)
+    if not path.is_file():
+        raise ValueError(
+            f"run config {path} not found (run from the repository root, or pass --config)"
+        )
+    run = apply_run_overrides(RunConfig.load(path), args.overrides)
+    trainer = Trainer(run, resume=args.resume)
+    trainer.run.save(Path(trainer.run.train.out_dir) / "run.yaml")
+    result = trainer.train()
+    model, tok = trainer.model.eval(), build_tokenizer(trainer.run.data)
+    ids = torch.tensor([tok.encode(args.prompt)], device=trainer.device)
+    with torch.no_grad():
+        out = generate(model, ids, args.sample_tokens, temperature=0.8, top_p=0.95, seed=0)
+    export = Path(trainer.run.train.out_dir) / "hf"
+    model.save_pretrained(export)
+    ev = result.get("eval") or {}
+    print("--- sample (T=0.8, top-p 0.95) ---")
+    print(args.prompt + tok.decode(out[0].tolist()))
+    print("---")
+    last = result.get("last_train") or {}
+    summary = [
+        f"step {result['step']}/{result['total_steps']}",
+        f"tokens {result['tokens_seen']:,}",
+    ]
+    if "loss" in last:
+        summary.append(f"train loss {last['loss']:.3f}")
+    if ev:
+        summary.append(
+            " ".join(f"{k} {v:.3f}" for k, v in ev.items() if isinstance(v, (int, float)))
+        )
+    print("[" + " | ".join(summary) + "]")
+    print(f"metrics:    {result['metrics']}")
+    print(f"loss plot:  {result['plot']}")
+    print(f"checkpoint: {result['checkpoint']}")
+    print(f"hf export:  {export}  (HybridLM.from_pretrained / transformers)")
+
+
 def cmd_export_hf(args: argparse.Namespace) -> None:
     model = _model(args)
     model.save_pretrained(args.out)
@@ -379,6 +428,21 @@ def build_parser() -> argparse.ArgumentParser:
         "sampled output follows the model's distribution by rejection sampling)",
     )
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("pretrain", help="pretrain from a run YAML (default: the quickstart)")
+    p.add_argument("--config", default="configs/quickstart.yaml", help="a run YAML")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, e.g. --set train.max_steps=200 (repeatable)",
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--prompt", default="def ", help="prompt of the closing sample")
+    p.add_argument("--sample-tokens", type=int, default=200)
+    p.set_defaults(fn=cmd_pretrain)
 
     p = sub.add_parser("export-hf", help="write a transformers checkpoint directory")
     _add_model_args(p)
