@@ -69,7 +69,7 @@ def test_console_entry_point_runs():
 
 
 def test_pretrain_runs_samples_and_exports(tmp_path, capsys):
-    """`hybridlm pretrain` on a slice of the embedded corpus: trains, evaluates, samples, exports."""
+    """`hybridlm pretrain` on a slice of the embedded corpus: trains, evaluates, exports."""
     out = tmp_path / "run"
     argv = ["pretrain", "--sample-tokens", "8"]
     for kv in (
