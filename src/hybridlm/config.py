@@ -336,30 +336,11 @@ class ModelConfig:
         return _from_dict(cls, data, "")
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        text = (
-            json.dumps(self.to_dict(), indent=2)
-            if path.suffix == ".json"
-            else yaml.safe_dump(self.to_dict(), sort_keys=False)
-        )
-        path.write_text(text)
+        write_mapping(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file not found: {path}")
-        try:
-            data = (
-                json.loads(path.read_text())
-                if path.suffix == ".json"
-                else yaml.safe_load(path.read_text())
-            )
-        except (json.JSONDecodeError, yaml.YAMLError) as err:
-            raise ValueError(f"cannot parse config file {path}: {err}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
-        return cls.from_dict(data)
+        return cls.from_dict(read_mapping(path, "config"))
 
 
 @dataclass(frozen=True)
@@ -398,6 +379,40 @@ def _positive(obj: Any, prefix: str, *names: str) -> None:
 
 
 # ---------------------------------------------------------------------- dict <-> dataclass
+def write_mapping(path: str | Path, data: dict[str, Any]) -> None:
+    """Write a config mapping as JSON (`.json`) or YAML (anything else)."""
+    path = Path(path)
+    text = (
+        json.dumps(data, indent=2)
+        if path.suffix == ".json"
+        else yaml.safe_dump(data, sort_keys=False)
+    )
+    path.write_text(text)
+
+
+def read_mapping(path: str | Path, what: str = "config") -> dict[str, Any]:
+    """Read a YAML or JSON mapping; `.json` files parse as JSON (YAML 1.1 would read 1e-05 as a
+    string). Missing files, parse errors and non-mappings are ValueErrors naming `what`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} file not found: {path}")
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise ValueError(f"cannot parse {what} file {path}: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} file {path} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build the typed dataclass `cls` from plain data (YAML / JSON), checking every field's
+    type and naming the offending key (`prefix` + field) in the ValueError. Shared by the
+    model, data and training configs."""
+    return _from_dict(cls, data, prefix)
+
+
 def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
@@ -405,9 +420,7 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(
-            f"unknown config key(s) {[prefix + k for k in unknown]}; known: {sorted(names)}"
-        )
+        raise ValueError(f"unknown key(s) {[prefix + k for k in unknown]}; known: {sorted(names)}")
     kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in data.items()}
     return cls(**kwargs)
 
@@ -428,8 +441,16 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
         if value not in args:
             raise ValueError(f"{name} must be one of {list(args)}, got {value!r}")
         return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{name} must be a list, got {value!r}")
+        return [_coerce(args[0], v, f"{name}[{k}]") for k, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be a mapping, got {value!r}")
+        return {str(k): _coerce(args[1], v, f"{name}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
-        if dataclasses.is_dataclass(value):
+        if isinstance(value, tp):
             return value
         return _from_dict(tp, value, name + ".")
     if tp is bool:
@@ -441,6 +462,11 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
             raise ValueError(f"{name} must be an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{name} must be a number, got {value!r}")
         return float(value)

@@ -21,15 +21,12 @@ plus `shards` (an existing shard directory at `path`).
 from __future__ import annotations
 
 import dataclasses
-import json
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
+from ..config import from_dict, read_mapping, write_mapping
 from .loader import Phase
 
 SourceKind = Literal["text", "tinyshakespeare", "jsonl", "parquet", "hf", "stdlib", "shards"]
@@ -144,79 +141,14 @@ class DataConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DataConfig:
-        return _build(cls, data, "data.")
+        return from_dict(cls, data, "data.")
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        data = self.to_dict()
-        text = (
-            json.dumps(data, indent=2)
-            if path.suffix == ".json"
-            else yaml.safe_dump(data, sort_keys=False)
-        )
-        path.write_text(text)
+        write_mapping(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> DataConfig:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"data config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
-        except yaml.YAMLError as err:
-            raise ValueError(f"cannot parse data config {path}: {err}") from None
-        if isinstance(data, dict) and set(data) == {"data"}:  # a `data:` section of a recipe
+        data = read_mapping(path, "data config")
+        if set(data) == {"data"}:  # a `data:` section of a recipe
             data = data["data"]
-        if not isinstance(data, dict):
-            raise ValueError(f"data config {path} must hold a mapping")
         return cls.from_dict(data)
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ValueError(f"{prefix.rstrip('.')} must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"unknown key(s) {[prefix + k for k in unknown]}; known: {sorted(names)}")
-    return cls(**{k: _coerce(hints[k], v, prefix + k) for k, v in data.items()})
-
-
-def _coerce(tp: Any, value: Any, name: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        return _coerce(next(a for a in args if a is not type(None)), value, name)
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"{name} must be one of {list(args)}, got {value!r}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ValueError(f"{name} must be a list, got {value!r}")
-        return [_coerce(args[0], v, f"{name}[{k}]") for k, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ValueError(f"{name} must be a mapping, got {value!r}")
-        return {str(k): _coerce(args[1], v, f"{name}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
-        return value if isinstance(value, tp) else _build(tp, value, name + ".")
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{name} must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{name} must be a string, got {value!r}")
-        return value
-    return value

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..config import ModelConfig
+from ..config import ModelConfig, from_dict, read_mapping, write_mapping
 from ..data.config import DataConfig
 from ..presets import PRESETS, get_preset
 
@@ -199,33 +197,15 @@ class RunConfig:
         if "data" in data:
             kw["data"] = DataConfig.from_dict(data["data"] or {})
         if "train" in data:
-            kw["train"] = _build(TrainConfig, data["train"] or {}, "train.")
+            kw["train"] = from_dict(TrainConfig, data["train"] or {}, "train.")
         return cls(**kw)
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        data = self.to_dict()
-        text = (
-            json.dumps(data, indent=2)
-            if path.suffix == ".json"
-            else yaml.safe_dump(data, sort_keys=False)
-        )
-        path.write_text(text)
+        write_mapping(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"run config file not found: {path}")
-        try:
-            text = path.read_text()
-            # YAML 1.1 reads JSON's 1e-05 as a string: parse .json files as JSON
-            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as err:
-            raise ValueError(f"cannot parse run config {path}: {err}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"run config {path} must hold a mapping")
-        return cls.from_dict(data)
+        return cls.from_dict(read_mapping(path, "run config"))
 
 
 def apply_run_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:
@@ -281,53 +261,3 @@ def _index(node: list, part: str, item: str) -> int:
     if not part.lstrip("-").isdigit() or not -len(node) <= int(part) < len(node):
         raise ValueError(f"override {item!r}: {part!r} is not an index of a {len(node)}-item list")
     return int(part)
-
-
-# ---------------------------------------------------------------------- dict -> dataclass
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ValueError(f"{prefix.rstrip('.')} must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"unknown key(s) {[prefix + k for k in unknown]}; known: {sorted(names)}")
-    return cls(**{k: _coerce(hints[k], v, prefix + k) for k, v in data.items()})
-
-
-def _coerce(tp: Any, value: Any, name: str) -> Any:
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        return _coerce(next(a for a in args if a is not type(None)), value, name)
-    if origin is Literal:
-        if value not in args:
-            raise ValueError(f"{name} must be one of {list(args)}, got {value!r}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ValueError(f"{name} must be a list, got {value!r}")
-        return [_coerce(args[0], v, f"{name}[{k}]") for k, v in enumerate(value)]
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{name} must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{name} must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{name} must be a string, got {value!r}")
-        return value
-    return value
