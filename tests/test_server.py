@@ -243,6 +243,13 @@ def test_client_disconnect_aborts(srv, monkeypatch):
     aborted: list[str] = []
     real = srv.engine.abort
     monkeypatch.setattr(srv.engine, "abort", lambda rid: (aborted.append(rid), real(rid)))
+    real_step = srv.engine.step
+
+    def slow_step():  # >= 2 s for 110 tokens however fast decoding is, so the client times out
+        time.sleep(0.02)
+        return real_step()
+
+    monkeypatch.setattr(srv.engine, "step", slow_step)
     body = {"prompt": "a long one", "max_tokens": 110, "temperature": 0, "ignore_eos": True}
     with srv.http.stream("POST", srv.url + "/completions", json={**body, "stream": True}) as res:
         assert next(res.iter_lines()).startswith("data: ")
