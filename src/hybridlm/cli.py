@@ -180,7 +180,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
 
     from .data.pipeline import build_tokenizer
     from .infer.generate import generate
-    from .train import RunConfig, apply_run_overrides
+    from .train import RunConfig, apply_run_overrides, parallel
     from .train.trainer import Trainer
 
     path = Path(args.config)
@@ -192,6 +192,9 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     trainer = Trainer(run, resume=args.resume)
     trainer.run.save(Path(trainer.run.train.out_dir) / "run.yaml")
     result = trainer.train()
+    if not parallel.is_main():  # under torchrun only rank 0 samples, exports and reports
+        parallel.destroy()
+        return
     model, tok = trainer.model.eval(), build_tokenizer(trainer.run.data)
     ids = torch.tensor([tok.encode(args.prompt)], device=trainer.device)
     with torch.no_grad():
@@ -218,6 +221,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     print(f"loss plot:  {result['plot']}")
     print(f"checkpoint: {result['checkpoint']}")
     print(f"hf export:  {export}  (HybridLM.from_pretrained / transformers)")
+    parallel.destroy()
 
 
 def cmd_export_hf(args: argparse.Namespace) -> None:

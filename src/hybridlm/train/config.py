@@ -82,6 +82,8 @@ class TrainConfig:
     out_dir: str = "runs/default"
     seed: int = 0
     device: str = "auto"  # auto: cuda when available, else cpu
+    # data parallelism under torchrun (train.parallel); ignored in a single process
+    parallel: Literal["none", "ddp", "fsdp"] = "ddp"
     peak_flops: float = 0.0  # FLOP/s for MFU; 0: measure once with a matmul
     progress: bool = True  # rich progress bar
     plot: bool = True  # render <out>/loss.png from metrics.jsonl at the end
@@ -127,6 +129,10 @@ class TrainConfig:
             raise ValueError(
                 f"train.decay_shape must be one of {list(typing.get_args(DecayShape))}, "
                 f"got {self.decay_shape!r}"
+            )
+        if self.parallel not in ("none", "ddp", "fsdp"):
+            raise ValueError(
+                f"train.parallel must be 'none', 'ddp' or 'fsdp', got {self.parallel!r}"
             )
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")

@@ -9,6 +9,18 @@ schedule, `optimizer.step()`, `model.update_moe_bias()` (aux-loss-free balancing
 Super §2.1.1). A step whose loss or grad norm is not finite is skipped (no update, no bias step,
 expert-load counters cleared) and reported in `metrics.jsonl` and on the console.
 
+Data parallelism (`torchrun --nproc_per_node=N`, train.parallel "ddp" or "fsdp"): each rank reads
+its B rows of the global batch of N*B rows; `num_valid_tokens` is already the global count, so the
+local loss is (sum of this rank's CE) / (global targets) and the losses of the ranks *sum* to the
+global mean. DDP and FSDP average gradients over ranks (divide by N), so the backward runs on
+N * loss: the synced gradient then equals the single-process gradient of the global batch. The
+MoE balancing loss is a per-rank mean over sequences (equal B on each rank), so it is *not*
+scaled: the averaged gradient is that of the mean over all sequences. Expert-load counters are
+summed over ranks before the bias step, so every rank applies the same step. Metrics, progress,
+plots and checkpoints are written by rank 0 only; under FSDP the full (unsharded) model and
+optimizer state are gathered first, so checkpoints have the single-process layout and resume at
+any world size with the same global batch.
+
 Every `log_interval` steps a row goes to `<out>/metrics.jsonl` (kind "train": step, loss, ce,
 mtp, mtp_k, moe_aux, z_loss, lr, grad_norm, tokens/s, MFU, tokens, skipped_steps); every
 `eval_interval` steps one of kind "eval" (held-out CE and bits per byte). MFU is
@@ -41,6 +53,16 @@ from ..model.model import IGNORE_INDEX, HybridLM
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .optim import build_optimizer
+from .parallel import (
+    all_reduce_sum,
+    apply_ddp,
+    apply_fsdp2,
+    barrier,
+    full_state_dicts,
+    init_distributed,
+    is_main,
+    load_full_state_dicts,
+)
 from .schedule import lr_for
 
 
@@ -131,21 +153,36 @@ class Trainer:
         self.out = Path(tc.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
-        if tc.device == "auto":
+        self.rank, self.world_size, dist_device = init_distributed(tc.device)
+        self.parallel = tc.parallel if self.world_size > 1 else "none"
+        if self.world_size > 1 and self.parallel == "none":
+            raise ValueError(
+                "train.parallel='none' under torchrun with >1 process; use ddp or fsdp"
+            )
+        if dist_device is not None:
+            self.device = dist_device
+        elif tc.device == "auto":
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         else:
             self.device = torch.device(tc.device)
         _seed_all(tc.seed)
 
         # data
-        sets = prepare_shards(dc)
+        # rank 0 tokenises and writes the shards; the others wait, then open the same files
+        if self.rank == 0:
+            sets = prepare_shards(dc)
+        barrier()
+        if self.rank != 0:
+            sets = prepare_shards(dc)  # finds the manifest and reuses every shard
         vocab = max(s.vocab_size for s in sets.values())
         if vocab > self.model_cfg.vocab_size:
             raise ValueError(
                 f"the tokenizer has {vocab} ids but model.vocab_size is "
                 f"{self.model_cfg.vocab_size}; set model.vocab_size >= {vocab}"
             )
-        self.train_loader, self.held_loader = build_loaders(dc, sets)
+        self.train_loader, self.held_loader = build_loaders(
+            dc, sets, rank=self.rank, world_size=self.world_size
+        )
         self._held_start = self.held_loader.state_dict() if self.held_loader else None
         self.token_bytes = token_byte_lengths(build_tokenizer(dc), self.model_cfg.vocab_size)
         self.tokens_per_step = self.train_loader.tokens_per_step * tc.grad_accum
@@ -153,6 +190,13 @@ class Trainer:
 
         # model + optimizer
         self.model = build_model(self.model_cfg, seed=tc.seed, device=self.device)
+        # `self.model` stays the HybridLM (FSDP2 shards it in place); `self.forward_model` is
+        # what training forwards go through (the DDP wrapper under DDP).
+        self.forward_model: torch.nn.Module = self.model
+        if self.parallel == "ddp":
+            self.forward_model = apply_ddp(self.model)
+        elif self.parallel == "fsdp":
+            apply_fsdp2(self.model)
         self.optimizer = build_optimizer(self.model, tc)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.accepts_doc_ids = "doc_ids" in inspect.signature(self.model.forward).parameters
@@ -166,8 +210,9 @@ class Trainer:
         self.resumed_from: Path | None = None
         if resume:
             self._resume()
-        elif self.metrics_path.exists():
+        elif self.metrics_path.exists() and is_main():
             self.metrics_path.unlink()  # a fresh run starts a fresh log
+        barrier()
         self._peak_flops = tc.peak_flops or None
         self.flops_per_token = self.model_cfg.flops_per_token(dc.seq_len, training=True)
 
@@ -176,23 +221,42 @@ class Trainer:
         path = latest_checkpoint(self.out)
         if path is None:
             print(f"resume: no checkpoint under {self.out}; starting from scratch")
-            if self.metrics_path.exists():
+            if self.metrics_path.exists() and is_main():
                 self.metrics_path.unlink()
             return
-        meta = load_checkpoint(path, self.model, self.optimizer, restore_rng=True)
+        if self.parallel == "fsdp":
+            from safetensors.torch import load_file
+
+            from .checkpoint import read_meta, set_rng_state
+
+            meta = read_meta(path)
+            msd = load_file(str(path / "model.safetensors"))
+            if self.model_cfg.tie_embeddings:  # save_model stores a tied matrix once
+                for a, b in (("lm_head.weight", "embeddings.weight"),) * 2:
+                    if a not in msd and b in msd:
+                        msd[a] = msd[b]
+                    if b not in msd and a in msd:
+                        msd[b] = msd[a]
+            osd = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+            load_full_state_dicts(self.model, self.optimizer, msd, osd)
+            set_rng_state(meta["rng"])
+        else:
+            meta = load_checkpoint(path, self.model, self.optimizer, restore_rng=True)
         self.step, self.tokens_seen = meta["step"], meta["tokens_seen"]
         self.skipped_steps = meta.get("skipped_steps", 0)
         self.train_loader.load_state_dict(meta["loader"])
         self.resumed_from = path
         # Rows logged after the checkpoint (by the killed run) are replayed: drop them.
-        if self.metrics_path.exists():
+        if self.metrics_path.exists() and is_main():
             from .plot import read_metrics
 
             keep = [r for r in read_metrics(self.metrics_path) if r.get("step", 0) <= self.step]
             tmp = self.metrics_path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
             tmp.replace(self.metrics_path)
-        print(f"resumed from {path} at step {self.step} ({self.tokens_seen} tokens)")
+        barrier()
+        if is_main():
+            print(f"resumed from {path} at step {self.step} ({self.tokens_seen} tokens)")
 
     # ------------------------------------------------------------------ one step
     def _autocast(self):
@@ -204,8 +268,9 @@ class Trainer:
         extra = {}
         if self.cfg.intra_doc_masking and self.accepts_doc_ids:
             extra["doc_ids"] = batch["doc_ids"].to(self.device)
+        model = self.forward_model if self.model.training else self.model
         with self._autocast():
-            return self.model(
+            return model(
                 batch["input_ids"].to(self.device),
                 batch["labels"].to(self.device),
                 num_valid_tokens=denom,
@@ -221,29 +286,50 @@ class Trainer:
         denom = max(1, sum(int(b["num_valid_tokens"]) for b in batches))
         parts: dict[str, float] = defaultdict(float)
         total = 0.0
+        W = self.world_size
         for batch in batches:
             out = self._forward(batch, denom, return_logits=tc.z_loss > 0)
             loss = out.loss
-            if "moe_aux" in out.losses and tc.grad_accum > 1:
+            aux = out.losses.get("moe_aux")
+            if aux is not None and tc.grad_accum > 1:
                 # sequence-mean per call: average it over the micro-batches
-                loss = loss + (1.0 / tc.grad_accum - 1.0) * out.losses["moe_aux"]
+                loss = loss + (1.0 / tc.grad_accum - 1.0) * aux
             if tc.z_loss > 0:
                 z = _z_loss(out.logits, batch["labels"].to(self.device), denom)
                 loss = loss + tc.z_loss * z
                 parts["z_loss"] += float(z.detach())
-            loss.backward()
+            if W > 1:
+                # DDP/FSDP average gradients over ranks; the token-normalised terms sum over
+                # ranks to the global mean, so they are scaled by W. The per-rank MoE mean
+                # (weight 1/grad_accum in `loss`) is already a mean: averaging is right for it.
+                aux_part = aux / tc.grad_accum if aux is not None else 0.0
+                (W * (loss - aux_part) + aux_part).backward()
+            else:
+                loss.backward()
+            # reported loss: the global one (token terms summed over ranks, aux averaged)
             total += float(loss.detach())
             for k, v in out.losses.items():
                 parts[k] += float(v.detach()) / (tc.grad_accum if k == "moe_aux" else 1)
+        if W > 1:
+            aux_total = parts.get("moe_aux", 0.0)
+            total = all_reduce_sum(total - aux_total) + all_reduce_sum(aux_total) / W
+            for k in list(parts):
+                parts[k] = all_reduce_sum(parts[k]) / (W if k == "moe_aux" else 1)
         max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
         lr = lr_for(tc, self.step, self.total_steps)
         finite = math.isfinite(total) and math.isfinite(grad_norm)
         if finite:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
-            self.model.update_moe_bias()
+            if W > 1 and self.model.moe_layers():
+                self.model.update_moe_bias(all_reduce_sum(self.model.expert_load()))
+            else:
+                self.model.update_moe_bias()
             self._consecutive_skips = 0
         else:
             self.skipped_steps += 1
@@ -285,6 +371,9 @@ class Trainer:
                 n_bytes += float(self.token_bytes[tgt].sum())
         finally:
             self.model.train()
+        if self.world_size > 1:
+            nats, n_tok, n_bytes = (all_reduce_sum(float(v)) for v in (nats, n_tok, n_bytes))
+            n_tok = int(round(n_tok))
         if n_tok == 0:
             return {}
         return {
@@ -294,7 +383,16 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------ checkpoint
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """Write a checkpoint (rank 0; under FSDP every rank joins the gather first)."""
+        model, optimizer = self.model, self.optimizer
+        if self.parallel == "fsdp":
+            msd, osd = full_state_dicts(self.model, self.optimizer)
+            if is_main():
+                model, optimizer = _plain_copy(self.model_cfg, msd), _FixedState(osd)
+        if not is_main():
+            barrier()
+            return None
         meta = {
             "run_config": self.run.to_dict(),
             "tokens_seen": self.tokens_seen,
@@ -302,16 +400,20 @@ class Trainer:
             "total_steps": self.total_steps,
             "loader": self.train_loader.state_dict(),
         }
-        return save_checkpoint(
+        path = save_checkpoint(
             self.out,
             step=self.step,
-            model=self.model,
-            optimizer=self.optimizer,
+            model=model,
+            optimizer=optimizer,
             meta=meta,
             keep_last_n=self.cfg.keep_last_n,
         )
+        barrier()
+        return path
 
     def _log(self, row: dict[str, Any]) -> None:
+        if not is_main():
+            return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 
@@ -340,14 +442,14 @@ class Trainer:
             MofNCompleteColumn(),
             TextColumn("{task.fields[info]}"),
             TimeRemainingColumn(),
-            disable=not tc.progress,
+            disable=not tc.progress or not is_main(),
         )
         with progress:
             task = progress.add_task("", total=self.total_steps, completed=self.step, info="")
             while self.step < end:
                 m = self.train_step()
                 window_tok += self.tokens_per_step
-                if m["skipped"]:
+                if m["skipped"] and is_main():
                     progress.console.print(
                         f"[yellow]step {m['step']}: non-finite loss/grad "
                         f"(loss {m['loss']}, grad norm {m['grad_norm']}); step skipped"
@@ -361,6 +463,7 @@ class Trainer:
                             "skipped_steps": self.skipped_steps,
                         }
                     )
+                if m["skipped"]:
                     if self._consecutive_skips >= tc.max_consecutive_skips:
                         raise RuntimeError(
                             f"{self._consecutive_skips} consecutive non-finite steps; lower "
@@ -388,7 +491,7 @@ class Trainer:
                 final = self.step == self.total_steps
                 if tc.eval_interval and self.step % tc.eval_interval == 0 or final:
                     last_eval = self.evaluate()
-                    if last_eval:
+                    if last_eval and is_main():
                         self._log(
                             {
                                 "kind": "eval",
@@ -405,8 +508,18 @@ class Trainer:
                 if (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0) or final:
                     last_ckpt = self.save()
                     window_t = time.perf_counter()
+        if self.parallel == "fsdp" and self.step == self.total_steps:
+            # The run is over: hand callers (the CLI's sample and export) a plain, unsharded
+            # model on every rank, as in a single process.
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            self.model = self.forward_model = _plain_copy(self.model_cfg, full).to(self.device)
         plot = None
-        if tc.plot and self.metrics_path.exists() and self.step == self.total_steps:
+        if tc.plot and is_main() and self.metrics_path.exists() and self.step == self.total_steps:
             from .plot import plot_loss_curves
 
             plot = plot_loss_curves(self.metrics_path, self.out / "loss.png")
@@ -421,6 +534,26 @@ class Trainer:
             "metrics": str(self.metrics_path),
             "plot": str(plot) if plot else None,
         }
+
+
+class _FixedState:
+    """Stands in for an optimizer whose (gathered) state dict is already at hand."""
+
+    def __init__(self, state: dict) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state
+
+
+def _plain_copy(cfg, state: dict[str, torch.Tensor]) -> HybridLM:
+    """An unsharded CPU HybridLM holding `state` (what a gathered FSDP checkpoint saves)."""
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    model.load_state_dict(state, assign=True, strict=False)
+    model.tie_weights()  # assign replaced the shared tensor: share it again
+    model.init_buffers()
+    return model
 
 
 def _z_loss(logits_BLV: torch.Tensor, labels_BL: torch.Tensor, denom: int) -> torch.Tensor:
@@ -439,6 +572,6 @@ def run_pretrain(
     sequence equals that of an uninterrupted run). `until_step` stops early (the schedule still
     spans the whole run), e.g. to test resumption."""
     trainer = Trainer(run_cfg, resume=resume)
-    run_cfg_path = Path(run_cfg.train.out_dir) / "run.yaml"
-    trainer.run.save(run_cfg_path)
+    if is_main():
+        trainer.run.save(Path(run_cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)
