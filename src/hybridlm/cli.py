@@ -224,6 +224,19 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     parallel.destroy()
 
 
+def cmd_merge(args: argparse.Namespace) -> None:
+    """Average sliding windows of a run's last checkpoints, evaluate each on the held-out split
+    and export the best (train/merge.py)."""
+    from .train.merge import merge_run, parse_list
+
+    merge_run(
+        args.run,
+        windows=parse_list(args.windows, int),
+        weights=parse_list(args.weights),
+        out=args.out,
+    )
+
+
 def cmd_export_hf(args: argparse.Namespace) -> None:
     model = _model(args)
     model.save_pretrained(args.out)
@@ -447,6 +460,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="def ", help="prompt of the closing sample")
     p.add_argument("--sample-tokens", type=int, default=200)
     p.set_defaults(fn=cmd_pretrain)
+
+    p = sub.add_parser(
+        "merge", help="merge a run's last checkpoints (sliding windows), export the best"
+    )
+    p.add_argument("--run", required=True, help="a pretrain out_dir (run.yaml + checkpoints/)")
+    p.add_argument("--windows", default="2,3,4", help="window sizes, comma-separated")
+    p.add_argument(
+        "--weights", default="uniform,minus_sqrt", help="weightings: uniform, minus_sqrt"
+    )
+    p.add_argument("--out", default=None, help="export directory (default: RUN/merged)")
+    p.set_defaults(fn=cmd_merge)
 
     p = sub.add_parser("export-hf", help="write a transformers checkpoint directory")
     _add_model_args(p)

@@ -1,0 +1,153 @@
+"""Checkpoint merging over a sliding window of a run's last checkpoints (Olmo 3 §3; Nemotron 3
+Super §2.5; WSM, Tian et al. 2025).
+
+    hybridlm merge --run runs/quickstart --windows 2,3,4 --weights uniform,minus_sqrt
+
+For every window size N and weighting, the last N checkpoints of the run are averaged
+(`checkpoint.merge_checkpoints`), the average is evaluated on the run's own held-out split
+(`Trainer.evaluate`: eval loss in nats/token and bits per byte), and the candidate with the lowest
+eval loss is written as a transformers export plus `merge.json`. The last checkpoint alone is a
+candidate too (window 1, weights "last"), so the export is never worse than not merging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import list_checkpoints, merge_checkpoints, merge_weights, read_meta
+from .config import RunConfig
+
+
+def load_run_config(run_dir: str | Path) -> RunConfig:
+    """The run's config: `<run>/run.yaml`, else the one stored in its newest checkpoint."""
+    run_dir = Path(run_dir)
+    if (run_dir / "run.yaml").is_file():
+        return RunConfig.load(run_dir / "run.yaml")
+    ckpts = list_checkpoints(run_dir)
+    if ckpts:
+        return RunConfig.from_dict(read_meta(ckpts[-1])["run_config"])
+    raise ValueError(f"{run_dir} has no run.yaml and no checkpoints; is it a pretrain out_dir?")
+
+
+def load_merged(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a (merged) checkpoint state dict; tied weights are stored once, so a missing tied
+    partner is fine, anything else is an error."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight", "embeddings.weight"} if model.config.tie_embeddings else set()
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(
+            f"merged weights do not match the run's model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+
+
+class Evaluator:
+    """The trainer's eval path for a run, without training: a `Trainer` built from the run's
+    config (shards reused) whose weights are swapped in before each `evaluate()`."""
+
+    def __init__(self, run: RunConfig, scratch: str | Path) -> None:
+        from .trainer import Trainer
+
+        # A fresh Trainer deletes `<out_dir>/metrics.jsonl`: point it at a scratch dir so the
+        # run's own log is left alone.
+        run = dataclasses.replace(
+            run, train=dataclasses.replace(run.train, out_dir=str(scratch), progress=False)
+        )
+        self.trainer = Trainer(run)
+        if self.trainer.held_loader is None:
+            raise ValueError(
+                "the run has no held-out split (data.eval_fraction is 0); nothing to compare "
+                "merges on"
+            )
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.trainer.model
+
+    def __call__(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
+        load_merged(self.trainer.model, state)
+        return self.trainer.evaluate()
+
+
+def parse_list(text: str, kind: type = str) -> list:
+    return [kind(t.strip()) for t in text.split(",") if t.strip()]
+
+
+def merge_run(
+    run_dir: str | Path,
+    *,
+    windows: Sequence[int] = (2, 3, 4),
+    weights: Sequence[str] = ("uniform", "minus_sqrt"),
+    out: str | Path | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Evaluate every (window, weighting) merge of the run's last checkpoints, export the best.
+
+    Returns the report also written to `<out>/merge.json` (default out: `<run>/merged`)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"run directory {run_dir} not found")
+    windows = sorted({int(n) for n in windows})
+    if not windows or windows[0] < 1:
+        raise ValueError(f"windows must be positive integers, got {list(windows)}")
+    for kind in weights:
+        merge_weights(1, kind)  # unknown weighting -> ValueError before any work
+    ckpts = list_checkpoints(run_dir)
+    if len(ckpts) < windows[-1]:
+        raise ValueError(
+            f"{run_dir} has {len(ckpts)} checkpoint(s) but window {windows[-1]} needs "
+            f"{windows[-1]}; pass --windows up to {len(ckpts)}, or train with "
+            f"train.keep_last_n >= {windows[-1]} (and a checkpoint_interval that saves that many)"
+        )
+    out = Path(out) if out is not None else run_dir / "merged"
+    run = load_run_config(run_dir)
+
+    rows: list[dict[str, Any]] = []
+    best_state: dict[str, torch.Tensor] | None = None
+    with tempfile.TemporaryDirectory(prefix="hybridlm-merge-") as scratch:
+        evaluate = Evaluator(run, scratch)
+        candidates = [(1, "last")] + [(n, w) for n in windows for w in weights]
+        for n, kind in candidates:
+            paths = ckpts[-n:]
+            state = merge_checkpoints(paths, "uniform" if kind == "last" else kind)
+            ev = evaluate(state)
+            rows.append(
+                {
+                    "window": n,
+                    "weights": kind,
+                    "checkpoints": [p.name for p in paths],
+                    "coefficients": merge_weights(n, "uniform" if kind == "last" else kind),
+                    "eval_loss": ev["eval_loss"],
+                    "eval_bpb": ev["eval_bpb"],
+                }
+            )
+            if min(r["eval_loss"] for r in rows) == ev["eval_loss"]:
+                best_state = state
+        base = rows[0]["eval_loss"]
+        for r in rows:
+            r["delta_vs_last"] = r["eval_loss"] - base
+        best = min(rows, key=lambda r: r["eval_loss"])
+        assert best_state is not None
+        load_merged(evaluate.model, best_state)
+        out.mkdir(parents=True, exist_ok=True)
+        evaluate.model.save_pretrained(out)
+
+    log(f"{'window':>6}  {'weights':<10}  {'eval loss':>9}  {'bpb':>7}  {'delta vs last':>13}")
+    for r in rows:
+        mark = "  <- best" if r is best else ""
+        log(
+            f"{r['window']:>6}  {r['weights']:<10}  {r['eval_loss']:9.4f}  {r['eval_bpb']:7.4f}"
+            f"  {r['delta_vs_last']:+13.4f}{mark}"
+        )
+    report = {"run": str(run_dir), "out": str(out), "best": best, "candidates": rows}
+    (out / "merge.json").write_text(json.dumps(report, indent=1) + "\n")
+    log(f"best: window {best['window']} {best['weights']} -> {out} (merge.json, HF export)")
+    return report

@@ -1,0 +1,139 @@
+"""Checkpoint merging of a run (train/merge.py, `hybridlm merge`): the merged weights are the
+hand-computed weighted average, the lowest-eval-loss candidate is exported, and a window larger
+than the run's checkpoints is an actionable error."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hybridlm.cli import main as cli_main
+from hybridlm.data.config import DataConfig, SourceConfig
+from hybridlm.model.model import HybridLM
+from hybridlm.presets import get_preset
+from hybridlm.train.checkpoint import list_checkpoints, merge_checkpoints
+from hybridlm.train.config import RunConfig, TrainConfig
+from hybridlm.train.merge import merge_run
+from hybridlm.train.trainer import run_pretrain
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A 5-step tiny run, a checkpoint every step, the last 4 kept."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("merge")
+    txt = tmp / "txt"
+    txt.mkdir()
+    for i in range(12):
+        (txt / f"{i:02d}.txt").write_text(f"Story {i}. " + "A fox met a crow. " * (i % 5 + 2))
+    m = get_preset("tiny-super")
+    m.vocab_size, m.d_model, m.pattern = 258, 64, "ME*"
+    m.mamba.num_heads, m.mamba.head_dim, m.mamba.state_size, m.mamba.chunk_size = 4, 32, 16, 16
+    m.attention.num_heads, m.attention.num_kv_heads, m.attention.head_dim = 4, 2, 16
+    m.moe.num_experts, m.moe.top_k, m.moe.expert_hidden = 8, 2, 32
+    m.moe.latent_size, m.moe.shared_expert_hidden = 32, 64
+    m.mtp.pattern = ""
+    m.validate()
+    data = DataConfig(
+        sources=[SourceConfig(name="t", kind="text", path=str(txt), max_files=6)],
+        shards_dir=str(tmp / "shards"),
+        seq_len=64,
+        batch_size=2,
+        eval_fraction=0.2,
+        num_workers=0,
+    )
+    train = TrainConfig(
+        max_steps=5,
+        warmup_steps=1,
+        lr=3e-3,
+        log_interval=1,
+        eval_interval=0,
+        checkpoint_interval=1,
+        keep_last_n=4,
+        out_dir=str(tmp / "run"),
+        peak_flops=1e11,
+        progress=False,
+        plot=False,
+    )
+    run_pretrain(RunConfig(model=m, data=data, train=train))
+    torch.set_num_threads(before)
+    return tmp / "run"
+
+
+def test_merged_weights_are_the_weighted_average(run_dir):
+    ckpts = list_checkpoints(run_dir)
+    assert [p.name for p in ckpts] == [f"step_0000000{i}" for i in (2, 3, 4, 5)]
+    states = [load_file(str(p / "model.safetensors")) for p in ckpts[-3:]]
+    c = [(math.sqrt(j) - math.sqrt(j - 1)) / math.sqrt(3) for j in (1, 2, 3)]  # minus-sqrt
+    merged = merge_checkpoints(ckpts[-3:], "minus_sqrt")
+    for key, ref in states[0].items():
+        if not ref.is_floating_point():
+            continue
+        want = sum(w * s[key].double() for w, s in zip(c, states, strict=True))
+        torch.testing.assert_close(merged[key].double(), want, rtol=1e-6, atol=1e-7)
+    # the weights differ between checkpoints, so this is not a trivial average
+    assert any(not torch.equal(states[0][k], states[-1][k]) for k in states[0])
+
+
+def test_merge_command_picks_lowest_loss_and_exports_it(run_dir, tmp_path, capsys):
+    metrics_before = (run_dir / "metrics.jsonl").read_text()
+    out = tmp_path / "merged"
+    rc = cli_main(
+        [
+            "merge",
+            "--run",
+            str(run_dir),
+            "--windows",
+            "2,4",
+            "--weights",
+            "uniform,minus_sqrt",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "<- best" in printed and "delta vs last" in printed
+    report = json.loads((out / "merge.json").read_text())
+    rows = report["candidates"]
+    assert [(r["window"], r["weights"]) for r in rows] == [
+        (1, "last"),
+        (2, "uniform"),
+        (2, "minus_sqrt"),
+        (4, "uniform"),
+        (4, "minus_sqrt"),
+    ]
+    assert all(math.isfinite(r["eval_loss"]) and r["eval_bpb"] > 0 for r in rows)
+    assert len({round(r["eval_loss"], 9) for r in rows}) > 1  # the merges really differ
+    best = min(rows, key=lambda r: r["eval_loss"])
+    assert report["best"] == best
+    assert rows[0]["delta_vs_last"] == 0.0
+    # the export holds exactly the best candidate's weights
+    kind = "uniform" if best["weights"] == "last" else best["weights"]
+    want = merge_checkpoints(list_checkpoints(run_dir)[-best["window"] :], kind)
+    exported = HybridLM.from_pretrained(out).state_dict()
+    for key, value in want.items():
+        torch.testing.assert_close(exported[key], value, rtol=0, atol=0)
+    # the run's own log is untouched by the evaluation trainer
+    assert (run_dir / "metrics.jsonl").read_text() == metrics_before
+
+
+def test_window_larger_than_the_run_is_an_actionable_error(run_dir, tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"has 4 checkpoint\(s\) but window 6 .*keep_last_n"):
+        merge_run(run_dir, windows=[2, 6], out=tmp_path / "m")
+    rc = cli_main(["merge", "--run", str(run_dir), "--windows", "5", "--out", str(tmp_path)])
+    assert rc == 2 and "--windows up to 4" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="unknown merge weighting"):
+        merge_run(run_dir, windows=[2], weights=["ema"])
