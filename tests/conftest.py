@@ -22,3 +22,14 @@ def shared_data() -> Path:
     if not path.is_dir():
         pytest.skip("../shared/data is not present")
     return path
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for batch-1 decoding and tiny training runs: extra threads only add
+    synchronisation there, and on a machine where another process holds a core two threads make
+    these tests tens of times slower. Results are also independent of the core count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

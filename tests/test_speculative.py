@@ -8,15 +8,7 @@ from hybridlm.infer.generate import generate
 from hybridlm.infer.speculative import SpecStats, speculative_generate
 from hybridlm.presets import get_preset
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Batch-1 decoding of tiny models: intra-op threads only add synchronisation (on a busy
-    2-core machine two threads made these tests 10-25x slower than one)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(name, seed):

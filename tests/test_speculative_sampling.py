@@ -24,14 +24,7 @@ PROMPT = [3, 1, 4, 1, 5]
 ALPHA = 1e-3  # false-failure probability of each chi-square test
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tensors here are tiny: intra-op threads only add synchronisation, which made the
-    statistical test ~10x slower on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _small_model(seed: int = 0, draft_like_target: bool = True) -> HybridLM:

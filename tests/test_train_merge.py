@@ -10,22 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from _tiny import tiny_train_model
 from hybridlm.cli import main as cli_main
 from hybridlm.data.config import DataConfig, SourceConfig
 from hybridlm.model.model import HybridLM
-from hybridlm.presets import get_preset
 from hybridlm.train.checkpoint import list_checkpoints, merge_checkpoints
 from hybridlm.train.config import RunConfig, TrainConfig
 from hybridlm.train.merge import merge_run
 from hybridlm.train.trainer import run_pretrain
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +32,7 @@ def run_dir(tmp_path_factory) -> Path:
     txt.mkdir()
     for i in range(12):
         (txt / f"{i:02d}.txt").write_text(f"Story {i}. " + "A fox met a crow. " * (i % 5 + 2))
-    m = get_preset("tiny-super")
-    m.vocab_size, m.d_model, m.pattern = 258, 64, "ME*"
-    m.mamba.num_heads, m.mamba.head_dim, m.mamba.state_size, m.mamba.chunk_size = 4, 32, 16, 16
-    m.attention.num_heads, m.attention.num_kv_heads, m.attention.head_dim = 4, 2, 16
-    m.moe.num_experts, m.moe.top_k, m.moe.expert_hidden = 8, 2, 32
-    m.moe.latent_size, m.moe.shared_expert_hidden = 32, 64
-    m.mtp.pattern = ""
-    m.validate()
+    m = tiny_train_model(mtp=False)
     data = DataConfig(
         sources=[SourceConfig(name="t", kind="text", path=str(txt), max_files=6)],
         shards_dir=str(tmp / "shards"),

@@ -11,10 +11,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
+from _tiny import tiny_train_model
 from hybridlm.data.config import DataConfig, SourceConfig
-from hybridlm.presets import get_preset
 from hybridlm.train.config import RunConfig, TrainConfig
 from hybridlm.train.plot import read_metrics
 from hybridlm.train.trainer import run_pretrain
@@ -37,23 +36,7 @@ WORKER = textwrap.dedent(
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tiny_model():
-    m = get_preset("tiny-super")
-    m.vocab_size, m.d_model, m.pattern = 258, 64, "ME*"
-    m.mamba.num_heads, m.mamba.head_dim, m.mamba.state_size, m.mamba.chunk_size = 4, 32, 16, 16
-    m.attention.num_heads, m.attention.num_kv_heads, m.attention.head_dim = 4, 2, 16
-    m.moe.num_experts, m.moe.top_k, m.moe.expert_hidden = 8, 2, 32
-    m.moe.latent_size, m.moe.shared_expert_hidden = 32, 64
-    m.validate()
-    return m
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_run(tmp: Path, out: str, batch_size: int, **train) -> RunConfig:
@@ -83,7 +66,7 @@ def tiny_run(tmp: Path, out: str, batch_size: int, **train) -> RunConfig:
         progress=False,
         plot=False,
     )
-    return RunConfig(model=tiny_model(), data=data, train=TrainConfig(**{**base, **train}))
+    return RunConfig(model=tiny_train_model(), data=data, train=TrainConfig(**{**base, **train}))
 
 
 def _free_port() -> int:
