@@ -143,6 +143,17 @@ def test_z_loss_and_bf16_run(tmp_path):
     assert m["z_loss"] > 0 and math.isfinite(m["loss"])
 
 
+def test_tensorboard_mirrors_the_metrics(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_pretrain(tiny_run(tmp_path, "tb", max_steps=4, eval_interval=2, tensorboard=True))
+    events = EventAccumulator(str(tmp_path / "tb" / "tensorboard")).Reload()
+    tags = events.Tags()["scalars"]
+    assert "train/loss" in tags and "eval/eval_bpb" in tags
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+
+
 def test_eval_bits_per_byte_byte_tokenizer(tmp_path):
     from hybridlm.data.tokenizer import ByteTokenizer
 

@@ -87,6 +87,7 @@ class TrainConfig:
     peak_flops: float = 0.0  # FLOP/s for MFU; 0: measure once with a matmul
     progress: bool = True  # rich progress bar
     plot: bool = True  # render <out>/loss.png from metrics.jsonl at the end
+    tensorboard: bool = False  # also write <out>/tensorboard (needs the tensorboard package)
 
     def __post_init__(self) -> None:
         self.validate()

@@ -416,6 +416,24 @@ class Trainer:
             return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.cfg.tensorboard:  # a mirror of metrics.jsonl, which stays the source of truth
+            writer = self._tensorboard()
+            kind = row.get("kind", "train")
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    writer.add_scalar(f"{kind}/{key}", value, row.get("step", self.step))
+            writer.flush()
+
+    def _tensorboard(self):
+        if getattr(self, "_tb_writer", None) is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError(
+                    "train.tensorboard needs the tensorboard package: pip install tensorboard"
+                ) from None
+            self._tb_writer = SummaryWriter(str(self.out / "tensorboard"))
+        return self._tb_writer
 
     # ------------------------------------------------------------------ loop
     def train(self, *, until_step: int | None = None) -> dict[str, Any]:
