@@ -249,10 +249,7 @@ class Engine:
                 continue
             outputs.extend(self._append(r, [t]))
             r.next_token = t
-        keep = [i for i, r in enumerate(reqs) if not r.finished]
-        if len(keep) < len(reqs):
-            self._running = [reqs[i] for i in keep]
-            self._cache = self._cache.select(keep) if keep else None
+        self._retire_finished()
 
     def _sample(self, logits_BV: torch.Tensor, reqs: list[_Request]) -> torch.Tensor:
         """Greedy rows by one argmax; sampled rows each with their own settings and generator."""
@@ -274,11 +271,13 @@ class Engine:
             if r.finished:
                 outputs.append(self._output(r))
         self._spec = [r for r in self._spec if not r.finished]
+        outputs.extend(self._output(r) for r in self._running if r.finished)
+        self._retire_finished()
+
+    def _retire_finished(self) -> None:
+        """Drop finished requests from the running batch and their rows from its cache."""
         keep = [i for i, r in enumerate(self._running) if not r.finished]
         if len(keep) < len(self._running):
-            for r in self._running:
-                if r.finished:
-                    outputs.append(self._output(r))
             self._running = [self._running[i] for i in keep]
             self._cache = self._cache.select(keep) if keep else None
 
@@ -302,12 +301,8 @@ class Engine:
         self._spec.append(req)
 
     def _speculative_round(self, req: _Request) -> list[RequestOutput]:
-        left = min(
-            req.params.max_tokens - len(req.tokens),
-            self.max_model_len - len(req.prompt) - len(req.tokens),
-        )
-        toks = req.spec.step()[:left]
-        outs = self._append(req, toks)
+        # the decoder caps its own drafts at max_tokens / max_model_len (`_start_speculative`)
+        outs = self._append(req, req.spec.step())
         if req.finished and req in self._spec:
             self._spec.remove(req)
         return outs

@@ -61,13 +61,13 @@ class Attention(nn.Module):
         *,
         positions_L: torch.Tensor,
         positions_BL: torch.Tensor | None = None,
-        key_mask_BS: torch.Tensor | None = None,
-        doc_ids_BL: torch.Tensor | None = None,
+        attn_mask_B1LS: torch.Tensor | None = None,
         state: KVState | None = None,
         **_: object,
     ) -> torch.Tensor:
-        """`positions_BL` / `key_mask_BS` are given for padded batches (see `HybridLM.forward`);
-        `key_mask_BS` covers the cached columns followed by this call's."""
+        """`positions_BL` / `attn_mask_B1LS` are given for padded batches and packed documents;
+        the model builds the mask once per forward for every attention layer (see
+        `HybridLM.forward`); its key axis covers the cached columns followed by this call's."""
         a = self.a
         Bsz, L, _ = x_BLD.shape
         q, k, v = self.q_proj(x_BLD), self.k_proj(x_BLD), self.v_proj(x_BLD)
@@ -86,21 +86,7 @@ class Attention(nn.Module):
         offset = state.length if state is not None else 0  # cache columns before this call
         if state is not None:
             k_BKLE, v_BKLE = state.update(k_BKLE, v_BKLE)
-        extra = None
-        if key_mask_BS is not None:
-            # a padded query sees at least itself, so no softmax row is empty (no NaN to leak)
-            S = k_BKLE.shape[2]
-            self_BLS = (
-                torch.arange(S, device=x_BLD.device)
-                == (offset + torch.arange(L, device=x_BLD.device))[:, None]
-            )
-            extra = (key_mask_BS[:, None, :] | self_BLS)[:, None]
-        if doc_ids_BL is not None:  # packed documents: attend within the own document only
-            if state is not None:
-                raise ValueError("doc_ids (packed training documents) do not combine with a cache")
-            same_B1LL = (doc_ids_BL[:, :, None] == doc_ids_BL[:, None, :])[:, None]
-            extra = same_B1LL if extra is None else extra & same_B1LL
         o_BHLE = attention(
-            q_BHLE, k_BKLE, v_BKLE, q_offset=offset, window=self.window, extra_mask=extra
+            q_BHLE, k_BKLE, v_BKLE, q_offset=offset, window=self.window, extra_mask=attn_mask_B1LS
         )
         return self.o_proj(o_BHLE.transpose(1, 2).reshape(Bsz, L, -1))

@@ -224,7 +224,9 @@ class HybridLM(nn.Module):
         return {
             "positions_L": idx_L,
             "positions_BL": idx_L - first_BL,
-            "doc_ids_BL": doc,
+            "doc_ids_BL": doc,  # Mamba: conv taps and SSD state reset at document starts
+            # attention within the own document only
+            "attn_mask_B1LS": (doc[:, :, None] == doc[:, None, :])[:, None],
         }
 
     @staticmethod
@@ -260,12 +262,19 @@ class HybridLM(nn.Module):
         )
         ctx["positions_BL"] = base_B[:, None] + (tok_BL.long().cumsum(1) - 1).clamp(min=0)
         key_BS = tok_BL
+        offset = 0
         if cache is not None:
-            if cache.seen_tokens:
+            offset = cache.seen_tokens
+            if offset:
                 key_BS = torch.cat([cache._full_mask(), tok_BL], dim=1)
             cache.key_mask_BS = key_BS
             cache.positions_B = base_B + tok_BL.sum(1)
-        ctx["key_mask_BS"] = key_BS
+        # a padded query sees at least itself, so no softmax row is empty (no NaN to leak)
+        self_LS = (
+            torch.arange(key_BS.shape[1], device=device)
+            == (offset + torch.arange(L, device=device))[:, None]
+        )
+        ctx["attn_mask_B1LS"] = (key_BS[:, None, :] | self_LS)[:, None]
         return ctx
 
     def _loss(
