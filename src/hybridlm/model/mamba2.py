@@ -18,7 +18,7 @@ from ..config import LayerSpec, ModelConfig
 from ..infer.cache import MambaState
 from ..ops.conv1d import causal_conv1d, causal_conv1d_docs
 from ..ops.ssd import ssd_chunked, ssd_states, ssd_step
-from .norm import GatedRMSNorm
+from .norm import GatedRMSNorm, gated_rms_norm
 
 
 def mamba2_decode_step(
@@ -47,7 +47,6 @@ def mamba2_decode_step(
     be compiled into a few fused kernels (`HybridLM.compile_decode`). Returns
     (y_BD, new conv_BSX, new ssm_BHPN); parity with the generic path is tested."""
     Bsz = x_BD.shape[0]
-    G, R, P, N = groups, heads // groups, head_dim, state_size
     I, GN = heads * head_dim, groups * state_size
     z_BI, xbc_BX, dt_BH = F.linear(x_BD, in_w).split([I, I + 2 * GN, heads], dim=-1)
     xp_BKX = torch.cat([conv_BSX.to(xbc_BX.dtype), xbc_BX[:, None]], dim=1)
@@ -57,18 +56,18 @@ def mamba2_decode_step(
     xs_BI, B_BG, C_BG = F.silu(xbc_BX).split([I, GN, GN], dim=-1)
     ct = torch.promote_types(x_BD.dtype, torch.float32)
     dt_BH = F.softplus(dt_BH.to(ct) + dt_bias_H.to(ct)).clamp(min=dt_min, max=dt_max)
-    decay_BGR11 = torch.exp(dt_BH * -torch.exp(A_log_H.to(ct))).view(Bsz, G, R, 1, 1)
-    xs_BGRP = xs_BI.to(ct).view(Bsz, G, R, P)
-    B_BG11N = B_BG.to(ct).view(Bsz, G, 1, 1, N)
-    C_BG11N = C_BG.to(ct).view(Bsz, G, 1, 1, N)
-    state = ssm_BHPN.to(ct).view(Bsz, G, R, P, N) * decay_BGR11
-    state = state + (xs_BGRP * dt_BH.view(Bsz, G, R, 1))[..., None] * B_BG11N
-    y_BGRP = (state * C_BG11N).sum(-1) + D_H.to(ct).view(1, G, R, 1) * xs_BGRP
-    g = (y_BGRP.reshape(Bsz, I) * F.silu(z_BI.to(ct))).view(Bsz, G, I // G)
-    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    y_BI = norm_w_I * g.view(Bsz, I).to(ct)
+    y_BHP, state_BHPN = ssd_step(
+        ssm_BHPN,
+        xs_BI.view(Bsz, heads, head_dim),
+        dt_BH,
+        -torch.exp(A_log_H.to(ct)),
+        B_BG.view(Bsz, groups, state_size),
+        C_BG.view(Bsz, groups, state_size),
+        D_H,
+    )
+    y_BI = gated_rms_norm(y_BHP.reshape(Bsz, I), z_BI, norm_w_I, I // groups, eps)
     y_BD = F.linear(y_BI.to(x_BD.dtype), out_w)
-    return y_BD, xp_BKX[:, 1:], state.view(Bsz, heads, P, N)
+    return y_BD, xp_BKX[:, 1:], state_BHPN
 
 
 class Mamba2Mixer(nn.Module):

@@ -23,6 +23,19 @@ class RMSNorm(nn.Module):
         return y.to(x.dtype)
 
 
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
+) -> torch.Tensor:
+    """w * rmsnorm_per_group(x * silu(z)) in at least fp32, returned in x's dtype promoted with
+    w's (the functional form of `GatedRMSNorm`, also used by the fused Mamba decode step)."""
+    dtype = x.dtype
+    ct = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(ct) * nn.functional.silu(z.to(ct))
+    g = xf.view(*xf.shape[:-1], -1, group_size)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * g.view_as(xf).to(dtype)
+
+
 class GatedRMSNorm(nn.Module):
     """y = w * rmsnorm_per_group(x * silu(z)): the gate is applied before the norm, as in
     Mamba-2's `norm_before_gate=False`, normalising each of the n_groups slices separately."""
@@ -37,9 +50,4 @@ class GatedRMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        ct = torch.promote_types(x.dtype, torch.float32)
-        xf = x.to(ct) * nn.functional.silu(z.to(ct))
-        g = xf.view(*xf.shape[:-1], -1, self.group_size)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * g.view_as(xf).to(dtype)
+        return gated_rms_norm(x, z, self.weight, self.group_size, self.eps)
