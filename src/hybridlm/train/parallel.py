@@ -65,7 +65,10 @@ def barrier() -> None:
 
 
 def destroy() -> None:
+    """Tear down together: a rank leaving while its peer is still in gloo's teardown can abort
+    the peer at exit ("terminate called without an active exception")."""
     if is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
