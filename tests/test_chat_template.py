@@ -1,10 +1,17 @@
 """Chat template: exact ChatML text, assistant spans for loss masks, parse-back, clear errors."""
 
 import json
+import random
 
 import pytest
 
-from hybridlm.data.chat import STOP, parse_assistant, render, render_with_spans
+from hybridlm.data.chat import (
+    STOP,
+    AssistantStream,
+    parse_assistant,
+    render,
+    render_with_spans,
+)
 
 CONVO = [
     {"role": "system", "content": "Be brief."},
@@ -84,6 +91,44 @@ def test_parse_assistant_round_trips():
     assert parse_assistant("hi<|im_end|>junk") == {"role": "assistant", "content": "hi"}
     bad = parse_assistant("x\n<tool_call>{not json}</tool_call>")
     assert "tool_calls" not in bad and "{not json}" in bad["content"]
+    # generation cut off mid-thought: all reasoning, no content
+    assert parse_assistant("<think>\nstill going") == {
+        "role": "assistant",
+        "reasoning_content": "still going",
+        "content": "",
+    }
+
+
+def _stream_fields(text: str) -> tuple[str, str, list]:
+    """Feed `text` one character at a time, then final; concatenate the deltas."""
+    stream, reasoning, content = AssistantStream(), "", ""
+    for i in range(1, len(text) + 1):
+        d = stream.update(text[:i])
+        assert "tool_calls" not in d
+        reasoning += d.get("reasoning_content", "")
+        content += d.get("content", "")
+    d = stream.update(text, final=True)
+    reasoning += d.get("reasoning_content", "")
+    return reasoning, content + d.get("content", ""), d.get("tool_calls", [])
+
+
+def test_stream_parser_agrees_with_parse_assistant_at_every_split():
+    rng = random.Random(0)
+    pieces = ["<think>", "</think>", "\n", " ", "a", "<", "<thi", "</th", "<tool_call>",
+              "</tool_call>", '{"name": "f"}', "<tool_ca"]  # fmt: skip
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 8))) for _ in range(2000)]
+    for text in texts:
+        msg = parse_assistant(text)
+        assert _stream_fields(text) == (
+            msg.get("reasoning_content") or "",
+            msg.get("content") or "",
+            msg.get("tool_calls", []),
+        ), text
+    # nothing that may become a tag is released early
+    stream = AssistantStream()
+    assert stream.update(" <thi") == {}
+    assert stream.update(" <think>\nab</thi") == {"reasoning_content": "ab"}
+    assert stream.update(" <think>\nab</think>\nok\n<tool") == {"content": "ok"}
 
 
 @pytest.mark.parametrize(

@@ -239,6 +239,57 @@ def test_engine_failure_fails_the_request_not_the_server(srv, monkeypatch):
     assert _complete(srv, "x", max_tokens=2).usage.completion_tokens == 2
 
 
+REPLY = (
+    "<think>\nThe user wants the weather.\n</think>\nLet me check.\n"
+    '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+)
+
+
+@pytest.mark.parametrize("stop_reason", ["stop", "length"])
+def test_chat_reply_is_parsed_into_reasoning_and_tool_calls(srv, monkeypatch, stop_reason):
+    """The engine's text is replaced by a scripted reply that grows with the generated tokens
+    (a random tiny model does not write tags); the server must split it into OpenAI fields,
+    streamed and not, and both ways must agree."""
+    real = srv.engine.step
+
+    def scripted():
+        outs = real()
+        for out in outs:
+            n = len(out.token_ids)
+            text = REPLY if out.finished else REPLY[: 7 * n]
+            out.delta_text, out.text = text[len(out.text) :], text
+            if out.finished:
+                out.finish_reason = stop_reason
+        return outs
+
+    monkeypatch.setattr(srv.engine, "step", scripted)
+    kw = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "max_tokens": 24,
+        "temperature": 0.0,
+    }
+    res = srv.client.chat.completions.create(**kw)
+    msg, choice = res.choices[0].message, res.choices[0]
+    assert msg.reasoning_content == "The user wants the weather."
+    assert msg.content == "Let me check."
+    (call,) = msg.tool_calls
+    assert call.function.name == "weather" and json.loads(call.function.arguments) == {
+        "city": "Oslo"
+    }
+    assert choice.finish_reason == ("tool_calls" if stop_reason == "stop" else "length")
+    chunks = list(srv.client.chat.completions.create(**kw, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    # no tag is ever streamed, and the deltas add up to the non-streamed fields
+    streamed = "".join(d.content or "" for d in deltas)
+    thought = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    assert streamed == msg.content and thought == msg.reasoning_content
+    assert sum(1 for d in deltas if getattr(d, "reasoning_content", None)) > 1  # incremental
+    (streamed_calls,) = [d.tool_calls for d in deltas if d.tool_calls]
+    assert streamed_calls[0].index == 0 and streamed_calls[0].function.name == "weather"
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
 def test_client_disconnect_aborts(srv, monkeypatch):
     aborted: list[str] = []
     real = srv.engine.abort

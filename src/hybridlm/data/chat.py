@@ -184,14 +184,19 @@ def generation_prompt() -> str:
     return f"{IM_START}assistant\n"
 
 
-_THINK_RE = re.compile(rf"^\s*{re.escape(THINK_OPEN)}\n?(.*?)\n?{re.escape(THINK_CLOSE)}\n?", re.S)
+# An unclosed reasoning block (generation stopped mid-thought, e.g. at max_tokens) is all
+# reasoning: the content is empty.
+_THINK_RE = re.compile(
+    rf"^\s*{re.escape(THINK_OPEN)}\n?(.*?)(?:\n?{re.escape(THINK_CLOSE)}\n?|\Z)", re.S
+)
 _TOOL_RE = re.compile(rf"\n?{re.escape(TOOL_OPEN)}(.*?){re.escape(TOOL_CLOSE)}", re.S)
 
 
 def parse_assistant(text: str) -> dict[str, Any]:
     """Split generated assistant text (up to `STOP`) into an OpenAI-style message:
     `content`, and `reasoning_content` / `tool_calls` when present. Tool calls whose JSON does
-    not parse are left in the content. Inverse of `assistant_body` for the parts it renders."""
+    not parse are left in the content; a reasoning block that never closes is all reasoning.
+    Inverse of `assistant_body` for the parts it renders."""
     text = text.split(STOP, 1)[0]
     msg: dict[str, Any] = {"role": "assistant"}
     m = _THINK_RE.match(text)
@@ -220,3 +225,80 @@ def parse_assistant(text: str) -> dict[str, Any]:
     if calls:
         msg["tool_calls"] = calls
     return msg
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that may be the start of `marker` or of
+    `marker` after a newline (`"\\n" + marker`)."""
+    for n in range(min(len(marker), len(text)), 0, -1):
+        tail = text[-n:]
+        if ("\n" + marker).startswith(tail) or (n < len(marker) and marker.startswith(tail)):
+            return n
+    return 0
+
+
+class AssistantStream:
+    """`parse_assistant` for text that arrives piece by piece (streamed generation).
+
+    `update(text, final)` takes the whole assistant text so far and returns what became certain
+    since the last call: `{"reasoning_content": str, "content": str, "tool_calls": list}` (only
+    the non-empty parts). Nothing that may still turn out to be a tag is released: a leading
+    prefix of `<think>`, a trailing prefix of `\\n</think>`, and everything from the first
+    `<tool_call>` (tool calls are parsed when the text is final). The deltas concatenate to the
+    fields of `parse_assistant(final_text)`."""
+
+    def __init__(self) -> None:
+        self._sent = {"reasoning_content": "", "content": ""}
+
+    def _certain(self, text: str) -> tuple[str, str]:
+        """The (reasoning, content) prefixes of a non-final text that no later text can change."""
+        head = text.lstrip()
+        if len(head) < len(THINK_OPEN) and THINK_OPEN.startswith(head):
+            return "", ""  # may still become a reasoning block
+        if head.startswith(THINK_OPEN):
+            body = head[len(THINK_OPEN) :]
+            end = body.find(THINK_CLOSE)
+            if end < 0:  # still thinking; the newline before the close tag is not reasoning
+                if body == "\n"[: len(body)]:
+                    return "", ""
+                body = body[1:] if body.startswith("\n") else body
+                return body[: len(body) - _partial_suffix(body, THINK_CLOSE)], ""
+            text = body[end + len(THINK_CLOSE) :]
+            if text == "\n"[: len(text)]:
+                return parse_assistant(head).get("reasoning_content", ""), ""
+            reasoning = parse_assistant(head[: len(THINK_OPEN) + end + len(THINK_CLOSE)])
+            text = text[1:] if text.startswith("\n") else text
+            return reasoning.get("reasoning_content", ""), self._content_prefix(text)
+        return "", self._content_prefix(text)
+
+    @staticmethod
+    def _content_prefix(text: str) -> str:
+        cut = text.find(TOOL_OPEN)
+        if cut >= 0:
+            text = text[:cut]
+            return text[:-1] if text.endswith("\n") else text
+        return text[: len(text) - _partial_suffix(text, TOOL_OPEN)]
+
+    def update(self, text: str, final: bool = False) -> dict[str, Any]:
+        calls: list[dict[str, Any]] = []
+        if final:
+            msg = parse_assistant(text)
+            fields = {
+                "reasoning_content": msg.get("reasoning_content") or "",
+                "content": msg.get("content") or "",
+            }
+            calls = msg.get("tool_calls", [])
+        else:
+            r, c = self._certain(text.split(STOP, 1)[0])
+            fields = {"reasoning_content": r, "content": c}
+        out: dict[str, Any] = {}
+        for key, value in fields.items():
+            sent = self._sent[key]
+            # released text is final: later text only extends it (tests check every split)
+            assert value.startswith(sent), (key, value, sent)
+            if len(value) > len(sent):
+                out[key] = value[len(sent) :]
+                self._sent[key] = value
+        if calls:
+            out["tool_calls"] = calls
+        return out

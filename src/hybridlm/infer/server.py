@@ -13,6 +13,9 @@ header `X-Speculative-Draft-Length`). Responses carry `usage`, and with speculat
 (as OpenAI's) and to the rest of the context for chat; a prompt that leaves no room, or an explicit
 `max_tokens` beyond `max_model_len`, is a 400 `context_length_exceeded`. `n` (up to 128) and lists
 of prompts fan out to one engine request per choice (choice j samples with `seed + j`).
+Chat replies are parsed back with the chat template: a `<think>` block becomes
+`reasoning_content` and `<tool_call>` lines become `tool_calls` (finish reason "tool_calls"),
+streamed as separate deltas (`data.chat.AssistantStream`).
 Fields this server cannot honour (logprobs,
 penalties, logit_bias, tools, best_of != n, suffix, JSON mode) are rejected with a 400 rather
 than silently ignored; unknown fields are ignored. Every error is OpenAI-shaped JSON,
@@ -775,6 +778,11 @@ async def _collect(gen: _Generation) -> dict[int, RequestOutput]:
     return final
 
 
+def _chat_finish(reason: str | None, message: dict[str, Any]) -> str | None:
+    """OpenAI reports "tool_calls" when a turn that stopped by itself called tools."""
+    return "tool_calls" if reason == "stop" and message.get("tool_calls") else reason
+
+
 def _final_body(job: _Job, gen: _Generation, final: dict[int, RequestOutput]) -> dict[str, Any]:
     outs = [final[i] for i in range(len(job.requests))]
     choices = []
@@ -789,12 +797,13 @@ def _final_body(job: _Job, gen: _Generation, final: dict[int, RequestOutput]) ->
                 }
             )
         else:
+            message = chat_template.parse_assistant(out.text)
             choices.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": out.text},
+                    "message": message,
                     "logprobs": None,
-                    "finish_reason": out.finish_reason,
+                    "finish_reason": _chat_finish(out.finish_reason, message),
                 }
             )
     body: dict[str, Any] = {
@@ -826,34 +835,48 @@ async def _stream(job: _Job, gen: _Generation) -> AsyncIterator[bytes]:
         body.update(extra)
         return _sse(body)
 
-    def delta(i: int, text: str, finish: str | None = None, first: bool = False) -> dict:
-        if chat:
-            d: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
-            if text and not first:
-                d["content"] = text
-            return {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
+    def delta(i: int, text: str, finish: str | None = None) -> dict:
         return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
 
+    def chat_delta(i: int, d: dict[str, Any], finish: str | None = None) -> dict:
+        if "tool_calls" in d:  # streamed tool calls carry their position in the list
+            d = {**d, "tool_calls": [{"index": k, **c} for k, c in enumerate(d["tool_calls"])]}
+        return {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
+
     sent = [0] * len(job.requests)
+    # chat: reasoning, content and tool calls are separated as the text arrives
+    parsers = [chat_template.AssistantStream() for _ in job.requests]
     final: dict[int, RequestOutput] = {}
     try:
         for i in range(len(job.requests)):
-            if chat or job.echo[i]:
-                yield chunk(delta(i, job.echo[i], first=chat))
+            if chat:
+                yield chunk(chat_delta(i, {"role": "assistant", "content": ""}))
+            elif job.echo[i]:
+                yield chunk(delta(i, job.echo[i]))
         async for i, out in gen.outputs():
-            # deltas from the stable text, so the stream always concatenates to the final text
-            text = out.text[sent[i] :] if len(out.text) >= sent[i] else out.delta_text
-            sent[i] = max(sent[i], len(out.text))
             if out.finished:
                 final[i] = out
+            if chat:
+                d = parsers[i].update(out.text, final=out.finished)
+                if d and not out.finished:
+                    yield chunk(chat_delta(i, d))
+            else:
+                # deltas from the stable text, so the stream concatenates to the final text
+                text = out.text[sent[i] :] if len(out.text) >= sent[i] else out.delta_text
+                sent[i] = max(sent[i], len(out.text))
                 if text:
                     yield chunk(delta(i, text))
+            if out.finished:
                 extra = {}
                 if out.spec_stats is not None:
                     extra["speculative"] = spec_stats_dict(out.spec_stats)
-                yield chunk(delta(i, "", finish=out.finish_reason), **extra)
-            elif text:
-                yield chunk(delta(i, text))
+                if chat:
+                    if d:
+                        yield chunk(chat_delta(i, d))
+                    reason = _chat_finish(out.finish_reason, {"tool_calls": d.get("tool_calls")})
+                    yield chunk(chat_delta(i, {}, finish=reason), **extra)
+                else:
+                    yield chunk(delta(i, "", finish=out.finish_reason), **extra)
         if job.include_usage:
             outs = [final[i] for i in range(len(job.requests))]
             extra = {
