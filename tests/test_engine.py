@@ -252,18 +252,51 @@ def _set_decode_fn(model, fn):
             module.decode_fn = fn
 
 
-@pytest.mark.parametrize("name", ["tiny-super", "tiny-lightning"])
+@pytest.mark.parametrize("name", ["tiny-super", "tiny-lightning", "tiny-super-grouped"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_decode_steps_equal_the_generic_path(name, dtype):
     """`mamba2_decode_step` / `moe_decode_step` (the functions `compile_decode` compiles) ==
-    the generic mixer forwards (conv, `ssd_step`, sorted expert dispatch)."""
-    model = _model(name).to(dtype)
+    the generic mixer forwards (conv, `ssd_step`, sorted expert dispatch), with group-limited
+    routing too."""
+    if name.endswith("-grouped"):
+        model = _model(name.removesuffix("-grouped"))
+        for module in model.modules():
+            if hasattr(module, "gate"):
+                module.cfg.n_group, module.cfg.topk_group = 4, 2
+                module.gate.cfg = module.cfg
+        model = model.to(dtype)
+    else:
+        model = _model(name).to(dtype)
     prompt = torch.tensor(_prompts([7, 7]))
     fused = _decode_logits(model, prompt)
     _set_decode_fn(model, None)
     generic = _decode_logits(model, prompt)
     tol = 1e-12 if dtype == torch.float64 else 2e-5
     torch.testing.assert_close(fused, generic, atol=tol, rtol=0)
+
+
+class _Doubled(torch.nn.Linear):
+    """A stand-in for a converter's module (e.g. fake-quant): not a plain GEMM on `.weight`."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_fused_decode_steps_yield_to_converted_modules():
+    """The fused steps read weights directly, so a swapped-in module must turn them off: decoding
+    then calls the module, exactly like the generic path."""
+    model = _model("tiny-super")
+    for module in list(model.modules()):
+        for name in ("out_proj", "fc1_latent_proj"):
+            old = getattr(module, name, None)
+            if type(old) is torch.nn.Linear:
+                new = _Doubled(old.in_features, old.out_features, bias=False).double()
+                new.weight = old.weight
+                setattr(module, name, new)
+    prompt = torch.tensor(_prompts([7]))
+    converted = _decode_logits(model, prompt)
+    _set_decode_fn(model, None)
+    torch.testing.assert_close(converted, _decode_logits(model, prompt), atol=1e-12, rtol=0)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from ..infer.cache import MambaState
 from ..ops.conv1d import causal_conv1d, causal_conv1d_docs
 from ..ops.ssd import ssd_chunked, ssd_states, ssd_step
 from .norm import GatedRMSNorm, gated_rms_norm
+from .stock import is_stock
 
 
 def mamba2_decode_step(
@@ -128,6 +129,7 @@ class Mamba2Mixer(nn.Module):
             and not state.record_history
             and token_mask_BL is None
             and self.decode_fn is not None
+            and is_stock(self)
         ):
             return self._decode(x_BLD, state)
         GN = m.n_groups * m.state_size

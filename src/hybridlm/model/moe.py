@@ -21,6 +21,7 @@ from torch import nn
 
 from ..config import LayerSpec, ModelConfig
 from .mlp import MLP, relu2
+from .stock import is_stock
 
 
 class TopKRouter(nn.Module):
@@ -45,21 +46,47 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (scores_TE, topk_idx_TK, topk_weight_TK); routing is computed in fp32."""
         c = self.cfg
-        ct = torch.promote_types(x_TD.dtype, torch.float32)  # fp32, or fp64 for reference runs
-        scores_TE = F.linear(x_TD.to(ct), self.weight.to(ct)).sigmoid()
-        choice_TE = scores_TE.detach() + self.e_score_correction_bias.to(ct)
-        if c.n_group > 1:  # group-limited routing: keep the topk_group groups with best top-2 sums
-            grouped = choice_TE.view(-1, c.n_group, c.num_experts // c.n_group)
-            group_score = grouped.topk(2, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(group_score).scatter_(
-                1, group_score.topk(c.topk_group, dim=-1).indices, 1.0
-            )
-            choice_TE = grouped.masked_fill(keep[..., None] == 0, float("-inf")).view_as(choice_TE)
-        idx_TK = choice_TE.topk(c.top_k, dim=-1, sorted=False).indices
-        w_TK = scores_TE.gather(1, idx_TK)
-        if c.norm_topk_prob:
-            w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
-        return scores_TE, idx_TK, w_TK * c.routed_scaling_factor
+        return sigmoid_topk_route(
+            x_TD,
+            self.weight,
+            self.e_score_correction_bias,
+            top_k=c.top_k,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            norm_topk_prob=c.norm_topk_prob,
+            scaling=c.routed_scaling_factor,
+        )
+
+
+def sigmoid_topk_route(
+    x_TD: torch.Tensor,
+    weight_ED: torch.Tensor,
+    bias_E: torch.Tensor,
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router as a pure function (shared by `TopKRouter` and `moe_decode_step`): sigmoid
+    scores in fp32 (fp64 for reference runs); the correction bias steers selection only;
+    optional group-limited routing; chosen scores renormalised and scaled."""
+    ct = torch.promote_types(x_TD.dtype, torch.float32)
+    scores_TE = F.linear(x_TD.to(ct), weight_ED.to(ct)).sigmoid()
+    choice_TE = scores_TE.detach() + bias_E.to(ct)
+    if n_group > 1:  # group-limited routing: keep the topk_group groups with best top-2 sums
+        grouped = choice_TE.view(-1, n_group, choice_TE.shape[-1] // n_group)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score).scatter_(
+            1, group_score.topk(topk_group, dim=-1).indices, 1.0
+        )
+        choice_TE = grouped.masked_fill(keep[..., None] == 0, float("-inf")).view_as(choice_TE)
+    idx_TK = choice_TE.topk(top_k, dim=-1, sorted=False).indices
+    w_TK = scores_TE.gather(1, idx_TK)
+    if norm_topk_prob:
+        w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
+    return scores_TE, idx_TK, w_TK * scaling
 
 
 def _experts_loop(
@@ -128,21 +155,13 @@ def moe_decode_step(
     fc2_DW: torch.Tensor | None,
     shared_up: torch.Tensor | None,
     shared_down: torch.Tensor | None,
-    *,
-    top_k: int,
-    norm_topk_prob: bool,
-    scaling: float,
+    **route: int | float | bool,
 ) -> torch.Tensor:
-    """The MoE forward for a few tokens (decoding) as one pure function of tensors (router without
-    group limits, gathered experts, latent projections, shared expert), so it can be compiled
-    (`HybridLM.compile_decode`). Same math as `MoE.forward`; parity is tested."""
-    ct = torch.promote_types(x_TD.dtype, torch.float32)
-    scores_TE = F.linear(x_TD.to(ct), gate_w_ED.to(ct)).sigmoid()
-    idx_TK = (scores_TE + bias_E.to(ct)).topk(top_k, dim=-1, sorted=False).indices
-    w_TK = scores_TE.gather(1, idx_TK)
-    if norm_topk_prob:
-        w_TK = w_TK / (w_TK.sum(-1, keepdim=True) + 1e-20)
-    w_TK = w_TK * scaling
+    """The MoE forward for a few tokens (decoding) as one pure function of tensors (router,
+    gathered experts, latent projections, shared expert), so it can be compiled
+    (`HybridLM.compile_decode`). `route` are the keyword arguments of `sigmoid_topk_route`.
+    Same math as `MoE.forward`; parity is tested."""
+    _, idx_TK, w_TK = sigmoid_topk_route(x_TD, gate_w_ED, bias_E, **route)
     z_TW = F.linear(x_TD, fc1_WD) if fc1_WD is not None else x_TD
     y_TW = experts_gathered(z_TW, idx_TK, w_TK, up_EFW, down_EWF).to(x_TD.dtype)
     y_TD = F.linear(y_TW, fc2_DW) if fc2_DW is not None else y_TW
@@ -228,9 +247,9 @@ class MoE(nn.Module):
             self.decode_fn is not None
             and not self.training
             and not torch.is_grad_enabled()
-            and c.n_group <= 1
             and Bsz * L * c.top_k <= c.num_experts
             and self.experts.impl == "auto"
+            and is_stock(self)
         ):
             return self._decode(x_TD).view(Bsz, L, D)
         scores_TE, idx_TK, w_TK = self.gate(x_TD)
@@ -264,6 +283,8 @@ class MoE(nn.Module):
             self.shared_experts.up_proj.weight if shared else None,
             self.shared_experts.down_proj.weight if shared else None,
             top_k=c.top_k,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
             norm_topk_prob=c.norm_topk_prob,
             scaling=c.routed_scaling_factor,
         )
