@@ -310,3 +310,55 @@ def test_compiled_decode_equals_eager():
     finally:
         model.compile_decode(False)
     torch.testing.assert_close(compiled, eager, atol=2e-5, rtol=0)
+
+
+def _teacher_forced_logprobs(model, prompt, out, temperature):
+    ids = torch.tensor([prompt + out.token_ids + [out.stop_token_id]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    t = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits / t, -1).gather(-1, ids[0, len(prompt) :, None])[:, 0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_equal_the_trainers_recomputation(temperature):
+    """The rollout log-probs (RL's behaviour policy) equal a teacher-forced forward over the
+    whole sequence, the EOS token that ended the request included."""
+    model = _model("tiny-super").float()
+    eng = Engine(model, ByteTokenizer(), max_batch_size=4)
+    prompts = _prompts([6, 9, 4])
+    params = SamplingParams(max_tokens=24, temperature=temperature, seed=3, logprobs=True)
+    # the 5th token of the first row becomes a stop token, so that row ends on it
+    params.stop_token_ids = [eng.generate(prompts[:1], params)[0].token_ids[4]]
+    outs = eng.generate(prompts, params)
+    assert outs[0].finish_reason == "stop" and outs[0].stop_token_id is not None
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert len(out.logprobs) == len(out.token_ids) == len(out.token_versions)
+        got = out.logprobs + ([out.stop_token_logprob] if out.stop_token_id is not None else [])
+        if out.stop_token_id is None:
+            out.stop_token_id = 0  # a dummy next token; its log-prob is not compared
+        ref = _teacher_forced_logprobs(model, prompt, out, temperature)[: len(got)]
+        torch.testing.assert_close(torch.tensor(got), ref, atol=2e-5, rtol=0)
+    plain = eng.generate(prompts[:1], SamplingParams(max_tokens=4))[0]
+    assert plain.logprobs is None
+
+
+def test_update_weights_in_flight_tags_tokens_and_drops_stale_prefixes():
+    model, other = _model("tiny-super"), _model("tiny-super", seed=1)
+    eng = Engine(model, ByteTokenizer(), max_batch_size=2, prefix_block=4)
+    prompt = _prompts([9])[0]
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=6))
+    outs = [o for _ in range(3) for o in eng.step() if o.request_id == rid]
+    n_old = len(outs[-1].token_ids)  # sampled with version 0
+    assert eng.update_weights(other.state_dict()) == 1
+    while eng.has_unfinished():
+        outs += [o for o in eng.step() if o.request_id == rid]
+    assert 0 < n_old < 6 and outs[-1].token_versions == [0] * n_old + [1] * (6 - n_old)
+    # the prefix cache held the old weights' states: a new request must match a fresh engine
+    fresh = Engine(other, ByteTokenizer(), prefix_block=4).generate([prompt], SamplingParams())
+    again = eng.generate([prompt], SamplingParams())
+    assert again[0].token_ids == fresh[0].token_ids and again[0].token_versions == [1] * 64
+    with pytest.raises(ValueError, match="older"):
+        eng.update_weights(other.state_dict(), version=0)
+    with pytest.raises(ValueError, match="speculative"):
+        SamplingParams(logprobs=True, speculative=2).validate()

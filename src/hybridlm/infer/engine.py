@@ -25,6 +25,11 @@ prefix forks that cache and prefills only the rest; the result is exactly that o
 (tested). Mamba state cannot be recovered at arbitrary positions without a snapshot, which is why
 boundaries are block-aligned (as vLLM's prefix caching does for Mamba layers).
 
+For RL rollouts: `SamplingParams(logprobs=True)` returns each sampled token's log-prob under
+softmax(logits / T) (what the trainer recomputes; `sampled_logprobs`), including that of the EOS /
+stop token that ended the request; `update_weights` loads new weights between steps while
+requests are in flight, and every token carries the weight version that sampled it.
+
 Text is streamed safely: `delta_text` never contains half of a UTF-8 character nor the start of
 a stop string that may still complete.
 """
@@ -39,7 +44,7 @@ import torch
 
 from ..model.model import HybridLM
 from .cache import HybridCache
-from .sampling import SamplingParams, sample_next
+from .sampling import SamplingParams, sample_next, sampled_logprobs
 from .state_precision import check_precision
 
 
@@ -54,6 +59,13 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
     spec_stats: object | None = None  # SpecStats when speculative
+    # with params.logprobs: log-prob of each token of token_ids under softmax(logits / T)
+    logprobs: list[float] | None = None
+    # the engine's weight version that sampled each token (changes on update_weights)
+    token_versions: list[int] = field(default_factory=list)
+    # the EOS / stop token that ended the request (not in token_ids) and its log-prob
+    stop_token_id: int | None = None
+    stop_token_logprob: float | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -74,6 +86,9 @@ class _Request:
     finish_reason: str | None = None
     next_token: int | None = None  # sampled, not yet fed to the model
     spec: object | None = None  # SpeculativeDecoder
+    logprobs: list[float] = field(default_factory=list)  # aligned with tokens (params.logprobs)
+    versions: list[int] = field(default_factory=list)  # aligned with tokens
+    stop_token: tuple[int, float | None] | None = None
 
 
 class Engine:
@@ -113,6 +128,7 @@ class Engine:
         self._prefixes: OrderedDict[tuple[int, ...], tuple[HybridCache, torch.Tensor]] = (
             OrderedDict()
         )
+        self.weight_version = 0
         self.stats = {
             "prefill_tokens": 0,
             "prefix_hit_tokens": 0,
@@ -157,6 +173,24 @@ class Engine:
     def num_running(self) -> int:
         return len(self._running) + len(self._spec)
 
+    @torch.no_grad()
+    def update_weights(
+        self, state_dict: dict[str, torch.Tensor], version: int | None = None
+    ) -> int:
+        """Load new weights in place between steps (asynchronous RL, PipelineRL-style in-flight
+        updates, Olmo 3 §4.4): requests in flight keep their caches, which were computed with
+        the old weights, and continue with the new ones; every token records the version that
+        sampled it (`RequestOutput.token_versions`). The prefix cache is cleared, as its entries
+        belong to the old weights. Returns the new version (default: the old one + 1)."""
+        if version is not None and version < self.weight_version:
+            raise ValueError(
+                f"weight version {version} is older than the engine's {self.weight_version}"
+            )
+        self.model.load_state_dict(state_dict, strict=True)
+        self._prefixes.clear()
+        self.weight_version = self.weight_version + 1 if version is None else version
+        return self.weight_version
+
     # ------------------------------------------------------------------ the loop
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
@@ -199,8 +233,9 @@ class Engine:
     # ------------------------------------------------------------------ prefill
     def _admit(self, req: _Request, outputs: list[RequestOutput]) -> None:
         cache, logits = self._prefill(req.prompt)
-        tok = int(self._sample(logits[None], [req])[0])
-        outputs.extend(self._append(req, [tok]))
+        toks, lps = self._sample(logits[None], [req])
+        tok = int(toks[0])
+        outputs.extend(self._append(req, [tok], lps))
         if req.finished:
             return
         req.next_token = tok
@@ -243,16 +278,19 @@ class Engine:
         x_B1 = torch.tensor([[r.next_token] for r in reqs], device=self.device)
         logits_BV = self.model(x_B1, cache=self._cache).logits[:, -1]
         self.stats["decode_steps"] += 1
-        toks = self._sample(logits_BV, reqs)
-        for r, t in zip(reqs, toks.tolist(), strict=True):
+        toks, lps = self._sample(logits_BV, reqs)
+        for i, (r, t) in enumerate(zip(reqs, toks.tolist(), strict=True)):
             if r.finished:  # aborted while running
                 continue
-            outputs.extend(self._append(r, [t]))
+            outputs.extend(self._append(r, [t], lps[i : i + 1] if lps is not None else None))
             r.next_token = t
         self._retire_finished()
 
-    def _sample(self, logits_BV: torch.Tensor, reqs: list[_Request]) -> torch.Tensor:
-        """Greedy rows by one argmax; sampled rows each with their own settings and generator."""
+    def _sample(
+        self, logits_BV: torch.Tensor, reqs: list[_Request]
+    ) -> tuple[torch.Tensor, list[float] | None]:
+        """Greedy rows by one argmax; sampled rows each with their own settings and generator.
+        Returns the tokens and, when any row asks for them, every row's log-probs."""
         out = logits_BV.argmax(-1)
         for i, r in enumerate(reqs):
             p = r.params
@@ -264,7 +302,12 @@ class Engine:
                     top_p=p.top_p,
                     generator=r.generator,
                 )[0]
-        return out
+        if not any(r.params.logprobs for r in reqs):
+            return out, None
+        temps = torch.tensor([r.params.temperature for r in reqs], device=logits_BV.device)
+        temps = torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
+        lps = sampled_logprobs(logits_BV / temps, out, temperature=1.0)
+        return out, lps.tolist()
 
     def _drop_aborted(self, outputs: list[RequestOutput]) -> None:
         for r in self._spec:
@@ -308,15 +351,23 @@ class Engine:
         return outs
 
     # ------------------------------------------------------------------ bookkeeping
-    def _append(self, req: _Request, toks: list[int]) -> list[RequestOutput]:
-        """Add sampled tokens, apply the stop conditions; returns the request's output."""
+    def _append(
+        self, req: _Request, toks: list[int], logprobs: list[float] | None = None
+    ) -> list[RequestOutput]:
+        """Add sampled tokens (and their log-probs), apply the stop conditions; returns the
+        request's output."""
         p = req.params
         eos = self.tokenizer.eos_id
-        for t in toks:
+        for j, t in enumerate(toks):
+            lp = logprobs[j] if logprobs is not None and p.logprobs else None
             if (not p.ignore_eos and t == eos) or t in p.stop_token_ids:
                 self._finish(req, "stop")
+                req.stop_token = (t, lp)
                 break
             req.tokens.append(t)
+            req.versions.append(self.weight_version)
+            if lp is not None:
+                req.logprobs.append(lp)
             if len(req.tokens) >= p.max_tokens or len(req.prompt) + len(req.tokens) >= (
                 self.max_model_len
             ):
@@ -328,6 +379,8 @@ class Engine:
             if hits:
                 text = text[: min(hits)]
                 req.tokens = self._tokens_covering(req.tokens, len(text))
+                del req.versions[len(req.tokens) :], req.logprobs[len(req.tokens) :]
+                req.stop_token = None
                 self._finish(req, "stop", keep_reason=False)
         req.text = text
         return [self._output(req)]
@@ -376,4 +429,8 @@ class Engine:
             finished=req.finished,
             finish_reason=req.finish_reason,
             spec_stats=stats,
+            logprobs=list(req.logprobs) if req.params.logprobs else None,
+            token_versions=list(req.versions),
+            stop_token_id=req.stop_token[0] if req.stop_token else None,
+            stop_token_logprob=req.stop_token[1] if req.stop_token else None,
         )

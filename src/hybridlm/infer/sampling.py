@@ -29,6 +29,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     speculative: int = 0  # MTP draft length; 0 = off
+    logprobs: bool = False  # return each sampled token's log-prob (RL: truncated IS needs them)
 
     def validate(self) -> SamplingParams:
         if self.max_tokens < 0:
@@ -41,6 +42,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.speculative <= 16:
             raise ValueError(f"speculative draft length must be in [0, 16], got {self.speculative}")
+        if self.logprobs and self.speculative:
+            raise ValueError("logprobs are not returned for speculative requests; set one of them")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not s for s in self.stop):
@@ -87,3 +90,12 @@ def sample_next(
         return logits_BV.argmax(-1)
     probs = filtered_probs(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def sampled_logprobs(logits_BV: Tensor, tokens_B: Tensor, *, temperature: float) -> Tensor:
+    """log softmax(logits / T) at the sampled tokens (T = 1 when greedy), fp32: the behaviour
+    policy's log-probs that an RL trainer recomputes from the same logits (before top-k / top-p,
+    which truncate the proposal but are not part of the policy being trained)."""
+    t = temperature if temperature > 0 else 1.0
+    logp_BV = torch.log_softmax(logits_BV.float() / t, dim=-1)
+    return logp_BV.gather(-1, tokens_B[:, None])[:, 0]
