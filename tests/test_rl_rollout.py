@@ -1,0 +1,104 @@
+"""Rollout workers: groups sampled in one batch with the engine's log-probs, in-flight weight
+updates tagged by version, and the Ray pool across processes (a local cluster) with a weight-sync
+timeout that fails loudly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hybridlm import HybridLM
+from hybridlm.data.tokenizer import ByteTokenizer
+from hybridlm.presets import get_preset
+from hybridlm.rl.rollout import RolloutPool, RolloutRequest, RolloutWorker
+
+
+def _policy(seed: int = 0) -> HybridLM:
+    cfg = get_preset("tiny-super")
+    cfg.vocab_size, cfg.pattern, cfg.mtp.pattern = 258, "M*ME", ""
+    return HybridLM(cfg, seed=seed).eval()
+
+
+def _requests(n: int, group: int) -> list[RolloutRequest]:
+    tok = ByteTokenizer()
+    return [RolloutRequest(f"p{i}", tok.encode(f"{i} + {i} ="), group) for i in range(n)]
+
+
+PARAMS = {"max_tokens": 12, "temperature": 1.0}
+
+
+def test_inline_groups_carry_logprobs_stop_tokens_and_versions(one_thread):
+    model = _policy()
+    pool = RolloutPool(model.config, ByteTokenizer(), model.state_dict(), executor="inline")
+    pool.submit(_requests(3, 4), PARAMS)
+    ((_, comps),) = pool.wait()
+    assert [(c.key, c.index) for c in comps] == [(f"p{i}", g) for i in range(3) for g in range(4)]
+    texts = {c.text for c in comps}
+    assert len(texts) > 1  # group members are different samples
+    for c in comps:
+        assert len(c.token_ids) == len(c.logprobs) == len(c.versions) > 0
+        assert set(c.versions) == {0} and all(lp <= 0 for lp in c.logprobs)
+        if c.finish_reason == "stop":  # the EOS that ended it is part of the completion
+            assert c.token_ids[-1] == ByteTokenizer.eos_id
+    # the behaviour log-probs are the policy's: a teacher-forced forward reproduces them
+    c = comps[0]
+    ids = torch.tensor([c.prompt_ids + c.token_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, len(c.prompt_ids) - 1 : -1].float(), -1)
+    ref = logp.gather(-1, ids[0, len(c.prompt_ids) :, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=2e-5, rtol=0)
+
+
+def test_weights_handed_over_mid_generation_apply_at_a_step_boundary(one_thread):
+    model, new = _policy(0), _policy(1)
+    worker = RolloutWorker(model.config, ByteTokenizer(), model.state_dict())
+    params = {"max_tokens": 40, "temperature": 1.0, "ignore_eos": True}
+    result: list = []
+    t = threading.Thread(target=lambda: result.extend(worker.generate(_requests(2, 2), params)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while worker.engine.stats["decode_steps"] < 5 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert worker.set_weights(new.state_dict(), version=1) == 1
+    t.join(60)
+    for c in result:
+        n_old = c.versions.count(0)
+        assert 5 <= n_old < 40 and c.versions == [0] * n_old + [1] * (40 - n_old)
+    assert worker.version() == 1
+    with pytest.raises(ValueError, match="older"):
+        worker.set_weights(model.state_dict(), version=0)
+
+
+def test_ray_pool_generates_in_other_processes_and_sync_times_out_loudly():
+    ray = pytest.importorskip("ray")
+    model = _policy()
+    pool = RolloutPool(
+        model.config,
+        ByteTokenizer(),
+        model.state_dict(),
+        executor="ray",
+        num_workers=1,
+        sync_timeout_s=30,
+    )
+    try:
+        inline = RolloutWorker(model.config, ByteTokenizer(), model.state_dict())
+        pool.submit(_requests(2, 3), {**PARAMS, "temperature": 0.0})
+        ((_, comps),) = pool.wait(timeout=60)
+        # greedy: the actor's completions equal this process's
+        ref = inline.generate(_requests(2, 3), {**PARAMS, "temperature": 0.0})
+        assert [c.token_ids for c in comps] == [c.token_ids for c in ref]
+        assert pool.set_weights(_policy(1).state_dict(), version=1) < 30
+        # both of the actor's call slots busy with long generations: the hand-over cannot be
+        # acknowledged within the timeout, and the pool says so instead of hanging
+        long = {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True}
+        pool.submit(_requests(4, 4), long)
+        pool.submit(_requests(4, 4), long)
+        pool.sync_timeout_s = 0.2
+        with pytest.raises(TimeoutError, match="timed out"):
+            pool.set_weights(model.state_dict(), version=2)
+    finally:
+        pool.shutdown()
+        ray.shutdown()
