@@ -119,3 +119,32 @@ def test_merge_two_known_state_dicts(tmp_path):
 def test_meta_is_json(tmp_path):
     path = save_checkpoint(tmp_path, step=0, model=_model(), optimizer=None, meta={"x": [1]})
     assert json.loads((path / "meta.json").read_text())["x"] == [1]
+
+
+def test_checkpoint_and_run_dirs_load_as_models_with_their_tokenizer(tmp_path):
+    from hybridlm.data.tokenizer import ByteTokenizer
+    from hybridlm.train.checkpoint import tokenizer_for
+
+    model = _model()
+    run_config = {"model": model.config.to_dict(), "data": {"tokenizer": "byte"}}
+    for step in (1, 2):
+        with torch.no_grad():
+            model.lm_head.weight.add_(1.0)
+        path = save_checkpoint(
+            tmp_path, step=step, model=model, optimizer=None, meta={"run_config": run_config}
+        )
+    x = torch.randint(0, 258, (1, 6))
+    with torch.no_grad():
+        ref = model.eval()(x).logits
+    for where in (path, tmp_path):  # the checkpoint itself, and the run (its newest one)
+        loaded = HybridLM.from_pretrained(where)
+        assert not loaded.training
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(x).logits, ref, atol=0, rtol=0)
+        assert isinstance(tokenizer_for(where), ByteTokenizer)
+    run_config["data"]["tokenizer"] = str(tmp_path / "gone")
+    save_checkpoint(tmp_path, step=3, model=model, optimizer=None, meta={"run_config": run_config})
+    with pytest.raises(ValueError, match="does not exist here"):
+        tokenizer_for(tmp_path)
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        HybridLM.from_pretrained(tmp_path / "checkpoints" / "nothing")

@@ -30,7 +30,9 @@ def _add_model_args(p: argparse.ArgumentParser, *, checkpoint: bool = True) -> N
     src.add_argument("--config", help="a YAML or JSON ModelConfig file")
     if checkpoint:
         src.add_argument(
-            "--checkpoint", help="a transformers NemotronH / Olmo3 checkpoint directory"
+            "--checkpoint",
+            help="a transformers NemotronH / Olmo3 directory, a training checkpoint "
+            "(runs/X/checkpoints/step_N) or a run directory (its newest checkpoint)",
         )
     p.add_argument(
         "--set",
@@ -40,6 +42,23 @@ def _add_model_args(p: argparse.ArgumentParser, *, checkpoint: bool = True) -> N
         metavar="KEY=VALUE",
         help="dotted override, e.g. --set moe.top_k=8 (repeatable)",
     )
+
+
+def _tokenizer(args: argparse.Namespace, model):
+    """The checkpoint's own tokenizer; the byte tokenizer for presets and configs."""
+    from .data.tokenizer import ByteTokenizer
+
+    if getattr(args, "checkpoint", None):
+        from .train.checkpoint import tokenizer_for
+
+        tok = tokenizer_for(args.checkpoint)
+    else:
+        tok = ByteTokenizer()
+    if model.config.vocab_size < tok.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tok.vocab_size} ids but the model only {model.config.vocab_size}"
+        )
+    return tok
 
 
 def _config(args: argparse.Namespace, default: str = "tiny-super") -> ModelConfig:
@@ -115,13 +134,10 @@ def cmd_config(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
-    from .data.tokenizer import ByteTokenizer
     from .infer.generate import generate
 
-    tok = ByteTokenizer()
     model = _model(args)
-    if model.config.vocab_size < tok.vocab_size:
-        raise ValueError(f"the byte tokenizer needs vocab_size >= {tok.vocab_size}")
+    tok = _tokenizer(args, model)
     ids = torch.tensor([tok.encode(args.prompt)])
     if args.compile:
         model.compile_decode()
@@ -245,13 +261,10 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
 
 def _engine(args: argparse.Namespace, *, max_batch_size: int):
     """The model of `--preset/--config/--checkpoint` behind a continuous-batching Engine."""
-    from .data.tokenizer import ByteTokenizer
     from .infer.engine import Engine
 
-    tok = ByteTokenizer()
     model = _model(args)
-    if model.config.vocab_size < tok.vocab_size:
-        raise ValueError(f"the byte tokenizer needs vocab_size >= {tok.vocab_size}")
+    tok = _tokenizer(args, model)
     if getattr(args, "speculative", 0) and model.mtp is None:
         raise ValueError("--speculative needs a model with an MTP head (mtp.pattern)")
     if args.compile:

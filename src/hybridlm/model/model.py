@@ -340,9 +340,17 @@ class HybridLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | None = None) -> HybridLM:
-        """Load a hybridlm or transformers (NemotronH / Olmo3) checkpoint directory."""
+        """Load a transformers (NemotronH / Olmo3) checkpoint directory, a hybridlm training
+        checkpoint (`<run>/checkpoints/step_*`), or a run directory (its newest checkpoint)."""
         from ..interop.hf import load_pretrained
 
+        p = Path(path)
+        if not (p / "config.json").is_file() and (
+            (p / "meta.json").is_file() or (p / "checkpoints").is_dir()
+        ):
+            from ..train.checkpoint import model_from_checkpoint
+
+            return model_from_checkpoint(p, dtype=dtype)
         return load_pretrained(path, dtype=dtype)
 
     def save_pretrained(self, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:

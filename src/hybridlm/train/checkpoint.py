@@ -197,6 +197,56 @@ def load_checkpoint(
     return meta
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A training checkpoint directory, or a run directory (its newest checkpoint)."""
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ValueError(f"{path} is neither a checkpoint directory nor a run with checkpoints")
+    return latest
+
+
+def model_from_checkpoint(path: str | Path, *, dtype: torch.dtype | None = None):
+    """The model of a training checkpoint (or of a run's newest one), built from the run config
+    stored in its meta.json, weights loaded, in eval mode."""
+    from ..config import ModelConfig
+    from ..model.model import HybridLM
+
+    path = resolve_checkpoint(path)
+    meta = read_meta(path)
+    cfg = ModelConfig.from_dict(meta["run_config"]["model"])
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    load_checkpoint(path, model, restore_rng=False)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()
+
+
+def tokenizer_for(path: str | Path) -> Any:
+    """The tokenizer a checkpoint was trained with: a training checkpoint or run directory reads
+    `data.tokenizer` from its run config; a transformers directory uses its `tokenizer.json`,
+    else the byte tokenizer (the embedded default)."""
+    from ..data.bpe import load_tokenizer
+
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        return load_tokenizer(path)
+    if (path / "meta.json").is_file() or (path / "checkpoints").is_dir():
+        data = read_meta(resolve_checkpoint(path))["run_config"].get("data") or {}
+        spec = data.get("tokenizer", "byte")
+        if spec != "byte" and not Path(spec).exists():
+            raise ValueError(
+                f"{path} was trained with the tokenizer at {spec}, which does not exist here"
+            )
+        return load_tokenizer(spec)
+    return load_tokenizer("byte")
+
+
 # ---------------------------------------------------------------------- merging
 def merge_weights(n: int, kind: str = "uniform") -> list[float]:
     """Weights for averaging `n` checkpoints, oldest first; they sum to 1.
