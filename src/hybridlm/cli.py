@@ -14,6 +14,7 @@ NemotronH / Olmo3 directory), with `--set a.b=value` overrides for the first two
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 
@@ -520,7 +521,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft K tokens per step with the MTP head",
     )
     p.set_defaults(fn=cmd_chat, model_name=None)
+
+    # stages that register their own sub-commands (each module's `register(sub)`)
+    for module in _STAGE_MODULES:
+        importlib.import_module(module, __package__).register(sub)
     return parser
+
+
+_STAGE_MODULES = (".train.mtp_boost",)
 
 
 def main(argv: list[str] | None = None) -> int:

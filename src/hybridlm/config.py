@@ -488,15 +488,17 @@ def _section_type(cls: type, name: str) -> type | None:
     return next((c for c in candidates if dataclasses.is_dataclass(c)), None)
 
 
-def apply_overrides(cfg: ModelConfig, overrides: list[str]) -> ModelConfig:
-    """Return a new config with dotted `key=value` overrides applied (values parsed as YAML)."""
-    data = cfg.to_dict()
+def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+    """Return a new config with dotted `key=value` overrides applied (values parsed as YAML).
+    Works for any typed config dataclass (`ModelConfig`, a stage's config)."""
+    top = type(cfg)
+    data = cfg.to_dict() if hasattr(cfg, "to_dict") else dataclasses.asdict(cfg)
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key=value, e.g. moe.top_k=8")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
-        node, cls = data, ModelConfig
+        node, cls = data, top
         for part in parts[:-1]:
             section = _section_type(cls, part)
             if section is None:
@@ -509,4 +511,4 @@ def apply_overrides(cfg: ModelConfig, overrides: list[str]) -> ModelConfig:
         if parts[-1] not in node:
             raise ValueError(f"override {item!r}: unknown key {key!r}")
         node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-    return ModelConfig.from_dict(data)
+    return top.from_dict(data) if hasattr(top, "from_dict") else from_dict(top, data)

@@ -292,8 +292,9 @@ class HybridLM(nn.Module):
             return linear_cross_entropy(
                 h_BLD.flatten(0, 1), self.lm_head.weight, targets_BL.flatten(), denom
             )
+        ct = torch.promote_types(logits_BLV.dtype, torch.float32)  # fp64 stays fp64
         loss_sum = F.cross_entropy(
-            logits_BLV.flatten(0, 1).float(),
+            logits_BLV.flatten(0, 1).to(ct),
             targets_BL.flatten(),
             ignore_index=IGNORE_INDEX,
             reduction="sum",
