@@ -170,6 +170,16 @@ def test_stop_strings_eos_and_streaming():
     assert final.finish_reason == "stop" and final.text == free.text[:cut]
     assert "".join(deltas) == final.text
     assert tok.decode(final.token_ids).startswith(final.text)
+    # include_stop_str_in_output (RL trains on the end-of-turn string): text and tokens keep it
+    kept = Engine(model, tok).generate(
+        [prompt],
+        SamplingParams(
+            max_tokens=24, stop=[stop], ignore_eos=True, include_stop_str_in_output=True
+        ),
+    )[0]
+    assert kept.text == free.text[: cut + len(stop)] and kept.finish_reason == "stop"
+    assert kept.token_ids == free.token_ids[: len(kept.token_ids)]
+    assert tok.decode(kept.token_ids) == kept.text
     # stop token ids: the 4th greedy token ends the request
     out = Engine(model, tok).generate(
         [prompt], SamplingParams(max_tokens=24, stop_token_ids=[free.token_ids[3]])

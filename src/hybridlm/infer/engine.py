@@ -375,9 +375,10 @@ class Engine:
                 break
         text = self.tokenizer.decode(req.tokens)
         if p.stop:
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((text.find(s), s) for s in p.stop) if i >= 0]
             if hits:
-                text = text[: min(hits)]
+                at, n = min(hits)
+                text = text[: at + n] if p.include_stop_str_in_output else text[:at]
                 req.tokens = self._tokens_covering(req.tokens, len(text))
                 del req.versions[len(req.tokens) :], req.logprobs[len(req.tokens) :]
                 req.stop_token = None

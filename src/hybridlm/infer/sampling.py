@@ -30,6 +30,7 @@ class SamplingParams:
     ignore_eos: bool = False
     speculative: int = 0  # MTP draft length; 0 = off
     logprobs: bool = False  # return each sampled token's log-prob (RL: truncated IS needs them)
+    include_stop_str_in_output: bool = False  # keep the matched stop string (vLLM's flag)
 
     def validate(self) -> SamplingParams:
         if self.max_tokens < 0:
