@@ -102,6 +102,8 @@ class RolloutWorker:
         self.seed = seed
         self._calls = 0
         self._pending = _Pending()
+        # the engine is not thread-safe: one generate at a time; set_weights may come meanwhile
+        self._generating = threading.Lock()
 
     # -- weights
     def set_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
@@ -126,6 +128,10 @@ class RolloutWorker:
     def generate(self, requests: list[RolloutRequest], params: dict[str, Any]) -> list[Completion]:
         """Sample every request's group in one continuous batch; returns the completions in
         request order, group members in index order."""
+        with self._generating:
+            return self._generate(requests, params)
+
+    def _generate(self, requests: list[RolloutRequest], params: dict[str, Any]) -> list[Completion]:
         self._apply_pending()
         self._calls += 1
         keys: dict[str, tuple[int, int]] = {}

@@ -1,0 +1,699 @@
+"""Environments: problems with ground truth, and a `score(problem, completion) -> Reward`.
+
+One interface serves RL (rollout workers draw problems, the learner gets rewards) and evaluation
+(the harness generates for every problem and averages rewards). An environment is a dataset plus
+a verifier, as in NeMo Gym's resource servers (Nemotron 3 Super §3.2.5) and OlmoRL's per-domain
+verifiers (Olmo 3 §4.4.1):
+
+- `GSM8KEnvironment` (final number), `ArithmeticEnvironment` (generated, seeded, difficulty
+  levels; always available), `MathEnvironment` (boxed answers, Math-Verify / SymPy),
+  `CodeEnvironment` (HumanEval-style function completion, tests in the sandbox),
+  `InstructionFollowingEnvironment` (IFEval-format constraints; also a seeded generator).
+- `LowEffortEnvironment`: a fraction of prompts switched to low-effort mode whose reward also
+  penalises generated length (Nemotron 3 Super §3.2.1 "low-effort RL"; the paper gives no formula,
+  the one used here is documented on the class).
+- `MixtureEnvironment`: weighted, deterministic sampling over environments and per-environment
+  metrics (multi-environment RLVR: Olmo 3 §4.4.2, Nemotron 3 Super §3.2.1).
+- `filter_by_pass_rate`: the offline difficulty filter (Olmo 3 §4.4.2: 8 samples per prompt, drop
+  the prompts the starting model always or never solves).
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import hashlib
+import json
+import math
+import random
+import re
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hybridlm.data.chat import render
+from hybridlm.rl.verifiers import (
+    CodeVerifier,
+    GSM8KVerifier,
+    InstructionVerifier,
+    MathVerifier,
+    Reward,
+    answer_text,
+    extract_code,
+    gsm8k_reference,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One prompt: chat `messages`, the ground truth `answer` its verifier needs, `metadata`, and
+    the name of the environment that scores it (`env`)."""
+
+    id: str
+    messages: tuple[Mapping[str, Any], ...]
+    answer: Any
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    env: str = ""
+
+    @property
+    def prompt(self) -> str:
+        """The rendered chat prompt, ending with the assistant header."""
+        return render(list(self.messages), add_generation_prompt=True)
+
+    @property
+    def user_text(self) -> str:
+        return next(m["content"] for m in reversed(self.messages) if m["role"] == "user")
+
+
+def _user(text: str, system: str | None = None) -> tuple[dict[str, str], ...]:
+    msgs = [{"role": "system", "content": system}] if system else []
+    return tuple(msgs + [{"role": "user", "content": text}])
+
+
+def _read_jsonl(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"no such file: {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        rows = []
+        for i, line in enumerate(f):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{i + 1}: not JSON ({err})") from None
+    return rows
+
+
+class Environment(ABC):
+    """Problems plus a reward. Subclasses set `name` and implement `__len__`, `__getitem__` and
+    `score`; `score_many` may batch (the code environment runs its sandbox pool)."""
+
+    name: str = "env"
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __getitem__(self, index: int) -> Problem: ...
+
+    @abstractmethod
+    def score(self, problem: Problem, completion: str) -> Reward: ...
+
+    def __iter__(self) -> Iterator[Problem]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def score_many(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[Reward]:
+        if len(problems) != len(completions):
+            raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
+        return [self.score(p, c) for p, c in zip(problems, completions, strict=True)]
+
+    def sample(self, n: int, *, seed: int = 0) -> list[Problem]:
+        """`n` problems drawn uniformly with replacement, deterministic in `seed`."""
+        if len(self) == 0:
+            raise ValueError(f"environment {self.name!r} has no problems")
+        rng = random.Random(seed)
+        return [self[rng.randrange(len(self))] for _ in range(n)]
+
+
+class DatasetEnvironment(Environment):
+    """An environment over a fixed list of problems."""
+
+    def __init__(self, problems: Sequence[Problem], *, name: str) -> None:
+        self.name = name
+        self.problems = [replace(p, env=name) for p in problems]
+        ids = [p.id for p in self.problems]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"environment {name!r}: problem ids are not unique")
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+    def __getitem__(self, index: int) -> Problem:
+        return self.problems[index]
+
+    def subset(self, keep: Callable[[Problem], bool]) -> DatasetEnvironment:
+        """The same environment restricted to the problems `keep` accepts."""
+        out = copy.copy(self)
+        out.problems = [p for p in self.problems if keep(p)]
+        return out
+
+
+# -- math word problems ------------------------------------------------------------------------
+
+GSM8K_INSTRUCTION = "Solve the problem step by step. End with 'The answer is N.' for a number N."
+
+
+class GSM8KEnvironment(DatasetEnvironment):
+    """Grade-school math (GSM8K JSONL: `question`, `answer` ending in `#### N`); reward 1 when the
+    completion's final number equals N."""
+
+    def __init__(self, path: str | Path, *, limit: int | None = None, name: str = "gsm8k") -> None:
+        rows = _read_jsonl(path)[:limit]
+        problems = []
+        for i, row in enumerate(rows):
+            if "question" not in row or "answer" not in row:
+                raise ValueError(f"{path}: row {i} needs 'question' and 'answer'")
+            problems.append(
+                Problem(
+                    id=f"{name}/{i}",
+                    messages=_user(f"{row['question']}\n\n{GSM8K_INSTRUCTION}"),
+                    answer=gsm8k_reference(row["answer"]),
+                    metadata={"solution": row["answer"]},
+                )
+            )
+        super().__init__(problems, name=name)
+        self.verifier = GSM8KVerifier()
+
+    def score(self, problem: Problem, completion: str) -> Reward:
+        return self.verifier(completion, problem.answer)
+
+
+class ArithmeticEnvironment(DatasetEnvironment):
+    """Generated integer arithmetic, seeded, always available. Difficulty d in 1..5: d + 1
+    operands below 10^min(d, 3), operators + - (and × from d = 2), parentheses from d = 3."""
+
+    def __init__(
+        self,
+        *,
+        num_problems: int = 1000,
+        difficulty: int | Sequence[int] = (1, 2, 3),
+        seed: int = 0,
+        name: str = "arithmetic",
+    ) -> None:
+        levels = [difficulty] if isinstance(difficulty, int) else list(difficulty)
+        if not levels or any(not 1 <= d <= 5 for d in levels):
+            raise ValueError(f"difficulty levels must be in 1..5, got {difficulty}")
+        if num_problems < 1:
+            raise ValueError(f"num_problems must be >= 1, got {num_problems}")
+        rng = random.Random(seed)
+        problems = []
+        for i in range(num_problems):
+            d = levels[i % len(levels)]
+            expr = self._expression(rng, d)
+            value = eval(expr, {"__builtins__": {}})  # noqa: S307 - our own digits and operators
+            problems.append(
+                Problem(
+                    id=f"{name}/{seed}/{i}",
+                    messages=_user(f"Compute {expr}. {GSM8K_INSTRUCTION}"),
+                    answer=str(value),
+                    metadata={"difficulty": d, "expression": expr},
+                )
+            )
+        super().__init__(problems, name=name)
+        self.verifier = GSM8KVerifier()
+
+    @staticmethod
+    def _expression(rng: random.Random, d: int) -> str:
+        hi = 10 ** min(d, 3) - 1
+        ops = ["+", "-"] + (["*"] if d >= 2 else [])
+        terms = [str(rng.randint(1, hi)) for _ in range(d + 1)]
+        expr = terms[0]
+        for t in terms[1:]:
+            op = rng.choice(ops)
+            if op == "*":
+                t = str(rng.randint(2, 12))  # keep products readable
+            expr = f"{expr} {op} {t}"
+            if d >= 3 and rng.random() < 0.4:
+                expr = f"({expr})"
+        return expr
+
+    def score(self, problem: Problem, completion: str) -> Reward:
+        return self.verifier(completion, problem.answer)
+
+
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+class MathEnvironment(DatasetEnvironment):
+    """Competition-style math (MATH, DAPO-Math...): records with a problem and a reference
+    answer (or a solution whose last `\\boxed{}` is the answer); reward by `MathVerifier`."""
+
+    def __init__(
+        self,
+        records: Sequence[Mapping[str, Any]],
+        *,
+        problem_key: str = "problem",
+        answer_key: str = "answer",
+        name: str = "math",
+        use_math_verify: bool = True,
+    ) -> None:
+        from hybridlm.rl.verifiers import extract_boxed
+
+        problems = []
+        for i, rec in enumerate(records):
+            if problem_key not in rec:
+                raise ValueError(f"math record {i} has no {problem_key!r}")
+            answer = rec.get(answer_key)
+            if answer is None and "solution" in rec:
+                answer = extract_boxed(rec["solution"])
+            if answer is None:
+                raise ValueError(f"math record {i} has no {answer_key!r} (nor a boxed solution)")
+            problems.append(
+                Problem(
+                    id=str(rec.get("id", f"{name}/{i}")),
+                    messages=_user(f"{rec[problem_key]}\n\n{MATH_INSTRUCTION}"),
+                    answer=str(answer),
+                    metadata={k: v for k, v in rec.items() if k not in (problem_key, answer_key)},
+                )
+            )
+        super().__init__(problems, name=name)
+        self.verifier = MathVerifier(use_math_verify=use_math_verify)
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path, **kwargs: Any) -> MathEnvironment:
+        return cls(_read_jsonl(path), **kwargs)
+
+    def score(self, problem: Problem, completion: str) -> Reward:
+        return self.verifier(completion, problem.answer)
+
+
+# -- code --------------------------------------------------------------------------------------
+
+CODE_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function in one "
+    "```python code block.\n\n```python\n{prompt}```"
+)
+
+
+class CodeEnvironment(DatasetEnvironment):
+    """HumanEval-style function completion (`task_id`, `prompt`, `entry_point`, `test` with a
+    `check(candidate)` function). The program is the prompt's preamble (imports, helpers) plus the
+    completion's code when it defines `entry_point`, else prompt + code as a continuation; the
+    reward is `CodeVerifier`'s (all tests pass, or the pass rate with `partial_credit`)."""
+
+    def __init__(
+        self,
+        records: Sequence[Mapping[str, Any]],
+        *,
+        sandbox: Any = None,
+        partial_credit: bool = False,
+        name: str = "code",
+    ) -> None:
+        problems = []
+        for i, rec in enumerate(records):
+            missing = {"prompt", "entry_point", "test"} - set(rec)
+            if missing:
+                raise ValueError(f"code record {i} misses {sorted(missing)}")
+            problems.append(
+                Problem(
+                    id=str(rec.get("task_id", f"{name}/{i}")),
+                    messages=_user(CODE_INSTRUCTION.format(prompt=rec["prompt"])),
+                    answer={
+                        "tests": [f"{rec['test']}\ncheck({rec['entry_point']})\n"],
+                        "prompt": rec["prompt"],
+                        "entry_point": rec["entry_point"],
+                    },
+                    metadata={"canonical_solution": rec.get("canonical_solution")},
+                )
+            )
+        super().__init__(problems, name=name)
+        self.verifier = CodeVerifier(sandbox, partial_credit=partial_credit)
+
+    @classmethod
+    def from_humaneval(cls, path: str | Path, **kwargs: Any) -> CodeEnvironment:
+        """From `HumanEval.jsonl(.gz)`."""
+        return cls(_read_jsonl(path), **kwargs)
+
+    @staticmethod
+    def program(problem: Problem, completion: str) -> str:
+        """The program to run for a completion (see the class docstring)."""
+        prompt, entry = problem.answer["prompt"], problem.answer["entry_point"]
+        code = extract_code(answer_text(completion))
+        m = re.search(rf"^def\s+{re.escape(entry)}\s*\(", prompt, flags=re.M)
+        if re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, flags=re.M):
+            return (prompt[: m.start()] if m else "") + code
+        return prompt + code
+
+    def score(self, problem: Problem, completion: str) -> Reward:
+        return self.score_many([problem], [completion])[0]
+
+    def score_many(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[Reward]:
+        """All completions through the sandbox's worker pool at once."""
+        if len(problems) != len(completions):
+            raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
+        jobs = [
+            (self.program(p, c), p.answer["tests"])
+            for p, c in zip(problems, completions, strict=True)
+        ]
+        return [self.verifier.reward(r) for r in self.verifier.sandbox.run_many(jobs)]
+
+
+# -- instruction following ---------------------------------------------------------------------
+
+_IF_TOPICS = (
+    "the ocean",
+    "a bicycle trip",
+    "learning to cook",
+    "the history of tea",
+    "a rainy city",
+    "a chess match",
+    "planting a garden",
+    "a night train",
+    "a lighthouse",
+    "a first job",
+)
+
+
+def _if_templates(rng: random.Random) -> list[tuple[str, str, dict[str, Any]]]:
+    """(instruction text, instruction id, kwargs) choices for the generator."""
+    n_words = rng.choice([30, 50, 80])
+    n_bullets = rng.choice([2, 3, 4])
+    kw = rng.choice(["light", "quiet", "journey", "simple"])
+    end = rng.choice(["Is there anything else?", "That is all."])
+    return [
+        (f"Answer in fewer than {n_words} words.", "length_constraints:number_words",
+         {"num_words": n_words, "relation": "less than"}),
+        ("Write everything in lowercase letters.", "change_case:english_lowercase", {}),
+        ("Do not use any commas.", "punctuation:no_comma", {}),
+        (f"Include the word '{kw}'.", "keywords:existence", {"keywords": [kw]}),
+        (f"Use exactly {n_bullets} markdown bullet points.",
+         "detectable_format:number_bullet_lists", {"num_bullets": n_bullets}),
+        ("Give it a title wrapped in double angular brackets, like <<title>>.",
+         "detectable_format:title", {}),
+        (f"End your response with this exact phrase: {end}", "startend:end_checker",
+         {"end_phrase": end}),
+        ("Wrap your entire response in double quotation marks.", "startend:quotation", {}),
+    ]  # fmt: skip
+
+
+_IF_CONFLICTS = {  # pairs no response can satisfy together
+    frozenset({"startend:quotation", "startend:end_checker"}),
+    frozenset({"startend:quotation", "detectable_format:number_bullet_lists"}),
+    frozenset({"startend:quotation", "detectable_format:title"}),
+}
+
+
+class InstructionFollowingEnvironment(DatasetEnvironment):
+    """Prompts with verifiable constraints (IFEval JSONL: `prompt`, `instruction_id_list`,
+    `kwargs`). Reward 1 when all constraints pass (OlmoRL), or the fraction with
+    `partial_credit`. `generated()` builds a seeded synthetic set from a few topics and templates,
+    so the environment is usable without data."""
+
+    def __init__(
+        self,
+        records: Sequence[Mapping[str, Any]],
+        *,
+        partial_credit: bool = False,
+        name: str = "ifeval",
+    ) -> None:
+        from hybridlm.rl.verifiers import INSTRUCTIONS
+
+        problems = []
+        for i, rec in enumerate(records):
+            ids = list(rec.get("instruction_id_list", []))
+            kwargs = list(rec.get("kwargs") or [{} for _ in ids])
+            if not ids or len(kwargs) != len(ids) or "prompt" not in rec:
+                raise ValueError(
+                    f"IF record {i} needs 'prompt', a non-empty 'instruction_id_list' and one "
+                    "'kwargs' entry per instruction"
+                )
+            unknown = [x for x in ids if x not in INSTRUCTIONS]
+            if unknown:
+                raise ValueError(f"IF record {i}: unknown instructions {unknown}")
+            problems.append(
+                Problem(
+                    id=str(rec.get("key", f"{name}/{i}")),
+                    messages=_user(rec["prompt"]),
+                    answer={"instruction_id_list": ids, "kwargs": kwargs},
+                )
+            )
+        super().__init__(problems, name=name)
+        self.verifier = InstructionVerifier(partial_credit=partial_credit)
+
+    @classmethod
+    def from_jsonl(cls, path: str | Path, **kwargs: Any) -> InstructionFollowingEnvironment:
+        return cls(_read_jsonl(path), **kwargs)
+
+    @classmethod
+    def generated(
+        cls, *, num_problems: int = 200, max_constraints: int = 2, seed: int = 0, **kwargs: Any
+    ) -> InstructionFollowingEnvironment:
+        """A seeded synthetic set: a short writing task plus 1..`max_constraints` compatible
+        constraints."""
+        if not 1 <= max_constraints <= 4:
+            raise ValueError(f"max_constraints must be in 1..4, got {max_constraints}")
+        rng = random.Random(seed)
+        records = []
+        for i in range(num_problems):
+            k = rng.randint(1, max_constraints)
+            chosen: list[tuple[str, str, dict]] = []
+            for cand in rng.sample(_if_templates(rng), 8):
+                if len(chosen) == k:
+                    break
+                if all(frozenset({cand[1], c[1]}) not in _IF_CONFLICTS for c in chosen):
+                    chosen.append(cand)
+            topic = rng.choice(_IF_TOPICS)
+            text = f"Write a short note about {topic}. " + " ".join(c[0] for c in chosen)
+            records.append(
+                {
+                    "key": f"ifgen/{seed}/{i}",
+                    "prompt": text,
+                    "instruction_id_list": [c[1] for c in chosen],
+                    "kwargs": [c[2] for c in chosen],
+                }
+            )
+        return cls(records, **kwargs)
+
+    def score(self, problem: Problem, completion: str) -> Reward:
+        a = problem.answer
+        return self.verifier(completion, a["instruction_id_list"], a["kwargs"])
+
+
+# -- low-effort mode ---------------------------------------------------------------------------
+
+LOW_EFFORT_SYSTEM = "Reasoning effort: low. Think briefly and answer concisely."
+
+
+class LowEffortEnvironment(Environment):
+    """Switches a deterministic `fraction` of the base environment's prompts to low-effort mode
+    (a system message; Nemotron 3 Super §3.2.1 starts at 2% of RL prompts) and scores them with a
+    length penalty:
+
+        value = base · (1 − penalty · clip((L − free_tokens) / (max_tokens − free_tokens), 0, 1))
+
+    with L = `count_tokens(completion)` (reasoning included). Wrong answers stay at 0, so
+    shortness alone earns nothing; a correct answer of at most `free_tokens` keeps its full
+    reward, one of `max_tokens` or more keeps 1 − penalty. Other prompts score as in the base."""
+
+    def __init__(
+        self,
+        base: Environment,
+        *,
+        fraction: float = 0.02,
+        penalty: float = 0.5,
+        free_tokens: int = 64,
+        max_tokens: int = 1024,
+        count_tokens: Callable[[str], int] | None = None,
+        seed: int = 0,
+        system_prompt: str = LOW_EFFORT_SYSTEM,
+    ) -> None:
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+        if not 0.0 <= penalty <= 1.0:
+            raise ValueError(f"penalty must be in [0, 1], got {penalty}")
+        if not 0 <= free_tokens < max_tokens:
+            raise ValueError(f"need 0 <= free_tokens < max_tokens, got {free_tokens}, {max_tokens}")
+        self.base, self.name = base, base.name
+        self.fraction, self.penalty = fraction, penalty
+        self.free_tokens, self.max_tokens = free_tokens, max_tokens
+        self.count_tokens = count_tokens or (lambda s: len(s.encode("utf-8")))  # byte tokenizer
+        self.seed, self.system_prompt = seed, system_prompt
+
+    def is_low_effort(self, problem_id: str) -> bool:
+        """A stable per-id coin: the same prompts are low-effort in every run with this seed."""
+        h = hashlib.sha256(f"{self.seed}:{problem_id}".encode()).digest()
+        return int.from_bytes(h[:8], "big") / 2**64 < self.fraction
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> Problem:
+        p = self.base[index]
+        if not self.is_low_effort(p.id):
+            return p
+        msgs = [m for m in p.messages if m["role"] != "system"]
+        return replace(
+            p,
+            messages=({"role": "system", "content": self.system_prompt}, *msgs),
+            metadata={**p.metadata, "low_effort": True},
+        )
+
+    def length_factor(self, completion: str) -> tuple[float, int]:
+        n = self.count_tokens(completion)
+        over = (n - self.free_tokens) / (self.max_tokens - self.free_tokens)
+        return 1.0 - self.penalty * min(max(over, 0.0), 1.0), n
+
+    def _wrap(self, problem: Problem, completion: str, base: Reward) -> Reward:
+        if not problem.metadata.get("low_effort"):
+            return base
+        factor, n = self.length_factor(completion)
+        metrics = {**base.metrics, "low_effort_tokens": float(n), "length_factor": factor}
+        reason = f"{base.reason}; low effort: {n} tokens, x{factor:.3f}"
+        return Reward(base.value * factor, reason, metrics)
+
+    def score(self, problem: Problem, completion: str) -> Reward:
+        return self._wrap(problem, completion, self.base.score(problem, completion))
+
+    def score_many(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[Reward]:
+        rewards = self.base.score_many(problems, completions)
+        return [self._wrap(p, c, r) for p, c, r in zip(problems, completions, rewards, strict=True)]
+
+
+# -- mixtures ----------------------------------------------------------------------------------
+
+
+class MixtureEnvironment(Environment):
+    """Several environments sampled by weight. `sample(n, seed)` is deterministic; every problem
+    carries its environment's name, so `score` routes it and `metrics` aggregates per
+    environment."""
+
+    name = "mixture"
+
+    def __init__(self, envs: Sequence[Environment], weights: Sequence[float] | None = None):
+        if not envs:
+            raise ValueError("a mixture needs at least one environment")
+        names = [e.name for e in envs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"environment names must be unique, got {names}")
+        weights = list(weights) if weights is not None else [1.0] * len(envs)
+        if len(weights) != len(envs) or any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError("weights must be one non-negative number per environment, sum > 0")
+        if any(len(e) == 0 for e, w in zip(envs, weights, strict=True) if w > 0):
+            raise ValueError("every environment with a positive weight needs problems")
+        self.envs = {e.name: e for e in envs}
+        total = sum(weights)
+        self.weights = {e.name: w / total for e, w in zip(envs, weights, strict=True)}
+        self._offsets = []
+        start = 0
+        for e in envs:
+            self._offsets.append((start, e))
+            start += len(e)
+        self._len = start
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> Problem:
+        if not 0 <= index < self._len:
+            raise IndexError(index)
+        for start, env in reversed(self._offsets):
+            if index >= start:
+                return env[index - start]
+        raise IndexError(index)
+
+    def sample(self, n: int, *, seed: int = 0) -> list[Problem]:
+        """Environment by weight, then a problem uniformly within it; deterministic in seed."""
+        rng = random.Random(seed)
+        names = list(self.weights)
+        probs = [self.weights[k] for k in names]
+        out = []
+        for _ in range(n):
+            env = self.envs[rng.choices(names, weights=probs)[0]]
+            out.append(env[rng.randrange(len(env))])
+        return out
+
+    def env_of(self, problem: Problem) -> Environment:
+        if problem.env not in self.envs:
+            raise ValueError(f"problem {problem.id!r} is from unknown environment {problem.env!r}")
+        return self.envs[problem.env]
+
+    def score(self, problem: Problem, completion: str) -> Reward:
+        return self.env_of(problem).score(problem, completion)
+
+    def score_many(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[Reward]:
+        """Batched per environment (so code runs in one sandbox pool), results in input order."""
+        if len(problems) != len(completions):
+            raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
+        by_env: dict[str, list[int]] = defaultdict(list)
+        for i, p in enumerate(problems):
+            by_env[self.env_of(p).name].append(i)
+        out: list[Reward | None] = [None] * len(problems)
+        for name, idx in by_env.items():
+            got = self.envs[name].score_many(
+                [problems[i] for i in idx], [completions[i] for i in idx]
+            )
+            for i, r in zip(idx, got, strict=True):
+                out[i] = r
+        return out  # type: ignore[return-value]
+
+
+def reward_metrics(problems: Sequence[Problem], rewards: Sequence[Reward]) -> dict[str, float]:
+    """Per-environment and overall `reward_mean`, `solved` (fraction with reward 1) and `count`,
+    plus the mean of every numeric reward metric, keyed `env/name`."""
+    if len(problems) != len(rewards):
+        raise ValueError(f"{len(problems)} problems but {len(rewards)} rewards")
+    groups: dict[str, list[Reward]] = defaultdict(list)
+    for p, r in zip(problems, rewards, strict=True):
+        groups[p.env or "env"].append(r)
+        groups["all"].append(r)
+    out: dict[str, float] = {}
+    for env, rs in groups.items():
+        out[f"{env}/count"] = float(len(rs))
+        out[f"{env}/reward_mean"] = sum(r.value for r in rs) / len(rs)
+        out[f"{env}/solved"] = sum(r.value >= 1.0 for r in rs) / len(rs)
+        keys = {k for r in rs for k in r.metrics}
+        for k in sorted(keys):
+            vals = [r.metrics[k] for r in rs if k in r.metrics and math.isfinite(r.metrics[k])]
+            if vals:
+                out[f"{env}/{k}"] = sum(vals) / len(vals)
+    return out
+
+
+# -- offline difficulty filter -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FilterReport:
+    kept: list[Problem]
+    pass_rates: dict[str, float]
+    dropped_solved: int  # pass rate >= max_rate (too easy)
+    dropped_unsolved: int  # pass rate <= min_rate (too hard)
+
+
+def filter_by_pass_rate(
+    env: Environment,
+    sample_fn: Callable[[Problem, int], Sequence[str]],
+    *,
+    num_samples: int = 8,
+    min_rate: float = 0.0,
+    max_rate: float = 1.0,
+    problems: Sequence[Problem] | None = None,
+    progress: bool = False,
+) -> FilterReport:
+    """Keep the problems whose pass rate (mean reward of `num_samples` completions from
+    `sample_fn(problem, n)`) lies strictly between `min_rate` and `max_rate`. The defaults drop
+    problems always or never solved; Olmo 3 §4.4.2 drops pass rates above 62.5% of 8 samples
+    (`max_rate=0.7`)."""
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if not 0.0 <= min_rate < max_rate <= 1.0:
+        raise ValueError(f"need 0 <= min_rate < max_rate <= 1, got {min_rate}, {max_rate}")
+    todo = list(problems) if problems is not None else list(env)
+    iterator: Any = todo
+    if progress:
+        from rich.progress import track
+
+        iterator = track(todo, description=f"difficulty filter ({env.name})")
+    kept, rates, solved, unsolved = [], {}, 0, 0
+    for p in iterator:
+        completions = list(sample_fn(p, num_samples))
+        if len(completions) != num_samples:
+            raise ValueError(
+                f"sample_fn returned {len(completions)} completions, not {num_samples}"
+            )
+        rewards = env.score_many([p] * num_samples, completions)
+        rate = sum(r.value for r in rewards) / num_samples
+        rates[p.id] = rate
+        if rate >= max_rate:
+            solved += 1
+        elif rate <= min_rate:
+            unsolved += 1
+        else:
+            kept.append(p)
+    return FilterReport(kept, rates, solved, unsolved)
