@@ -70,6 +70,11 @@ class TrainConfig:
     grad_accum: int = 1
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: torch.autocast, fp32 master weights
+    # "nvfp4": convert the model with hybridlm.precision.convert_for_low_precision (Nemotron 3
+    # Super §2.2 policy: NVFP4 GEMMs, MXFP8 Mamba out_proj, the rest in `precision`) before
+    # training, and log zero-wgrad / underflow metrics every log_interval steps
+    low_precision: Literal["none", "nvfp4"] = "none"
+    monitor_zero_grads: bool = False  # log zero-wgrad fractions without low precision too
     z_loss: float = 0.0
     intra_doc_masking: bool = False  # pass doc_ids to the model when it accepts them
     max_consecutive_skips: int = 10  # non-finite steps in a row before the run stops
@@ -137,6 +142,10 @@ class TrainConfig:
             )
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        if self.low_precision not in ("none", "nvfp4"):
+            raise ValueError(
+                f"train.low_precision must be 'none' or 'nvfp4', got {self.low_precision!r}"
+            )
 
     def num_steps(self, tokens_per_step: int) -> int:
         """Optimizer steps of the run: `max_steps`, else ceil(total_tokens / tokens_per_step)."""

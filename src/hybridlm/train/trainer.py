@@ -190,6 +190,24 @@ class Trainer:
 
         # model + optimizer
         self.model = build_model(self.model_cfg, seed=tc.seed, device=self.device)
+        self.lp_monitor = None
+        if tc.low_precision != "none":
+            # Low precision is a converter over the built model (DESIGN habit 12), applied
+            # before DDP/FSDP wrap it; parameters are reused, so checkpoints are unchanged.
+            from ..precision.policy import PrecisionPolicy, convert_for_low_precision
+
+            # stochastic rounding draws from the global RNG, which checkpoints restore
+            report = convert_for_low_precision(self.model, PrecisionPolicy())
+            if is_main():
+                frac = report.param_fraction()
+                print(
+                    f"low precision {tc.low_precision}: GEMM parameters "
+                    + ", ".join(f"{k} {100 * v:.1f}%" for k, v in frac.items())
+                )
+        if tc.low_precision != "none" or tc.monitor_zero_grads:
+            from ..precision.monitor import LowPrecisionMonitor
+
+            self.lp_monitor = LowPrecisionMonitor(self.model)
         # `self.model` stays the HybridLM (FSDP2 shards it in place); `self.forward_model` is
         # what training forwards go through (the DDP wrapper under DDP).
         self.forward_model: torch.nn.Module = self.model
@@ -283,6 +301,12 @@ class Trainer:
         tc = self.cfg
         self.model.train()
         batches = [next(self.train_loader) for _ in range(tc.grad_accum)]
+        # low-precision health metrics on the steps that get logged (Nemotron 3 Super §2.3)
+        monitor_now = self.lp_monitor is not None and (
+            (self.step + 1) % tc.log_interval == 0 or self.step + 1 == self.total_steps
+        )
+        if monitor_now:
+            self.lp_monitor.arm()
         denom = max(1, sum(int(b["num_valid_tokens"]) for b in batches))
         parts: dict[str, float] = defaultdict(float)
         total = 0.0
@@ -320,6 +344,7 @@ class Trainer:
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
             norm = norm.full_tensor()
         grad_norm = float(norm)
+        lp_metrics = self.lp_monitor.collect() if monitor_now else {}
         lr = lr_for(tc, self.step, self.total_steps)
         finite = math.isfinite(total) and math.isfinite(grad_norm)
         if finite:
@@ -347,6 +372,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "skipped": not finite,
             "valid_tokens": denom,
+            **lp_metrics,
         }
 
     # ------------------------------------------------------------------ eval

@@ -1,0 +1,66 @@
+"""Low-precision formats (NVFP4, MXFP8, FP8), emulated quantised training and precision policy
+(Nemotron 3 Super §2.2)."""
+
+from hybridlm.precision.formats import (
+    E2M1_MAX,
+    E4M3_MAX,
+    FP8Tensor,
+    MXFP8Tensor,
+    NVFP4Tensor,
+    e4m3_round,
+    e8m0_decode,
+    e8m0_encode,
+    fp4_e2m1_decode,
+    fp4_e2m1_encode,
+    fp8_dequantize,
+    fp8_fake_quant,
+    fp8_quantize,
+    mxfp8_dequantize,
+    mxfp8_fake_quant,
+    mxfp8_quantize,
+    nvfp4_dequantize,
+    nvfp4_fake_quant,
+    nvfp4_quantize,
+    pack_fp4,
+    unpack_fp4,
+)
+from hybridlm.precision.monitor import LowPrecisionMonitor
+from hybridlm.precision.policy import (
+    ConversionReport,
+    PrecisionPolicy,
+    assign_formats,
+    convert_for_low_precision,
+)
+from hybridlm.precision.qlinear import QExperts, QLinear, QuantRecipe
+
+__all__ = [
+    "ConversionReport",
+    "LowPrecisionMonitor",
+    "PrecisionPolicy",
+    "QExperts",
+    "QLinear",
+    "QuantRecipe",
+    "assign_formats",
+    "convert_for_low_precision",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "FP8Tensor",
+    "MXFP8Tensor",
+    "NVFP4Tensor",
+    "e4m3_round",
+    "e8m0_decode",
+    "e8m0_encode",
+    "fp4_e2m1_decode",
+    "fp4_e2m1_encode",
+    "fp8_dequantize",
+    "fp8_fake_quant",
+    "fp8_quantize",
+    "mxfp8_dequantize",
+    "mxfp8_fake_quant",
+    "mxfp8_quantize",
+    "nvfp4_dequantize",
+    "nvfp4_fake_quant",
+    "nvfp4_quantize",
+    "pack_fp4",
+    "unpack_fp4",
+]

@@ -1,0 +1,653 @@
+"""Post-training quantisation for deployment: FP8 W8A8 and NVFP4 W4A4 fake-quant inference
+modules, calibration, and the held-out evaluation (Nemotron 3 Super §4; notes §5).
+
+Shape legend: N out features, K in features (the GEMM reduction axis), G = K/16 NVFP4 blocks,
+B = 16 elements of a block, T tokens, A = T*top_k expert assignments, E experts, F expert hidden
+width, W routed width (latent size).
+
+Recipes (what vLLM executes for ModelOpt checkpoints, emulated in fp32 on any device):
+
+    fp8    weight: E4M3, one fp32 scale amax/448 per tensor (ModelOpt `weight_scale`);
+           input: E4M3 with a static per-tensor scale calib_amax/448 (`input_scale`).
+    nvfp4  weight: E2M1 in 1-D blocks of 16 along K, E4M3 block scales (`weight_scale`) and a
+           per-tensor fp32 scale amax/(6*448) (`weight_scale_2`); block scales chosen by a
+           per-block MSE search over E4M3 candidates (Nemotron 3 Super §4.2 "hybrid FP4": weight
+           scales by MSE offline, activation scales dynamic and max-based);
+           input: 1-D blocks of 16 along K with dynamic max-based block scales under a static
+           per-tensor scale calib_amax/(6*448) (`input_scale`, as vLLM's `scaled_fp4_quant`).
+    bf16   the operator is left unquantised (the model's own precision; bf16 when deployed).
+
+Operators: every `nn.Linear` except the exclusions (LM head, and the MTP drafter by default),
+plus the routed experts of each MoE layer (`experts.up_proj` / `experts.down_proj`, 3-D).
+Embeddings, the router (`gate`), norms, the Mamba conv and `A_log` / `D` / `dt_bias` are not
+linears and stay as they are. Linears that vLLM fuses into one GEMM (attention Q/K/V, SwiGLU
+gate/up) share one format, one input scale and one per-tensor weight scale, as ModelOpt's export
+does before fusing (`preprocess_linear_fusion`); routed experts share one input scale per
+projection (vLLM's fused-MoE kernels take the max over experts), weight scales are per expert.
+
+The quantised modules store exactly the tensors the checkpoint holds, under ModelOpt's names
+(`weight`, `weight_scale`, `weight_scale_2`, `input_scale`), and a dequantised fp32 copy of the
+weight for the forward: output = F.linear(Q_act(x), dequant(W)), i.e. what the low-precision
+GEMM computes up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model.mlp import relu2
+from ..model.moe import Experts, MoE
+from .formats import (
+    E2M1_MAX,
+    E4M3_MAX,
+    NVFP4Tensor,
+    e4m3_round,
+    fp4_e2m1_decode,
+    fp4_e2m1_encode,
+    nvfp4_dequantize,
+    nvfp4_fake_quant,
+    pack_fp4,
+)
+
+FORMATS: tuple[str, ...] = ("nvfp4", "fp8", "bf16")
+NVFP4_GROUP = 16
+# Effective storage bits per weight, scale overhead included: NVFP4 4 + 8/16 (one E4M3 scale per
+# 16 elements; the per-tensor fp32 scale is negligible), FP8 8 (one fp32 scale per tensor),
+# BF16 16. AutoQuantize's cost model and the reports use these.
+BITS: dict[str, float] = {"nvfp4": 4.5, "fp8": 8.0, "bf16": 16.0}
+# Not quantised by default: the LM head (as ModelOpt's default config) and the MTP drafter (kept
+# in BF16 in Nemotron 3 Super, so speculative acceptance is not traded for memory).
+DEFAULT_EXCLUDE: tuple[str, ...] = ("lm_head", "mtp.*")
+# The Nemotron 3 Super FP8 checkpoint's table (notes §5.1): attention and latent projections stay
+# BF16; add these to `exclude` to reproduce it.
+NEMOTRON_FP8_EXCLUDE: tuple[str, ...] = (
+    "*.q_proj",
+    "*.k_proj",
+    "*.v_proj",
+    "*.o_proj",
+    "*latent_proj",
+)
+# Linears that inference engines fuse into one GEMM: one format, shared scales.
+_FUSED = {("q_proj", "k_proj", "v_proj"): "qkv_proj", ("gate_proj", "up_proj"): "gate_up_proj"}
+
+
+def check_format(fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose from {list(FORMATS)}")
+    return fmt
+
+
+# ============================================================================ weight quantisers
+def nvfp4_weight_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
+    """ModelOpt `weight_scale_2` = amax / (6 * 448); 1 for an all-zero tensor."""
+    a = torch.as_tensor(amax, dtype=torch.float32)
+    return torch.where(a > 0, a / (E2M1_MAX * E4M3_MAX), torch.ones_like(a))
+
+
+def _mse_multipliers() -> list[float]:
+    # 2^(k/16) for k in [-16, 5]: ratio steps of 4.4%, finer than E4M3's smallest relative
+    # spacing (6.25%), so every E4M3 value in [0.5, 1.25] x the amax scale is a candidate.
+    return [2.0 ** (k / 16) for k in range(-16, 6)]
+
+
+def nvfp4_quantize_weight(
+    w_NK: torch.Tensor,
+    *,
+    global_scale: torch.Tensor | float,
+    search: Literal["mse", "max"] = "mse",
+) -> NVFP4Tensor:
+    """NVFP4 weight with 1-D blocks of 16 along K under a given per-tensor scale.
+
+    search="max": block scale e4m3(block_amax / 6 / s_g) (equals `formats.nvfp4_quantize`).
+    search="mse": per block, the E4M3 scale among the candidates (the max one included, tried
+    first) whose dequantised block has the least squared error (ModelOpt's MSE calibration,
+    Nemotron 3 Super §4.2); never worse than "max", block by block."""
+    if w_NK.dim() != 2 or w_NK.shape[-1] % NVFP4_GROUP:
+        raise ValueError(
+            f"NVFP4 weights must be 2-D with K a multiple of {NVFP4_GROUP}, got {tuple(w_NK.shape)}"
+        )
+    if search not in ("mse", "max"):
+        raise ValueError(f"search must be 'mse' or 'max', got {search!r}")
+    s_g = torch.as_tensor(global_scale, dtype=torch.float32).reshape(())
+    N, K = w_NK.shape
+    w_NGB = w_NK.float().reshape(N, K // NVFP4_GROUP, NVFP4_GROUP)
+    s_amax_NG1 = (w_NGB.abs().amax(-1, keepdim=True) / E2M1_MAX) / s_g  # exact amax scale
+
+    def trial(s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        recip = torch.where(s_b > 0, (1.0 / s_g) / s_b, torch.zeros_like(s_b))
+        codes = fp4_e2m1_encode(w_NGB * recip)
+        err = ((fp4_e2m1_decode(codes) * s_b) * s_g - w_NGB).square().sum(-1, keepdim=True)
+        return codes, err
+
+    best_s = e4m3_round(s_amax_NG1)
+    best_codes, best_err = trial(best_s)
+    if search == "mse":
+        for m in _mse_multipliers():
+            s_b = e4m3_round(s_amax_NG1 * m)
+            codes, err = trial(s_b)
+            better = err < best_err  # strict: ties keep the max-based scale
+            best_err = torch.where(better, err, best_err)
+            best_s = torch.where(better, s_b, best_s)
+            best_codes = torch.where(better, codes, best_codes)
+    return NVFP4Tensor(
+        packed=pack_fp4(best_codes.reshape(N, K)),
+        block_scale=best_s.squeeze(-1).to(torch.float8_e4m3fn),
+        global_scale=s_g,
+        shape=w_NK.shape,
+        block="1d",
+    )
+
+
+def fp8_weight_scale(amax: torch.Tensor | float) -> torch.Tensor:
+    """ModelOpt FP8 `weight_scale` / `input_scale` = amax / 448; 1 for zero."""
+    a = torch.as_tensor(amax, dtype=torch.float32)
+    return torch.where(a > 0, a / E4M3_MAX, torch.ones_like(a))
+
+
+def fp8_quantize_weight(w: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 elements of w / scale (RNE, saturating at 448) as float8_e4m3fn."""
+    return e4m3_round(w.float() / scale).to(torch.float8_e4m3fn)
+
+
+def quantize_weight(
+    fmt: str, w_NK: torch.Tensor, amax: torch.Tensor, search: str
+) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one 2-D weight, under ModelOpt's names."""
+    if fmt == "nvfp4":
+        q = nvfp4_quantize_weight(w_NK, global_scale=nvfp4_weight_global_scale(amax), search=search)
+        return {"weight": q.packed, "weight_scale": q.block_scale, "weight_scale_2": q.global_scale}
+    if fmt == "fp8":
+        scale = fp8_weight_scale(amax)
+        return {"weight": fp8_quantize_weight(w_NK, scale=scale), "weight_scale": scale}
+    raise ValueError(f"no quantised weight for format {fmt!r}")
+
+
+def dequantize_weight(fmt: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """fp32 weight [N, K] from the checkpoint tensors of `quantize_weight`."""
+    if fmt == "nvfp4":
+        N, K2 = t["weight"].shape
+        q = NVFP4Tensor(
+            packed=t["weight"],
+            block_scale=t["weight_scale"],
+            global_scale=t["weight_scale_2"].float().reshape(()),
+            shape=torch.Size((N, 2 * K2)),
+            block="1d",
+        )
+        return nvfp4_dequantize(q, torch.float32)
+    if fmt == "fp8":
+        return t["weight"].float() * t["weight_scale"].float()
+    raise ValueError(f"no quantised weight for format {fmt!r}")
+
+
+def input_scale_for(fmt: str, amax: float) -> torch.Tensor:
+    """Static per-tensor activation scale from the calibration amax (ModelOpt `input_scale`)."""
+    if fmt == "nvfp4":
+        return nvfp4_weight_global_scale(amax)
+    return fp8_weight_scale(amax)
+
+
+def fake_quant_input(x: torch.Tensor, fmt: str, input_scale: torch.Tensor) -> torch.Tensor:
+    """Activation quantise-dequantise along the last (reduction) axis."""
+    if fmt == "nvfp4":  # dynamic 1-D block scales under the static per-tensor scale
+        return nvfp4_fake_quant(x, block="1d", global_scale=input_scale)
+    if fmt == "fp8":  # static per-tensor scale
+        s = input_scale.to(torch.float32)
+        return (e4m3_round(x.float() / s) * s).to(x.dtype)
+    return x
+
+
+# ============================================================================ modules
+class _QuantStorage(nn.Module):
+    """Keeps the stored checkpoint tensors in their formats through `module.to(dtype)` /
+    `.half()` (only devices change); the dequantised compute copies follow the dtype."""
+
+    def _apply(self, fn, recurse: bool = True):
+        kept = {
+            n: b
+            for n, b in self._buffers.items()
+            if b is not None and n not in self._non_persistent_buffers_set
+        }
+        super()._apply(fn, recurse)
+        for n, old in kept.items():
+            new = self._buffers[n]
+            if new.dtype != old.dtype:
+                self._buffers[n] = old.to(new.device)
+        return self
+
+
+class QuantLinear(_QuantStorage):
+    """Fake-quant inference linear (no bias; hybridlm's linears have none): holds the
+    checkpoint tensors (`weight` packed uint8 [N, K/2] + `weight_scale` e4m3 [N, K/16] +
+    `weight_scale_2` for NVFP4; `weight` e4m3 [N, K] + `weight_scale` for FP8; `input_scale`)."""
+
+    def __init__(self, fmt: str, tensors: dict[str, torch.Tensor], in_features: int) -> None:
+        super().__init__()
+        if fmt not in ("nvfp4", "fp8"):
+            raise ValueError(f"QuantLinear formats are nvfp4 and fp8, got {fmt!r}")
+        self.fmt = fmt
+        self.in_features = in_features
+        for name in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
+            if name in tensors:
+                self.register_buffer(name, tensors[name])
+        self.register_buffer("weight_dq", dequantize_weight(fmt, tensors), persistent=False)
+        self.out_features = self.weight_dq.shape[0]
+        if self.weight_dq.shape[1] != in_features:
+            raise ValueError(
+                f"quantised weight has K={self.weight_dq.shape[1]}, the layer expects {in_features}"
+            )
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, fmt: str, *, weight_amax: float, input_amax: float, search: str
+    ) -> QuantLinear:
+        w = linear.weight.detach()
+        t = quantize_weight(fmt, w, torch.tensor(weight_amax), search)
+        t["input_scale"] = input_scale_for(fmt, input_amax)
+        return cls(fmt, t, linear.in_features)
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """{ModelOpt name: tensor} as written to the checkpoint."""
+        return {n: b for n, b in self._buffers.items() if n not in self._non_persistent_buffers_set}
+
+    def forward(self, x: torch.Tensor, **_: Any) -> torch.Tensor:
+        xq = fake_quant_input(x, self.fmt, self.input_scale)
+        return F.linear(xq, self.weight_dq.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+class QuantExperts(_QuantStorage):
+    """Fake-quant routed experts (all experts of the layer in one format, as vLLM's and
+    TRT-LLM's quantised-MoE kernels require). Per projection p in (up_proj, down_proj):
+    `p` ([E, ...] like the checkpoint's per-expert `weight`), `p_weight_scale`,
+    `p_weight_scale_2` ([E], NVFP4) and `p_input_scale` (one scalar for all experts)."""
+
+    PROJS = ("up_proj", "down_proj")
+
+    def __init__(self, fmt: str, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        super().__init__()
+        if fmt not in ("nvfp4", "fp8"):
+            raise ValueError(f"QuantExperts formats are nvfp4 and fp8, got {fmt!r}")
+        self.fmt = fmt
+        self.impl = "quant"
+        for p in self.PROJS:
+            t = tensors[p]
+            self.register_buffer(p, t["weight"])
+            for name in ("weight_scale", "weight_scale_2", "input_scale"):
+                if name in t:
+                    self.register_buffer(f"{p}_{name}", t[name])
+            per_expert = [
+                {k: v[e] for k, v in t.items() if k != "input_scale"}
+                for e in range(t["weight"].shape[0])
+            ]
+            dq = torch.stack([dequantize_weight(fmt, d) for d in per_expert])
+            self.register_buffer(f"{p}_dq", dq, persistent=False)
+
+    @classmethod
+    def from_experts(
+        cls,
+        experts: Experts,
+        fmt: str,
+        *,
+        input_amax: dict[str, float],
+        search: str,
+    ) -> QuantExperts:
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        for p in cls.PROJS:
+            w_ENK = getattr(experts, p).detach()
+            per = [
+                quantize_weight(fmt, w_ENK[e], w_ENK[e].abs().amax(), search)
+                for e in range(w_ENK.shape[0])
+            ]
+            t = {k: torch.stack([d[k] for d in per]) for k in per[0]}
+            t["input_scale"] = input_scale_for(fmt, input_amax[p])
+            tensors[p] = t
+        return cls(fmt, tensors)
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{projection: {ModelOpt name: [E, ...] tensor}}; the input scale repeated per expert."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for p in self.PROJS:
+            w = getattr(self, p)
+            t = {"weight": w}
+            for name in ("weight_scale", "weight_scale_2", "input_scale"):
+                b = getattr(self, f"{p}_{name}", None)
+                if b is not None:
+                    t[name] = b.expand(w.shape[0]).clone() if b.dim() == 0 else b
+            out[p] = t
+        return out
+
+    def forward(self, z_TW: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        """Sorted dispatch, one GEMM pair per expert (the reference loop of `moe.Experts`) with
+        the inputs of both GEMMs quantised; the 1-D activation blocks lie within a token's row,
+        so quantising z once before the dispatch equals quantising each expert's slice."""
+        T, K = idx_TK.shape
+        up_dq, down_dq = self.up_proj_dq.to(z_TW.dtype), self.down_proj_dq.to(z_TW.dtype)
+        E = up_dq.shape[0]
+        zq_TW = fake_quant_input(z_TW, self.fmt, self.up_proj_input_scale)
+        flat_A = idx_TK.reshape(-1)
+        order_A = flat_A.argsort(stable=True)
+        token_A = order_A // K
+        counts = torch.bincount(flat_A, minlength=E).tolist()
+        outs = []
+        for e, chunk in enumerate(zq_TW[token_A].split(counts)):
+            if chunk.shape[0]:
+                h = relu2(F.linear(chunk, up_dq[e]))
+                h = fake_quant_input(h, self.fmt, self.down_proj_input_scale)
+                outs.append(F.linear(h, down_dq[e]))
+        y_AW = torch.cat(outs) if outs else z_TW.new_zeros(0, down_dq.shape[1])
+        y_AW = y_AW * w_TK.reshape(-1)[order_A, None].to(y_AW.dtype)
+        return torch.zeros_like(z_TW, dtype=y_AW.dtype).index_add_(0, token_A, y_AW).to(z_TW.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, experts={self.up_proj_dq.shape[0]}"
+
+
+# ============================================================================ operators
+@dataclass(kw_only=True)
+class Op:
+    """A quantisable operator: one linear, or all routed experts of a MoE layer."""
+
+    name: str  # module path in the model
+    kind: Literal["linear", "experts"]
+    group: str  # decision unit: fused linears and each MoE layer's experts share one format
+    params: int  # weights (all experts for "experts")
+    macs_per_token: int  # multiply-accumulates per token (active experts only)
+    k: int  # reduction width (NVFP4 needs a multiple of 16)
+
+
+def _fused_group(model: nn.Module, name: str) -> str:
+    """`<parent>.qkv_proj` / `<parent>.gate_up_proj` when the parent holds every member of a
+    fused set (attention Q/K/V; SwiGLU gate/up), else the linear's own name."""
+    parent, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    for members, fused in _FUSED.items():
+        if leaf in members and all(hasattr(owner, m) for m in members):
+            return f"{parent}.{fused}" if parent else fused
+    return name
+
+
+def _excluded(name: str, exclude: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pat) or name == pat for pat in exclude)
+
+
+def find_ops(model: nn.Module, exclude: Iterable[str] = DEFAULT_EXCLUDE) -> list[Op]:
+    """The model's quantisable operators in module order (see the module docstring)."""
+    exclude = tuple(exclude)
+    ops: list[Op] = []
+    for name, mod in model.named_modules():
+        if _excluded(name, exclude):
+            continue
+        if isinstance(mod, (nn.Linear, QuantLinear)):
+            n_out, k = (mod.out_features, mod.in_features)
+            ops.append(
+                Op(
+                    name=name,
+                    kind="linear",
+                    group=_fused_group(model, name),
+                    params=n_out * k,
+                    macs_per_token=n_out * k,
+                    k=k,
+                )
+            )
+        elif isinstance(mod, (Experts, QuantExperts)):
+            up = mod.up_proj if isinstance(mod, Experts) else mod.up_proj_dq
+            E, Fh, W = up.shape
+            moe = _parent_moe(model, name)
+            top_k = moe.cfg.top_k if moe is not None else E
+            ops.append(
+                Op(
+                    name=name,
+                    kind="experts",
+                    group=name,
+                    params=2 * E * Fh * W,
+                    macs_per_token=2 * top_k * Fh * W,
+                    k=min(W, Fh),
+                )
+            )
+    return ops
+
+
+def _parent_moe(model: nn.Module, experts_name: str) -> MoE | None:
+    parent = experts_name.rpartition(".")[0]
+    mod = model.get_submodule(parent) if parent else model
+    return mod if isinstance(mod, MoE) else None
+
+
+def groups_of(ops: Iterable[Op]) -> dict[str, list[Op]]:
+    out: dict[str, list[Op]] = {}
+    for op in ops:
+        out.setdefault(op.group, []).append(op)
+    return out
+
+
+# ============================================================================ calibration
+@dataclass(kw_only=True)
+class CalibStats:
+    """Per-operator input amax from calibration: linears under their module path, experts
+    under `<path>.up_proj` (the routed width input) and `<path>.down_proj` (the hidden)."""
+
+    input_amax: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+    batches: int = 0
+
+    def update(self, key: str, value: float) -> None:
+        self.input_amax[key] = max(self.input_amax.get(key, 0.0), value)
+
+    def amax(self, key: str) -> float:
+        if key not in self.input_amax:
+            raise ValueError(
+                f"no calibration statistics for {key}: the operator was not run during "
+                "calibration (calibrate with the same exclusions as the quantisation)"
+            )
+        return self.input_amax[key]
+
+
+@torch.no_grad()
+def _expert_hidden_amax(experts: Experts, z_TW, idx_TK) -> float:
+    amax = 0.0
+    for e in idx_TK.unique().tolist():
+        tok = (idx_TK == e).any(-1)
+        h = relu2(F.linear(z_TW[tok], experts.up_proj[e]))
+        amax = max(amax, float(h.abs().amax()))
+    return amax
+
+
+@torch.no_grad()
+def calibrate(
+    model: nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    *,
+    exclude: Iterable[str] = DEFAULT_EXCLUDE,
+    progress: Callable[[int], None] | None = None,
+) -> CalibStats:
+    """Forward the calibration batches (input_ids) and record each operator's input amax with
+    forward hooks (expert hidden activations are recomputed per routed expert)."""
+    stats = CalibStats()
+    handles = []
+    for op in find_ops(model, exclude):
+        mod = model.get_submodule(op.name)
+        if op.kind == "linear":
+
+            def hook(m, args, key=op.name):
+                stats.update(key, float(args[0].detach().abs().amax()))
+        else:
+
+            def hook(m, args, key=op.name):
+                z_TW, idx_TK = args[0].detach(), args[1]
+                stats.update(f"{key}.up_proj", float(z_TW.abs().amax()))
+                stats.update(f"{key}.down_proj", _expert_hidden_amax(m, z_TW, idx_TK))
+
+        handles.append(mod.register_forward_pre_hook(hook))
+    # the MTP module runs only when some of its operators are to be quantised
+    with_mtp = any(op.name.startswith("mtp.") for op in find_ops(model, exclude))
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    try:
+        for i, batch in enumerate(batches):
+            ids = batch["input_ids"].to(device)
+            if with_mtp:
+                model(ids, ids, mtp_depth=None, return_logits=False)
+            else:
+                model(ids, mtp_depth=0)
+            stats.tokens += ids.numel()
+            stats.batches += 1
+            if progress is not None:
+                progress(i + 1)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    if stats.batches == 0:
+        raise ValueError("calibration needs at least one batch")
+    return stats
+
+
+# ============================================================================ converter
+def clone_model(model: nn.Module) -> nn.Module:
+    """A deep copy to quantise while keeping the original (drops the MoE layers' per-call
+    balancing-loss lists, which hold graph tensors that cannot be copied)."""
+    for mod in model.modules():
+        if isinstance(mod, MoE):
+            mod.aux_losses.clear()
+    return copy.deepcopy(model)
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def quantize_model(
+    model: nn.Module,
+    plan: dict[str, str],
+    stats: CalibStats,
+    *,
+    weight_scale: Literal["mse", "max"] = "mse",
+    exclude: Iterable[str] = DEFAULT_EXCLUDE,
+) -> dict[str, str]:
+    """Swap the operators named in `plan` (op name -> "nvfp4" | "fp8" | "bf16") for fake-quant
+    modules, in place. Fused groups must agree on the format and share their scales. Returns the
+    formats applied per operator (NVFP4 falls back to FP8 for a K not divisible by 16)."""
+    ops = {op.name: op for op in find_ops(model, exclude)}
+    unknown = sorted(set(plan) - set(ops))
+    if unknown:
+        raise ValueError(f"not quantisable operators (or excluded): {unknown[:6]}")
+    applied: dict[str, str] = {}
+    for group, members in groups_of(ops[n] for n in plan).items():
+        fmts = {plan[op.name] for op in members}
+        if len(fmts) > 1:
+            raise ValueError(f"fused operators of {group} need one format, got {sorted(fmts)}")
+        fmt = check_format(fmts.pop())
+        if fmt == "nvfp4" and any(op.k % NVFP4_GROUP for op in members):
+            fmt = "fp8"  # a reduction width NVFP4 blocks cannot tile
+        for op in members:
+            applied[op.name] = fmt
+        if fmt == "bf16":
+            continue
+        for name, module in quantized_group(model, members, fmt, stats, weight_scale).items():
+            _set_submodule(model, name, module)
+    # layers with a quantised module skip the fused decode steps by themselves (model/stock.py)
+    return applied
+
+
+@torch.no_grad()
+def quantized_group(
+    model: nn.Module, members: list[Op], fmt: str, stats: CalibStats, weight_scale: str
+) -> dict[str, nn.Module]:
+    """{op name: fake-quant module} for one decision group in one format (NVFP4 or FP8)."""
+    if members[0].kind == "experts":
+        name = members[0].name
+        amax = {p: stats.amax(f"{name}.{p}") for p in QuantExperts.PROJS}
+        experts = model.get_submodule(name)
+        return {name: QuantExperts.from_experts(experts, fmt, input_amax=amax, search=weight_scale)}
+    linears = [model.get_submodule(op.name) for op in members]
+    # ModelOpt preprocess_linear_fusion: fused linears share the weight and the input amax
+    w_amax = max(float(m.weight.detach().abs().amax()) for m in linears)
+    x_amax = max(stats.amax(op.name) for op in members)
+    return {
+        op.name: QuantLinear.from_linear(
+            lin, fmt, weight_amax=w_amax, input_amax=x_amax, search=weight_scale
+        )
+        for op, lin in zip(members, linears, strict=True)
+    }
+
+
+def recipe_plan(model: nn.Module, recipe: str, exclude: Iterable[str] = DEFAULT_EXCLUDE) -> dict:
+    """Every quantisable operator in one format (the fp8 / nvfp4 recipes)."""
+    check_format(recipe)
+    return {op.name: recipe for op in find_ops(model, exclude)}
+
+
+# ============================================================================ evaluation
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[dict[str, torch.Tensor]],
+    token_bytes: torch.Tensor,
+    *,
+    max_batches: int = 0,
+) -> dict[str, float]:
+    """Held-out next-token CE (nats/token) and bits per byte, computed as the trainer's
+    `Trainer.evaluate` does (sum of nats over the label tokens / bytes they stand for)."""
+    from ..model.model import IGNORE_INDEX
+
+    was_training = model.training
+    model.eval()
+    device = next(iter(model.buffers()), next(model.parameters())).device
+    nats, n_tok, n_bytes = 0.0, 0, 0.0
+    try:
+        for k, batch in enumerate(batches):
+            if max_batches and k >= max_batches:
+                break
+            labels = batch["labels"].to(device)
+            out = model(
+                batch["input_ids"].to(device),
+                labels,
+                num_valid_tokens=1,
+                mtp_depth=0,
+                return_logits=False,
+            )
+            nats += float(out.losses["ce"])
+            tgt = labels[:, 1:]
+            tgt = tgt[tgt != IGNORE_INDEX]
+            n_tok += tgt.numel()
+            n_bytes += float(token_bytes[tgt.cpu()].sum())
+    finally:
+        model.train(was_training)
+    if n_tok == 0:
+        raise ValueError("the evaluation batches hold no label tokens")
+    return {
+        "loss": nats / n_tok,
+        "bpb": nats / (math.log(2) * n_bytes) if n_bytes else math.nan,
+        "tokens": n_tok,
+    }
+
+
+def take(batches: Iterable[dict[str, torch.Tensor]], n: int) -> list[dict[str, torch.Tensor]]:
+    """The first n batches of an iterable, materialised (calibration / eval sets)."""
+    out = []
+    it: Iterator = iter(batches)
+    for _ in range(n):
+        try:
+            out.append(next(it))
+        except StopIteration:
+            break
+    return out
+
+
+def model_bits(model: nn.Module, applied: dict[str, str], ops: list[Op]) -> float:
+    """Parameter-weighted effective bits per weight over the quantisable operators."""
+    total = sum(op.params for op in ops)
+    return sum(op.params * BITS[applied.get(op.name, "bf16")] for op in ops) / max(total, 1)

@@ -1,0 +1,379 @@
+"""`hybridlm quantize`: calibrate, quantise (FP8 / NVFP4 / AutoQuantize mixed precision),
+evaluate against the unquantised model on held-out data, export a ModelOpt-format checkpoint.
+
+    hybridlm quantize --recipe autoquant --budget 4.75 runs/quickstart out/quickstart-aq
+
+CKPT is a training checkpoint (`meta.json`: its run config gives the data), a run directory (its
+newest checkpoint), or a transformers directory (data: that of `../run.yaml` when it is a run's
+export, else the embedded Python-stdlib corpus with the byte tokenizer, sharded under
+OUT/shards). OUT receives the quantised checkpoint (config.json, hf_quant_config.json,
+model.safetensors: what vLLM loads), `metrics.jsonl` (one row per evaluated model and per
+decision group) and `quantize.json` (settings, plan, sensitivities, results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from .ptq import (
+    BITS,
+    DEFAULT_EXCLUDE,
+    calibrate,
+    clone_model,
+    evaluate,
+    find_ops,
+    groups_of,
+    model_bits,
+    quantize_model,
+    recipe_plan,
+    take,
+)
+
+RECIPES = ("fp8", "nvfp4", "autoquant")
+
+
+@dataclass(kw_only=True)
+class QuantizeConfig:
+    """Settings of one `hybridlm quantize` run."""
+
+    checkpoint: str
+    out: str
+    recipe: Literal["fp8", "nvfp4", "autoquant"] = "nvfp4"
+    budget: float = 4.75  # AutoQuantize: average effective bits per weight
+    cost: Literal["params", "flops"] = "params"  # AutoQuantize: weighting of the average
+    calib_samples: int = 64  # calibration rows (sequences of the data's seq_len)
+    eval_batches: int = 8  # held-out batches for the loss / bpb comparison
+    weight_scale: Literal["mse", "max"] = "mse"  # NVFP4 weight block scales
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    per_layer: bool = True  # measure each decision group's loss delta alone
+    export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # unquantised tensors
+    device: str = "cpu"  # "auto": cuda when available
+    progress: bool = True
+
+    def validate(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {list(RECIPES)}, got {self.recipe!r}")
+        if self.calib_samples < 1 or self.eval_batches < 1:
+            raise ValueError("calib_samples and eval_batches must be >= 1")
+        if self.recipe == "autoquant" and not 4.5 <= self.budget <= 16:
+            raise ValueError(
+                f"budget must lie in [4.5, 16] bits per weight (all NVFP4 .. all BF16), "
+                f"got {self.budget}"
+            )
+        if self.cost not in ("params", "flops"):
+            raise ValueError(f"cost must be 'params' or 'flops', got {self.cost!r}")
+        if self.weight_scale not in ("mse", "max"):
+            raise ValueError(f"weight_scale must be 'mse' or 'max', got {self.weight_scale!r}")
+
+
+# ============================================================================ inputs
+def default_data(out: Path):
+    """The embedded corpus (Python stdlib source, byte tokenizer) with a held-out split."""
+    from ..data.config import DataConfig
+
+    return DataConfig(
+        tokenizer="byte",
+        shards_dir=str(out / "shards"),
+        seq_len=256,
+        batch_size=8,
+        eval_split="hash",
+        eval_fraction=0.02,
+        eval_docs=8,
+    )
+
+
+def load_checkpoint_and_data(ckpt: str | Path, out: Path):
+    """(model, DataConfig, description) for a training checkpoint, run dir or HF directory."""
+    from ..model.model import HybridLM
+    from ..train.checkpoint import latest_checkpoint, load_checkpoint, read_meta
+    from ..train.config import RunConfig
+
+    path = Path(ckpt)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist")
+    if not (path / "meta.json").is_file() and (path / "checkpoints").is_dir():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise ValueError(f"run directory {path} has no checkpoints")
+        path = found
+    if (path / "meta.json").is_file():
+        meta = read_meta(path)
+        run = RunConfig.from_dict(meta["run_config"])
+        with torch.device("meta"):
+            model = HybridLM(run.model_config())
+        model.to_empty(device="cpu")
+        model.init_buffers()
+        load_checkpoint(path, model, restore_rng=False)
+        return model, run.data, f"training checkpoint {path} (step {meta.get('step')})"
+    if (path / "config.json").is_file():
+        model = HybridLM.from_pretrained(path)
+        if (path.parent / "run.yaml").is_file():  # a run's own export (`<run>/hf`)
+            data = RunConfig.load(path.parent / "run.yaml").data
+            return model, data, f"transformers checkpoint {path} (data of {path.parent})"
+        return model, default_data(out), f"transformers checkpoint {path} (stdlib corpus)"
+    raise ValueError(f"{path} is neither a training checkpoint (meta.json) nor a transformers one")
+
+
+# ============================================================================ run
+def run_quantize(cfg: QuantizeConfig) -> dict[str, Any]:
+    """The whole flow; returns the summary also written to OUT/quantize.json."""
+    from rich.console import Console
+
+    from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
+    from ..interop.modelopt import export_modelopt
+    from ..train.trainer import token_byte_lengths
+    from .autoquant import autoquantize, measure_sensitivities, print_table
+
+    cfg.validate()
+    console = Console(quiet=not cfg.progress)
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    model, data, what = load_checkpoint_and_data(cfg.checkpoint, out)
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
+    )
+    model.to(device).eval()
+    console.print(f"[bold]quantize[/]: {what}, recipe {cfg.recipe}, device {device}")
+
+    sets = prepare_shards(data)
+    vocab = max(s.vocab_size for s in sets.values())
+    if vocab > model.config.vocab_size:
+        raise ValueError(
+            f"the data's tokenizer has {vocab} ids but the model only {model.config.vocab_size}"
+        )
+    train_loader, held_loader = build_loaders(data, sets)
+    if held_loader is None:
+        raise ValueError("the data has no held-out split (data.eval_fraction is 0)")
+    calib = take(train_loader, math.ceil(cfg.calib_samples / data.batch_size))
+    held = take(held_loader, cfg.eval_batches)
+    token_bytes = token_byte_lengths(build_tokenizer(data), model.config.vocab_size)
+
+    def ev(m: torch.nn.Module) -> dict[str, float]:
+        return evaluate(m, held, token_bytes)
+
+    with _progress(cfg.progress) as prog:
+        base = ev(model)
+        task = prog.add_task("calibrating", total=len(calib))
+        stats = calibrate(
+            model, calib, exclude=cfg.exclude, progress=lambda i: prog.update(task, completed=i)
+        )
+        ops = find_ops(model, cfg.exclude)
+        sens = None
+        aq = None
+        if cfg.recipe == "autoquant":
+            task = prog.add_task("sensitivities (fwd+bwd)", total=len(calib))
+            sens = measure_sensitivities(
+                model,
+                calib,
+                stats,
+                exclude=cfg.exclude,
+                weight_scale=cfg.weight_scale,
+                progress=lambda i: prog.update(task, completed=i),
+            )
+            aq = autoquantize(sens, ops, budget=cfg.budget, cost=cfg.cost)
+            plan = aq.plan
+        else:
+            plan = recipe_plan(model, cfg.recipe, cfg.exclude)
+        qmodel = clone_model(model)
+        applied = quantize_model(
+            qmodel, plan, stats, weight_scale=cfg.weight_scale, exclude=cfg.exclude
+        )
+        quant = ev(qmodel)
+        groups = groups_of(ops)
+        rows = []
+        task = prog.add_task("per-group loss deltas", total=len(groups) if cfg.per_layer else 0)
+        for g, members in groups.items():
+            fmt = applied[members[0].name]
+            row = {
+                "group": g,
+                "ops": [op.name for op in members],
+                "params": sum(op.params for op in members),
+                "format": fmt,
+                "bits": BITS[fmt],
+            }
+            if sens is not None:
+                row["sensitivity"] = sens[g]
+            if cfg.per_layer and fmt != "bf16":
+                alone = clone_model(model)
+                quantize_model(
+                    alone,
+                    {op.name: fmt for op in members},
+                    stats,
+                    weight_scale=cfg.weight_scale,
+                    exclude=cfg.exclude,
+                )
+                row["loss_delta"] = ev(alone)["loss"] - base["loss"]
+            elif cfg.per_layer:
+                row["loss_delta"] = 0.0
+            rows.append(row)
+            prog.update(task, advance=1)
+
+    dtype = getattr(torch, cfg.export_dtype)
+    export_modelopt(qmodel.to("cpu"), out, dtype=dtype)
+    bits = model_bits(qmodel, applied, ops)
+    summary = {
+        "checkpoint": str(cfg.checkpoint),
+        "source": what,
+        "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "progress"},
+        "calibration": {"batches": stats.batches, "tokens": stats.tokens},
+        "eval": {"batches": len(held), "tokens": base["tokens"]},
+        "unquantized": {"loss": base["loss"], "bpb": base["bpb"], "dtype": _dtype_name(model)},
+        "quantized": {"loss": quant["loss"], "bpb": quant["bpb"], "effective_bits": bits},
+        "delta": {
+            "loss": quant["loss"] - base["loss"],
+            "loss_rel": (quant["loss"] - base["loss"]) / base["loss"],
+            "bpb_rel": (quant["bpb"] - base["bpb"]) / base["bpb"],
+        },
+        "plan": applied,
+        "groups": rows,
+        "seconds": time.time() - t0,
+    }
+    if aq is not None:
+        summary["autoquant"] = {
+            "budget": aq.budget,
+            "cost": aq.cost_mode,
+            "effective_bits": aq.effective_bits,
+            "total_sensitivity": aq.total_sensitivity,
+            "exact": aq.exact,
+        }
+    (out / "quantize.json").write_text(json.dumps(summary, indent=2))
+    with open(out / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"stage": "quantize", "model": "unquantized", **base}) + "\n")
+        f.write(
+            json.dumps({"stage": "quantize", "model": cfg.recipe, "effective_bits": bits, **quant})
+            + "\n"
+        )
+        for row in rows:
+            flat = {k: v for k, v in row.items() if k not in ("ops", "sensitivity")}
+            f.write(json.dumps({"stage": "quantize", "model": cfg.recipe, **flat}) + "\n")
+    if aq is not None:
+        print_table(aq, console)
+    _print_summary(console, summary)
+    return summary
+
+
+def _dtype_name(model: torch.nn.Module) -> str:
+    return str(model.embeddings.weight.dtype).removeprefix("torch.")
+
+
+class _progress:
+    """A rich progress bar, or a no-op one."""
+
+    def __init__(self, enabled: bool) -> None:
+        from rich.progress import Progress
+
+        self.p = Progress(disable=not enabled, transient=False)
+
+    def __enter__(self):
+        self.p.__enter__()
+        return self.p
+
+    def __exit__(self, *exc) -> None:
+        self.p.__exit__(*exc)
+
+
+def _print_summary(console, s: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="per decision group (loss delta: that group quantised alone)")
+    for col in ("group", "format", "bits", "params", "loss delta"):
+        table.add_column(col, justify="left" if col in ("group", "format") else "right")
+    for r in s["groups"]:
+        delta = r.get("loss_delta")
+        table.add_row(
+            r["group"],
+            r["format"],
+            f"{r['bits']:g}",
+            f"{r['params']:,}",
+            "-" if delta is None else f"{delta:+.5f}",
+        )
+    console.print(table)
+    u, q, d = s["unquantized"], s["quantized"], s["delta"]
+    total = Table(title="held-out evaluation")
+    for col in ("model", "eff. bits", "loss (nats/token)", "bpb", "rel. loss delta"):
+        total.add_column(col, justify="left" if col == "model" else "right")
+    total.add_row(f"unquantized ({u['dtype']})", "-", f"{u['loss']:.5f}", f"{u['bpb']:.5f}", "-")
+    total.add_row(
+        s["settings"]["recipe"],
+        f"{q['effective_bits']:.3f}",
+        f"{q['loss']:.5f}",
+        f"{q['bpb']:.5f}",
+        f"{100 * d['loss_rel']:+.3f}%",
+    )
+    console.print(total)
+
+
+# ============================================================================ CLI
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `hybridlm quantize` to the CLI's sub-command parsers."""
+    p = sub.add_parser(
+        "quantize",
+        help="PTQ (FP8 W8A8, NVFP4 W4A4, AutoQuantize mixed) + ModelOpt/vLLM-format export",
+    )
+    p.add_argument("checkpoint", help="training checkpoint, run directory or transformers dir")
+    p.add_argument("out", help="output directory (quantised checkpoint + reports)")
+    p.add_argument("--recipe", choices=RECIPES, default="nvfp4")
+    p.add_argument(
+        "--budget", type=float, default=4.75, help="autoquant: average effective bits per weight"
+    )
+    p.add_argument(
+        "--cost",
+        choices=["params", "flops"],
+        default="params",
+        help="autoquant: weight the bits average by parameters or by MACs per token",
+    )
+    p.add_argument("--calib-samples", type=int, default=64, help="calibration sequences")
+    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches to compare on")
+    p.add_argument(
+        "--weight-scale",
+        choices=["mse", "max"],
+        default="mse",
+        help="NVFP4 weight block scales: per-block MSE search or plain amax",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=None,
+        metavar="PATTERN",
+        help=f"module-name glob kept unquantised, added to {list(DEFAULT_EXCLUDE)} (repeatable)",
+    )
+    p.add_argument(
+        "--no-per-layer",
+        dest="per_layer",
+        action="store_false",
+        help="skip the per-group loss deltas (one evaluation per group)",
+    )
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.set_defaults(fn=cmd_quantize)
+
+
+def cmd_quantize(args: argparse.Namespace) -> None:
+    run_quantize(
+        QuantizeConfig(
+            checkpoint=args.checkpoint,
+            out=args.out,
+            recipe=args.recipe,
+            budget=args.budget,
+            cost=args.cost,
+            calib_samples=args.calib_samples,
+            eval_batches=args.eval_batches,
+            weight_scale=args.weight_scale,
+            exclude=DEFAULT_EXCLUDE + tuple(args.exclude or ()),
+            per_layer=args.per_layer,
+            export_dtype=args.dtype,
+            device=args.device,
+        )
+    )
