@@ -528,7 +528,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_STAGE_MODULES = (".train.mtp_boost",)
+_STAGE_MODULES = (
+    ".train.mtp_boost",
+    ".rl.learner",
+    ".precision.policy",
+    ".precision.quantize",
+    ".data.curate.pipeline",
+    ".data.curate.quality",
+    ".data.curate.upsample",
+    ".data.curate.decon",
+    ".data.curate.mixing",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
