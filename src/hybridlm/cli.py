@@ -531,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
 _STAGE_MODULES = (
     ".train.mtp_boost",
     ".rl.learner",
+    ".eval.harness",
     ".precision.policy",
     ".precision.quantize",
     ".data.curate.pipeline",
