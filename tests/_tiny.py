@@ -1,7 +1,11 @@
-"""Tiny model configurations shared by the training tests."""
+"""Tiny model and run configurations shared by the training tests."""
+
+from pathlib import Path
 
 from hybridlm.config import ModelConfig
+from hybridlm.data.config import DataConfig, SourceConfig
 from hybridlm.presets import get_preset
+from hybridlm.train.config import RunConfig, TrainConfig
 
 
 def tiny_train_model(*, mtp: bool = True) -> ModelConfig:
@@ -17,3 +21,36 @@ def tiny_train_model(*, mtp: bool = True) -> ModelConfig:
         m.mtp.pattern = ""
     m.validate()
     return m
+
+
+def tiny_run(
+    tmp: Path, out: str, *, docs: int = 40, seq_len: int = 32, batch_size: int = 2, **train
+) -> RunConfig:
+    """A pretraining run of `tiny_train_model` on `docs` small text files written under `tmp`
+    (shared by the runs of one test), output in `tmp/out`; `train` overrides TrainConfig."""
+    txt = tmp / f"txt{docs}"
+    if not txt.is_dir():
+        txt.mkdir()
+        for i in range(docs):
+            body = f"Story {i}. " + "Once upon a time a fox met a crow. " * (i % 7 + 1)
+            (txt / f"{i:02d}.txt").write_text(body)
+    data = DataConfig(
+        sources=[SourceConfig(name="t", kind="text", path=str(txt))],
+        shards_dir=str(tmp / f"shards{docs}"),
+        seq_len=seq_len,
+        batch_size=batch_size,
+        eval_fraction=0.1,
+        num_workers=0,
+    )
+    base = dict(
+        max_steps=8,
+        warmup_steps=2,
+        log_interval=1,
+        eval_interval=4,
+        checkpoint_interval=3,
+        out_dir=str(tmp / out),
+        peak_flops=1e11,
+        progress=False,
+        plot=False,
+    )
+    return RunConfig(model=tiny_train_model(), data=data, train=TrainConfig(**{**base, **train}))

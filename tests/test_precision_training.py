@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from _tiny import tiny_train_model
+from _tiny import tiny_run, tiny_train_model
 from hybridlm.model.model import HybridLM
 from hybridlm.precision.formats import (
     mxfp8_fake_quant,
@@ -324,35 +324,15 @@ def test_converted_tiny_model_trains():
 
 
 def _lp_run(tmp: Path, out: str, **train):
-    from hybridlm.data.config import DataConfig, SourceConfig
-    from hybridlm.train.config import RunConfig, TrainConfig
-
-    txt = tmp / "txt"
-    if not txt.is_dir():
-        txt.mkdir()
-        for i in range(20):
-            (txt / f"{i}.txt").write_text(f"Story {i}. " + "A fox met a crow. " * (i % 5 + 1))
-    data = DataConfig(
-        sources=[SourceConfig(name="t", kind="text", path=str(txt))],
-        shards_dir=str(tmp / "shards"),
-        seq_len=32,
-        batch_size=2,
-        eval_fraction=0.1,
-        num_workers=0,
-    )
     base = dict(
         max_steps=4,
         warmup_steps=1,
         log_interval=2,
         eval_interval=0,
         checkpoint_interval=0,
-        out_dir=str(tmp / out),
-        peak_flops=1e11,
-        progress=False,
-        plot=False,
         low_precision="nvfp4",
     )
-    return RunConfig(model=tiny_train_model(), data=data, train=TrainConfig(**{**base, **train}))
+    return tiny_run(tmp, out, docs=20, **{**base, **train})
 
 
 def test_trainer_logs_low_precision_metrics(tmp_path: Path):

@@ -13,43 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from _tiny import tiny_train_model
+from _tiny import tiny_run
 from hybridlm.data.config import DataConfig, SourceConfig
 from hybridlm.train.checkpoint import latest_checkpoint, list_checkpoints
-from hybridlm.train.config import RunConfig, TrainConfig
 from hybridlm.train.plot import read_metrics
 from hybridlm.train.trainer import Trainer, run_pretrain, token_byte_lengths
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_run(tmp: Path, out: str, **train) -> RunConfig:
-    txt = tmp / "txt"
-    if not txt.is_dir():
-        txt.mkdir()
-        for i in range(40):
-            body = f"Story {i}. " + "Once upon a time a fox met a crow. " * (i % 7 + 1)
-            (txt / f"{i:02d}.txt").write_text(body)
-    data = DataConfig(
-        sources=[SourceConfig(name="t", kind="text", path=str(txt))],
-        shards_dir=str(tmp / "shards"),
-        seq_len=32,
-        batch_size=2,
-        eval_fraction=0.1,
-        num_workers=0,
-    )
-    base = dict(
-        max_steps=8,
-        warmup_steps=2,
-        log_interval=1,
-        eval_interval=4,
-        checkpoint_interval=3,
-        out_dir=str(tmp / out),
-        peak_flops=1e11,
-        progress=False,
-        plot=False,
-    )
-    return RunConfig(model=tiny_train_model(), data=data, train=TrainConfig(**{**base, **train}))
 
 
 def losses(out_dir) -> list[tuple]:

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from _tiny import tiny_train_model
-from hybridlm.data.config import DataConfig, SourceConfig
-from hybridlm.train.config import RunConfig, TrainConfig
+from _tiny import tiny_run as _tiny_run
+from hybridlm.train.config import RunConfig
 from hybridlm.train.plot import read_metrics
 from hybridlm.train.trainer import run_pretrain
 
@@ -40,33 +39,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_run(tmp: Path, out: str, batch_size: int, **train) -> RunConfig:
-    txt = tmp / "txt"
-    if not txt.is_dir():
-        txt.mkdir()
-        for i in range(24):
-            body = f"Story {i}. " + "Once upon a time a fox met a crow. " * (i % 7 + 1)
-            (txt / f"{i:02d}.txt").write_text(body)
-    data = DataConfig(
-        sources=[SourceConfig(name="t", kind="text", path=str(txt))],
-        shards_dir=str(tmp / "shards"),
-        seq_len=64,
-        batch_size=batch_size,
-        eval_fraction=0.1,
-        num_workers=0,
-    )
-    base = dict(
-        max_steps=3,
-        warmup_steps=1,
-        log_interval=1,
-        eval_interval=3,
-        eval_batches=2,
-        checkpoint_interval=0,
-        out_dir=str(tmp / out),
-        peak_flops=1e11,
-        progress=False,
-        plot=False,
-    )
-    return RunConfig(model=tiny_train_model(), data=data, train=TrainConfig(**{**base, **train}))
+    base = dict(max_steps=3, warmup_steps=1, eval_interval=3, eval_batches=2, checkpoint_interval=0)
+    return _tiny_run(tmp, out, docs=24, seq_len=64, batch_size=batch_size, **{**base, **train})
 
 
 def _free_port() -> int:
