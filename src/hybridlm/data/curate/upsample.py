@@ -282,7 +282,8 @@ class UpsampleStage(GlobalStage):
     """Fit one curve per topic over the corpus (tokens measured as characters; buckets from
     `metadata[bucket_key]`) so each topic yields `targets[topic]` characters, then write
     `metadata["repeat"]` = the document's copy count; documents with 0 copies are dropped.
-    A topic missing from `targets` keeps its documents once."""
+    A topic missing from `targets` keeps its documents once. The curation writer
+    (`pipeline.run_curate`, `expand_repeats`) writes each document that many times."""
 
     targets: dict[str, float] = field(default_factory=dict)  # topic -> target characters
     topic_key: str = "topic"
