@@ -46,6 +46,7 @@ class SourceConfig:
     group_chars: int = 0  # text / tinyshakespeare: merge passages up to this many characters
     text_field: str = "text"  # jsonl field (dotted ok) / parquet column / hf column
     id_field: str = ""  # "" = ids from file and line / row
+    metadata_fields: list[str] = field(default_factory=list)  # jsonl: kept, e.g. [url, date]
     hf_config: str = ""  # datasets.load_dataset(path, hf_config, split=hf_split, data_files=...)
     hf_split: str = "train"
     data_files: list[str] = field(default_factory=list)

@@ -45,7 +45,13 @@ def build_source(cfg: SourceConfig) -> DocumentSource:
     if cfg.kind == "tinyshakespeare":
         return tinyshakespeare(cfg.path, group_chars=cfg.group_chars, name=cfg.name)
     if cfg.kind == "jsonl":
-        return JsonlSource(cfg.path, text_field=cfg.text_field, id_field=cfg.id_field or None, **kw)
+        return JsonlSource(
+            cfg.path,
+            text_field=cfg.text_field,
+            id_field=cfg.id_field or None,
+            metadata_fields=cfg.metadata_fields,
+            **kw,
+        )
     if cfg.kind == "parquet":
         return ParquetSource(
             cfg.path, text_column=cfg.text_field, id_column=cfg.id_field or None, **kw

@@ -64,19 +64,18 @@ import os
 import pickle
 import sys
 import time
+import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from ...config import from_dict, read_mapping, write_mapping
+from ..config import SourceConfig
+from ..pipeline import build_source
 from ..sources import (
     DocumentSource,
-    JsonlSource,
-    ParquetSource,
     SourceStats,
-    StdlibSource,
-    TextFileSource,
 )
 from .core import (
     CurateDoc,
@@ -100,21 +99,12 @@ InputKind = Literal["jsonl", "parquet", "text", "tinyshakespeare", "stdlib"]
 
 
 @dataclass(kw_only=True)
-class CurateInput:
-    """One input corpus. Fields a kind does not use are ignored."""
+class CurateInput(SourceConfig):
+    """One input corpus: a pretraining `SourceConfig` (kinds jsonl, parquet, text,
+    tinyshakespeare, stdlib; `weight` and the hf fields are unused here) read in shards of
+    `files_per_shard` files."""
 
-    name: str
     kind: InputKind = "jsonl"
-    path: str = ""
-    pattern: str = ""  # glob inside folders; "" = the reader's default
-    text_field: str = "text"  # jsonl field (dotted ok) / parquet column
-    id_field: str = ""  # "" = ids from file and line / row
-    metadata_fields: list[str] = field(default_factory=list)  # jsonl: e.g. [url, date]
-    split: Literal["file", "blank_line", "separator"] = "file"  # text: how files become docs
-    separator: str = ""
-    group_chars: int = 0  # text / tinyshakespeare: merge passages up to this many characters
-    docstrings_only: bool = False  # stdlib
-    max_files: int = 0  # stdlib: 0 = all
     files_per_shard: int = 1
 
 
@@ -228,38 +218,9 @@ class CurateConfig:
 # ---------------------------------------------------------------------------- input shards
 def build_reader(inp: CurateInput) -> DocumentSource:
     """The `hybridlm.data.sources` reader of one input (all its files)."""
-    kw: dict[str, Any] = {"name": inp.name}
-    if inp.pattern:
-        kw["pattern"] = inp.pattern
-    if inp.kind == "jsonl":
-        return JsonlSource(
-            inp.path,
-            text_field=inp.text_field,
-            id_field=inp.id_field or None,
-            metadata_fields=inp.metadata_fields,
-            **kw,
-        )
-    if inp.kind == "parquet":
-        return ParquetSource(
-            inp.path, text_column=inp.text_field, id_column=inp.id_field or None, **kw
-        )
-    if inp.kind == "text":
-        return TextFileSource(
-            inp.path,
-            split=inp.split,
-            separator=inp.separator or None,
-            group_chars=inp.group_chars,
-            **kw,
-        )
-    if inp.kind == "tinyshakespeare":
-        return TextFileSource(
-            inp.path, split="blank_line", group_chars=inp.group_chars, name=inp.name
-        )
-    if inp.kind == "stdlib":
-        return StdlibSource(
-            docstrings_only=inp.docstrings_only, max_files=inp.max_files or None, name=inp.name
-        )
-    raise ValueError(f"input {inp.name!r}: unknown kind {inp.kind!r}")
+    if inp.kind not in typing.get_args(InputKind):
+        raise ValueError(f"input {inp.name!r}: unknown kind {inp.kind!r}")
+    return build_source(inp)
 
 
 @dataclass(kw_only=True)
