@@ -12,6 +12,7 @@ Outputs in `--out` (default `runs/eval/<model name>`):
                      so several checkpoints evaluated into one folder form a learning curve)
     samples/<task>.jsonl   per-item scores and generations
     ruler.png        RULER score against context length, rendered from metrics.jsonl
+    spec_bench.png   speculative acceptance by draft position and category (spec_bench)
 
 A model is a hybridlm training checkpoint (`meta.json`: its run config names the model and
 the tokenizer), a run directory (its newest checkpoint), a transformers NemotronH / Olmo3
@@ -175,8 +176,9 @@ def run_tasks(
 
 
 def _headline(metric: str) -> bool:
-    """Printed metrics: all but RULER's per-length breakdown (`string_match@1024`)."""
-    return not metric.startswith("string_match@")
+    """Printed metrics: all but the per-length / per-position breakdowns (`string_match@1024`,
+    `acceptance@...`)."""
+    return not metric.startswith(("string_match@", "acceptance@"))
 
 
 def _finite(x: float) -> float | None:
@@ -234,6 +236,10 @@ def write_results(
     (out / "results.json").write_text(json.dumps(doc, indent=2))
     if any(n.startswith("ruler_") for n in results):
         plot_ruler(out / "metrics.jsonl", out / "ruler.png")
+    if "spec_bench" in results:
+        from .speculative import plot_spec_bench
+
+        plot_spec_bench(out / "metrics.jsonl", out / "spec_bench.png")
     return doc
 
 

@@ -811,3 +811,7 @@ def get_task(name: str, *, data_dir: str | Path, **options: Any) -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
     return TASKS[name](Path(data_dir), **options)
+
+
+GROUPS["speculative"] = ("spec_bench",)
+from . import speculative as _speculative  # noqa: E402, F401  (registers spec_bench)
