@@ -43,7 +43,7 @@ def test_generate_and_export(tmp_path, capsys):
     [
         (["info", "--preset", "tiny-super", "--set", "moe.top_k=99"], "exceeds"),
         (["info", "--config", "/nonexistent.yaml"], "not found"),
-        (["generate", "--checkpoint", "/nonexistent"], "no config.json"),
+        (["generate", "--checkpoint", "/nonexistent"], "neither a transformers directory"),
         (["generate", "--preset", "tiny-super", "--max-new-tokens", "-1"], "max_new_tokens"),
         (["generate", "--preset", "tiny-olmo", "--speculative", "3"], "MTP"),
         (

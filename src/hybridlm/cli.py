@@ -529,6 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _STAGE_MODULES = (
+    ".train.sft",
+    ".train.dpo",
     ".train.mtp_boost",
     ".rl.learner",
     ".eval.harness",

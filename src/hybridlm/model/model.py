@@ -346,13 +346,16 @@ class HybridLM(nn.Module):
         from ..interop.hf import load_pretrained
 
         p = Path(path)
-        if not (p / "config.json").is_file() and (
-            (p / "meta.json").is_file() or (p / "checkpoints").is_dir()
-        ):
+        if (p / "config.json").is_file():
+            return load_pretrained(path, dtype=dtype)
+        if (p / "meta.json").is_file() or (p / "checkpoints").is_dir():
             from ..train.checkpoint import model_from_checkpoint
 
             return model_from_checkpoint(p, dtype=dtype)
-        return load_pretrained(path, dtype=dtype)
+        raise ValueError(
+            f"{p} is neither a transformers directory (config.json), a training checkpoint "
+            "(meta.json) nor a run directory (checkpoints/)"
+        )
 
     def save_pretrained(self, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
         """Write a transformers checkpoint (config.json + safetensors) that

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -224,8 +225,10 @@ class RunConfig:
         return cls.from_dict(read_mapping(path, "run config"))
 
 
-def apply_run_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:
-    """A new `RunConfig` with dotted `section.key=value` overrides (values parsed as YAML).
+def apply_run_overrides(run: Any, overrides: Sequence[str]) -> Any:
+    """A new run config (pretraining `RunConfig`, or the SFT / DPO run configs: anything with
+    `to_dict` / `from_dict` whose sections are mappings) with dotted `section.key=value`
+    overrides, values parsed as YAML.
 
     `model=tiny-lightning` swaps the preset; `model.x=...` on a preset name resolves the preset
     first. Integer parts index lists (`data.sources.0.max_files=20`)."""
@@ -236,8 +239,10 @@ def apply_run_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
         value = yaml.safe_load(raw) if raw.strip() else ""
-        if parts[0] not in ("model", "data", "train"):
-            raise ValueError(f"override {item!r}: the first part must be model, data or train")
+        if parts[0] not in data:
+            raise ValueError(
+                f"override {item!r}: unknown section {parts[0]!r}; known: {sorted(data)}"
+            )
         if len(parts) == 1:
             data[parts[0]] = value
             continue
@@ -260,7 +265,7 @@ def apply_run_overrides(run: RunConfig, overrides: list[str]) -> RunConfig:
             node[last] = value
         else:
             raise ValueError(f"override {item!r}: {'.'.join(parts[:-1])} is not a section")
-    return RunConfig.from_dict(data)
+    return type(run).from_dict(data)
 
 
 def _child(node: Any, part: str, item: str) -> Any:

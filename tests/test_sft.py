@@ -1,0 +1,188 @@
+"""The SFT loop: packed per-conversation loss == unpacked reference, two-stage switch, a tiny
+run whose assistant-token loss falls, exact resume, init from a checkpoint, config + CLI."""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from _tiny import tiny_train_model
+from hybridlm.data.sft import arithmetic_conversations, collate_rows, encode_chat
+from hybridlm.data.tokenizer import ByteTokenizer
+from hybridlm.train.config import TrainConfig, apply_run_overrides
+from hybridlm.train.plot import read_metrics
+from hybridlm.train.sft import (
+    ChatSource,
+    SFTConfig,
+    SFTDataConfig,
+    SFTRunConfig,
+    SFTTrainer,
+    load_model,
+    prompt_key,
+    register,
+    run_sft,
+    split_held_out,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny_sft(out, *, steps=12, rows=120, **sft) -> SFTRunConfig:
+    return SFTRunConfig(
+        model=tiny_train_model(),
+        data=SFTDataConfig(
+            sources=[ChatSource(kind="arithmetic", max_rows=rows, digits=1, seed=3)],
+            seq_len=256,
+            batch_size=4,
+            held_out=8,
+        ),
+        train=TrainConfig(
+            lr=3e-3,
+            warmup_steps=2,
+            max_steps=steps,
+            schedule="constant",
+            eval_interval=0,
+            log_interval=1,
+            checkpoint_interval=4,
+            keep_last_n=0,
+            out_dir=str(out),
+            progress=False,
+            plot=False,
+        ),
+        sft=SFTConfig(eval_generate=0, **sft),
+    )
+
+
+def test_packed_sample_loss_equals_unpacked_per_conversation_mean(tmp_path):
+    """The per-conversation mean over a packed row equals, conversation by conversation, the
+    losses of unpacked forwards: packing leaks nothing across conversations (attention, Mamba
+    state, MTP targets), and the sample normalisation is (1/|C|) sum_c mean_t l_t."""
+    tr = SFTTrainer(tiny_sft(tmp_path))
+    tr.model.eval()
+    ex = tr.loader.examples
+    rows = [r for r in tr.loader._epoch_rows(0) if len(r) >= 2][:2]
+    batch = collate_rows(ex, rows, 256)
+    n_tok, n_conv = int(batch["num_loss_tokens"]), int(batch["num_conversations"])
+    with torch.no_grad():
+        _, packed = tr.micro_loss(batch, norm="sample", num_tokens=n_tok, num_convs=n_conv)
+        ce_means, mtp_means = [], []
+        for i in [i for r in rows for i in r]:
+            ids = torch.tensor([ex[i].input_ids])
+            mask = torch.tensor([ex[i].loss_mask])
+            mask[0, 0] = False
+            labels = torch.where(mask, ids, -100)
+            out = tr.model(ids, labels, mtp_depth=tr.mtp_depth)  # means over this conversation
+            ce_means.append(float(out.losses["ce"]))
+            mtp_means.append(float(out.losses["mtp"]))
+    assert len(ce_means) == n_conv >= 4
+    assert packed["ce"] == pytest.approx(sum(ce_means) / n_conv, rel=1e-5)
+    # MTP depth k: targets within the conversation, each depth a per-conversation mean over
+    # the targets that exist (the model's own per-conversation mean has the same count)
+    assert packed["mtp"] == pytest.approx(sum(mtp_means) / n_conv, rel=1e-4)
+
+
+def test_two_stage_switch_and_tiny_run_learns(tmp_path):
+    cfg = tiny_sft(tmp_path, steps=24, loss_norm="two_stage", stage2_start=0.5)
+    cfg.train.eval_interval = 24
+    result = run_sft(cfg)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    train = [r for r in rows if r["kind"] == "train"]
+    assert [r["norm"] for r in train] == ["token"] * 12 + ["sample"] * 12
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 24]
+    # held-out assistant-token NLL falls by more than half (from ~ln 258 at init)
+    assert evals[0]["eval_loss"] > 4.0 and evals[-1]["eval_loss"] < 0.5 * evals[0]["eval_loss"]
+    first = sum(r["nll_token"] for r in train[:3]) / 3
+    last = sum(r["nll_token"] for r in train[-3:]) / 3
+    assert last < 0.5 * first
+    assert all(r["mtp"] > 0 and math.isfinite(r["loss"]) for r in train)
+    data = [r for r in rows if r["kind"] == "data"][0]
+    removed = data["dropped"].get("prompt of a held-out conversation", 0)
+    assert data["train_conversations"] + data["held_out"] + removed == 120
+    assert result["checkpoint"].endswith("step_00000024")
+    assert (tmp_path / "run.yaml").is_file()
+
+
+def test_exact_resume(tmp_path):
+    full = run_sft(tiny_sft(tmp_path / "a", steps=8))
+    run_sft(tiny_sft(tmp_path / "b", steps=8), until_step=4)
+    resumed = run_sft(tiny_sft(tmp_path / "b", steps=8), resume=True)
+    la = [r["loss"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl") if r["kind"] == "train"]
+    lb = [r["loss"] for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if r["kind"] == "train"]
+    assert la == lb and len(la) == 8
+    assert full["step"] == resumed["step"] == 8
+
+
+def test_init_from_checkpoint_and_errors(tmp_path):
+    run_sft(tiny_sft(tmp_path / "a", steps=4))
+    ckpt = tmp_path / "a" / "checkpoints" / "step_00000004"
+    model = load_model(str(ckpt), None, seed=0, device=torch.device("cpu"))
+    trained = SFTTrainer(tiny_sft(tmp_path / "b", init_from=str(ckpt)))
+    for (n, p), (_, q) in zip(
+        model.state_dict().items(), trained.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(p, q), n
+    with pytest.raises(ValueError, match="neither a transformers directory"):
+        load_model(str(tmp_path), None, seed=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="loss_norm"):
+        SFTConfig(loss_norm="mean")
+    with pytest.raises(ValueError, match="needs max_rows"):
+        ChatSource(kind="arithmetic")
+    with pytest.raises(ValueError, match="data.sources is empty"):
+        cfg = tiny_sft(tmp_path / "c")
+        cfg.data.sources = []
+        SFTTrainer(cfg)
+
+
+def test_config_round_trip_overrides_and_cli(tmp_path):
+    cfg = tiny_sft(tmp_path / "run", steps=2)
+    path = tmp_path / "sft.yaml"
+    cfg.save(path)
+    again = SFTRunConfig.load(path)
+    assert again.to_dict() == cfg.to_dict()
+    new = apply_run_overrides(again, ["train.max_steps=3", "data.sources.0.max_rows=50"])
+    assert new.train.max_steps == 3 and new.data.sources[0].max_rows == 50
+    with pytest.raises(ValueError, match="unknown key"):
+        apply_run_overrides(again, ["train.nope=1"])
+    with pytest.raises(ValueError, match="unknown section"):
+        apply_run_overrides(again, ["optim.lr=1"])
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["sft", "--config", str(path), "--set", "train.max_steps=2"])
+    args.fn(args)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert max(r["step"] for r in rows) == 2
+
+
+def test_held_out_split_is_decontaminated():
+    convs = arithmetic_conversations(50, seed=0, digits=1)  # 1-digit: questions repeat
+    train, held, removed = split_held_out(convs, 10, seed=0)
+    held_prompts = {prompt_key(c) for c in held}
+    assert len(held) == 10 and removed > 0 and len(train) + removed + 10 == 50
+    assert not any(prompt_key(c) in held_prompts for c in train)
+
+
+def test_shipped_config_loads():
+    cfg = SFTRunConfig.load("configs/sft.yaml")
+    assert cfg.sft.loss_norm == "two_stage" and cfg.sft.mtp_weight == 0.3
+    assert cfg.data.reasoning.reasoning_off == 0.03 and cfg.data.reasoning.budget == 0.12
+
+
+@pytest.mark.slow
+def test_gsm8k_sft_run(shared_data, tmp_path):
+    """A few steps on real GSM8K conversations (worked solutions as reasoning traces)."""
+    cfg = tiny_sft(tmp_path, steps=16)
+    cfg.data.sources = [
+        ChatSource(kind="gsm8k", path=str(shared_data / "gsm8k" / "train.jsonl"), max_rows=200)
+    ]
+    cfg.data.seq_len, cfg.data.overflow = 768, "truncate"
+    cfg.train.eval_interval = 16
+    run_sft(cfg)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    evals = [r["eval_loss"] for r in rows if r["kind"] == "eval"]
+    assert evals[-1] < evals[0] - 1.0
+    tok = ByteTokenizer()
+    assert encode_chat(arithmetic_conversations(1)[0], tok).num_loss_tokens > 0
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["kind"] == "data"
