@@ -90,3 +90,29 @@ def test_packed_training_loss_backward_and_errors():
         model(ids, doc_ids=DOCS.flip(1))
     with pytest.raises(ValueError, match="shape"):
         model(ids, doc_ids=DOCS[:, :5])
+
+
+def test_packed_mtp_targets_stay_inside_their_document():
+    """MTP depth k at position t predicts token t+k+1: in a packed row that target may belong
+    to the next document, which the model (masked to its own document) cannot see. Those
+    targets are dropped, so the packed MTP loss equals the per-document losses pooled."""
+    cfg = get_preset("tiny-super")
+    cfg.vocab_size, cfg.mtp.depth = 300, 2
+    model = HybridLM(cfg, seed=0).double()
+    ids = torch.randint(0, 300, DOCS.shape, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        packed = model(ids, labels=ids, doc_ids=DOCS).losses
+    for k in (1, 2):
+        total, count = 0.0, 0
+        for b in range(2):
+            for s, e in _segments(DOCS[b]):
+                n = e - s - k - 1  # positions with a target inside the document
+                if n <= 0:
+                    continue
+                x = ids[b : b + 1, s:e]
+                with torch.no_grad():
+                    alone = model(x, labels=x, num_valid_tokens=1).losses[f"mtp_{k}"]
+                total, count = total + float(alone), count + n
+        # without num_valid_tokens each depth is a mean over its own valid targets
+        got = float(packed[f"mtp_{k}"])
+        assert got == pytest.approx(total / count, rel=1e-9), (k, got, total / count)

@@ -185,9 +185,13 @@ class HybridLM(nn.Module):
                 logits_k = self.lm_head(h_k) if return_logits else None
                 if logits_k is not None:
                     out.mtp_logits.append(logits_k)
-                loss_k = self._loss(
-                    h_k, logits_k, _shift_left(labels, k + 1, IGNORE_INDEX), num_valid_tokens
-                )
+                targets_k = _shift_left(labels, k + 1, IGNORE_INDEX)
+                if doc_ids is not None:  # packed rows: no target from the next document
+                    same = _shift_left(doc_ids.to(labels.device), k + 1, -1) == doc_ids.to(
+                        labels.device
+                    )
+                    targets_k = targets_k.masked_fill(~same, IGNORE_INDEX)
+                loss_k = self._loss(h_k, logits_k, targets_k, num_valid_tokens)
                 out.losses[f"mtp_{k}"] = loss_k
                 mtp_losses.append(loss_k)
             out.losses["mtp"] = torch.stack(mtp_losses).mean()

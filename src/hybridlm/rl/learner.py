@@ -53,6 +53,7 @@ from ..model.model import HybridLM
 from .environments import (
     ArithmeticEnvironment,
     CodeEnvironment,
+    DatasetEnvironment,
     Environment,
     GSM8KEnvironment,
     InstructionFollowingEnvironment,
@@ -64,8 +65,9 @@ from .environments import (
 )
 from .grpo import ActiveSampler, Group, GRPOConfig, group_advantages, grpo_loss
 from .rollout import Completion, RolloutPool, RolloutRequest
+from .verifiers import GSM8KVerifier, Reward
 
-EnvKind = Literal["arithmetic", "gsm8k", "math", "code", "ifeval"]
+EnvKind = Literal["arithmetic", "sft_arithmetic", "gsm8k", "math", "code", "ifeval"]
 
 
 @dataclass(kw_only=True)
@@ -79,6 +81,7 @@ class EnvConfig:
     limit: int = 0  # first N problems of a dataset (0: all)
     num_problems: int = 2000  # generated environments
     difficulty: list[int] = field(default_factory=lambda: [1, 2])  # arithmetic
+    digits: int = 2  # sft_arithmetic: operands below 10**digits
     seed: int = 0  # generated environments
     low_effort_fraction: float = 0.0  # prompts switched to low-effort mode (length penalty)
 
@@ -156,6 +159,8 @@ def build_environment(spec: EnvConfig, *, tokenizer: Any = None) -> Environment:
         env: Environment = ArithmeticEnvironment(
             num_problems=spec.num_problems, difficulty=spec.difficulty, seed=spec.seed
         )
+    elif kind == "sft_arithmetic":  # the questions `hybridlm sft` trains on (data/sft.py)
+        env = sft_arithmetic_environment(spec.num_problems, digits=spec.digits, seed=spec.seed)
     elif kind == "gsm8k":
         env = GSM8KEnvironment(_need(spec), limit=limit)
     elif kind == "math":
@@ -175,6 +180,30 @@ def build_environment(spec: EnvConfig, *, tokenizer: Any = None) -> Environment:
     if spec.low_effort_fraction > 0:
         count = (lambda s: len(tokenizer.encode(s, add_bos=False))) if tokenizer else None
         env = LowEffortEnvironment(env, fraction=spec.low_effort_fraction, count_tokens=count)
+    return env
+
+
+class _FinalNumberEnvironment(DatasetEnvironment):
+    def score(self, problem: Problem, completion: str) -> Reward:
+        return self.verifier(completion, problem.answer)
+
+
+def sft_arithmetic_environment(n: int, *, digits: int, seed: int) -> DatasetEnvironment:
+    """"What is a + b?" / "What is a - b?" with `digits`-digit operands, as in the arithmetic
+    chats of `hybridlm sft` (`data.sft.arithmetic_conversations`), scored on the final number."""
+    from ..data.sft import arithmetic_conversations
+
+    problems = [
+        Problem(
+            id=f"sft_arithmetic/{digits}/{seed}/{i}",
+            messages=(conv[0],),
+            answer=conv[1]["content"],
+            metadata={"digits": digits},
+        )
+        for i, conv in enumerate(arithmetic_conversations(n, seed=seed, digits=digits))
+    ]
+    env = _FinalNumberEnvironment(problems, name="sft_arithmetic")
+    env.verifier = GSM8KVerifier()
     return env
 
 
