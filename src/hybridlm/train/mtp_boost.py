@@ -68,6 +68,10 @@ class MTPBoostConfig:
     eval_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     log_interval: int = 10
     seed: int = 0
+    # where prompts come from: "data" (the checkpoint's training data; the stdlib corpus for
+    # transformers directories) or an RL environment kind (e.g. "sft_arithmetic", "arithmetic"):
+    # healing after RL reuses the RL prompts (Nemotron 3 Super §4.7)
+    prompts: str = "data"
 
     def validate(self) -> MTPBoostConfig:
         for name in ("steps", "batch_size", "num_sequences", "prompt_len", "gen_len"):
@@ -413,6 +417,20 @@ def prompts_from_checkpoint(
     return train, held
 
 
+def prompts_from_environment(
+    kind: str, tokenizer: Any, *, n_train: int, n_eval: int, seed: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Chat prompts of an RL environment (`rl.learner.EnvConfig(kind=...)`): boosting prompts
+    from one seed, held-out evaluation prompts from another."""
+    from ..rl.learner import EnvConfig, build_environment
+
+    def prompts(env_seed: int, n: int) -> list[list[int]]:
+        env = build_environment(EnvConfig(kind=kind, seed=env_seed), tokenizer=tokenizer)
+        return [tokenizer.encode(p.prompt) for p in env.sample(n, seed=env_seed)]
+
+    return prompts(seed, n_train), prompts(seed + 1, n_eval)
+
+
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "mtp-boost",
@@ -439,14 +457,19 @@ def cmd_mtp_boost(args: Any) -> None:
     torch.manual_seed(cfg.seed)
     model = HybridLM.from_pretrained(args.checkpoint).float()
     tok = tokenizer_for(args.checkpoint)
-    train, held = prompts_from_checkpoint(
-        args.checkpoint,
-        tok,
-        n_train=cfg.num_sequences,
-        n_eval=cfg.eval_prompts,
-        prompt_len=cfg.prompt_len,
-        seed=cfg.seed,
-    )
+    if cfg.prompts == "data":
+        train, held = prompts_from_checkpoint(
+            args.checkpoint,
+            tok,
+            n_train=cfg.num_sequences,
+            n_eval=cfg.eval_prompts,
+            prompt_len=cfg.prompt_len,
+            seed=cfg.seed,
+        )
+    else:
+        train, held = prompts_from_environment(
+            cfg.prompts, tok, n_train=cfg.num_sequences, n_eval=cfg.eval_prompts, seed=cfg.seed
+        )
     out = Path(args.out or str(Path(args.checkpoint).resolve()) + "-mtp-boost")
     res = run_mtp_boost(model, tok, train, held, cfg, out)
     print(
