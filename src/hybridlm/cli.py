@@ -531,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
 _STAGE_MODULES = (
     ".train.sft",
     ".train.dpo",
+    ".train.distill",
     ".train.mtp_boost",
     ".rl.learner",
     ".eval.harness",

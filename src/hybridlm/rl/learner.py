@@ -189,7 +189,7 @@ class _FinalNumberEnvironment(DatasetEnvironment):
 
 
 def sft_arithmetic_environment(n: int, *, digits: int, seed: int) -> DatasetEnvironment:
-    """"What is a + b?" / "What is a - b?" with `digits`-digit operands, as in the arithmetic
+    """ "What is a + b?" / "What is a - b?" with `digits`-digit operands, as in the arithmetic
     chats of `hybridlm sft` (`data.sft.arithmetic_conversations`), scored on the final number."""
     from ..data.sft import arithmetic_conversations
 

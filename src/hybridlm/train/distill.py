@@ -1,0 +1,824 @@
+"""Knowledge distillation: `run_distill(cfg)` and `hybridlm distill` (SPEC §3 "Distillation").
+
+Shape legend: B rows, L sequence, V vocabulary, K teacher top-k, T selected token positions.
+
+A run is one YAML file with four sections (`configs/distill.yaml`):
+
+    model: tiny-super          # the student's architecture when distill.student is empty
+    data: {...}                # SFTDataConfig: chat sources, tokenizer, packing, held-out split
+    train: {...}               # hybridlm.train.config.TrainConfig (optimizer, schedule, loop)
+    distill: {...}             # DistillConfig: mode, teacher(s), objective, routing
+
+`distill.mode: offline` — the SFT loop (`train.sft.SFTTrainer`: chat data, assistant-only
+masks, best-fit packing, optimizer, schedule, checkpoints with exact resume, metrics.jsonl,
+held-out NLL and greedy exact match) with the loss of each packed micro-batch replaced by a
+distillation loss against a frozen teacher whose logits are computed on the fly under no_grad:
+
+* `objective: topk_forward_kl` — `kl_weight * KL(p_T^top-k || q_S) + ce_weight * CE` with the
+  teacher's top-`top_k` logits (Nemotron 3.5 Lightning: top-128 logits, forward KL + CE with
+  weights 0.9 / 0.1; `train.objectives.distill_loss`);
+* `objective: skew_reverse_kl` — `kl_weight * KL(q_S || a p_T + (1 - a) q_S) + ce_weight * CE`
+  (the skew reverse KL used for Nemotron 3 Super, alpha = `skew_alpha`, default 0.1).
+
+Both are summed over the step's assistant tokens and divided by their global count, so gradient
+accumulation gives the gradient of the step mean. The student may be smaller than the teacher
+(another config) but must share its vocabulary.
+
+`distill.mode: on_policy` — multi-teacher on-policy distillation (MOPD, Nemotron 3.5: token-local
+reverse-KL updates on student-generated responses from domain-specialised teachers). Each step,
+`prompts_per_step` prompts are drawn evenly over the domains of `distill.prompts`; the student
+samples completions through the rollout engine (`rl.rollout.RolloutPool`, inline by default or
+Ray actors) at temperature 1; each completion is scored by the teacher its prompt's domain is
+routed to (`distill.routes`); the student minimises the token-level reverse KL against that
+teacher on its own samples: `on_policy_loss: full` uses the exact per-position
+KL(q_S,t || p_T,t) over the vocabulary (`objectives.reverse_kl`), `sampled` the single-sample
+score-function estimator on the sampled tokens (`objectives.on_policy_distill_loss`). Logged per
+step: the exact reverse KL per teacher, the gap between the engine's and the learner's
+log-probs of the sampled tokens (an on-policy check: ~0), and at each eval the greedy exact
+match of the student (and, at step 0, of each routed teacher) on held-out prompts.
+
+Resume: offline runs resume exactly (the SFT checkpoint: weights, optimizer, loader position,
+RNG). On-policy runs restore weights, optimizer and RNG, and prompt draws are a function of the
+step, but the rollout engine's sampling streams restart, so the samples after a resume differ.
+Teacher logits are recomputed every step (no on-disk cache of the top-k).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gzip
+import json
+import math
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig, read_mapping, write_mapping
+from ..data.chat import STOP, render
+from ..data.sft import Conversation, ReadReport, SFTLoader
+from ..model.model import HybridLM
+from ..presets import PRESETS
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .objectives import (
+    IGNORE_INDEX,
+    distill_loss,
+    on_policy_distill_loss,
+    reverse_kl,
+    shift_targets,
+    skew_reverse_kl,
+    topk_forward_kl,
+)
+from .optim import build_optimizer
+from .schedule import lr_for
+from .sft import (
+    ChatSource,
+    SFTConfig,
+    SFTDataConfig,
+    SFTRunConfig,
+    SFTTrainer,
+    _run_from_dict,
+    _to_plain,
+    add_run_args,
+    answer_matches,
+    autocast,
+    generate_replies,
+    load_model,
+    load_source,
+    plot_post_training,
+    progress_bar,
+    prompt_and_answer,
+    prompt_key,
+    resolve_device,
+    seed_all,
+    truncate_metrics,
+)
+
+Mode = Literal["offline", "on_policy"]
+Objective = Literal["topk_forward_kl", "skew_reverse_kl"]
+
+
+# ---------------------------------------------------------------------------- configs
+@dataclass(kw_only=True)
+class PromptSource:
+    """Prompts of one domain for on-policy distillation. `kind`: `arithmetic` (generated
+    "What is a ± b?" chats), `gsm8k` (GSM8K JSONL at `path`), `file` (chat JSONL / Parquet at
+    `path`; the last assistant turn, if any, is the reference answer) or `humaneval`
+    (HumanEval JSONL(.gz) at `path`; the function stub is the user turn, no reference)."""
+
+    domain: str
+    kind: Literal["arithmetic", "gsm8k", "file", "humaneval"] = "arithmetic"
+    path: str = ""
+    max_rows: int = 0
+    digits: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.domain:
+            raise ValueError("every distill.prompts entry needs a domain (a key of distill.routes)")
+        if self.kind in ("gsm8k", "file", "humaneval") and not self.path:
+            raise ValueError(f"a prompt source of kind {self.kind!r} needs a path")
+        if self.kind == "arithmetic" and self.max_rows <= 0:
+            raise ValueError("an arithmetic prompt source needs max_rows > 0")
+
+
+@dataclass(kw_only=True)
+class DistillConfig:
+    """The distillation objective, teacher(s) and evaluation (module docstring)."""
+
+    mode: Mode = "offline"
+    student: str = ""  # a checkpoint / run dir / HF dir; "" = a fresh `model`
+    # offline
+    teacher: str = ""
+    objective: Objective = "topk_forward_kl"
+    top_k: int = 128  # Nemotron 3.5 Lightning: top-128 teacher logits (clamped to the vocab)
+    kl_weight: float = 0.9
+    ce_weight: float = 0.1
+    temperature: float = 1.0  # softmax temperature of the top-k forward KL
+    skew_alpha: float = 0.1  # skew reverse KL mixing weight of the teacher
+    # on-policy (MOPD)
+    teachers: dict[str, str] = field(default_factory=dict)  # name -> checkpoint
+    routes: dict[str, str] = field(default_factory=dict)  # prompt domain -> teacher name
+    prompts: list[PromptSource] = field(default_factory=list)
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 1
+    max_new_tokens: int = 64  # sampled completion length
+    on_policy_loss: Literal["full", "sampled"] = "full"
+    executor: Literal["inline", "ray"] = "inline"
+    num_workers: int = 1
+    # eval
+    eval_generate: int = 32  # held-out prompts answered greedily for exact match (0: none)
+    eval_max_new_tokens: int = 96
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("offline", "on_policy"):
+            raise ValueError(f"distill.mode must be offline or on_policy, got {self.mode!r}")
+        if self.objective not in ("topk_forward_kl", "skew_reverse_kl"):
+            raise ValueError(
+                "distill.objective must be topk_forward_kl or skew_reverse_kl, "
+                f"got {self.objective!r}"
+            )
+        if self.top_k < 1 or self.temperature <= 0:
+            raise ValueError("distill.top_k must be >= 1 and distill.temperature > 0")
+        if self.kl_weight < 0 or self.ce_weight < 0 or self.kl_weight + self.ce_weight == 0:
+            raise ValueError("distill.kl_weight and ce_weight must be >= 0, not both 0")
+        if not 0 < self.skew_alpha <= 1:
+            raise ValueError(f"distill.skew_alpha must be in (0, 1], got {self.skew_alpha}")
+        if self.prompts_per_step < 1 or self.samples_per_prompt < 1 or self.max_new_tokens < 1:
+            raise ValueError("distill.prompts_per_step, samples_per_prompt, max_new_tokens >= 1")
+        if self.on_policy_loss not in ("full", "sampled"):
+            raise ValueError(
+                f"distill.on_policy_loss must be full or sampled: {self.on_policy_loss}"
+            )
+        if self.eval_generate < 0 or self.eval_max_new_tokens < 1 or self.num_workers < 1:
+            raise ValueError("distill.eval_generate >= 0, eval_max_new_tokens, num_workers >= 1")
+
+    def check(self) -> None:
+        """The settings the chosen mode needs (checked when a run starts)."""
+        if self.mode == "offline" and not self.teacher:
+            raise ValueError("distill.mode offline needs distill.teacher (a checkpoint path)")
+        if self.mode == "on_policy":
+            self._check_routing()
+
+    def _check_routing(self) -> None:
+        if not self.teachers:
+            raise ValueError("distill.mode on_policy needs distill.teachers: {name: checkpoint}")
+        if not self.prompts:
+            raise ValueError("distill.mode on_policy needs distill.prompts (a list of sources)")
+        domains = {p.domain for p in self.prompts}
+        unrouted = sorted(domains - set(self.routes))
+        if unrouted:
+            raise ValueError(
+                f"prompt domain(s) {unrouted} have no teacher: add them to distill.routes "
+                f"(domain -> one of {sorted(self.teachers)})"
+            )
+        unknown = sorted({t for t in self.routes.values() if t not in self.teachers})
+        if unknown:
+            raise ValueError(
+                f"distill.routes names teacher(s) {unknown} that are not in distill.teachers "
+                f"{sorted(self.teachers)}"
+            )
+
+
+@dataclass(kw_only=True)
+class DistillRunConfig:
+    model: ModelConfig | str = "tiny-super"
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.model, str) and self.model not in PRESETS:
+            raise ValueError(f"model {self.model!r} is not a preset; use one of {sorted(PRESETS)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DistillRunConfig:
+        if isinstance(data, dict) and "distill" not in data:
+            raise ValueError("a distillation run config needs a `distill` section (mode, teacher)")
+        return _run_from_dict(cls, data, {"data": SFTDataConfig, "distill": DistillConfig})
+
+    def save(self, path: str | Path) -> None:
+        write_mapping(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> DistillRunConfig:
+        return cls.from_dict(read_mapping(path, "distillation run config"))
+
+
+# ---------------------------------------------------------------------------- teachers
+def load_teacher(path: str, *, device: torch.device, tokenizer: Any) -> HybridLM:
+    """A frozen teacher (eval mode, no grad) from a checkpoint, run dir or HF dir."""
+    if not path or not Path(path).exists():
+        raise ValueError(f"teacher checkpoint not found: {path!r}")
+    teacher = HybridLM.from_pretrained(path).to(device).eval()
+    teacher.requires_grad_(False)
+    if tokenizer.vocab_size > teacher.config.vocab_size:
+        raise ValueError(
+            f"teacher {path} has vocab_size {teacher.config.vocab_size} but the tokenizer has "
+            f"{tokenizer.vocab_size} ids: distillation needs the teacher's tokenizer"
+        )
+    return teacher
+
+
+def check_vocab(student: HybridLM, teacher: HybridLM, name: str) -> None:
+    """Logit distillation compares distributions id by id: the vocabularies must match."""
+    vs, vt = student.config.vocab_size, teacher.config.vocab_size
+    if vs != vt:
+        raise ValueError(
+            f"student vocab_size {vs} != teacher {name!r} vocab_size {vt}: logit distillation "
+            "needs the same tokenizer and vocabulary (set the student's model.vocab_size)"
+        )
+
+
+# ---------------------------------------------------------------------------- offline
+def offline_distill_loss(
+    student_logits_BLV: torch.Tensor,
+    teacher_logits_BLV: torch.Tensor,
+    labels_BL: torch.Tensor,
+    dc: DistillConfig,
+    *,
+    denom: int,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The offline loss of one micro-batch over its assistant positions (logits at t predict
+    labels[t + 1]), summed and divided by the step's global token count `denom`."""
+    targets_BL = shift_targets(labels_BL, 1)
+    mask_BL = targets_BL != IGNORE_INDEX
+    s_TV, t_TV = student_logits_BLV[mask_BL], teacher_logits_BLV[mask_BL].float()
+    tgt_T = targets_BL[mask_BL]
+    if dc.objective == "topk_forward_kl":
+        k = min(dc.top_k, t_TV.shape[-1])
+        top_TK, ids_TK = t_TV.topk(k, dim=-1)
+        loss, parts = distill_loss(
+            s_TV,
+            tgt_T,
+            top_TK,
+            ids_TK,
+            kl_weight=dc.kl_weight,
+            ce_weight=dc.ce_weight,
+            temperature=dc.temperature,
+            denom=denom,
+        )
+        kl, ce = parts["kl"], parts["ce"]
+    else:
+        kl_t = skew_reverse_kl(s_TV, t_TV, alpha=dc.skew_alpha, denom=denom)
+        ce_t = F.cross_entropy(s_TV.float(), tgt_T, reduction="sum") / denom
+        loss = dc.kl_weight * kl_t + dc.ce_weight * ce_t
+        kl, ce = kl_t.detach(), ce_t.detach()
+    return loss, {"kl": float(kl), "ce": float(ce), "nll_token": float(ce)}
+
+
+class OfflineDistiller(SFTTrainer):
+    """The SFT trainer with a teacher: same data, loop, checkpoints and eval; the micro-batch
+    loss is `offline_distill_loss`, and evals add the held-out top-k forward KL."""
+
+    def __init__(self, run: DistillRunConfig, *, resume: bool = False) -> None:
+        dc = run.distill
+        sft_run = SFTRunConfig(
+            model=run.model,
+            data=run.data,
+            train=dataclasses.replace(run.train, plot=False),  # the distill plot is drawn below
+            sft=SFTConfig(
+                init_from=dc.student,
+                loss_norm="token",  # global token mean (DESIGN habit 13)
+                mtp_weight=0.0,
+                mtp_depth=0,
+                eval_generate=dc.eval_generate,
+                max_new_tokens=dc.eval_max_new_tokens,
+            ),
+        )
+        self.distill_run, self.dcfg = run, dc
+        super().__init__(sft_run, resume=resume)
+        self.teacher = load_teacher(dc.teacher, device=self.device, tokenizer=self.tokenizer)
+        check_vocab(self.model, self.teacher, dc.teacher)
+
+    def micro_loss(
+        self, batch: dict[str, torch.Tensor], *, norm: str, num_tokens: int, num_convs: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        dev = self.device
+        ids_BL, labels_BL = batch["input_ids"].to(dev), batch["labels"].to(dev)
+        doc_BL = batch["doc_ids"].to(dev)
+        with autocast(self.tc, dev):
+            out = self.model(ids_BL, doc_ids=doc_BL, mtp_depth=0, return_logits=True)
+            with torch.no_grad():
+                teacher_BLV = self.teacher(ids_BL, doc_ids=doc_BL, mtp_depth=0).logits
+        loss, parts = offline_distill_loss(
+            out.logits, teacher_BLV, labels_BL, self.dcfg, denom=max(1, num_tokens)
+        )
+        aux = out.losses.get("moe_aux")
+        if aux is not None:
+            loss = loss + aux / self.tc.grad_accum
+            parts["moe_aux"] = float(aux.detach()) / self.tc.grad_accum
+        return loss, parts
+
+    @torch.no_grad()
+    def held_out_kl(self) -> float:
+        """Token mean of the top-k forward KL(teacher || student) on the held-out assistant
+        tokens (the distance the distillation closes)."""
+        loader = SFTLoader(
+            self.held_examples,
+            seq_len=self.dc.seq_len,
+            batch_size=self.dc.batch_size,
+            sequential=True,
+        )
+        kl_sum, n = 0.0, 0
+        for batch in loader:
+            ids_BL, doc_BL = batch["input_ids"].to(self.device), batch["doc_ids"].to(self.device)
+            targets_BL = shift_targets(batch["labels"].to(self.device), 1)
+            mask_BL = targets_BL != IGNORE_INDEX
+            s_TV = self.model(ids_BL, doc_ids=doc_BL, mtp_depth=0).logits[mask_BL]
+            t_TV = self.teacher(ids_BL, doc_ids=doc_BL, mtp_depth=0).logits[mask_BL].float()
+            top_TK, ids_TK = t_TV.topk(min(self.dcfg.top_k, t_TV.shape[-1]), dim=-1)
+            kl_sum += float(topk_forward_kl(s_TV, top_TK, ids_TK, denom=1))
+            n += int(mask_BL.sum())
+        return kl_sum / max(1, n)
+
+    def evaluate(self) -> dict[str, float]:
+        row = super().evaluate()
+        if self.held_examples:
+            self.model.eval()
+            try:
+                row["eval_kl"] = self.held_out_kl()
+            finally:
+                self.model.train()
+        return row
+
+    @torch.no_grad()
+    def teacher_reference(self) -> dict[str, float]:
+        """The teacher's held-out NLL and exact match: what the student moves toward."""
+        student, self.model = self.model, self.teacher
+        try:
+            row = SFTTrainer.evaluate(self)
+        finally:
+            self.model = student
+            self.model.train()
+            self.teacher.eval()
+        return {f"teacher_{k.removeprefix('eval_')}": v for k, v in row.items()}
+
+    def save(self) -> Path:
+        meta = {
+            "run_config": {**self.distill_run.to_dict(), "model": self.model_cfg.to_dict()},
+            "stage": "distill",
+            "skipped_steps": self.skipped_steps,
+            "total_steps": self.total_steps,
+            "tokens_seen": self.step * self.tokens_per_step,
+            "loader": self.loader.state_dict(),
+        }
+        return save_checkpoint(
+            self.out,
+            step=self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            meta=meta,
+            keep_last_n=self.tc.keep_last_n,
+        )
+
+    def train(self, *, until_step: int | None = None) -> dict[str, Any]:
+        if self.step == 0 and self.held_examples:
+            self._log({"kind": "teacher", "step": 0, **self.teacher_reference()})
+        result = super().train(until_step=until_step)
+        plot = None
+        if self.distill_run.train.plot and self.step == self.total_steps:
+            plot = plot_post_training(
+                self.metrics_path,
+                self.out / "distill.png",
+                ("loss", "kl", "ce"),
+                ("eval_loss", "eval_accuracy", "eval_kl"),
+            )
+        return {**result, "plot": str(plot) if plot else None}
+
+
+# ---------------------------------------------------------------------------- on-policy
+@dataclass
+class PromptItem:
+    domain: str
+    prompt: Conversation
+    answer: str  # "" when the source has no reference answer
+    ids: list[int] = field(default_factory=list)
+
+
+def load_prompts(src: PromptSource, report: ReadReport) -> list[PromptItem]:
+    """The prompts (and reference answers) of one `PromptSource`."""
+    if src.kind == "humaneval":
+        path = Path(src.path)
+        if not path.is_file():
+            raise ValueError(f"HumanEval file not found: {src.path}")
+        opener = gzip.open if path.suffix == ".gz" else open
+        items = []
+        with opener(path, "rt") as f:
+            for line in f:
+                if line.strip():
+                    row = json.loads(line)
+                    msg = {"role": "user", "content": row["prompt"]}
+                    items.append(PromptItem(src.domain, [msg], ""))
+                if src.max_rows and len(items) >= src.max_rows:
+                    break
+        report.rows += len(items)
+        report.kept += len(items)
+        return items
+    chat = ChatSource(
+        kind=src.kind, path=src.path, max_rows=src.max_rows, digits=src.digits, seed=src.seed
+    )
+    items = []
+    for conv in load_source(chat, report):
+        if any(m.get("role") == "assistant" for m in conv):
+            prompt, answer = prompt_and_answer(conv)
+        else:
+            prompt, answer = conv, ""
+        items.append(PromptItem(src.domain, prompt, answer))
+    return items
+
+
+class OnPolicyDistiller:
+    """Student, teachers, prompt pools, rollout pool and counters of one MOPD run."""
+
+    def __init__(self, run: DistillRunConfig, *, resume: bool = False) -> None:
+        from ..data.bpe import load_tokenizer
+        from ..rl.rollout import RolloutPool
+
+        self.run, self.tc, self.dc, self.cfg = run, run.train, run.data, run.distill
+        tc, dc, cfg = self.tc, self.dc, self.cfg
+        self.out = Path(tc.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.device = resolve_device(tc.device)
+        seed_all(tc.seed)
+        self.tokenizer = load_tokenizer(dc.tokenizer)
+
+        # prompts: per domain, a held-out split (prompts with reference answers) and the rest
+        self.read_report = ReadReport()
+        items: list[PromptItem] = []
+        for src in cfg.prompts:
+            items += load_prompts(src, self.read_report)
+        too_long = 0
+        for it in items:
+            it.ids = self.tokenizer.encode(render(it.prompt, add_generation_prompt=True))
+        budget = dc.seq_len - cfg.max_new_tokens
+        kept = [it for it in items if len(it.ids) <= budget]
+        too_long = len(items) - len(kept)
+        rng = np.random.default_rng([dc.seed, 7])
+        self.held: list[PromptItem] = []
+        self.train_items: dict[str, list[PromptItem]] = defaultdict(list)
+        for domain in dict.fromkeys(p.domain for p in cfg.prompts):
+            pool = [it for it in kept if it.domain == domain]
+            answered = [i for i, it in enumerate(pool) if it.answer]
+            n_held = min(dc.held_out, max(0, len(answered) - 1))
+            held_idx = (
+                set(rng.choice(answered, n_held, replace=False).tolist()) if n_held else set()
+            )
+            held_keys = {prompt_key([*pool[i].prompt, {"role": "assistant"}]) for i in held_idx}
+            self.held += [pool[i] for i in sorted(held_idx)]
+            self.train_items[domain] = [
+                it
+                for i, it in enumerate(pool)
+                if i not in held_idx
+                and prompt_key([*it.prompt, {"role": "assistant"}]) not in held_keys
+            ]
+            if not self.train_items[domain]:
+                raise ValueError(
+                    f"prompt domain {domain!r} has no training prompts that fit data.seq_len="
+                    f"{dc.seq_len} minus distill.max_new_tokens={cfg.max_new_tokens}"
+                )
+        self.data_info = {
+            "read": self.read_report.summary(),
+            "too_long": too_long,
+            "train_prompts": {d: len(v) for d, v in self.train_items.items()},
+            "held_out": dict(Counter(it.domain for it in self.held)),
+        }
+
+        # student, teachers, optimizer, rollouts
+        self.model = load_model(cfg.student, run.model, seed=tc.seed, device=self.device)
+        if self.tokenizer.vocab_size > self.model.config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {self.tokenizer.vocab_size} ids but the student's vocab_size "
+                f"is {self.model.config.vocab_size}"
+            )
+        self.teachers: dict[str, HybridLM] = {}
+        for name, path in cfg.teachers.items():
+            if name in cfg.routes.values():  # unused teachers are not loaded
+                self.teachers[name] = load_teacher(
+                    path, device=self.device, tokenizer=self.tokenizer
+                )
+                check_vocab(self.model, self.teachers[name], name)
+        self.optimizer = build_optimizer(self.model, tc)
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.tokens_per_step = cfg.prompts_per_step * cfg.samples_per_prompt * dc.seq_len
+        self.total_steps = tc.num_steps(self.tokens_per_step)
+        self.step = 0
+        self.resumed_from: Path | None = None
+        if resume and (path := latest_checkpoint(self.out)) is not None:
+            meta = load_checkpoint(path, self.model, self.optimizer, restore_rng=True)
+            self.step = meta["step"]
+            self.resumed_from = path
+            truncate_metrics(self.metrics_path, self.step)
+        elif self.metrics_path.exists():
+            self.metrics_path.unlink()
+        self.pool = RolloutPool(
+            self.model.config,
+            self.tokenizer,
+            self.model.state_dict(),
+            executor=cfg.executor,
+            num_workers=cfg.num_workers,
+            seed=tc.seed,
+        )
+        self.params_sampling = {
+            "max_tokens": cfg.max_new_tokens,
+            "temperature": 1.0,  # samples from q_S itself: the reverse KL is taken at T = 1
+            "stop": [STOP],
+            "include_stop_str_in_output": True,
+        }
+
+    # ------------------------------------------------------------------ prompts and routing
+    def draw(self, step: int) -> list[PromptItem]:
+        """`prompts_per_step` prompts drawn evenly over the domains (reproducible per step)."""
+        rng = np.random.default_rng([self.tc.seed, 11, step])
+        domains = list(self.train_items)
+        out = []
+        for j in range(self.cfg.prompts_per_step):
+            pool = self.train_items[domains[j % len(domains)]]
+            out.append(pool[int(rng.integers(len(pool)))])
+        return out
+
+    def route(self, item: PromptItem) -> str:
+        """The teacher that scores samples of this prompt (distill.routes by domain)."""
+        return self.cfg.routes[item.domain]
+
+    # ------------------------------------------------------------------ one step
+    def sample(self, items: list[PromptItem], step: int) -> list[Any]:
+        from ..rl.rollout import RolloutRequest
+
+        if step > 0:
+            self.pool.set_weights(self.model.state_dict(), version=step)
+        reqs = [
+            RolloutRequest(key=f"{i}", prompt_ids=it.ids, group_size=self.cfg.samples_per_prompt)
+            for i, it in enumerate(items)
+        ]
+        self.pool.submit(reqs, self.params_sampling)
+        return [c for _, comps in self.pool.wait(num=1) for c in comps]
+
+    def train_step(self) -> dict[str, Any]:
+        tc, cfg, dev = self.tc, self.cfg, self.device
+        self.model.train()
+        items = self.draw(self.step)
+        comps = [c for c in self.sample(items, self.step) if c.token_ids]
+        B = len(comps)
+        width = max(len(c.prompt_ids) + len(c.token_ids) for c in comps)
+        ids_BL = torch.zeros(B, width, dtype=torch.long)
+        mask_BL = torch.zeros(B, width, dtype=torch.bool)  # logits at t predict a sampled token
+        engine_lp_BL = torch.zeros(B, width)
+        for b, c in enumerate(comps):
+            seq = c.prompt_ids + c.token_ids
+            ids_BL[b, : len(seq)] = torch.tensor(seq)
+            P, n = len(c.prompt_ids), len(c.token_ids)
+            mask_BL[b, P - 1 : P - 1 + n] = True
+            engine_lp_BL[b, P - 1 : P - 1 + n] = torch.tensor(c.logprobs)
+        ids_BL, mask_BL, engine_lp_BL = ids_BL.to(dev), mask_BL.to(dev), engine_lp_BL.to(dev)
+        targets_BL = torch.cat([ids_BL[:, 1:], ids_BL[:, :1]], dim=1)  # right padding: causal
+        n_tok = int(mask_BL.sum())
+        teacher_of = [self.route(items[int(c.key)]) for c in comps]
+
+        with autocast(tc, dev):
+            out = self.model(ids_BL, mtp_depth=0, return_logits=True)
+        logq_BLV = torch.log_softmax(out.logits.float(), dim=-1)
+        logq_BL = logq_BLV.gather(-1, targets_BL.unsqueeze(-1)).squeeze(-1)
+        loss = out.logits.new_zeros((), dtype=torch.float32)
+        parts: dict[str, Any] = {}
+        for name, teacher in self.teachers.items():
+            rows = [b for b, t in enumerate(teacher_of) if t == name]
+            if not rows:
+                continue
+            rows_t = torch.tensor(rows, device=dev)
+            with torch.no_grad(), autocast(tc, dev):
+                t_BLV = teacher(ids_BL[rows_t], mtp_depth=0).logits.float()
+            m_BL = mask_BL[rows_t]
+            s_TV, t_TV = out.logits[rows_t][m_BL], t_BLV[m_BL]
+            # exact token-level reverse KL of this teacher's samples (token mean, for the log)
+            kl_exact = reverse_kl(s_TV.detach(), t_TV)
+            if cfg.on_policy_loss == "full":
+                term = reverse_kl(s_TV, t_TV, denom=n_tok)
+            else:
+                logp_T = (
+                    torch.log_softmax(t_TV, -1)
+                    .gather(-1, targets_BL[rows_t][m_BL].unsqueeze(-1))
+                    .squeeze(-1)
+                )
+                term, _ = on_policy_distill_loss(logq_BL[rows_t][m_BL], logp_T, denom=n_tok)
+            loss = loss + term
+            parts[f"kl/{name}"] = float(kl_exact)
+            parts[f"tokens/{name}"] = int(m_BL.sum())
+        aux = out.losses.get("moe_aux")
+        if aux is not None:
+            loss = loss + aux
+            parts["moe_aux"] = float(aux.detach())
+        loss.backward()
+        max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        lr = lr_for(tc, self.step, self.total_steps)
+        finite = math.isfinite(float(loss.detach())) and math.isfinite(grad_norm)
+        if finite:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.model.update_moe_bias()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        with torch.no_grad():
+            gap = float(((logq_BL - engine_lp_BL).abs() * mask_BL).sum()) / max(1, n_tok)
+        return {
+            "step": self.step,
+            "loss": float(loss.detach()),
+            **parts,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "sampled_tokens": n_tok,
+            "mean_completion_len": n_tok / max(1, B),
+            "logprob_gap": gap,
+            "skipped": not finite,
+        }
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def exact_match(self, model: HybridLM, items: list[PromptItem]) -> float:
+        replies = generate_replies(
+            model,
+            self.tokenizer,
+            [it.prompt for it in items],
+            max_new_tokens=self.cfg.eval_max_new_tokens,
+        )
+        return sum(
+            answer_matches(r, it.answer) for r, it in zip(replies, items, strict=True)
+        ) / max(1, len(items))
+
+    def eval_items(self) -> dict[str, list[PromptItem]]:
+        by_domain: dict[str, list[PromptItem]] = defaultdict(list)
+        for it in self.held:
+            if len(by_domain[it.domain]) < self.cfg.eval_generate:
+                by_domain[it.domain].append(it)
+        return by_domain
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy exact match of the student per domain with reference answers."""
+        self.model.eval()
+        try:
+            return {
+                f"eval_accuracy/{d}": self.exact_match(self.model, its)
+                for d, its in self.eval_items().items()
+            }
+        finally:
+            self.model.train()
+
+    def teacher_reference(self) -> dict[str, float]:
+        """Greedy exact match of each domain's routed teacher."""
+        return {
+            f"teacher_accuracy/{d}": self.exact_match(self.teachers[self.cfg.routes[d]], its)
+            for d, its in self.eval_items().items()
+        }
+
+    # ------------------------------------------------------------------ loop
+    def save(self) -> Path:
+        meta = {
+            "run_config": {**self.run.to_dict(), "model": self.model.config.to_dict()},
+            "stage": "distill_on_policy",
+            "total_steps": self.total_steps,
+        }
+        return save_checkpoint(
+            self.out,
+            step=self.step,
+            model=self.model,
+            optimizer=self.optimizer,
+            meta=meta,
+            keep_last_n=self.tc.keep_last_n,
+        )
+
+    def _log(self, row: dict[str, Any]) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def train(self, *, until_step: int | None = None) -> dict[str, Any]:
+        tc = self.tc
+        end = self.total_steps if until_step is None else min(until_step, self.total_steps)
+        last_eval: dict[str, float] = {}
+        if self.step == 0:
+            self._log({"kind": "data", "step": 0, **self.data_info})
+            if self.held and self.cfg.eval_generate:
+                self._log({"kind": "teacher", "step": 0, **self.teacher_reference()})
+                last_eval = self.evaluate()
+                self._log({"kind": "eval", "step": 0, **last_eval})
+        last_ckpt, row = self.resumed_from, {}
+        t0 = time.perf_counter()
+        try:
+            with progress_bar("distill", tc.progress) as bar:
+                task = bar.add_task("", total=self.total_steps, completed=self.step, info="")
+                while self.step < end:
+                    m = self.train_step()
+                    if self.step % tc.log_interval == 0 or self.step == end:
+                        now = time.perf_counter()
+                        row = {
+                            "kind": "train",
+                            **{k: v for k, v in m.items() if k != "skipped"},
+                            "s_per_step": (now - t0) / tc.log_interval,
+                        }
+                        t0 = now
+                        self._log(row)
+                        kls = " ".join(f"{k} {v:.3f}" for k, v in m.items() if k[:3] == "kl/")
+                        bar.update(task, info=kls)
+                    bar.update(task, completed=self.step)
+                    final = self.step == self.total_steps
+                    if (
+                        self.held
+                        and self.cfg.eval_generate
+                        and ((tc.eval_interval and self.step % tc.eval_interval == 0) or final)
+                    ):
+                        last_eval = self.evaluate()
+                        self._log({"kind": "eval", "step": self.step, **last_eval})
+                        bar.console.print(
+                            f"step {self.step}: "
+                            + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
+                        )
+                    if (
+                        tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0
+                    ) or final:
+                        last_ckpt = self.save()
+                    t0 = time.perf_counter() if final else t0
+        finally:
+            self.pool.shutdown()
+        plot = None
+        if tc.plot and self.step == self.total_steps and self.metrics_path.exists():
+            keys = [f"kl/{n}" for n in self.teachers]
+            plot = plot_post_training(self.metrics_path, self.out / "distill.png", keys)
+        return {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "last_train": row,
+            "eval": last_eval,
+            "checkpoint": str(last_ckpt) if last_ckpt else None,
+            "metrics": str(self.metrics_path),
+            "plot": str(plot) if plot else None,
+            "data": self.data_info,
+        }
+
+
+# ---------------------------------------------------------------------------- entry points
+def run_distill(
+    cfg: DistillRunConfig, *, resume: bool = False, until_step: int | None = None
+) -> dict[str, Any]:
+    """Run offline or on-policy distillation from a config; returns the final metrics,
+    checkpoint and plot paths. `resume=True` continues from the newest checkpoint."""
+    cfg = copy.deepcopy(cfg)
+    cfg.distill.check()
+    trainer: OfflineDistiller | OnPolicyDistiller
+    if cfg.distill.mode == "offline":
+        trainer = OfflineDistiller(cfg, resume=resume)
+    else:
+        trainer = OnPolicyDistiller(cfg, resume=resume)
+    cfg.save(Path(cfg.train.out_dir) / "run.yaml")
+    return trainer.train(until_step=until_step)
+
+
+def cmd_distill(args: argparse.Namespace) -> None:
+    from .config import apply_run_overrides
+
+    cfg = DistillRunConfig.load(args.config)
+    if args.overrides:
+        cfg = apply_run_overrides(cfg, args.overrides)
+    result = run_distill(cfg, resume=args.resume)
+    print(json.dumps({k: result[k] for k in ("step", "eval", "checkpoint", "plot")}, indent=1))
+
+
+def register(sub: Any) -> None:
+    """Add `hybridlm distill` to an argparse subparsers object."""
+    p = sub.add_parser(
+        "distill", help="distillation: offline top-k KL + CE, or on-policy multi-teacher"
+    )
+    add_run_args(p, "configs/distill.yaml")
+    p.set_defaults(fn=cmd_distill)
