@@ -47,11 +47,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import gzip
 import json
 import math
-import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +79,7 @@ from .optim import build_optimizer
 from .schedule import lr_for
 from .sft import (
     ChatSource,
+    PostTrainingLoop,
     SFTConfig,
     SFTDataConfig,
     SFTRunConfig,
@@ -93,8 +92,6 @@ from .sft import (
     generate_replies,
     load_model,
     load_source,
-    plot_post_training,
-    progress_bar,
     prompt_and_answer,
     prompt_key,
     resolve_device,
@@ -302,12 +299,19 @@ class OfflineDistiller(SFTTrainer):
     """The SFT trainer with a teacher: same data, loop, checkpoints and eval; the micro-batch
     loss is `offline_distill_loss`, and evals add the held-out top-k forward KL."""
 
+    stage = "distill"
+    plot_train = ("loss", "kl", "ce")
+    plot_eval = ("eval_loss", "eval_accuracy", "eval_kl")
+
+    def progress_info(self, m: dict[str, Any]) -> str:
+        return " ".join(f"{k} {m[k]:.4f}" for k in ("loss", "kl", "ce") if k in m)
+
     def __init__(self, run: DistillRunConfig, *, resume: bool = False) -> None:
         dc = run.distill
         sft_run = SFTRunConfig(
             model=run.model,
             data=run.data,
-            train=dataclasses.replace(run.train, plot=False),  # the distill plot is drawn below
+            train=run.train,
             sft=SFTConfig(
                 init_from=dc.student,
                 loss_norm="token",  # global token mean (DESIGN habit 13)
@@ -403,19 +407,13 @@ class OfflineDistiller(SFTTrainer):
             keep_last_n=self.tc.keep_last_n,
         )
 
-    def train(self, *, until_step: int | None = None) -> dict[str, Any]:
-        if self.step == 0 and self.held_examples:
-            self._log({"kind": "teacher", "step": 0, **self.teacher_reference()})
-        result = super().train(until_step=until_step)
-        plot = None
-        if self.distill_run.train.plot and self.step == self.total_steps:
-            plot = plot_post_training(
-                self.metrics_path,
-                self.out / "distill.png",
-                ("loss", "kl", "ce"),
-                ("eval_loss", "eval_accuracy", "eval_kl"),
-            )
-        return {**result, "plot": str(plot) if plot else None}
+    def start_rows(self) -> list[dict[str, Any]]:
+        """The teacher's own held-out NLL and exact match, the reference the student moves to."""
+        return (
+            [{"kind": "teacher", "step": 0, **self.teacher_reference()}]
+            if self.held_examples
+            else []
+        )
 
 
 # ---------------------------------------------------------------------------- on-policy
@@ -459,8 +457,14 @@ def load_prompts(src: PromptSource, report: ReadReport) -> list[PromptItem]:
     return items
 
 
-class OnPolicyDistiller:
+class OnPolicyDistiller(PostTrainingLoop):
     """Student, teachers, prompt pools, rollout pool and counters of one MOPD run."""
+
+    stage = "distill"
+
+    @property
+    def plot_train(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(f"kl/{n}" for n in self.teachers)
 
     def __init__(self, run: DistillRunConfig, *, resume: bool = False) -> None:
         from ..data.bpe import load_tokenizer
@@ -720,72 +724,19 @@ class OnPolicyDistiller:
             keep_last_n=self.tc.keep_last_n,
         )
 
-    def _log(self, row: dict[str, Any]) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    def data_summary(self) -> dict[str, Any]:
+        return self.data_info
 
-    def train(self, *, until_step: int | None = None) -> dict[str, Any]:
-        tc = self.tc
-        end = self.total_steps if until_step is None else min(until_step, self.total_steps)
-        last_eval: dict[str, float] = {}
-        if self.step == 0:
-            self._log({"kind": "data", "step": 0, **self.data_info})
-            if self.held and self.cfg.eval_generate:
-                self._log({"kind": "teacher", "step": 0, **self.teacher_reference()})
-                last_eval = self.evaluate()
-                self._log({"kind": "eval", "step": 0, **last_eval})
-        last_ckpt, row = self.resumed_from, {}
-        t0 = time.perf_counter()
-        try:
-            with progress_bar("distill", tc.progress) as bar:
-                task = bar.add_task("", total=self.total_steps, completed=self.step, info="")
-                while self.step < end:
-                    m = self.train_step()
-                    if self.step % tc.log_interval == 0 or self.step == end:
-                        now = time.perf_counter()
-                        row = {
-                            "kind": "train",
-                            **{k: v for k, v in m.items() if k != "skipped"},
-                            "s_per_step": (now - t0) / tc.log_interval,
-                        }
-                        t0 = now
-                        self._log(row)
-                        kls = " ".join(f"{k} {v:.3f}" for k, v in m.items() if k[:3] == "kl/")
-                        bar.update(task, info=kls)
-                    bar.update(task, completed=self.step)
-                    final = self.step == self.total_steps
-                    if (
-                        self.held
-                        and self.cfg.eval_generate
-                        and ((tc.eval_interval and self.step % tc.eval_interval == 0) or final)
-                    ):
-                        last_eval = self.evaluate()
-                        self._log({"kind": "eval", "step": self.step, **last_eval})
-                        bar.console.print(
-                            f"step {self.step}: "
-                            + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
-                        )
-                    if (
-                        tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0
-                    ) or final:
-                        last_ckpt = self.save()
-                    t0 = time.perf_counter() if final else t0
-        finally:
-            self.pool.shutdown()
-        plot = None
-        if tc.plot and self.step == self.total_steps and self.metrics_path.exists():
-            keys = [f"kl/{n}" for n in self.teachers]
-            plot = plot_post_training(self.metrics_path, self.out / "distill.png", keys)
-        return {
-            "step": self.step,
-            "total_steps": self.total_steps,
-            "last_train": row,
-            "eval": last_eval,
-            "checkpoint": str(last_ckpt) if last_ckpt else None,
-            "metrics": str(self.metrics_path),
-            "plot": str(plot) if plot else None,
-            "data": self.data_info,
-        }
+    def start_rows(self) -> list[dict[str, Any]]:
+        if not (self.held and self.cfg.eval_generate):
+            return []
+        return [{"kind": "teacher", "step": 0, **self.teacher_reference()}]
+
+    def progress_info(self, m: dict[str, Any]) -> str:
+        return " ".join(f"{k} {v:.3f}" for k, v in m.items() if k[:3] == "kl/")
+
+    def close(self) -> None:
+        self.pool.shutdown()
 
 
 # ---------------------------------------------------------------------------- entry points

@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import json
 import math
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from .optim import build_optimizer
 from .schedule import lr_for
 from .sft import (
     ChatSource,
+    PostTrainingLoop,
     _run_from_dict,
     _to_plain,
     add_run_args,
@@ -59,7 +59,6 @@ from .sft import (
     generate_replies,
     load_model,
     load_source,
-    plot_post_training,
     progress_bar,
     prompt_and_answer,
     prompt_key,
@@ -424,7 +423,21 @@ class DPORunConfig:
 
 
 # ---------------------------------------------------------------------------- the trainer
-class DPOTrainer:
+class DPOTrainer(PostTrainingLoop):
+    """Policy, reference log-probs, pairs and optimizer of one DPO run; `train()` runs it."""
+
+    stage = "dpo"
+    plot_train = ("loss", "reward_accuracy", "reward_margin")
+    plot_eval = ("eval_loss", "eval_reward_accuracy", "eval_reward_margin", "eval_accuracy")
+    rate_key = "pairs_per_s"
+
+    @property
+    def units_per_step(self) -> int:  # type: ignore[override]
+        return self.pairs_per_step
+
+    def progress_info(self, m: dict[str, Any]) -> str:
+        return f"loss {m['loss']:.4f} acc {m['reward_accuracy']:.2f}"
+
     def __init__(self, run: DPORunConfig, *, resume: bool = False) -> None:
         from ..data.bpe import load_tokenizer
 
@@ -655,65 +668,6 @@ class DPOTrainer:
             meta=meta,
             keep_last_n=self.tc.keep_last_n,
         )
-
-    def _log(self, row: dict[str, Any]) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def train(self, *, until_step: int | None = None) -> dict[str, Any]:
-        tc = self.tc
-        end = self.total_steps if until_step is None else min(until_step, self.total_steps)
-        last_eval: dict[str, float] = {}
-        if self.step == 0:
-            self._log({"kind": "data", "step": 0, **self.data_summary()})
-            last_eval = self.evaluate()
-            if last_eval:
-                self._log({"kind": "eval", "step": 0, **last_eval})
-        last_ckpt = self.resumed_from
-        row: dict[str, Any] = {}
-        t0 = time.perf_counter()
-        with progress_bar("dpo", tc.progress) as bar:
-            task = bar.add_task("", total=self.total_steps, completed=self.step, info="")
-            while self.step < end:
-                m = self.train_step()
-                if self.step % tc.log_interval == 0 or self.step == end:
-                    now = time.perf_counter()
-                    row = {
-                        "kind": "train",
-                        **{k: v for k, v in m.items() if k != "skipped"},
-                        "pairs_per_s": tc.log_interval * self.pairs_per_step / (now - t0),
-                    }
-                    t0 = now
-                    self._log(row)
-                    bar.update(task, info=f"loss {m['loss']:.4f} acc {m['reward_accuracy']:.2f}")
-                bar.update(task, completed=self.step)
-                final = self.step == self.total_steps
-                if (tc.eval_interval and self.step % tc.eval_interval == 0) or final:
-                    last_eval = self.evaluate()
-                    if last_eval:
-                        self._log({"kind": "eval", "step": self.step, **last_eval})
-                    t0 = time.perf_counter()
-                if (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0) or final:
-                    last_ckpt = self.save()
-                    t0 = time.perf_counter()
-        plot = None
-        if tc.plot and self.step == self.total_steps and self.metrics_path.exists():
-            plot = plot_post_training(
-                self.metrics_path,
-                self.out / "dpo.png",
-                ("loss", "reward_accuracy", "reward_margin"),
-                ("eval_loss", "eval_reward_accuracy", "eval_reward_margin", "eval_accuracy"),
-            )
-        return {
-            "step": self.step,
-            "total_steps": self.total_steps,
-            "last_train": row,
-            "eval": last_eval,
-            "checkpoint": str(last_ckpt) if last_ckpt else None,
-            "metrics": str(self.metrics_path),
-            "plot": str(plot) if plot else None,
-            "data": self.data_summary(),
-        }
 
     def data_summary(self) -> dict[str, Any]:
         return {

@@ -414,8 +414,115 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 
 # ---------------------------------------------------------------------------- the trainer
-class SFTTrainer:
+class PostTrainingLoop:
+    """The step / log / eval / checkpoint / plot loop shared by the SFT, DPO and distillation
+    trainers. A subclass sets `stage`, `plot_train` / `plot_eval` (metric keys of the PNG) and
+    `rate_key` / `units_per_step` (throughput), has `tc`, `step`, `total_steps`, `out`,
+    `metrics_path`, `resumed_from`, and implements `train_step()`, `evaluate()` (an empty dict:
+    nothing to evaluate), `save()` and `data_summary()`; `start_rows()`, `progress_info()` and
+    `close()` are optional hooks."""
+
+    stage = "train"
+    plot_train: tuple[str, ...] = ("loss",)
+    plot_eval: tuple[str, ...] | None = None
+    rate_key = "steps_per_s"
+    units_per_step = 1
+
+    def start_rows(self) -> list[dict[str, Any]]:
+        """Rows logged once before the first step (after the data row)."""
+        return []
+
+    def progress_info(self, m: dict[str, Any]) -> str:
+        return f"loss {m['loss']:.4f}"
+
+    def close(self) -> None:
+        """Release resources (rollout workers) when the loop ends."""
+
+    def _log(self, row: dict[str, Any]) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def _evaluate_and_log(self, bar: Any = None) -> dict[str, float]:
+        result = self.evaluate()
+        if result:
+            self._log({"kind": "eval", "step": self.step, **result})
+            if bar is not None:
+                text = ", ".join(f"{k} {v:.4f}" for k, v in result.items())
+                bar.console.print(f"step {self.step}: {text}")
+        return result
+
+    def train(self, *, until_step: int | None = None) -> dict[str, Any]:
+        tc = self.tc
+        end = self.total_steps if until_step is None else min(until_step, self.total_steps)
+        last_eval: dict[str, float] = {}
+        if self.step == 0:
+            self._log({"kind": "data", "step": 0, **self.data_summary()})
+            for extra in self.start_rows():
+                self._log(extra)
+            last_eval = self._evaluate_and_log()
+        last_ckpt = self.resumed_from
+        row: dict[str, Any] = {}
+        t0, steps = time.perf_counter(), 0
+        try:
+            with progress_bar(self.stage, tc.progress) as bar:
+                task = bar.add_task("", total=self.total_steps, completed=self.step, info="")
+                while self.step < end:
+                    m = self.train_step()
+                    steps += 1
+                    if m.get("skipped"):
+                        bar.console.print(f"[yellow]step {m['step']}: non-finite loss; skipped")
+                    if self.step % tc.log_interval == 0 or self.step == end:
+                        now = time.perf_counter()
+                        row = {"kind": "train", **{k: v for k, v in m.items() if k != "skipped"}}
+                        row[self.rate_key] = steps * self.units_per_step / max(now - t0, 1e-9)
+                        if hasattr(self, "skipped_steps"):
+                            row["skipped_steps"] = self.skipped_steps
+                        t0, steps = now, 0
+                        self._log(row)
+                        bar.update(task, info=self.progress_info(m))
+                    bar.update(task, completed=self.step)
+                    final = self.step == self.total_steps
+                    if (tc.eval_interval and self.step % tc.eval_interval == 0) or final:
+                        last_eval = self._evaluate_and_log(bar) or last_eval
+                        t0, steps = time.perf_counter(), 0
+                    if (
+                        tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0
+                    ) or final:
+                        last_ckpt = self.save()
+                        t0, steps = time.perf_counter(), 0
+        finally:
+            self.close()
+        plot = None
+        if tc.plot and self.step == self.total_steps and self.metrics_path.exists():
+            plot = plot_post_training(
+                self.metrics_path, self.out / f"{self.stage}.png", self.plot_train, self.plot_eval
+            )
+        return {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "last_train": row,
+            "eval": last_eval,
+            "checkpoint": str(last_ckpt) if last_ckpt else None,
+            "metrics": str(self.metrics_path),
+            "plot": str(plot) if plot else None,
+            "data": self.data_summary(),
+        }
+
+
+class SFTTrainer(PostTrainingLoop):
     """Model, optimizer, data and counters of one SFT run; `train()` runs it to the end."""
+
+    stage = "sft"
+    plot_train = ("loss", "nll_token", "mtp")
+    plot_eval = ("eval_loss", "eval_accuracy")
+    rate_key = "tokens_per_s"
+
+    @property
+    def units_per_step(self) -> int:  # type: ignore[override]
+        return self.tokens_per_step
+
+    def progress_info(self, m: dict[str, Any]) -> str:
+        return f"{m['norm']} loss {m['loss']:.3f} nll/tok {m['nll_token']:.3f}"
 
     def __init__(self, run: SFTRunConfig, *, resume: bool = False) -> None:
         from ..data.bpe import load_tokenizer
@@ -631,74 +738,6 @@ class SFTTrainer:
             meta=meta,
             keep_last_n=self.tc.keep_last_n,
         )
-
-    def _log(self, row: dict[str, Any]) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def train(self, *, until_step: int | None = None) -> dict[str, Any]:
-        tc = self.tc
-        end = self.total_steps if until_step is None else min(until_step, self.total_steps)
-        last_eval: dict[str, float] = {}
-        if self.step == 0:
-            self._log({"kind": "data", "step": 0, **self.data_summary()})
-            last_eval = self.evaluate()
-            if last_eval:
-                self._log({"kind": "eval", "step": 0, **last_eval})
-        last_ckpt = self.resumed_from
-        row: dict[str, Any] = {}
-        t0, tok0 = time.perf_counter(), 0
-        with progress_bar("sft", tc.progress) as bar:
-            task = bar.add_task("", total=self.total_steps, completed=self.step, info="")
-            while self.step < end:
-                m = self.train_step()
-                tok0 += self.tokens_per_step
-                if m["skipped"]:
-                    bar.console.print(f"[yellow]step {m['step']}: non-finite loss; skipped")
-                if self.step % tc.log_interval == 0 or self.step == end:
-                    now = time.perf_counter()
-                    row = {
-                        "kind": "train",
-                        **{k: v for k, v in m.items() if k != "skipped"},
-                        "tokens_per_s": tok0 / max(now - t0, 1e-9),
-                        "skipped_steps": self.skipped_steps,
-                    }
-                    t0, tok0 = now, 0
-                    self._log(row)
-                    info = f"{m['norm']} loss {m['loss']:.3f} nll/tok {m['nll_token']:.3f}"
-                    bar.update(task, info=info)
-                bar.update(task, completed=self.step)
-                final = self.step == self.total_steps
-                if (tc.eval_interval and self.step % tc.eval_interval == 0) or final:
-                    last_eval = self.evaluate()
-                    if last_eval:
-                        self._log({"kind": "eval", "step": self.step, **last_eval})
-                        bar.console.print(
-                            f"step {self.step}: "
-                            + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
-                        )
-                    t0 = time.perf_counter()
-                if (tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0) or final:
-                    last_ckpt = self.save()
-                    t0 = time.perf_counter()
-        plot = None
-        if tc.plot and self.step == self.total_steps and self.metrics_path.exists():
-            plot = plot_post_training(
-                self.metrics_path,
-                self.out / "sft.png",
-                ("loss", "nll_token", "mtp"),
-                ("eval_loss", "eval_accuracy"),
-            )
-        return {
-            "step": self.step,
-            "total_steps": self.total_steps,
-            "last_train": row,
-            "eval": last_eval,
-            "checkpoint": str(last_ckpt) if last_ckpt else None,
-            "metrics": str(self.metrics_path),
-            "plot": str(plot) if plot else None,
-            "data": self.data_summary(),
-        }
 
     def data_summary(self) -> dict[str, Any]:
         return {
