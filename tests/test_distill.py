@@ -220,7 +220,7 @@ def test_config_errors_are_actionable(tmp_path):
         DistillConfig(objective="reverse")
     with pytest.raises(ValueError, match="skew_alpha"):
         DistillConfig(skew_alpha=0.0)
-    with pytest.raises(ValueError, match="needs a `distill` section"):
+    with pytest.raises(ValueError, match="needs a 'distill' section"):
         DistillRunConfig.from_dict({"model": "tiny-super"})
     with pytest.raises(ValueError, match="distill.bogus"):
         DistillRunConfig.from_dict({"distill": {"bogus": 1}})

@@ -59,11 +59,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import ModelConfig, read_mapping, write_mapping
+from ..config import ModelConfig
 from ..data.chat import STOP, render
 from ..data.sft import Conversation, ReadReport, SFTLoader
 from ..model.model import HybridLM
-from ..presets import PRESETS
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .objectives import (
@@ -80,12 +79,11 @@ from .schedule import lr_for
 from .sft import (
     ChatSource,
     PostTrainingLoop,
+    PostTrainingRunConfig,
     SFTConfig,
     SFTDataConfig,
     SFTRunConfig,
     SFTTrainer,
-    _run_from_dict,
-    _to_plain,
     add_run_args,
     answer_matches,
     autocast,
@@ -206,31 +204,15 @@ class DistillConfig:
 
 
 @dataclass(kw_only=True)
-class DistillRunConfig:
+class DistillRunConfig(PostTrainingRunConfig):
+    SECTIONS = {"data": SFTDataConfig, "distill": DistillConfig}
+    REQUIRED = ("distill",)
+    WHAT = "distillation run config"
+
     model: ModelConfig | str = "tiny-super"
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.model, str) and self.model not in PRESETS:
-            raise ValueError(f"model {self.model!r} is not a preset; use one of {sorted(PRESETS)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return _to_plain(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DistillRunConfig:
-        if isinstance(data, dict) and "distill" not in data:
-            raise ValueError("a distillation run config needs a `distill` section (mode, teacher)")
-        return _run_from_dict(cls, data, {"data": SFTDataConfig, "distill": DistillConfig})
-
-    def save(self, path: str | Path) -> None:
-        write_mapping(path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> DistillRunConfig:
-        return cls.from_dict(read_mapping(path, "distillation run config"))
 
 
 # ---------------------------------------------------------------------------- teachers

@@ -39,7 +39,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..config import read_mapping, write_mapping
 from ..data.chat import parse_assistant, render_with_spans, validate
 from ..data.sft import ChatExample, Conversation, ReadReport, _raw_rows, encode_chat
 from ..model.model import IGNORE_INDEX, HybridLM
@@ -51,8 +50,7 @@ from .schedule import lr_for
 from .sft import (
     ChatSource,
     PostTrainingLoop,
-    _run_from_dict,
-    _to_plain,
+    PostTrainingRunConfig,
     add_run_args,
     answer_matches,
     autocast,
@@ -397,29 +395,16 @@ class DPOConfig:
 
 
 @dataclass(kw_only=True)
-class DPORunConfig:
+class DPORunConfig(PostTrainingRunConfig):
     """`data`, `train`, `dpo` sections; the model comes from `dpo.init_from`."""
+
+    SECTIONS = {"data": DPODataConfig, "dpo": DPOConfig}
+    REQUIRED = ("data", "dpo")
+    WHAT = "DPO run config"
 
     data: DPODataConfig
     train: TrainConfig = field(default_factory=TrainConfig)
     dpo: DPOConfig
-
-    def to_dict(self) -> dict[str, Any]:
-        return _to_plain(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DPORunConfig:
-        for name in ("data", "dpo"):
-            if name not in data:
-                raise ValueError(f"a DPO run config needs a {name!r} section")
-        return _run_from_dict(cls, data, {"data": DPODataConfig, "dpo": DPOConfig})
-
-    def save(self, path: str | Path) -> None:
-        write_mapping(path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> DPORunConfig:
-        return cls.from_dict(read_mapping(path, "DPO run config"))
 
 
 # ---------------------------------------------------------------------------- the trainer

@@ -42,7 +42,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -142,30 +142,47 @@ class SFTConfig:
         return "token" if step < round(self.stage2_start * total_steps) else "sample"
 
 
-@dataclass(kw_only=True)
-class SFTRunConfig:
-    model: ModelConfig | str = "tiny-super"
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
+class PostTrainingRunConfig:
+    """YAML / JSON I/O shared by the post-training run configs (SFT, DPO, distillation):
+    subclasses name their sections besides `model` and `train` (`SECTIONS`) and those a file
+    must have (`REQUIRED`)."""
+
+    SECTIONS: ClassVar[dict[str, type]] = {}
+    REQUIRED: ClassVar[tuple[str, ...]] = ()
+    WHAT: ClassVar[str] = "run config"
 
     def __post_init__(self) -> None:
-        if isinstance(self.model, str) and self.model not in PRESETS:
-            raise ValueError(f"model {self.model!r} is not a preset; use one of {sorted(PRESETS)}")
+        model = getattr(self, "model", None)
+        if isinstance(model, str) and model not in PRESETS:
+            raise ValueError(f"model {model!r} is not a preset; use one of {sorted(PRESETS)}")
 
     def to_dict(self) -> dict[str, Any]:
         return _to_plain(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SFTRunConfig:
-        return _run_from_dict(cls, data, {"data": SFTDataConfig, "sft": SFTConfig})
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        for name in cls.REQUIRED:
+            if isinstance(data, dict) and name not in data:
+                raise ValueError(f"a {cls.WHAT} needs a {name!r} section")
+        return _run_from_dict(cls, data, cls.SECTIONS)
 
     def save(self, path: str | Path) -> None:
         write_mapping(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | Path) -> SFTRunConfig:
-        return cls.from_dict(read_mapping(path, "SFT run config"))
+    def load(cls, path: str | Path) -> Any:
+        return cls.from_dict(read_mapping(path, cls.WHAT))
+
+
+@dataclass(kw_only=True)
+class SFTRunConfig(PostTrainingRunConfig):
+    SECTIONS = {"data": SFTDataConfig, "sft": SFTConfig}
+    WHAT = "SFT run config"
+
+    model: ModelConfig | str = "tiny-super"
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 # ---------------------------------------------------------------------------- config helpers
