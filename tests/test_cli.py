@@ -87,3 +87,14 @@ def test_pretrain_runs_samples_and_exports(tmp_path, capsys):
     assert "step 4/4" in printed and "eval_bpb" in printed
     assert (out / "loss.png").is_file() and (out / "hf" / "config.json").is_file()
     assert main(["pretrain", "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_every_sub_command_dispatches():
+    """Stage modules add their own sub-commands; each must name the function `main` calls."""
+    import argparse
+
+    from hybridlm.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [name for name, p in sub.choices.items() if not callable(p.get_default("fn"))]
+    assert len(sub.choices) >= 20 and not missing, missing

@@ -328,7 +328,7 @@ def test_config_yaml_validation_and_cli(tmp_path, capsys):
     args = parser.parse_args(
         ["curate", "--config", str(path), "--output", str(tmp_path / "o2"), "--no-progress"]
     )
-    args.func(args)
+    args.fn(args)
     out = capsys.readouterr().out
     assert "minhash_dedup" in out and "kept" in out
     assert (tmp_path / "o2" / "report.md").is_file()

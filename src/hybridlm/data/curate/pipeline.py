@@ -856,7 +856,7 @@ def register(sub: Any) -> None:
     p.add_argument("--workers", type=int, default=None, help="concurrent shard tasks on Ray")
     p.add_argument("--no-resume", action="store_true", help="redo every shard")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=cmd_curate)
+    p.set_defaults(fn=cmd_curate)
 
 
 def cmd_curate(args: argparse.Namespace) -> None:
@@ -910,7 +910,7 @@ def main(argv: list[str] | None = None) -> None:
     register(parser.add_subparsers(dest="cmd", required=True))
     args = parser.parse_args(argv)
     try:
-        args.func(args)
+        args.fn(args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
