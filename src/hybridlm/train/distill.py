@@ -371,23 +371,8 @@ class OfflineDistiller(SFTTrainer):
             self.teacher.eval()
         return {f"teacher_{k.removeprefix('eval_')}": v for k, v in row.items()}
 
-    def save(self) -> Path:
-        meta = {
-            "run_config": {**self.distill_run.to_dict(), "model": self.model_cfg.to_dict()},
-            "stage": "distill",
-            "skipped_steps": self.skipped_steps,
-            "total_steps": self.total_steps,
-            "tokens_seen": self.step * self.tokens_per_step,
-            "loader": self.loader.state_dict(),
-        }
-        return save_checkpoint(
-            self.out,
-            step=self.step,
-            model=self.model,
-            optimizer=self.optimizer,
-            meta=meta,
-            keep_last_n=self.tc.keep_last_n,
-        )
+    def run_dict(self) -> dict[str, Any]:
+        return self.distill_run.to_dict()
 
     def start_rows(self) -> list[dict[str, Any]]:
         """The teacher's own held-out NLL and exact match, the reference the student moves to."""

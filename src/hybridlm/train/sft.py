@@ -738,10 +738,14 @@ class SFTTrainer(PostTrainingLoop):
         return row
 
     # ------------------------------------------------------------------ checkpoints + log
+    def run_dict(self) -> dict[str, Any]:
+        """The run config stored in checkpoints (subclasses with their own config override)."""
+        return self.run.to_dict()
+
     def save(self) -> Path:
         meta = {
-            "run_config": {**self.run.to_dict(), "model": self.model_cfg.to_dict()},
-            "stage": "sft",
+            "run_config": {**self.run_dict(), "model": self.model_cfg.to_dict()},
+            "stage": self.stage,
             "skipped_steps": self.skipped_steps,
             "total_steps": self.total_steps,
             "tokens_seen": self.step * self.tokens_per_step,
