@@ -601,29 +601,18 @@ def evaluate(
 ) -> dict[str, float]:
     """Held-out next-token CE (nats/token) and bits per byte, computed as the trainer's
     `Trainer.evaluate` does (sum of nats over the label tokens / bytes they stand for)."""
-    from ..model.model import IGNORE_INDEX
+    from ..train.trainer import eval_sums
 
     was_training = model.training
     model.eval()
     device = next(iter(model.buffers()), next(model.parameters())).device
-    nats, n_tok, n_bytes = 0.0, 0, 0.0
+
+    def forward(batch: dict[str, torch.Tensor]):
+        ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+        return model(ids, labels, num_valid_tokens=1, mtp_depth=0, return_logits=False)
+
     try:
-        for k, batch in enumerate(batches):
-            if max_batches and k >= max_batches:
-                break
-            labels = batch["labels"].to(device)
-            out = model(
-                batch["input_ids"].to(device),
-                labels,
-                num_valid_tokens=1,
-                mtp_depth=0,
-                return_logits=False,
-            )
-            nats += float(out.losses["ce"])
-            tgt = labels[:, 1:]
-            tgt = tgt[tgt != IGNORE_INDEX]
-            n_tok += tgt.numel()
-            n_bytes += float(token_bytes[tgt.cpu()].sum())
+        nats, n_tok, n_bytes = eval_sums(forward, batches, token_bytes, max_batches=max_batches)
     finally:
         model.train(was_training)
     if n_tok == 0:

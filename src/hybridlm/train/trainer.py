@@ -122,6 +122,24 @@ def token_byte_lengths(tokenizer: Any, vocab_size: int) -> torch.Tensor:
     return out
 
 
+def eval_sums(
+    forward: Any, batches: Any, token_bytes: torch.Tensor, *, max_batches: int = 0
+) -> tuple[float, int, float]:
+    """(nats, label tokens, bytes they stand for) over held-out batches, the sums behind eval
+    CE and bits per byte. `forward(batch)` runs the model with `num_valid_tokens=1` (so the CE
+    is the sum of nats) and `mtp_depth=0`; `max_batches` 0 reads them all."""
+    nats, n_tok, n_bytes = 0.0, 0, 0.0
+    for k, batch in enumerate(batches):
+        if max_batches and k >= max_batches:
+            break
+        nats += float(forward(batch).losses["ce"])
+        tgt = batch["labels"][:, 1:]
+        tgt = tgt[tgt != IGNORE_INDEX]
+        n_tok += tgt.numel()
+        n_bytes += float(token_bytes[tgt.cpu()].sum())
+    return nats, n_tok, n_bytes
+
+
 def build_model(cfg, *, seed: int, device: torch.device) -> HybridLM:
     """Build on the meta device, materialise on `device`, initialise once (model.init_weights)."""
     with torch.device("meta"):
@@ -383,18 +401,13 @@ class Trainer:
             return {}
         self.held_loader.load_state_dict(self._held_start)
         self.model.eval()
-        nats, n_tok, n_bytes = 0.0, 0, 0.0
         try:
-            for k, batch in enumerate(self.held_loader):
-                if self.cfg.eval_batches and k >= self.cfg.eval_batches:
-                    break
-                # num_valid_tokens=1 turns the mean into the sum of nats
-                out = self._forward(batch, 1, mtp_depth=0, return_logits=False)
-                nats += float(out.losses["ce"])
-                tgt = batch["labels"][:, 1:]
-                tgt = tgt[tgt != IGNORE_INDEX]
-                n_tok += tgt.numel()
-                n_bytes += float(self.token_bytes[tgt].sum())
+            nats, n_tok, n_bytes = eval_sums(
+                lambda b: self._forward(b, 1, mtp_depth=0, return_logits=False),
+                self.held_loader,
+                self.token_bytes,
+                max_batches=self.cfg.eval_batches,
+            )
         finally:
             self.model.train()
         if self.world_size > 1:
