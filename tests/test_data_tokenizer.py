@@ -150,3 +150,17 @@ def test_tinyshakespeare_bpe(shared_data):
     ids = tok.encode(text, add_bos=False)
     assert tok.decode(ids) == text
     assert len(text) / len(ids) > 2.4  # ~2.6 characters per token at this vocabulary
+
+
+def test_split_digits_gives_one_token_per_digit():
+    docs = [f"{i} + {i * 7} = {i * 8}." for i in range(3000)]
+    grouped = train_bpe(docs, vocab_size=400)
+    digits = train_bpe(docs, vocab_size=400, split_digits=True)
+    text = "12345 + 678 = 13023"
+    assert digits.decode(digits.encode(text)) == text
+    pieces = [digits.decode([i]) for i in digits.encode(text, add_bos=False)]
+    assert "".join(pieces) == text
+    # GPT-4 grouping learns multi-digit tokens on the same text
+    grouped_pieces = [grouped.decode([i]) for i in grouped.encode(text, add_bos=False)]
+    assert any(len(p.strip()) > 1 and p.strip().isdigit() for p in grouped_pieces)
+    assert not any(len(p.strip()) > 1 and p.strip().isdigit() for p in pieces)

@@ -529,6 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _STAGE_MODULES = (
+    ".speedrun",
     ".train.sft",
     ".train.dpo",
     ".train.distill",

@@ -62,6 +62,9 @@ SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# The same with one digit per token (Llama 2 / DeepSeek-V3 split numbers into digits): every
+# number is spelt out digit by digit, which small models need to learn column arithmetic.
+SPLIT_PATTERN_DIGITS = SPLIT_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 def _tokenizers():
@@ -95,12 +98,14 @@ def train_bpe(
     min_frequency: int = 2,
     max_docs: int | None = None,
     max_chars: int | None = None,
+    split_digits: bool = False,
     show_progress: bool = False,
 ) -> BPETokenizer:
     """Train a byte-level BPE of at most `vocab_size` tokens (special tokens and the 256 byte
     tokens included; fewer when the text has no more pairs seen `min_frequency` times) on the
     texts of `documents`, stopping after `max_docs` documents or `max_chars` characters.
-    Training is deterministic: the same texts give the same `tokenizer.json`."""
+    Training is deterministic: the same texts give the same `tokenizer.json`. `split_digits`
+    pre-splits numbers into single digits (no multi-digit tokens) instead of groups of 3."""
     tk = _tokenizers()
     floor = len(SPECIAL_TOKENS) + 256
     if vocab_size < floor:
@@ -113,7 +118,11 @@ def train_bpe(
     tok = tk.Tokenizer(tk.models.BPE())
     tok.pre_tokenizer = tk.pre_tokenizers.Sequence(
         [
-            tk.pre_tokenizers.Split(tk.Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
+            tk.pre_tokenizers.Split(
+                tk.Regex(SPLIT_PATTERN_DIGITS if split_digits else SPLIT_PATTERN),
+                behavior="isolated",
+                invert=False,
+            ),
             tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

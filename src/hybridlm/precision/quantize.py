@@ -57,6 +57,13 @@ class QuantizeConfig:
     per_layer: bool = True  # measure each decision group's loss delta alone
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # unquantised tensors
     device: str = "cpu"  # "auto": cuda when available
+    # calibration / held-out data: a run directory or run.yaml whose `data` section to use (e.g.
+    # the pretraining run of a post-trained model); "" = the checkpoint's own run, else the stdlib
+    data: str = ""
+    # calibration rows from an SFT run's chat data (its directory or run.yaml): quantise a
+    # post-trained model on the data it serves, as Nemotron 3 Super calibrates on its SFT set;
+    # "" = the training rows of `data`
+    calib_data: str = ""
     progress: bool = True
 
     def validate(self) -> None:
@@ -89,6 +96,30 @@ def default_data(out: Path):
         eval_fraction=0.02,
         eval_docs=8,
     )
+
+
+def run_data(path: str | Path):
+    """The `data` section of a pretraining run (its directory or its run.yaml)."""
+    from ..train.config import RunConfig
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "run.yaml"
+    if not path.is_file():
+        raise ValueError(f"no pretraining run config at {path} (data: a run dir or its run.yaml)")
+    return RunConfig.load(path).data
+
+
+def sft_calibration_batches(path: str | Path, rows: int) -> list:
+    """`rows` packed training rows of an SFT run (its directory or run.yaml)."""
+    from ..train.sft import SFTRunConfig, chat_batches
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "run.yaml"
+    if not path.is_file():
+        raise ValueError(f"no SFT run config at {path} (calib_data: an SFT run dir or run.yaml)")
+    return chat_batches(SFTRunConfig.load(path).data, rows)
 
 
 def load_checkpoint_and_data(ckpt: str | Path, out: Path):
@@ -141,6 +172,9 @@ def run_quantize(cfg: QuantizeConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     model, data, what = load_checkpoint_and_data(cfg.checkpoint, out)
+    if cfg.data:
+        data = run_data(cfg.data)
+        what = f"{what.split(' (')[0]} (data of {cfg.data})"
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     )
@@ -156,7 +190,11 @@ def run_quantize(cfg: QuantizeConfig) -> dict[str, Any]:
     train_loader, held_loader = build_loaders(data, sets)
     if held_loader is None:
         raise ValueError("the data has no held-out split (data.eval_fraction is 0)")
-    calib = take(train_loader, math.ceil(cfg.calib_samples / data.batch_size))
+    if cfg.calib_data:
+        calib = sft_calibration_batches(cfg.calib_data, cfg.calib_samples)
+        what += f", calibrated on the chat data of {cfg.calib_data}"
+    else:
+        calib = take(train_loader, math.ceil(cfg.calib_samples / data.batch_size))
     held = take(held_loader, cfg.eval_batches)
     token_bytes = token_byte_lengths(build_tokenizer(data), model.config.vocab_size)
 
@@ -227,7 +265,11 @@ def run_quantize(cfg: QuantizeConfig) -> dict[str, Any]:
         "checkpoint": str(cfg.checkpoint),
         "source": what,
         "settings": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "progress"},
-        "calibration": {"batches": stats.batches, "tokens": stats.tokens},
+        "calibration": {
+            "batches": stats.batches,
+            "tokens": stats.tokens,
+            "data": cfg.calib_data or "training rows of the evaluation data",
+        },
         "eval": {"batches": len(held), "tokens": base["tokens"]},
         "unquantized": {"loss": base["loss"], "bpb": base["bpb"], "dtype": _dtype_name(model)},
         "quantized": {"loss": quant["loss"], "bpb": quant["bpb"], "effective_bits": bits},
@@ -357,6 +399,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument(
+        "--data",
+        default="",
+        help="calibrate and evaluate on the data of this pretraining run (dir or run.yaml)",
+    )
+    p.add_argument(
+        "--calib-data",
+        default="",
+        help="calibrate on the chat data of this SFT run (dir or run.yaml) instead of `--data`",
+    )
     p.set_defaults(fn=cmd_quantize)
 
 
@@ -375,5 +427,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
             per_layer=args.per_layer,
             export_dtype=args.dtype,
             device=args.device,
+            data=args.data,
+            calib_data=args.calib_data,
         )
     )

@@ -218,7 +218,7 @@ def build_mixture(specs: list[EnvConfig], *, tokenizer: Any = None) -> MixtureEn
     return MixtureEnvironment(envs, [s.weight for s in specs])
 
 
-def _eval_specs(cfg: RLConfig) -> list[EnvConfig]:
+def eval_specs(cfg: RLConfig) -> list[EnvConfig]:
     """Held-out problems: the configured eval envs, else the training envs with the generated
     ones reseeded (GSM8K: its test file next to the train file, when there is one)."""
     if cfg.eval_envs:
@@ -369,7 +369,7 @@ def run_rl(
     model = HybridLM.from_pretrained(cfg.checkpoint).float().train()
     tok = tokenizer_for(cfg.checkpoint)
     env = env or build_mixture(cfg.envs, tokenizer=tok)
-    eval_env = eval_env or build_mixture(_eval_specs(cfg), tokenizer=tok)
+    eval_env = eval_env or build_mixture(eval_specs(cfg), tokenizer=tok)
     eval_set = eval_env.sample(cfg.eval_problems, seed=cfg.seed + 12345)
     eval_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
     ref = None

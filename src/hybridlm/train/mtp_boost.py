@@ -328,6 +328,8 @@ def run_mtp_boost(
     for row in after:
         log(row)
     model.save_pretrained(out / "model")
+    if hasattr(tokenizer, "save"):  # a BPE travels with the model (the byte tokenizer is implied)
+        tokenizer.save(out / "model")
     plot_acceptance(metrics_path, out / "acceptance.png")
     return {
         "before": before,

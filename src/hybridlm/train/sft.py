@@ -50,6 +50,7 @@ import torch
 from ..config import ModelConfig, from_dict, read_mapping, write_mapping
 from ..data.chat import STOP, parse_assistant, render
 from ..data.sft import (
+    ChatExample,
     Conversation,
     ReadReport,
     ReasoningModes,
@@ -431,6 +432,70 @@ def truncate_metrics(path: Path, step: int) -> None:
 
 
 # ---------------------------------------------------------------------------- the trainer
+@dataclass(kw_only=True)
+class ChatData:
+    """An SFT data config read, split, transformed and tokenised."""
+
+    examples: list[ChatExample]  # training conversations (reasoning modes applied)
+    held_convs: list[Conversation]  # held-out conversations (their prompts kept out of training)
+    held_examples: list[ChatExample]
+    read_report: ReadReport
+    mode_counts: dict[str, int]
+    dropped: dict[str, int]
+
+
+def _pad_id(tokenizer: Any) -> int:
+    return getattr(tokenizer, "pad_id", None) or 0
+
+
+def prepare_chat_data(dc: SFTDataConfig, tokenizer: Any) -> ChatData:
+    """Read the chat sources, hold out `held_out` conversations (and every training conversation
+    with a held-out prompt), apply the reasoning modes and tokenise with the assistant mask."""
+    if not dc.sources:
+        raise ValueError("data.sources is empty: give at least one chat source")
+    report = ReadReport()
+    convs: list[Conversation] = []
+    for src in dc.sources:
+        convs += load_source(src, report)
+    if not convs:
+        raise ValueError(f"no usable conversations ({report.summary()})")
+    train_convs, held_convs, decontaminated = split_held_out(convs, dc.held_out, dc.seed)
+    train_convs, mode_counts = apply_reasoning_modes(train_convs, dc.reasoning, tokenizer)
+    tok = tokenize_conversations(train_convs, tokenizer, max_len=dc.seq_len, overflow=dc.overflow)
+    if not tok.examples:
+        raise ValueError(f"no conversation fits data.seq_len={dc.seq_len} ({tok.dropped})")
+    dropped = dict(tok.dropped)
+    if decontaminated:
+        dropped["prompt of a held-out conversation"] = decontaminated
+    held = tokenize_conversations(held_convs, tokenizer, max_len=dc.seq_len, overflow="truncate")
+    return ChatData(
+        examples=list(tok.examples),
+        held_convs=held_convs,
+        held_examples=list(held.examples),
+        read_report=report,
+        mode_counts=dict(mode_counts),
+        dropped=dropped,
+    )
+
+
+def chat_batches(dc: SFTDataConfig, num_rows: int) -> list[dict[str, torch.Tensor]]:
+    """About `num_rows` packed rows of an SFT data config's training conversations, e.g. to
+    calibrate post-training quantisation on the post-training data (Nemotron 3 Super calibrates
+    its NVFP4 checkpoint on 256 samples of the SFT set)."""
+    from ..data.bpe import load_tokenizer
+
+    tokenizer = load_tokenizer(dc.tokenizer)
+    data = prepare_chat_data(dc, tokenizer)
+    loader = SFTLoader(
+        data.examples,
+        seq_len=dc.seq_len,
+        batch_size=dc.batch_size,
+        seed=dc.seed + 1,  # other rows than the run's first steps
+        pad_id=_pad_id(tokenizer),
+    )
+    return [next(loader) for _ in range(max(1, -(-num_rows // dc.batch_size)))]
+
+
 class PostTrainingLoop:
     """The step / log / eval / checkpoint / plot loop shared by the SFT, DPO and distillation
     trainers. A subclass sets `stage`, `plot_train` / `plot_eval` (metric keys of the PNG) and
@@ -555,34 +620,17 @@ class SFTTrainer(PostTrainingLoop):
         self.tokenizer = load_tokenizer(dc.tokenizer)
 
         # data: read, hold out, transform, tokenise
-        if not dc.sources:
-            raise ValueError("data.sources is empty: give at least one chat source")
-        self.read_report = ReadReport()
-        convs: list[Conversation] = []
-        for src in dc.sources:
-            convs += load_source(src, self.read_report)
-        if not convs:
-            raise ValueError(f"no usable conversations ({self.read_report.summary()})")
-        train_convs, self.held_convs, decontaminated = split_held_out(convs, dc.held_out, dc.seed)
-        train_convs, self.mode_counts = apply_reasoning_modes(
-            train_convs, dc.reasoning, self.tokenizer
-        )
-        tok = tokenize_conversations(
-            train_convs, self.tokenizer, max_len=dc.seq_len, overflow=dc.overflow
-        )
-        if not tok.examples:
-            raise ValueError(f"no conversation fits data.seq_len={dc.seq_len} ({tok.dropped})")
-        self.dropped = tok.dropped
-        if decontaminated:
-            self.dropped["prompt of a held-out conversation"] = decontaminated
-        pad_id = getattr(self.tokenizer, "pad_id", None) or 0
+        data = prepare_chat_data(dc, self.tokenizer)
+        self.read_report, self.held_convs = data.read_report, data.held_convs
+        self.mode_counts, self.dropped = data.mode_counts, data.dropped
+        self.held_examples = data.held_examples
         self.loader = SFTLoader(
-            tok.examples, seq_len=dc.seq_len, batch_size=dc.batch_size, seed=dc.seed, pad_id=pad_id
+            data.examples,
+            seq_len=dc.seq_len,
+            batch_size=dc.batch_size,
+            seed=dc.seed,
+            pad_id=_pad_id(self.tokenizer),
         )
-        held = tokenize_conversations(
-            self.held_convs, self.tokenizer, max_len=dc.seq_len, overflow="truncate"
-        )
-        self.held_examples = held.examples
         self.tokens_per_step = dc.batch_size * dc.seq_len * tc.grad_accum
         self.total_steps = tc.num_steps(self.tokens_per_step)
 

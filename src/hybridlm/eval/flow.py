@@ -1,0 +1,170 @@
+"""Evaluation of every model of a flow (the speedrun's `eval` stage).
+
+For each finished model stage (pretrain, SFT, RL, MTP healing, the quantised model) on the same
+data: held-out pretraining text (next-token loss and bits per byte, as the trainer measures them),
+held-out arithmetic problems (the RL eval set, greedy, exact match with a binomial standard
+error), and, for `spec_models`, the SPEED-Bench protocol at draft length 7; harness tasks that need
+`../shared/data` run when it exists. Cache memory vs context is computed from the model config
+(KV cache of the attention layers + the fixed Mamba state) next to an attention-only twin, for the
+speedrun model and Nemotron 3 Super.
+
+Rows go to `<out>/metrics.jsonl` (`kind`: `model`, `cache_memory`); harness rows to
+`<out>/<stage>/metrics.jsonl` (the harness's own format).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import ModelConfig
+
+
+def attention_only(cfg: ModelConfig) -> ModelConfig:
+    """The same width, depth and attention settings with every block attention (no MTP)."""
+    d = cfg.to_dict()
+    d["pattern"] = "*" * len(cfg.pattern)
+    d["mtp"]["pattern"] = ""
+    return ModelConfig.from_dict(d)
+
+
+def cache_bytes(cfg: ModelConfig, context: int, kv_bytes: int = 2, state_bytes: int = 4) -> int:
+    """Decode-cache bytes of one sequence at `context` tokens: KV of the attention layers grows
+    with the context, the Mamba conv + SSM state does not (bf16 KV, fp32 state)."""
+    return cfg.kv_cache_bytes_per_token(kv_bytes) * context + cfg.mamba_state_bytes_per_sequence(
+        state_bytes
+    )
+
+
+def cache_memory_rows(name: str, cfg: ModelConfig, contexts: list[int]) -> list[dict[str, Any]]:
+    twin = attention_only(cfg)
+    return [
+        {
+            "kind": "cache_memory",
+            "model": name,
+            "pattern": cfg.pattern,
+            "context": c,
+            "hybrid_bytes": cache_bytes(cfg, c),
+            "attention_only_bytes": cache_bytes(twin, c),
+        }
+        for c in contexts
+    ]
+
+
+def load_stage_model(stage: str, path: str) -> torch.nn.Module:
+    """The model a flow stage wrote: ModelOpt fake-quant modules for `quantize`."""
+    from ..model.model import HybridLM
+
+    if stage == "quantize":
+        from ..interop.modelopt import load_modelopt
+
+        return load_modelopt(path).float().eval()
+    return HybridLM.from_pretrained(path).float().eval()
+
+
+def evaluate_flow(flow: Any, out: Path) -> dict[str, Any]:
+    """Evaluate the finished models of a `Speedrun` (`flow`); returns the summary rows."""
+    from ..data.pipeline import build_loaders, prepare_shards
+    from ..precision.ptq import evaluate as text_loss
+    from ..precision.ptq import take
+    from ..precision.quantize import run_data
+    from ..rl.learner import build_mixture, eval_specs, evaluate_policy
+    from ..train.trainer import token_byte_lengths
+    from .harness import EvalConfig, LoadedModel
+
+    ecfg = flow.cfg.eval
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.jsonl"
+    metrics.write_text("")
+
+    def log(row: dict[str, Any]) -> None:
+        with open(metrics, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    tok = flow.tokenizer()
+    held = None
+    if flow.done("pretrain"):
+        data = run_data(flow.stage_dir("pretrain"))
+        _, held_loader = build_loaders(data, prepare_shards(data))
+        if held_loader is not None:
+            held = take(held_loader, ecfg.text_batches)
+    rl = flow.cfg.rl
+    env = build_mixture(eval_specs(rl), tokenizer=tok)
+    problems = env.sample(ecfg.arithmetic_problems, seed=rl.seed + 12345)  # the RL eval set
+    harness_on = Path(ecfg.data_dir).is_dir()
+    rows = []
+    last_cfg = None
+    for stage, name, path in flow.models():
+        flow.console.print(f"eval {name}: {path}", markup=False)
+        model = load_stage_model(stage, path)
+        last_cfg = model.config
+        row: dict[str, Any] = {"kind": "model", "model": name, "stage": stage, "path": path}
+        row["params"] = sum(p.numel() for p in model.parameters())
+        if held:
+            tb = token_byte_lengths(tok, model.config.vocab_size)
+            row.update({f"text_{k}": v for k, v in text_loss(model, held, tb).items()})
+        with torch.no_grad():
+            m = evaluate_policy(model, tok, problems, env, max_new_tokens=ecfg.max_new_tokens)
+        p, n = m["all/solved"], len(problems)
+        row |= {
+            "exact_match": p,
+            "exact_match_stderr": math.sqrt(p * (1 - p) / n),
+            "problems": n,
+            "mean_length": m["mean_length"],
+        }
+        log(row)
+        rows.append(row)
+        flow.console.print(
+            f"eval {name}: text bpb {row.get('text_bpb', float('nan')):.4f} | "
+            f"arithmetic exact match {p:.3f} ± {row['exact_match_stderr']:.3f} (n={n})",
+            markup=False,
+        )
+        tasks = []
+        if stage in ecfg.spec_models and getattr(model, "mtp", None) is not None:
+            tasks.append("spec_bench")
+        if stage in ecfg.harness_models and harness_on:
+            tasks += list(ecfg.harness_tasks)
+        if tasks:
+            cfg = EvalConfig(
+                tasks=tasks,
+                limit=None,
+                data_dir=ecfg.data_dir,
+                out_dir=str(out / name),
+                max_new_tokens=ecfg.spec_new_tokens,
+                prompt_format=ecfg.spec_prompt_format,
+                progress=flow.progress,
+            )
+            loaded = LoadedModel(model=model, tokenizer=tok, name=name, source=path)
+            _run_tasks(loaded, cfg, ecfg, out / name)
+    if last_cfg is not None:
+        from ..presets import get_preset
+
+        for name, cfg in (
+            ("speedrun", last_cfg),
+            ("nemotron-3-super", get_preset("nemotron-3-super-120b-a12b")),
+        ):
+            for r in cache_memory_rows(name, cfg, ecfg.cache_contexts):
+                log(r)
+    return {"models": rows, "metrics": str(metrics), "harness": harness_on}
+
+
+def _run_tasks(loaded: Any, cfg: Any, ecfg: Any, out: Path) -> None:
+    """Harness tasks with per-task limits: SPEED-Bench prompts per category, else harness_limit."""
+    import dataclasses
+
+    from .harness import evaluate
+
+    spec = [t for t in cfg.tasks if t == "spec_bench"]
+    rest = [t for t in cfg.tasks if t != "spec_bench"]
+    if spec:
+        evaluate(loaded, dataclasses.replace(cfg, tasks=spec, limit=ecfg.spec_prompts), out_dir=out)
+    if rest:
+        evaluate(
+            loaded,
+            dataclasses.replace(cfg, tasks=rest, limit=ecfg.harness_limit, prompt_format="base"),
+            out_dir=out,
+        )

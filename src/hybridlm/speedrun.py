@@ -1,0 +1,698 @@
+"""`hybridlm speedrun`: the whole model flow on one machine, in one run directory.
+
+    hybridlm speedrun [--config configs/speedrun.yaml] [--out runs/speedrun] [--skip rl,quantize]
+                      [--only eval,report] [--set pretrain.train.max_steps=300]
+
+Stages, in order (SPEC §5; each is the library's own stage, run with the section of the same name
+in the speedrun config), and where they write:
+
+    curate     the embedded corpus through the curation chain (filters, exact / MinHash /
+               substring dedup)                                         <run>/curate/data
+    tokenizer  a byte-level BPE trained on the pretraining mix, digits split   <run>/tokenizer
+    pretrain   the hybrid Mamba-2 / LatentMoE / MTP model on the curated mix   <run>/pretrain
+    sft        chat SFT (assistant-only loss, packing, MTP loss), arithmetic   <run>/sft
+    rl         GRPO with verifiable rewards, rollouts on Ray actors            <run>/rl/model
+    mtp_heal   the MTP head re-trained on the RL policy's own generations
+               (Nemotron 3 Super §4.7)                                  <run>/mtp_heal/model
+    quantize   NVFP4 W4A4 post-training quantisation, ModelOpt layout          <run>/quantize
+    eval       every stage's model on held-out text (bpb) and arithmetic (exact match),
+               speculative decoding at draft length 7, cache memory vs context  <run>/eval
+    report     report.md + report.html with plots, from the metrics files      <run>/report.*
+
+Each stage writes `<run>/<stage>/stage.json` when it finishes, with a fingerprint of its settings
+and of its inputs' fingerprints. A rerun skips every finished stage whose fingerprint is unchanged
+and reruns the others (and, through the fingerprints, everything downstream of them).
+Pretraining and SFT continue from their newest checkpoint when interrupted; the other stages take
+minutes and restart. `--skip` leaves stages out: the model chain then continues from the newest
+model before the skipped stage (e.g. `--skip rl` heals the SFT model's MTP head), and a skipped
+tokenizer means the byte tokenizer. Paths inside the config may use `{run}` for the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .config import from_dict, read_mapping, write_mapping
+from .data.curate.pipeline import CurateConfig
+from .rl.learner import RLConfig
+from .train.config import RunConfig
+from .train.mtp_boost import MTPBoostConfig
+from .train.sft import SFTRunConfig
+
+STAGES = (
+    "curate",
+    "tokenizer",
+    "pretrain",
+    "sft",
+    "rl",
+    "mtp_heal",
+    "quantize",
+    "eval",
+    "report",
+)
+# stages whose output is a model, in chain order (each starts from the newest one before it)
+MODEL_STAGES = ("pretrain", "sft", "rl", "mtp_heal", "quantize")
+
+
+# ---------------------------------------------------------------------------- config
+@dataclass(kw_only=True)
+class TokenizerStageConfig:
+    """The BPE trained on the curated corpus (`kind: byte` uses the 256-byte tokenizer)."""
+
+    kind: Literal["bpe", "byte"] = "bpe"
+    vocab_size: int = 2048
+    min_frequency: int = 2
+    split_digits: bool = True  # one token per digit: column arithmetic stays learnable
+    max_chars: int = 20_000_000  # characters of the pretraining sources to train on
+
+    def validate(self) -> None:
+        if self.kind not in ("bpe", "byte"):
+            raise ValueError(f"tokenizer.kind must be 'bpe' or 'byte', got {self.kind!r}")
+        if self.kind == "bpe" and self.vocab_size < 300:
+            raise ValueError(f"tokenizer.vocab_size must be >= 300, got {self.vocab_size}")
+
+
+@dataclass(kw_only=True)
+class QuantizeStageConfig:
+    """`hybridlm quantize` settings (`precision.quantize.QuantizeConfig`) for the final model,
+    one checkpoint per recipe in `recipes` (`<run>/quantize/<recipe>`); the held-out loss / bpb
+    is measured on the pretraining data. Nemotron 3 Super's NVFP4 checkpoint is `autoquant`:
+    NVFP4 with MSE weight scales and dynamic activation scales, with the most sensitive
+    operators raised to FP8 / BF16 under the bit budget (§4.2)."""
+
+    recipes: list[Literal["fp8", "nvfp4", "autoquant"]] = field(
+        default_factory=lambda: ["nvfp4", "autoquant"]
+    )
+    # calibration rows: the SFT chat data (Nemotron 3 Super calibrates on its SFT set) or the
+    # pretraining text; the held-out loss / bpb is always on the pretraining text
+    calibration: Literal["sft", "pretrain"] = "sft"
+    budget: float = 6.0  # autoquant: mean bits per quantised weight (NVFP4 4.5, FP8 8, BF16 16)
+    calib_samples: int = 32
+    # kept in BF16 besides lm_head and MTP: Nemotron 3 Super's checkpoints keep attention and the
+    # MoE latent projections in BF16 (precision.ptq.NEMOTRON_FP8_EXCLUDE)
+    exclude: list[str] = field(
+        default_factory=lambda: ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*latent_proj"]
+    )
+    eval_batches: int = 8
+    weight_scale: Literal["mse", "max"] = "mse"
+    per_layer: bool = True
+
+
+@dataclass(kw_only=True)
+class EvalStageConfig:
+    """What the eval stage measures on every model of the chain."""
+
+    text_batches: int = 8  # held-out pretraining batches: loss and bits per byte
+    arithmetic_problems: int = 96  # held-out arithmetic (the RL eval set), greedy exact match
+    max_new_tokens: int = 96
+    spec_models: list[str] = field(default_factory=lambda: ["mtp_heal", "quantize"])
+    spec_prompts: int = 4  # prompts per SPEED-Bench category (5 categories)
+    spec_new_tokens: int = 48
+    spec_prompt_format: Literal["base", "chat"] = "chat"
+    # harness tasks on `harness_models`, run only when `data_dir` exists (GSM8K / HumanEval /
+    # tinyshakespeare are not embedded)
+    harness_tasks: list[str] = field(default_factory=lambda: ["base_easy"])
+    harness_models: list[str] = field(default_factory=lambda: ["pretrain", "mtp_heal"])
+    harness_limit: int = 32
+    data_dir: str = "../shared/data"
+    cache_contexts: list[int] = field(
+        default_factory=lambda: [2**k for k in range(10, 21)]  # 1K .. 1M tokens
+    )
+
+
+@dataclass(kw_only=True)
+class SpeedrunConfig:
+    out_dir: str = "runs/speedrun"
+    budget_minutes: float = 30.0  # reported against the measured wall time
+    skip: list[str] = field(default_factory=list)
+    curate: CurateConfig = field(default_factory=CurateConfig)
+    tokenizer: TokenizerStageConfig = field(default_factory=TokenizerStageConfig)
+    pretrain: RunConfig = field(default_factory=RunConfig)
+    sft: SFTRunConfig = field(default_factory=SFTRunConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    mtp_heal: MTPBoostConfig = field(default_factory=MTPBoostConfig)
+    quantize: QuantizeStageConfig = field(default_factory=QuantizeStageConfig)
+    eval: EvalStageConfig = field(default_factory=EvalStageConfig)
+
+    SECTIONS = {
+        "curate": CurateConfig,
+        "pretrain": RunConfig,
+        "sft": SFTRunConfig,
+        "rl": RLConfig,
+    }
+    PLAIN = {
+        "tokenizer": TokenizerStageConfig,
+        "mtp_heal": MTPBoostConfig,
+        "quantize": QuantizeStageConfig,
+        "eval": EvalStageConfig,
+    }
+
+    def validate(self) -> SpeedrunConfig:
+        unknown = sorted(set(self.skip) - set(STAGES))
+        if unknown:
+            raise ValueError(f"skip: unknown stages {unknown}; stages are {list(STAGES)}")
+        self.tokenizer.validate()
+        self.mtp_heal.validate()
+        bad = sorted(set(self.eval.spec_models + self.eval.harness_models) - set(MODEL_STAGES))
+        if bad:
+            raise ValueError(f"eval: unknown model stages {bad}; use {list(MODEL_STAGES)}")
+        if not self.quantize.recipes or not set(self.quantize.recipes) <= {
+            "fp8",
+            "nvfp4",
+            "autoquant",
+        }:
+            raise ValueError(
+                f"quantize.recipes must be a non-empty list of fp8 / nvfp4 / autoquant, "
+                f"got {self.quantize.recipes}"
+            )
+        if self.rl.max_new_tokens < 1 or self.rl.steps < 1:
+            raise ValueError("rl.steps and rl.max_new_tokens must be >= 1")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "out_dir": self.out_dir,
+            "budget_minutes": self.budget_minutes,
+            "skip": list(self.skip),
+        }
+        for name in [*self.SECTIONS, *self.PLAIN]:
+            value = getattr(self, name)
+            out[name] = value.to_dict() if hasattr(value, "to_dict") else dataclasses.asdict(value)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpeedrunConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"a speedrun config must be a mapping, got {type(data).__name__}")
+        known = {"out_dir", "budget_minutes", "skip", *cls.SECTIONS, *cls.PLAIN}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"speedrun config: unknown sections {unknown}; known {sorted(known)}")
+        kw: dict[str, Any] = {
+            k: data[k] for k in ("out_dir", "budget_minutes", "skip") if k in data
+        }
+        if isinstance(kw.get("skip"), str):
+            kw["skip"] = [s for s in kw["skip"].split(",") if s]
+        for name, typ in cls.SECTIONS.items():
+            if name in data:
+                kw[name] = typ.from_dict(data[name] or {})
+        for name, typ in cls.PLAIN.items():
+            if name in data:
+                kw[name] = from_dict(typ, data[name] or {}, f"{name}.")
+        return cls(**kw).validate()
+
+    @classmethod
+    def load(cls, path: str | Path) -> SpeedrunConfig:
+        return cls.from_dict(read_mapping(path, "speedrun config"))
+
+    def save(self, path: str | Path) -> None:
+        write_mapping(path, self.to_dict())
+
+
+# ---------------------------------------------------------------------------- helpers
+def _fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _format_paths(obj: Any, run: str) -> Any:
+    """`{run}` in every string of a plain config tree -> the run directory."""
+    if isinstance(obj, str):
+        return obj.replace("{run}", run)
+    if isinstance(obj, list):
+        return [_format_paths(x, run) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _format_paths(v, run) for k, v in obj.items()}
+    return obj
+
+
+def _plain(cfg: Any) -> dict[str, Any]:
+    return cfg.to_dict() if hasattr(cfg, "to_dict") else dataclasses.asdict(cfg)
+
+
+def _log(path: Path, row: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+
+
+# ---------------------------------------------------------------------------- the flow
+class Speedrun:
+    """Runs the stages of a `SpeedrunConfig` in `cfg.out_dir` (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: SpeedrunConfig,
+        *,
+        only: list[str] | None = None,
+        force: list[str] | None = None,
+        progress: bool = True,
+    ) -> None:
+        from rich.console import Console
+
+        self.cfg = cfg.validate()
+        self.run_dir = Path(cfg.out_dir)
+        self.only = set(only) if only else None
+        self.force = set(force or ())
+        for name in (self.only or set()) | self.force:
+            if name not in STAGES:
+                raise ValueError(f"unknown stage {name!r}; stages are {list(STAGES)}")
+        self.progress = progress
+        self.console = Console(quiet=not progress)
+        self.fingerprints: dict[str, str] = {}
+        self.summaries: dict[str, dict[str, Any]] = {}
+
+    # -------------------------------------------------------------- bookkeeping
+    def stage_dir(self, name: str) -> Path:
+        return self.run_dir / name
+
+    def record(self, name: str) -> dict[str, Any] | None:
+        """The stage's finished record; None when it has not finished or is skipped (a skipped
+        stage's outputs from an earlier run are left out of the chain as well)."""
+        path = self.stage_dir(name) / "stage.json"
+        if name in self.cfg.skip or not path.is_file():
+            return None
+        return json.loads(path.read_text())
+
+    def done(self, name: str) -> bool:
+        return self.record(name) is not None
+
+    def model_before(self, name: str) -> tuple[str, str] | None:
+        """(stage, path) of the newest model produced before stage `name` (finished stages)."""
+        order = MODEL_STAGES[: MODEL_STAGES.index(name)] if name in MODEL_STAGES else MODEL_STAGES
+        for stage in reversed(order):
+            if stage == "quantize":  # a quantised model is evaluated, not trained further
+                continue
+            rec = self.record(stage)
+            if rec is not None:
+                return stage, rec["summary"]["model"]
+        return None
+
+    def models(self) -> list[tuple[str, str, str]]:
+        """(stage, name, path) of every finished model, in chain order; the quantised
+        checkpoints are named by their recipe."""
+        out = []
+        for s in MODEL_STAGES:
+            rec = self.record(s)
+            if rec is None:
+                continue
+            if s == "quantize":
+                out += [(s, r, p) for r, p in rec["summary"]["models"].items()]
+            else:
+                out.append((s, s, rec["summary"]["model"]))
+        return out
+
+    def tokenizer_spec(self) -> str:
+        rec = self.record("tokenizer")
+        return rec["summary"]["path"] if rec is not None else "byte"
+
+    def tokenizer(self) -> Any:
+        from .data.bpe import load_tokenizer
+
+        return load_tokenizer(self.tokenizer_spec())
+
+    # -------------------------------------------------------------- stage settings
+    def settings(self, name: str) -> dict[str, Any]:
+        """The stage's section with the run's wiring applied (what its fingerprint covers)."""
+        run = str(self.run_dir)
+        cfg = self.cfg
+        if name == "curate":
+            data = _format_paths(_plain(cfg.curate), run)
+            data["output_dir"] = str(self.stage_dir("curate"))
+            data["progress"] = self.progress
+            return data
+        if name == "tokenizer":
+            return {
+                **dataclasses.asdict(cfg.tokenizer),
+                "sources": self._pretrain_dict()["data"]["sources"],
+            }
+        if name == "pretrain":
+            return self._pretrain_dict()
+        if name == "sft":
+            data = _format_paths(_plain(cfg.sft), run)
+            data["train"]["out_dir"] = str(self.stage_dir("sft"))
+            data["data"]["tokenizer"] = self.tokenizer_spec()
+            data["sft"]["init_from"] = self._model_path("sft")
+            return data
+        if name == "rl":
+            data = _format_paths(_plain(cfg.rl), run)
+            data["checkpoint"] = self._model_path("rl")
+            data["out_dir"] = str(self.stage_dir("rl"))
+            return data
+        if name == "mtp_heal":
+            return {**dataclasses.asdict(cfg.mtp_heal), "checkpoint": self._model_path("mtp_heal")}
+        if name == "quantize":
+            sft = cfg.quantize.calibration == "sft" and self.done("sft")
+            return {
+                **dataclasses.asdict(cfg.quantize),
+                "checkpoint": self._model_path("quantize"),
+                "data": str(self.stage_dir("pretrain")),
+                "calib_data": str(self.stage_dir("sft")) if sft else "",
+            }
+        if name == "eval":
+            return {
+                **dataclasses.asdict(cfg.eval),
+                "models": self.models(),
+                "rl_eval": _plain(cfg.rl)["envs"],
+            }
+        return {}
+
+    def _pretrain_dict(self) -> dict[str, Any]:
+        run = str(self.run_dir)
+        data = _format_paths(_plain(self.cfg.pretrain), run)
+        out = self.stage_dir("pretrain")
+        data["train"]["out_dir"] = str(out)
+        data["data"]["shards_dir"] = str(out / "shards")
+        data["data"]["tokenizer"] = self.tokenizer_spec()
+        data["data"]["tokenizer_vocab_size"] = 0
+        return data
+
+    def _model_path(self, name: str) -> str:
+        found = self.model_before(name)
+        if found is None:
+            raise ValueError(
+                f"stage {name} needs a model from an earlier stage (pretrain, sft, rl, mtp_heal); "
+                "none has finished in this run directory"
+            )
+        return found[1]
+
+    def inputs(self, name: str) -> list[str]:
+        """The stages whose outputs stage `name` reads (their fingerprints enter its own)."""
+        upstream = {
+            "curate": [],
+            "tokenizer": ["curate"],
+            "pretrain": ["curate", "tokenizer"],
+            "sft": ["tokenizer"],
+            "rl": [],
+            "mtp_heal": [],
+            "quantize": ["pretrain", "sft"],
+            "eval": ["pretrain", "rl"],
+            "report": [],
+        }[name]
+        found = self.model_before(name) if name in MODEL_STAGES else None
+        if found is not None:
+            upstream = [*upstream, found[0]]
+        if name == "eval":
+            upstream = [*upstream, *(s for s, _, _ in self.models())]
+        return [s for s in dict.fromkeys(upstream) if self.done(s)]
+
+    def fingerprint(self, name: str) -> str:
+        ins = {s: self.record(s)["fingerprint"] for s in self.inputs(name)}  # type: ignore[index]
+        return _fingerprint({"stage": name, "settings": self.settings(name), "inputs": ins})
+
+    # -------------------------------------------------------------- driver
+    def run(self) -> dict[str, Any]:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg.save(self.run_dir / "speedrun.yaml")
+        log_path = self.run_dir / "metrics.jsonl"
+        t_start = time.time()
+        for i, name in enumerate(STAGES, 1):
+            selected = (self.only is None or name in self.only) and name not in self.cfg.skip
+            header = f"[bold]speedrun {i}/{len(STAGES)}: {name}[/]"
+            if not selected and name != "report":
+                self.console.print(f"{header} [dim]skipped[/]")
+                _log(log_path, {"kind": "stage", "stage": name, "status": "skipped"})
+                continue
+            if name == "report":
+                self.console.print(header)
+                t0 = time.time()
+                summary = self.stage_report()
+                _log(
+                    log_path,
+                    {"kind": "stage", "stage": name, "status": "done", "seconds": time.time() - t0},
+                )
+                self.summaries[name] = summary
+                continue
+            fp = self.fingerprint(name)
+            rec = self.record(name)
+            if rec is not None and rec["fingerprint"] == fp and name not in self.force:
+                self.console.print(f"{header} [dim]done before ({rec['seconds']:.0f} s), reused[/]")
+                _log(log_path, {"kind": "stage", "stage": name, "status": "reused"})
+                self.summaries[name] = rec["summary"]
+                continue
+            out = self.stage_dir(name)
+            started = out / "started.json"
+            same_start = started.is_file() and json.loads(started.read_text())["fingerprint"] == fp
+            if out.exists() and (not same_start or name in self.force):
+                shutil.rmtree(out)  # stale outputs of other settings or inputs
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "stage.json").unlink(missing_ok=True)
+            started.write_text(json.dumps({"fingerprint": fp, "time": time.time()}))
+            self.console.print(f"{header} -> {out}")
+            t0 = time.time()
+            summary = getattr(self, f"stage_{name}")()
+            seconds = time.time() - t0
+            record = {"stage": name, "fingerprint": fp, "seconds": seconds, "summary": summary}
+            (out / "stage.json").write_text(json.dumps(record, indent=1, default=str))
+            _log(log_path, {"kind": "stage", "stage": name, "status": "done", "seconds": seconds})
+            self.summaries[name] = summary
+            self.console.print(f"[green]{name} done[/] in {seconds:.0f} s")
+        total = time.time() - t_start
+        self.console.print(
+            f"[bold]speedrun finished[/] in {total / 60:.1f} min: "
+            f"{self.run_dir / 'report.md'}, {self.run_dir / 'report.html'}"
+        )
+        return {"seconds": total, "stages": self.summaries, "run_dir": str(self.run_dir)}
+
+    # -------------------------------------------------------------- stages
+    def stage_curate(self) -> dict[str, Any]:
+        from .data.curate.pipeline import run_curate
+
+        cfg = CurateConfig.from_dict(self.settings("curate"))
+        report = run_curate(cfg)
+        if report.docs_out == 0:
+            raise ValueError("curation kept no documents: loosen the filters in `curate.stages`")
+        return {
+            "data": str(self.stage_dir("curate") / "data"),
+            "docs_out": report.docs_out,
+            "output": report.data["output"],
+            "report": str(self.stage_dir("curate") / "report.md"),
+            "stages": [
+                {k: st.get(k) for k in ("stage", "docs_in", "docs_out", "seconds")}
+                for st in report.data["stages"]
+            ],
+        }
+
+    def stage_tokenizer(self) -> dict[str, Any]:
+        from .data.bpe import train_bpe
+        from .data.pipeline import build_source
+
+        tcfg = self.cfg.tokenizer
+        out = self.stage_dir("tokenizer")
+        if tcfg.kind == "byte":
+            return {"path": "byte", "vocab_size": 258}
+        sources = RunConfig.from_dict(self._pretrain_dict()).data.sources
+        docs = [
+            doc for src in sources if src.kind != "shards" for doc in build_source(src)
+        ]  # every source of the pretraining mix, in order
+        tok = train_bpe(
+            docs,
+            vocab_size=tcfg.vocab_size,
+            min_frequency=tcfg.min_frequency,
+            max_chars=tcfg.max_chars,
+            split_digits=tcfg.split_digits,
+        )
+        tok.save(out)
+        sample = "\n".join(d.text for d in docs[:50])[:200_000]
+        ids = tok.encode(sample, add_bos=False)
+        return {
+            "path": str(out),
+            "vocab_size": tok.vocab_size,
+            "split_digits": tcfg.split_digits,
+            "bytes_per_token": len(sample.encode()) / max(len(ids), 1),
+            "sha256": tok.sha256,
+        }
+
+    def stage_pretrain(self) -> dict[str, Any]:
+        from .train.checkpoint import latest_checkpoint
+        from .train.trainer import run_pretrain
+
+        run = RunConfig.from_dict(self._pretrain_dict())
+        vocab = self.tokenizer().vocab_size
+        model = run.model_config()
+        if model.vocab_size != vocab:
+            run = dataclasses.replace(run, model=dataclasses.replace(model, vocab_size=vocab))
+        out = self.stage_dir("pretrain")
+        resume = latest_checkpoint(out) is not None
+        result = run_pretrain(run, resume=resume)
+        return {"model": str(out), **_scalars(result)}
+
+    def stage_sft(self) -> dict[str, Any]:
+        from .train.checkpoint import latest_checkpoint
+        from .train.sft import run_sft
+
+        cfg = SFTRunConfig.from_dict(self.settings("sft"))
+        out = self.stage_dir("sft")
+        result = run_sft(cfg, resume=latest_checkpoint(out) is not None)
+        return {"model": str(out), **_scalars(result)}
+
+    def stage_rl(self) -> dict[str, Any]:
+        from .rl.learner import run_rl
+
+        cfg = RLConfig.from_dict(self.settings("rl"))
+        result = run_rl(cfg, progress=self.progress)
+        train = result["train"]
+        first = [r["reward_mean"] for r in train[:10]]
+        last = [r["reward_mean"] for r in train[-10:]]
+        return {
+            "model": result["model"],
+            "reward_first10": sum(first) / len(first),
+            "reward_last10": sum(last) / len(last),
+            "eval": [{"step": e.get("step"), "solved": e["all/solved"]} for e in result["eval"]],
+        }
+
+    def stage_mtp_heal(self) -> dict[str, Any]:
+        import torch
+
+        from .model.model import HybridLM
+        from .train.checkpoint import tokenizer_for
+        from .train.mtp_boost import (
+            prompts_from_checkpoint,
+            prompts_from_environment,
+            run_mtp_boost,
+        )
+
+        cfg = self.cfg.mtp_heal
+        src = self._model_path("mtp_heal")
+        torch.manual_seed(cfg.seed)
+        model = HybridLM.from_pretrained(src).float()
+        tok = tokenizer_for(src)
+        if cfg.prompts == "data":
+            train, held = prompts_from_checkpoint(
+                src,
+                tok,
+                n_train=cfg.num_sequences,
+                n_eval=cfg.eval_prompts,
+                prompt_len=cfg.prompt_len,
+                seed=cfg.seed,
+            )
+        else:  # the RL environment's prompts (healing after RL, Nemotron 3 Super §4.7)
+            train, held = prompts_from_environment(
+                cfg.prompts, tok, n_train=cfg.num_sequences, n_eval=cfg.eval_prompts, seed=cfg.seed
+            )
+        out = self.stage_dir("mtp_heal")
+        result = run_mtp_boost(model, tok, train, held, cfg, out, progress=self.progress)
+        al = {
+            f"T{r['temperature']:g}": [r["acceptance_length"], a["acceptance_length"]]
+            for r, a in zip(result["before"], result["after"], strict=True)
+        }
+        return {
+            "model": str(out / "model"),
+            "from": src,
+            "draft_len": cfg.draft_len,
+            "acceptance_length": al,  # temperature -> [before, after]
+            **_scalars(result),
+        }
+
+    def stage_quantize(self) -> dict[str, Any]:
+        from .precision.ptq import DEFAULT_EXCLUDE
+        from .precision.quantize import QuantizeConfig, run_quantize
+
+        s = self.settings("quantize")
+        tok = self.tokenizer()
+        models, results = {}, {}
+        for recipe in s["recipes"]:
+            out = self.stage_dir("quantize") / recipe
+            qcfg = QuantizeConfig(
+                checkpoint=s["checkpoint"],
+                out=str(out),
+                recipe=recipe,
+                budget=s["budget"],
+                calib_samples=s["calib_samples"],
+                eval_batches=s["eval_batches"],
+                weight_scale=s["weight_scale"],
+                per_layer=s["per_layer"],
+                data=s["data"],
+                calib_data=s["calib_data"],
+                exclude=DEFAULT_EXCLUDE + tuple(s["exclude"]),
+                progress=self.progress,
+            )
+            summary = run_quantize(qcfg)
+            if hasattr(tok, "save"):  # the checkpoint carries its model's tokenizer
+                tok.save(out)
+            models[recipe] = str(out)
+            results[recipe] = {
+                k: summary[k] for k in ("unquantized", "quantized", "delta", "calibration")
+            }
+        return {
+            "model": models[s["recipes"][-1]],
+            "models": models,
+            "from": s["checkpoint"],
+            "results": results,
+        }
+
+    def stage_eval(self) -> dict[str, Any]:
+        from .eval.flow import evaluate_flow
+
+        return evaluate_flow(self, self.stage_dir("eval"))
+
+    def stage_report(self) -> dict[str, Any]:
+        from .eval.report import render_report
+
+        return render_report(self.run_dir)
+
+
+def _scalars(result: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-friendly scalars (and small dicts of scalars) of a stage's result."""
+    out: dict[str, Any] = {}
+    for k, v in result.items():
+        if isinstance(v, (int, float, str, bool)) or v is None:
+            out[k] = v if not (isinstance(v, float) and math.isnan(v)) else None
+        elif isinstance(v, dict) and all(isinstance(x, (int, float, str)) for x in v.values()):
+            out[k] = v
+        elif isinstance(v, Path):
+            out[k] = str(v)
+    return out
+
+
+# ---------------------------------------------------------------------------- CLI
+def load_config(path: str, overrides: list[str], out: str = "", skip: str = "") -> SpeedrunConfig:
+    from .train.config import apply_run_overrides
+
+    cfg = SpeedrunConfig.load(path)
+    if overrides:
+        cfg = apply_run_overrides(cfg, overrides)
+    if out:
+        cfg = dataclasses.replace(cfg, out_dir=out)
+    if skip:
+        cfg = dataclasses.replace(cfg, skip=[*cfg.skip, *(s for s in skip.split(",") if s)])
+    return cfg.validate()
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "speedrun",
+        help="the whole flow: curate -> tokenizer -> pretrain -> SFT -> GRPO -> MTP healing -> "
+        "NVFP4 PTQ -> eval -> report, resumable, in one run directory",
+    )
+    p.add_argument("--config", default="configs/speedrun.yaml", help="speedrun config YAML")
+    p.add_argument("--out", default="", help="run directory (default: the config's out_dir)")
+    p.add_argument("--skip", default="", help="comma-separated stages to leave out")
+    p.add_argument("--only", default="", help="comma-separated stages to run (others untouched)")
+    p.add_argument("--force", default="", help="comma-separated stages to rerun even if done")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, e.g. --set pretrain.train.max_steps=300 (repeatable)",
+    )
+    p.set_defaults(fn=cmd_speedrun)
+
+
+def cmd_speedrun(args: argparse.Namespace) -> None:
+    cfg = load_config(args.config, args.overrides, args.out, args.skip)
+
+    def names(s: str) -> list[str]:
+        return [x for x in s.split(",") if x]
+
+    result = Speedrun(cfg, only=names(args.only) or None, force=names(args.force)).run()
+    print(json.dumps({"run_dir": result["run_dir"], "minutes": result["seconds"] / 60}, indent=1))

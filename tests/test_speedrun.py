@@ -1,0 +1,196 @@
+"""`hybridlm speedrun`: the whole flow at toy size (every stage, inline rollouts), its report,
+reuse of finished stages, invalidation downstream of a changed stage, and the model chain when
+stages are skipped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridlm.eval.report import render_report
+from hybridlm.speedrun import STAGES, Speedrun, SpeedrunConfig, load_config
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "speedrun.yaml"
+
+# every stage a few steps long; RL rollouts in-process; harness tasks off (no data dir)
+TINY = [
+    "tokenizer.vocab_size=400",
+    "tokenizer.max_chars=200000",
+    "pretrain.data.sources.1.max_files=40",
+    "pretrain.train.max_steps=12",
+    "pretrain.train.eval_interval=6",
+    "pretrain.train.checkpoint_interval=6",
+    "pretrain.train.warmup_steps=2",
+    "sft.data.sources.0.max_rows=300",
+    "sft.train.max_steps=6",
+    "sft.train.eval_interval=6",
+    "sft.train.checkpoint_interval=6",
+    "sft.train.warmup_steps=2",
+    "sft.sft.eval_generate=2",
+    "sft.sft.max_new_tokens=24",
+    "rl.steps=2",
+    "rl.executor=inline",
+    "rl.eval_problems=4",
+    "rl.groups_per_step=2",
+    "rl.group_size=2",
+    "rl.max_draws=2",
+    "rl.eval_interval=1",
+    "rl.max_new_tokens=16",
+    "mtp_heal.steps=3",
+    "mtp_heal.num_sequences=4",
+    "mtp_heal.eval_prompts=2",
+    "mtp_heal.gen_len=12",
+    "mtp_heal.eval_new_tokens=12",
+    "mtp_heal.warmup_steps=1",
+    "quantize.calib_samples=8",
+    "quantize.eval_batches=1",
+    "quantize.per_layer=false",
+    "eval.arithmetic_problems=4",
+    "eval.text_batches=1",
+    "eval.spec_prompts=1",
+    "eval.spec_new_tokens=8",
+    "eval.max_new_tokens=16",
+    "eval.data_dir=does-not-exist",
+    "eval.cache_contexts=[1024,65536]",
+]
+
+
+def stage_rows(run: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == "stage"]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    run = tmp_path_factory.mktemp("speedrun") / "run"
+    cfg = load_config(str(CONFIG), TINY, out=str(run))
+    result = Speedrun(cfg, progress=False).run()
+    return cfg, run, result
+
+
+def test_config_file_parses_and_rejects_mistakes(tmp_path):
+    cfg = SpeedrunConfig.load(CONFIG)
+    assert cfg.pretrain.data.sources[0].path == "{run}/curate/data"
+    assert cfg.tokenizer.split_digits and cfg.quantize.recipes == ["nvfp4", "autoquant"]
+    with pytest.raises(ValueError, match="unknown stages"):
+        load_config(str(CONFIG), ["skip=[pretrian]"])
+    with pytest.raises(ValueError, match="unknown sections"):
+        SpeedrunConfig.from_dict({"pretrainn": {}})
+    with pytest.raises(ValueError, match="unknown key"):
+        load_config(str(CONFIG), ["sft.train.max_stpes=3"])
+    with pytest.raises(ValueError, match="unknown model stages"):
+        load_config(str(CONFIG), ["eval.spec_models=[dpo]"])
+    with pytest.raises(ValueError, match="quantize.recipes"):
+        load_config(str(CONFIG), ["quantize.recipes=[int4]"])
+    with pytest.raises(ValueError, match="unknown stage"):
+        Speedrun(cfg, only=["evaluate"])
+
+
+def test_whole_flow_runs_and_writes_the_report(finished):
+    cfg, run, result = finished
+    for stage in STAGES[:-1]:
+        rec = json.loads((run / stage / "stage.json").read_text())
+        assert rec["stage"] == stage and rec["seconds"] > 0
+    assert [r["status"] for r in stage_rows(run)] == ["done"] * len(STAGES)
+    # the BPE the model was trained with travels with every later checkpoint
+    tok = json.loads((run / "tokenizer" / "stage.json").read_text())["summary"]
+    assert 300 < tok["vocab_size"] <= 400
+    for d in ("rl/model", "mtp_heal/model", "quantize/nvfp4", "quantize/autoquant"):
+        assert (run / d / "tokenizer.json").is_file(), d
+    # the model chain: each stage starts from the previous stage's model
+    assert yaml.safe_load((run / "rl" / "rl.yaml").read_text())["checkpoint"] == str(run / "sft")
+    heal = json.loads((run / "mtp_heal" / "stage.json").read_text())["summary"]
+    assert heal["from"] == str(run / "rl" / "model")
+    quant = json.loads((run / "quantize" / "stage.json").read_text())["summary"]
+    assert quant["from"] == str(run / "mtp_heal" / "model")
+    assert set(quant["models"]) == {"nvfp4", "autoquant"}
+    for recipe in ("nvfp4", "autoquant"):
+        assert (run / "quantize" / recipe / "hf_quant_config.json").is_file()
+        assert quant["results"][recipe]["calibration"]["data"] == str(run / "sft")
+    # eval: every model on the same held-out text and problems; quantised = healed +- small
+    rows = [json.loads(x) for x in (run / "eval" / "metrics.jsonl").read_text().splitlines()]
+    models = {r["model"]: r for r in rows if r["kind"] == "model"}
+    assert list(models) == ["pretrain", "sft", "rl", "mtp_heal", "nvfp4", "autoquant"]
+    for r in models.values():
+        assert r["text_bpb"] > 0 and 0 <= r["exact_match"] <= 1 and r["problems"] == 4
+    # MTP healing trains only the head: the backbone's text loss is unchanged
+    assert models["mtp_heal"]["text_loss"] == pytest.approx(models["rl"]["text_loss"], abs=1e-5)
+    for recipe in ("nvfp4", "autoquant"):
+        assert models[recipe]["text_loss"] != models["mtp_heal"]["text_loss"]
+        assert abs(models[recipe]["text_bpb"] / models["mtp_heal"]["text_bpb"] - 1) < 0.05
+    cache = [r for r in rows if r["kind"] == "cache_memory"]
+    assert {r["model"] for r in cache} == {"speedrun", "nemotron-3-super"}
+    # KV grows with the context, the Mamba state does not: at 64K the hybrid's cache is smaller
+    assert all(r["attention_only_bytes"] > r["hybrid_bytes"] for r in cache if r["context"] > 2**15)
+    spec = (run / "eval" / "mtp_heal" / "metrics.jsonl").read_text()
+    assert "acceptance_length:greedy" in spec and "greedy_mismatches" in spec
+    # the report: every plot, every section, a self-contained HTML page
+    md = (run / "report.md").read_text()
+    for png in ("loss", "bpb", "reward", "acceptance", "quantization", "cache_memory"):
+        assert (run / "plots" / f"{png}.png").stat().st_size > 5000
+        assert f"plots/{png}.png" in md
+    for heading in ("Pretraining and SFT", "RL (GRPO)", "Speculative decoding", "quantisation"):
+        assert heading in md
+    page = (run / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 6 and "<table>" in page
+    assert result["stages"]["eval"]["models"][0]["model"] == "pretrain"
+
+
+def test_rerun_reuses_finished_stages_and_reruns_downstream_of_a_change(finished):
+    _, run, _ = finished
+    before = {s: json.loads((run / s / "stage.json").read_text()) for s in STAGES[:-1]}
+    cfg = load_config(str(CONFIG), TINY, out=str(run))
+    Speedrun(cfg, progress=False).run()
+    assert [r["status"] for r in stage_rows(run)[-len(STAGES) :]] == ["reused"] * (
+        len(STAGES) - 1
+    ) + ["done"]
+    # a changed healing setting reruns healing and everything that reads its model
+    cfg = load_config(str(CONFIG), [*TINY, "mtp_heal.steps=4"], out=str(run))
+    Speedrun(cfg, progress=False).run()
+    status = {r["stage"]: r["status"] for r in stage_rows(run)[-len(STAGES) :]}
+    assert status == {
+        **{s: "reused" for s in ("curate", "tokenizer", "pretrain", "sft", "rl")},
+        **{s: "done" for s in ("mtp_heal", "quantize", "eval", "report")},
+    }
+    after = json.loads((run / "mtp_heal" / "stage.json").read_text())
+    assert after["fingerprint"] != before["mtp_heal"]["fingerprint"]
+    assert json.loads((run / "pretrain" / "stage.json").read_text()) == before["pretrain"]
+
+
+def _record(run: Path, stage: str, model: str) -> None:
+    (run / stage).mkdir(parents=True)
+    summary = {"model": model, "models": {"nvfp4": model}}
+    (run / stage / "stage.json").write_text(
+        json.dumps({"stage": stage, "fingerprint": stage, "seconds": 1.0, "summary": summary})
+    )
+
+
+def test_skipped_stages_hand_over_the_newest_model(tmp_path):
+    cfg = load_config(str(CONFIG), ["skip=[rl]"], out=str(tmp_path))
+    flow = Speedrun(cfg, progress=False)
+    with pytest.raises(ValueError, match="needs a model from an earlier stage"):
+        flow.settings("sft")
+    _record(tmp_path, "pretrain", "P")
+    _record(tmp_path, "sft", "S")
+    _record(tmp_path, "rl", "R")  # from an earlier run: left out while rl is skipped
+    assert flow.model_before("rl") == ("sft", "S")
+    assert flow.model_before("mtp_heal") == ("sft", "S")  # rl skipped: healing starts from SFT
+    assert flow.settings("mtp_heal")["checkpoint"] == "S"
+    assert flow.settings("quantize")["checkpoint"] == "S"
+    assert flow.tokenizer_spec() == "byte"  # no tokenizer stage: the byte tokenizer
+    _record(tmp_path, "quantize", "Q")
+    assert flow.model_before("mtp_heal") == ("sft", "S")  # a quantised model is not trained on
+    assert [n for _, n, _ in flow.models()] == ["pretrain", "sft", "nvfp4"]
+    flow = Speedrun(load_config(str(CONFIG), [], out=str(tmp_path)), progress=False)
+    assert flow.model_before("mtp_heal") == ("rl", "R")
+
+
+def test_report_of_a_partial_run(tmp_path):
+    out = render_report(tmp_path)
+    md = Path(out["report_md"]).read_text()
+    assert "Stages finished: 0 of 8" in md and "The rl stage did not run." in md
+    assert out["plots"] == []
+    assert "<html>" in Path(out["report_html"]).read_text()
