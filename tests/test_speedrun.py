@@ -188,6 +188,15 @@ def test_skipped_stages_hand_over_the_newest_model(tmp_path):
     assert flow.model_before("mtp_heal") == ("rl", "R")
 
 
+def test_quantize_data_options_name_missing_runs(tmp_path):
+    from hybridlm.precision.quantize import run_data, sft_calibration_batches
+
+    with pytest.raises(ValueError, match="no pretraining run config"):
+        run_data(tmp_path)
+    with pytest.raises(ValueError, match="no SFT run config"):
+        sft_calibration_batches(tmp_path / "sft", 8)
+
+
 def test_report_of_a_partial_run(tmp_path):
     out = render_report(tmp_path)
     md = Path(out["report_md"]).read_text()

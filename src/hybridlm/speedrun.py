@@ -549,36 +549,12 @@ class Speedrun:
         }
 
     def stage_mtp_heal(self) -> dict[str, Any]:
-        import torch
-
-        from .model.model import HybridLM
-        from .train.checkpoint import tokenizer_for
-        from .train.mtp_boost import (
-            prompts_from_checkpoint,
-            prompts_from_environment,
-            run_mtp_boost,
-        )
+        from .train.mtp_boost import boost_checkpoint
 
         cfg = self.cfg.mtp_heal
         src = self._model_path("mtp_heal")
-        torch.manual_seed(cfg.seed)
-        model = HybridLM.from_pretrained(src).float()
-        tok = tokenizer_for(src)
-        if cfg.prompts == "data":
-            train, held = prompts_from_checkpoint(
-                src,
-                tok,
-                n_train=cfg.num_sequences,
-                n_eval=cfg.eval_prompts,
-                prompt_len=cfg.prompt_len,
-                seed=cfg.seed,
-            )
-        else:  # the RL environment's prompts (healing after RL, Nemotron 3 Super §4.7)
-            train, held = prompts_from_environment(
-                cfg.prompts, tok, n_train=cfg.num_sequences, n_eval=cfg.eval_prompts, seed=cfg.seed
-            )
         out = self.stage_dir("mtp_heal")
-        result = run_mtp_boost(model, tok, train, held, cfg, out, progress=self.progress)
+        result = boost_checkpoint(src, cfg, out, progress=self.progress)
         al = {
             f"T{r['temperature']:g}": [r["acceptance_length"], a["acceptance_length"]]
             for r, a in zip(result["before"], result["after"], strict=True)

@@ -19,16 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-STAGE_ORDER = (
-    "curate",
-    "tokenizer",
-    "pretrain",
-    "sft",
-    "rl",
-    "mtp_heal",
-    "quantize",
-    "eval",
-)
+from ..speedrun import STAGES
+
+STAGE_ORDER = STAGES[:-1]  # every stage but the report itself
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -451,29 +451,41 @@ def register(sub: Any) -> None:
     p.set_defaults(fn=cmd_mtp_boost)
 
 
-def cmd_mtp_boost(args: Any) -> None:
-    from ..config import apply_overrides
+def boost_checkpoint(
+    checkpoint: str | Path, cfg: MTPBoostConfig, out: str | Path, *, progress: bool = True
+) -> dict[str, Any]:
+    """Boost the MTP head of a checkpoint (run, training checkpoint or transformers directory)
+    with its own tokenizer, on prompts from its training data or from an RL environment
+    (`cfg.prompts`); writes under `out` as `run_mtp_boost` does."""
     from .checkpoint import tokenizer_for
 
-    cfg = apply_overrides(MTPBoostConfig(), args.overrides).validate()
+    cfg.validate()
     torch.manual_seed(cfg.seed)
-    model = HybridLM.from_pretrained(args.checkpoint).float()
-    tok = tokenizer_for(args.checkpoint)
+    model = HybridLM.from_pretrained(checkpoint).float()
+    tok = tokenizer_for(checkpoint)
     if cfg.prompts == "data":
         train, held = prompts_from_checkpoint(
-            args.checkpoint,
+            str(checkpoint),
             tok,
             n_train=cfg.num_sequences,
             n_eval=cfg.eval_prompts,
             prompt_len=cfg.prompt_len,
             seed=cfg.seed,
         )
-    else:
+    else:  # the RL environment's prompts (healing after RL, Nemotron 3 Super §4.7)
         train, held = prompts_from_environment(
             cfg.prompts, tok, n_train=cfg.num_sequences, n_eval=cfg.eval_prompts, seed=cfg.seed
         )
+    res = run_mtp_boost(model, tok, train, held, cfg, out, progress=progress)
+    return {**res, "eval_prompts": len(held)}
+
+
+def cmd_mtp_boost(args: Any) -> None:
+    from ..config import apply_overrides
+
+    cfg = apply_overrides(MTPBoostConfig(), args.overrides).validate()
     out = Path(args.out or str(Path(args.checkpoint).resolve()) + "-mtp-boost")
-    res = run_mtp_boost(model, tok, train, held, cfg, out)
+    res = boost_checkpoint(args.checkpoint, cfg, out)
     print(
         f"[mtp-boost] {res['sequences']} self-generated sequences ({res['generation_s']:.0f} s),"
         f" {cfg.steps} steps ({res['train_s']:.0f} s): loss {res['first']['loss']:.3f} ->"
@@ -483,7 +495,7 @@ def cmd_mtp_boost(args: Any) -> None:
         pos_b = " ".join(f"{x:.2f}" for x in b["acceptance_by_position"])
         pos_a = " ".join(f"{x:.2f}" for x in a["acceptance_by_position"])
         print(
-            f"[mtp-boost] T={b['temperature']:g}, k={cfg.draft_len}, {len(held)} held-out"
+            f"[mtp-boost] T={b['temperature']:g}, k={cfg.draft_len}, {res['eval_prompts']} held-out"
             f" prompts: acceptance length {b['acceptance_length']:.2f} ->"
             f" {a['acceptance_length']:.2f} | by position {pos_b} -> {pos_a}"
         )
