@@ -48,6 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hybridlm import HybridLM, ModelConfig  # noqa: E402
+from hybridlm.eval.flow import attention_only  # noqa: E402
+from hybridlm.eval.flow import cache_bytes as computed_bytes  # noqa: E402
 from hybridlm.infer.cache import HybridCache, KVState, MambaState  # noqa: E402
 from hybridlm.infer.generate import generate  # noqa: E402
 from hybridlm.presets import get_preset  # noqa: E402
@@ -398,20 +400,6 @@ def _distinct_ngrams(seqs: list[list[int]], n: int) -> float:
 
 
 # ====================================================================== 3. memory
-def attention_only(cfg: ModelConfig) -> ModelConfig:
-    """Same width, depth and attention config, every block attention; no MTP."""
-    d = cfg.to_dict()
-    d["pattern"] = "*" * len(cfg.pattern)
-    d["mtp"]["pattern"] = ""
-    return ModelConfig.from_dict(d)
-
-
-def computed_bytes(cfg: ModelConfig, context: int, kv_bytes: int, state_bytes: int) -> int:
-    return cfg.kv_cache_bytes_per_token(kv_bytes) * context + cfg.mamba_state_bytes_per_sequence(
-        state_bytes
-    )
-
-
 def cache_bytes(cache: HybridCache) -> tuple[int, int]:
     """(valid, allocated) bytes of the real tensors held by a cache."""
     valid = alloc = 0
