@@ -20,7 +20,7 @@ import time
 
 import yaml
 
-from .config import ModelConfig, apply_overrides
+from .config import ModelConfig, add_overrides_arg, apply_overrides
 from .infer.state_precision import SSM_PRECISIONS
 from .presets import PRESETS, get_preset
 
@@ -35,14 +35,7 @@ def _add_model_args(p: argparse.ArgumentParser, *, checkpoint: bool = True) -> N
             help="a transformers NemotronH / Olmo3 directory, a training checkpoint "
             "(runs/X/checkpoints/step_N) or a run directory (its newest checkpoint)",
         )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override, e.g. --set moe.top_k=8 (repeatable)",
-    )
+    add_overrides_arg(p, "moe.top_k=8")
 
 
 def _tokenizer(args: argparse.Namespace, model):
@@ -462,14 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pretrain", help="pretrain from a run YAML (default: the quickstart)")
     p.add_argument("--config", default="configs/quickstart.yaml", help="a run YAML")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override, e.g. --set train.max_steps=200 (repeatable)",
-    )
+    add_overrides_arg(p, "train.max_steps=200")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--prompt", default="def ", help="prompt of the closing sample")
     p.add_argument("--sample-tokens", type=int, default=200)

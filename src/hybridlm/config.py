@@ -488,6 +488,19 @@ def _section_type(cls: type, name: str) -> type | None:
     return next((c for c in candidates if dataclasses.is_dataclass(c)), None)
 
 
+def add_overrides_arg(parser: Any, example: str) -> None:
+    """`--set KEY=VALUE` (repeatable) on a command line, collected into `args.overrides` for
+    `apply_overrides` / `apply_run_overrides`; `example` shows a key of that command."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"dotted override, e.g. --set {example} (repeatable)",
+    )
+
+
 def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
     """Return a new config with dotted `key=value` overrides applied (values parsed as YAML).
     Works for any typed config dataclass (`ModelConfig`, a stage's config)."""

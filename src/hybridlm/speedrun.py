@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import from_dict, read_mapping, write_mapping
+from .config import add_overrides_arg, from_dict, read_mapping, write_mapping
 from .data.curate.pipeline import CurateConfig
 from .rl.learner import RLConfig
 from .train.config import RunConfig
@@ -653,14 +653,7 @@ def register(sub: Any) -> None:
     p.add_argument("--skip", default="", help="comma-separated stages to leave out")
     p.add_argument("--only", default="", help="comma-separated stages to run (others untouched)")
     p.add_argument("--force", default="", help="comma-separated stages to rerun even if done")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override, e.g. --set pretrain.train.max_steps=300 (repeatable)",
-    )
+    add_overrides_arg(p, "pretrain.train.max_steps=300")
     p.set_defaults(fn=cmd_speedrun)
 
 

@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..config import apply_overrides, from_dict, read_mapping, write_mapping
+from ..config import add_overrides_arg, apply_overrides, from_dict, read_mapping, write_mapping
 from ..data.chat import STOP
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
@@ -582,14 +582,7 @@ def register(sub: Any) -> None:
     p = sub.add_parser("rl", help="GRPO with verifiable rewards and asynchronous rollouts")
     p.add_argument("--config", default="", help="an RL YAML (default: configs/rl.yaml if present)")
     p.add_argument("--checkpoint", default="", help="the starting policy (overrides the config)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="RLConfig field, e.g. --set steps=20 --set grpo.eps_high=0.28 (repeatable)",
-    )
+    add_overrides_arg(p, "steps=20 --set grpo.eps_high=0.28")
     p.set_defaults(fn=cmd_rl)
 
 

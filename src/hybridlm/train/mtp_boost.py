@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..config import add_overrides_arg
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
 from ..infer.speculative import SpecStats, speculative_generate
@@ -440,14 +441,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--checkpoint", required=True, help="run, training checkpoint or HF directory")
     p.add_argument("--out", default="", help="output directory (default: <checkpoint>-mtp-boost)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="MTPBoostConfig field, e.g. --set steps=300 --set mix_true=0.5 (repeatable)",
-    )
+    add_overrides_arg(p, "steps=300 --set mix_true=0.5")
     p.set_defaults(fn=cmd_mtp_boost)
 
 

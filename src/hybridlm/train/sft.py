@@ -47,7 +47,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from ..config import ModelConfig, from_dict, read_mapping, write_mapping
+from ..config import ModelConfig, add_overrides_arg, from_dict, read_mapping, write_mapping
 from ..data.chat import STOP, parse_assistant, render
 from ..data.sft import (
     ChatExample,
@@ -832,14 +832,7 @@ def run_sft(
 # ---------------------------------------------------------------------------- CLI
 def add_run_args(p: argparse.ArgumentParser, default_config: str) -> None:
     p.add_argument("--config", default=default_config, help="run config YAML")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override, e.g. --set train.max_steps=100 (repeatable)",
-    )
+    add_overrides_arg(p, "train.max_steps=100")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
 
 
