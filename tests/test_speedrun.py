@@ -188,6 +188,20 @@ def test_skipped_stages_hand_over_the_newest_model(tmp_path):
     assert flow.model_before("mtp_heal") == ("rl", "R")
 
 
+def test_interrupted_stage_keeps_its_outputs_only_for_the_same_settings(tmp_path):
+    cfg = load_config(str(CONFIG), ["curate.inputs.0.max_files=30"], out=str(tmp_path))
+    flow = Speedrun(cfg, only=["curate"], progress=False)
+    out = tmp_path / "curate"
+    out.mkdir()
+    (out / "started.json").write_text(json.dumps({"fingerprint": flow.fingerprint("curate")}))
+    (out / "partial").write_text("")  # e.g. a checkpoint of an interrupted run: resumed
+    flow.run()
+    assert (out / "partial").is_file() and (out / "stage.json").is_file()
+    cfg = load_config(str(CONFIG), ["curate.inputs.0.max_files=31"], out=str(tmp_path))
+    Speedrun(cfg, only=["curate"], progress=False).run()  # other settings: started afresh
+    assert not (out / "partial").exists() and (out / "stage.json").is_file()
+
+
 def test_quantize_data_options_name_missing_runs(tmp_path):
     from hybridlm.precision.quantize import run_data, sft_calibration_batches
 

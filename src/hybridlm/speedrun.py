@@ -266,7 +266,6 @@ class Speedrun:
                 raise ValueError(f"unknown stage {name!r}; stages are {list(STAGES)}")
         self.progress = progress
         self.console = Console(quiet=not progress)
-        self.fingerprints: dict[str, str] = {}
         self.summaries: dict[str, dict[str, Any]] = {}
 
     # -------------------------------------------------------------- bookkeeping
