@@ -66,6 +66,13 @@ def test_answers_are_in_the_context(length):
             c for w, c in counts.items() if w not in s.answers
         )
 
+        s = make_sample("fwe", length, i, tokenizer=TOK)
+        counts = Counter(s.context.split())
+        ranked = [w for w, _ in counts.most_common()]
+        assert tuple(ranked[:3]) == s.answers  # the three most frequent, in order
+        n = [counts[w] for w in ranked]
+        assert n[0] > n[1] > n[2] > n[3] and len(counts) > 10  # strict, Zipf-like
+
 
 def test_scoring_and_errors():
     assert score_prediction(" 1234567.", ("1234567",)) == {

@@ -148,7 +148,7 @@ def test_gsm8k_mc_items_hold_the_gold_answer(shared_data):
 
 def test_resolve_tasks_groups_and_errors():
     assert resolve_tasks("base_easy,gsm8k_bpb") == ["humaneval_bpb", "gsm8k_bpb", "shakespeare_bpb"]
-    assert len(resolve_tasks("ruler")) == 5
+    assert len(resolve_tasks("ruler")) == 6
     with pytest.raises(ValueError, match="unknown task"):
         resolve_tasks("mmlu")
 

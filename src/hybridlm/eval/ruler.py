@@ -1,7 +1,7 @@
 """RULER-style synthetic long-context tasks (Hsieh et al. 2024, "RULER: What's the Real Context
 Size of Your Long-Context Language Models?", §3), generated locally and deterministically.
 
-Five of RULER's task families, each fitted to a target length in the model's own tokens:
+Six of RULER's task families, each fitted to a target length in the model's own tokens:
 
 - `niah_single`: one "special magic number" needle in a noise haystack (RULER niah_single_1);
 - `niah_multikey`: four needles with different keys, one asked for (niah_multikey_1);
@@ -9,7 +9,9 @@ Five of RULER's task families, each fitted to a target length in the model's own
 - `vt`: variable tracking, one chain of assignments `VAR A = 12345`, `VAR B = A`, ... hidden in
   noise; the answer is every variable that holds the value (RULER vt, 1 chain, 4 hops);
 - `cwe`: common-word extraction from a numbered list in which a few words repeat often and the
-  rest appear once (RULER cwe, scaled down so it also fits short contexts).
+  rest appear once (RULER cwe, scaled down so it also fits short contexts);
+- `fwe`: frequent-word extraction from coded text whose word counts follow Zipf's law (alpha 2);
+  the answer is the three most frequent coded words (RULER fwe).
 
 Sample `i` of (task, length, seed) is drawn from `random.Random(f"{task}/{length}/{seed}/{i}")`,
 so it is the same on every run and machine. The prompt is `context + question + answer prefix`;
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe")
+RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe", "fwe")
 
 # RULER's "noise" haystack (repeated filler sentences)
 _NOISE = (
@@ -173,12 +175,41 @@ def _cwe(rng: random.Random, units: int) -> tuple[str, str, tuple[str, ...], int
     return context, q, tuple(common), 6 * num_cw + 8
 
 
+def _coded_word(rng: random.Random) -> str:
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 6)))
+
+
+def _fwe(rng: random.Random, units: int) -> tuple[str, str, tuple[str, ...], int]:
+    """`units` sets the vocabulary (units // 2 + 4 coded words); word k (1-based) appears
+    ~c / k^2 times (Zipf, alpha 2, as RULER fwe), with the top three given a strict margin over
+    every other word so the answer is unambiguous."""
+    top, alpha = 3, 2.0
+    vocab: list[str] = []
+    while len(vocab) < units // 2 + top + 1:
+        w = _coded_word(rng)
+        if w not in vocab:
+            vocab.append(w)
+    c = 8 + units / 4
+    counts = [max(1, round(c / k**alpha)) for k in range(1, len(vocab) + 1)]
+    for k in range(top - 1, -1, -1):  # counts[0] > counts[1] > counts[2] > every other count
+        counts[k] = max(counts[k], counts[k + 1] + 1)
+    words = [w for w, n in zip(vocab, counts, strict=True) for _ in range(n)]
+    rng.shuffle(words)
+    q = (
+        "Question: Do not provide any explanation. What are the three most frequently appeared "
+        "words in the above coded text? Answer: According to the coded text above, the three "
+        "most frequently appeared words are:"
+    )
+    return " ".join(words), q, tuple(vocab[:top]), 6 * top + 8
+
+
 _BUILDERS: dict[str, Callable[[random.Random, int], tuple[str, str, tuple[str, ...], int]]] = {
     "niah_single": lambda r, u: _niah(r, u, "niah_single"),
     "niah_multikey": lambda r, u: _niah(r, u, "niah_multikey"),
     "niah_multivalue": lambda r, u: _niah(r, u, "niah_multivalue"),
     "vt": _vt,
     "cwe": _cwe,
+    "fwe": _fwe,
 }
 
 _HEADER = {
@@ -191,6 +222,8 @@ _HEADER = {
     "vt": "Memorize and track the chain(s) of variable assignment hidden in the following text.\n",
     "cwe": "Below is a numbered list of words. In these words, some appear more often than "
     "others. Memorize the ones that appear most often.\n",
+    "fwe": "Read the following coded text and track the frequency of each coded word. Find the "
+    "three most frequently appeared coded words.\n",
 }
 
 

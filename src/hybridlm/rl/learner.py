@@ -571,7 +571,8 @@ def plot_rl(metrics_path: str | Path, png: str | Path) -> None:
     if tis:
         a2.plot(*zip(*tis, strict=True), label="TIS truncated fraction")
     a2.set(xlabel="step", title="off-policy diagnostics")
-    a2.legend()
+    if diffs or tis:  # steps without an update (every group filtered) have no diagnostics
+        a2.legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
