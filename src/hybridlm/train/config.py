@@ -197,25 +197,7 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
-        if not isinstance(data, dict):
-            raise ValueError(f"a run config must be a mapping, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"model", "data", "train"})
-        if unknown:
-            raise ValueError(f"unknown run config section(s) {unknown}; known: model, data, train")
-        kw: dict[str, Any] = {}
-        if "model" in data:
-            model = data["model"]
-            if isinstance(model, str):
-                kw["model"] = model
-            elif isinstance(model, dict):
-                kw["model"] = ModelConfig.from_dict(model)
-            else:
-                raise ValueError("model must be a preset name or a mapping of ModelConfig fields")
-        if "data" in data:
-            kw["data"] = DataConfig.from_dict(data["data"] or {})
-        if "train" in data:
-            kw["train"] = from_dict(TrainConfig, data["train"] or {}, "train.")
-        return cls(**kw)
+        return run_from_dict(cls, data, {"data": DataConfig})
 
     def save(self, path: str | Path) -> None:
         write_mapping(path, self.to_dict())
@@ -223,6 +205,35 @@ class RunConfig:
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
         return cls.from_dict(read_mapping(path, "run config"))
+
+
+def run_from_dict(cls: type, data: dict[str, Any], sections: dict[str, type]) -> Any:
+    """A run config `cls` from plain data: `model` (a preset name or ModelConfig fields),
+    `train` (TrainConfig) and the named `sections` (a section type's own `from_dict` when it
+    has one, else the typed generic one). Unknown sections are ValueErrors."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a run config must be a mapping, got {type(data).__name__}")
+    known = {"model", "train", *sections}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown run config section(s) {unknown}; known: {sorted(known)}")
+    kw: dict[str, Any] = {}
+    if "model" in data:
+        model = data["model"]
+        if isinstance(model, str):
+            kw["model"] = model
+        elif isinstance(model, dict):
+            kw["model"] = ModelConfig.from_dict(model)
+        else:
+            raise ValueError("model must be a preset name or a mapping of ModelConfig fields")
+    if "train" in data:
+        kw["train"] = from_dict(TrainConfig, data["train"] or {}, "train.")
+    for name, section in sections.items():
+        if name in data:
+            parse = getattr(section, "from_dict", None)
+            value = data[name] or {}
+            kw[name] = parse(value) if parse else from_dict(section, value, f"{name}.")
+    return cls(**kw)
 
 
 def apply_run_overrides(run: Any, overrides: Sequence[str]) -> Any:

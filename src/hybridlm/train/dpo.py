@@ -57,6 +57,7 @@ from .sft import (
     generate_replies,
     load_model,
     load_source,
+    pad_id_of,
     progress_bar,
     prompt_and_answer,
     prompt_key,
@@ -436,7 +437,7 @@ class DPOTrainer(PostTrainingLoop):
         self.device = resolve_device(tc.device)
         seed_all(tc.seed)
         self.tokenizer = load_tokenizer(dc.tokenizer)
-        self.pad_id = getattr(self.tokenizer, "pad_id", None) or 0
+        self.pad_id = pad_id_of(self.tokenizer)
         self.model = load_model(pc.init_from, None, seed=tc.seed, device=self.device)
         self.report = ReadReport()
         self.dropped: Counter = Counter()

@@ -47,7 +47,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from ..config import ModelConfig, add_overrides_arg, from_dict, read_mapping, write_mapping
+from ..config import ModelConfig, add_overrides_arg, read_mapping, write_mapping
 from ..data.chat import STOP, parse_assistant, render
 from ..data.sft import (
     ChatExample,
@@ -64,7 +64,7 @@ from ..data.sft import (
 from ..model.model import HybridLM
 from ..presets import PRESETS, get_preset
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import TrainConfig, apply_run_overrides
+from .config import TrainConfig, apply_run_overrides, run_from_dict
 from .objectives import sft_token_weights, shift_targets_float, token_nll
 from .optim import build_optimizer
 from .schedule import lr_for
@@ -165,7 +165,7 @@ class PostTrainingRunConfig:
         for name in cls.REQUIRED:
             if isinstance(data, dict) and name not in data:
                 raise ValueError(f"a {cls.WHAT} needs a {name!r} section")
-        return _run_from_dict(cls, data, cls.SECTIONS)
+        return run_from_dict(cls, data, cls.SECTIONS)
 
     def save(self, path: str | Path) -> None:
         write_mapping(path, self.to_dict())
@@ -198,30 +198,6 @@ def _to_plain(run: Any) -> dict[str, Any]:
         else:
             out[f.name] = value
     return out
-
-
-def _run_from_dict(cls: type, data: dict[str, Any], sections: dict[str, type]) -> Any:
-    if not isinstance(data, dict):
-        raise ValueError(f"a run config must be a mapping, got {type(data).__name__}")
-    known = {"model", "train", *sections}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"unknown run config section(s) {unknown}; known: {sorted(known)}")
-    kw: dict[str, Any] = {}
-    if "model" in data:
-        model = data["model"]
-        if isinstance(model, str):
-            kw["model"] = model
-        elif isinstance(model, dict):
-            kw["model"] = ModelConfig.from_dict(model)
-        else:
-            raise ValueError("model must be a preset name or a mapping of ModelConfig fields")
-    if "train" in data:
-        kw["train"] = from_dict(TrainConfig, data["train"] or {}, "train.")
-    for name, section in sections.items():
-        if name in data:
-            kw[name] = from_dict(section, data[name] or {}, f"{name}.")
-    return cls(**kw)
 
 
 def autocast(tc: TrainConfig, device: torch.device):
@@ -444,7 +420,7 @@ class ChatData:
     dropped: dict[str, int]
 
 
-def _pad_id(tokenizer: Any) -> int:
+def pad_id_of(tokenizer: Any) -> int:
     return getattr(tokenizer, "pad_id", None) or 0
 
 
@@ -491,7 +467,7 @@ def chat_batches(dc: SFTDataConfig, num_rows: int) -> list[dict[str, torch.Tenso
         seq_len=dc.seq_len,
         batch_size=dc.batch_size,
         seed=dc.seed + 1,  # other rows than the run's first steps
-        pad_id=_pad_id(tokenizer),
+        pad_id=pad_id_of(tokenizer),
     )
     return [next(loader) for _ in range(max(1, -(-num_rows // dc.batch_size)))]
 
@@ -629,7 +605,7 @@ class SFTTrainer(PostTrainingLoop):
             seq_len=dc.seq_len,
             batch_size=dc.batch_size,
             seed=dc.seed,
-            pad_id=_pad_id(self.tokenizer),
+            pad_id=pad_id_of(self.tokenizer),
         )
         self.tokens_per_step = dc.batch_size * dc.seq_len * tc.grad_accum
         self.total_steps = tc.num_steps(self.tokens_per_step)
