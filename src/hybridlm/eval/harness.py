@@ -245,10 +245,9 @@ def write_results(
 
 def plot_ruler(metrics_path: str | Path, out_png: str | Path) -> Path:
     """RULER string-match against context length, one line per (model, task)."""
-    import matplotlib
+    from ..train.plot import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from ..train.plot import read_metrics
 
@@ -268,9 +267,7 @@ def plot_ruler(metrics_path: str | Path, out_png: str | Path) -> Path:
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("RULER")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, out_png, dpi=120)
     return Path(out_png)
 
 

@@ -20,22 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from ..speedrun import STAGES
+from ..train.plot import pyplot, read_metrics, save_figure
 
 STAGE_ORDER = STAGES[:-1]  # every stage but the report itself
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by an interrupted writer
-    return rows
+    """The rows of a metrics file; none when its stage did not run."""
+    return read_metrics(path) if path.is_file() else []
 
 
 def _fmt(x: Any, digits: int = 4) -> str:
@@ -124,20 +116,11 @@ def _inline_html(text: str) -> str:
 
 
 # ---------------------------------------------------------------------------- plots
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_loss(pre: list[dict], sft: list[dict], png: Path) -> Path | None:
     train = [r for r in pre if r.get("kind") == "train"]
     if not train and not sft:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     ax = axes[0]
     if train:
@@ -157,10 +140,7 @@ def plot_loss(pre: list[dict], sft: list[dict], png: Path) -> Path | None:
         ax.set_yscale("log")
         ax.legend()
     ax.set(title="SFT (assistant tokens)", xlabel="step")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png)
 
 
 def plot_bpb(pre: list[dict], models: list[dict], png: Path) -> Path | None:
@@ -168,7 +148,7 @@ def plot_bpb(pre: list[dict], models: list[dict], png: Path) -> Path | None:
     bars = [r for r in models if "text_bpb" in r]
     if not ev and not bars:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     if ev:
         axes[0].plot([r["step"] for r in ev], [r["eval_bpb"] for r in ev], "o-")
@@ -182,17 +162,14 @@ def plot_bpb(pre: list[dict], models: list[dict], png: Path) -> Path | None:
         lo, hi = min(vals), max(vals)
         axes[1].set_ylim(max(0.0, lo - (hi - lo) - 0.05), hi + (hi - lo) * 0.3 + 0.05)
     axes[1].set(title="held-out pretraining text, each stage's model", ylabel="bpb")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png)
 
 
 def plot_reward(rl: list[dict], models: list[dict], png: Path) -> Path | None:
     train = [r for r in rl if r.get("kind") == "train"]
     if not train and not models:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     ax = axes[0]
     if train:
@@ -210,10 +187,7 @@ def plot_reward(rl: list[dict], models: list[dict], png: Path) -> Path | None:
         ax.bar(names, vals, yerr=err, capsize=3, color="tab:green")
         ax.set_ylim(0, 1)
     ax.set(title="held-out arithmetic exact match (greedy, ± s.e.)")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png)
 
 
 def _spec_positions(rows: list[dict], tag: str) -> list[float]:
@@ -229,7 +203,7 @@ def plot_acceptance(heal: list[dict], spec: dict[str, list[dict]], png: Path) ->
     acc = [r for r in heal if r.get("kind") == "acceptance"]
     if not acc and not spec:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     ax = axes[0]
     for r in acc:
@@ -250,10 +224,7 @@ def plot_acceptance(heal: list[dict], spec: dict[str, list[dict]], png: Path) ->
     ax.set(title="SPEED-Bench, draft length 7", xlabel="position", ylim=(0, 1.02))
     if spec:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png)
 
 
 def plot_quant(quant: dict[str, dict[str, Any]], models: list[dict], png: Path) -> Path | None:
@@ -261,7 +232,7 @@ def plot_quant(quant: dict[str, dict[str, Any]], models: list[dict], png: Path) 
     delta of each operator group quantised alone (first recipe with per-group deltas)."""
     if not quant:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), gridspec_kw={"width_ratios": [1, 1, 2.4]})
     first = next(iter(quant.values()))
     names = ["unquantized", *quant]
@@ -293,16 +264,13 @@ def plot_quant(quant: dict[str, dict[str, Any]], models: list[dict], png: Path) 
             axes[2].set_xticklabels([g["group"] for g in groups], rotation=70, fontsize=6)
             axes[2].set(title=f"{name}: loss delta with one group quantised", ylabel="nats/token")
             break
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png)
 
 
 def plot_cache(rows: list[dict], png: Path) -> Path | None:
     if not rows:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4))
     for i, name in enumerate(dict.fromkeys(r["model"] for r in rows)):
         rs = [r for r in rows if r["model"] == name]
@@ -322,10 +290,7 @@ def plot_cache(rows: list[dict], png: Path) -> Path | None:
         ylabel="MiB",
     )
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png)
 
 
 # ---------------------------------------------------------------------------- report

@@ -804,10 +804,9 @@ def plot_spec_bench(metrics_path: str | Path, png: str | Path) -> Path | None:
     """Acceptance by draft position, one line per category (and the pooled overall), one panel
     per temperature, with standard-error bars; from the newest `spec_bench` rows of each model
     in a harness metrics.jsonl. Returns None when the file has no such rows."""
-    import matplotlib
+    from ..train.plot import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from ..train.plot import read_metrics
 
@@ -863,7 +862,5 @@ def plot_spec_bench(metrics_path: str | Path, png: str | Path) -> Path | None:
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, dpi=120)
     return Path(png)

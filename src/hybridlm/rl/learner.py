@@ -544,10 +544,9 @@ def _update(
 # ---------------------------------------------------------------------- plot
 def plot_rl(metrics_path: str | Path, png: str | Path) -> None:
     """Training reward and held-out solve rate by step, and the engine–trainer log-prob gap."""
-    import matplotlib
+    from ..train.plot import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [json.loads(x) for x in Path(metrics_path).read_text().splitlines() if x]
     train = [r for r in rows if r["kind"] == "train"]
@@ -573,9 +572,7 @@ def plot_rl(metrics_path: str | Path, png: str | Path) -> None:
     a2.set(xlabel="step", title="off-policy diagnostics")
     if diffs or tis:  # steps without an update (every group filtered) have no diagnostics
         a2.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 # ---------------------------------------------------------------------- CLI

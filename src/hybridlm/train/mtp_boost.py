@@ -348,10 +348,9 @@ def run_mtp_boost(
 
 def plot_acceptance(metrics_path: str | Path, png: str | Path) -> None:
     """Acceptance by draft position before/after (one panel per temperature) and the loss."""
-    import matplotlib
+    from .plot import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line]
     acc = [r for r in rows if r["kind"] == "acceptance"]
@@ -374,9 +373,7 @@ def plot_acceptance(metrics_path: str | Path, png: str | Path) -> None:
                 ax.plot([r["step"] for r in train], [r[f"kl_{k}"] for r in train], label=f"KL d{k}")
         ax.set(title="MTP boosting", xlabel="step")
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 # ---------------------------------------------------------------------- CLI

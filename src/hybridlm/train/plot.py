@@ -4,6 +4,28 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, png: str | Path, *, dpi: int = 110) -> Path:
+    """Lay out, write the PNG and close the figure (releasing its memory); returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    png = Path(png)
+    fig.savefig(png, dpi=dpi)
+    plt.close(fig)
+    return png
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -19,11 +41,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 def plot_loss_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
     """Train loss parts (ce, mtp, total) and held-out loss / bpb against tokens seen, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = read_metrics(metrics_path)
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
@@ -49,8 +67,4 @@ def plot_loss_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
     ax_lr.set_ylabel("lr")
     ax_lr.set_xlabel("tokens seen")
     ax_lr.grid(alpha=0.3)
-    fig.tight_layout()
-    out_png = Path(out_png)
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
-    return out_png
+    return save_figure(fig, out_png, dpi=100)

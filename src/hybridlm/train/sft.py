@@ -348,10 +348,9 @@ def plot_post_training(
 ) -> Path:
     """Train curves (`keys` of kind "train" rows) and eval curves (`eval_keys`, default every
     numeric eval field) against the step, as a PNG rendered from metrics.jsonl."""
-    import matplotlib
+    from .plot import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from .plot import read_metrics
 
@@ -379,11 +378,7 @@ def plot_post_training(
     if eval_keys:
         ax_eval.legend(loc="best")
     ax_eval.grid(alpha=0.3)
-    fig.tight_layout()
-    out_png = Path(out_png)
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
-    return out_png
+    return save_figure(fig, out_png, dpi=100)
 
 
 def progress_bar(label: str, enabled: bool):

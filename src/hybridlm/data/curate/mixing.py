@@ -31,6 +31,7 @@ losses from it.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -580,10 +581,9 @@ def parse_weights(spec: str) -> dict[str, float]:
 
 def plot_swarm(swarm_jsonl: str | Path, reg: MixtureRegression, png: str | Path) -> Path:
     """Observed vs predicted loss of every swarm run, one marker per task."""
-    import matplotlib
+    from ...train.plot import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     res = SwarmResult.from_jsonl(swarm_jsonl)
     pred = reg.predict(res.weights)
@@ -595,11 +595,7 @@ def plot_swarm(swarm_jsonl: str | Path, reg: MixtureRegression, png: str | Path)
     ax.set(xlabel="observed", ylabel=f"predicted ({reg.kind})", title="swarm regression")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    png = Path(png)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png)
 
 
 # ---------------------------------------------------------------------------- command line
@@ -631,7 +627,8 @@ def cmd_mix(args: Any) -> None:
     res = run_swarm(prior, proxy, num_runs=args.runs, seed=cfg.seed, out_dir=out)
     reg = MixtureRegression(kind=args.regression).fit(res.weights, res.losses)
     avail = {n: float(s.num_tokens) for n, s in sets.items()} if args.total_tokens else None
-    opt = optimize_mixture(
+    optimize = functools.partial(  # phase 1 and (with task weights) phase 2 share all else
+        optimize_mixture,
         reg,
         res.domains,
         prior=prior,
@@ -641,6 +638,7 @@ def cmd_mix(args: Any) -> None:
         total_tokens=args.total_tokens,
         max_repetition=args.max_repetition,
     )
+    opt = optimize()
     write_mixture(out / "mixture.yaml", cfg, opt.weights)
     if args.phase2_weights or args.phase2_task_weights:
         if args.phase2_weights:
@@ -650,17 +648,7 @@ def cmd_mix(args: Any) -> None:
             unknown = sorted(set(tw) - set(res.tasks))
             if unknown:
                 raise ValueError(f"--phase2-task-weights: unknown tasks {unknown}; {res.tasks}")
-            opt2 = optimize_mixture(
-                reg,
-                res.domains,
-                prior=prior,
-                starts=res.weights,
-                tasks=res.tasks,
-                available_tokens=avail,
-                total_tokens=args.total_tokens,
-                max_repetition=args.max_repetition,
-                task_weights=[tw.get(t, 0.0) for t in res.tasks],
-            )
+            opt2 = optimize(task_weights=[tw.get(t, 0.0) for t in res.tasks])
             phase2 = opt2.weights
         cur = write_curriculum(
             out / "curriculum.yaml",

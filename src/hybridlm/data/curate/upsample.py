@@ -240,10 +240,9 @@ def write_curves(curves: Mapping[str, UpsampleCurve], path: str | Path) -> Path:
 
 def plot_curves(jsonl: str | Path, png: str | Path) -> Path:
     """Curves (lines) and bucket rates (steps) of every topic in `jsonl`, as a PNG."""
-    import matplotlib
+    from ...train.plot import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [json.loads(x) for x in Path(jsonl).read_text().splitlines() if x.strip()]
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -268,11 +267,7 @@ def plot_curves(jsonl: str | Path, png: str | Path) -> Path:
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    png = Path(png)
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png)
 
 
 # ---------------------------------------------------------------------------- stage
