@@ -85,6 +85,10 @@ def test_config_file_parses_and_rejects_mistakes(tmp_path):
         load_config(str(CONFIG), ["eval.spec_models=[dpo]"])
     with pytest.raises(ValueError, match="quantize.recipes"):
         load_config(str(CONFIG), ["quantize.recipes=[int4]"])
+    with pytest.raises(ValueError, match="quantize.recipes"):
+        load_config(str(CONFIG), ["quantize.recipes=[]"])
+    with pytest.raises(ValueError, match="group_size"):  # checked before any stage runs
+        load_config(str(CONFIG), ["rl.group_size=1"])
     with pytest.raises(ValueError, match="unknown stage"):
         Speedrun(cfg, only=["evaluate"])
 

@@ -33,10 +33,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -165,17 +167,10 @@ class SpeedrunConfig:
         bad = sorted(set(self.eval.spec_models + self.eval.harness_models) - set(MODEL_STAGES))
         if bad:
             raise ValueError(f"eval: unknown model stages {bad}; use {list(MODEL_STAGES)}")
-        if not self.quantize.recipes or not set(self.quantize.recipes) <= {
-            "fp8",
-            "nvfp4",
-            "autoquant",
-        }:
-            raise ValueError(
-                f"quantize.recipes must be a non-empty list of fp8 / nvfp4 / autoquant, "
-                f"got {self.quantize.recipes}"
-            )
-        if self.rl.max_new_tokens < 1 or self.rl.steps < 1:
-            raise ValueError("rl.steps and rl.max_new_tokens must be >= 1")
+        if not self.quantize.recipes:  # the values are checked when the config is read
+            raise ValueError("quantize.recipes must name at least one of fp8 / nvfp4 / autoquant")
+        # the RL settings, checked now rather than after pretraining (the flow sets checkpoint)
+        dataclasses.replace(self.rl, checkpoint="<the flow's model>").validate()
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -488,18 +483,21 @@ class Speedrun:
         if tcfg.kind == "byte":
             return {"path": "byte", "vocab_size": 258}
         sources = RunConfig.from_dict(self._pretrain_dict()).data.sources
-        docs = [
-            doc for src in sources if src.kind != "shards" for doc in build_source(src)
-        ]  # every source of the pretraining mix, in order
+
+        def docs() -> Iterator[Any]:  # every source of the pretraining mix, in order, lazily
+            for src in sources:
+                if src.kind != "shards":
+                    yield from build_source(src)
+
         tok = train_bpe(
-            docs,
+            docs(),
             vocab_size=tcfg.vocab_size,
             min_frequency=tcfg.min_frequency,
             max_chars=tcfg.max_chars,
             split_digits=tcfg.split_digits,
         )
         tok.save(out)
-        sample = "\n".join(d.text for d in docs[:50])[:200_000]
+        sample = "\n".join(d.text for d in itertools.islice(docs(), 50))[:200_000]
         ids = tok.encode(sample, add_bos=False)
         return {
             "path": str(out),
