@@ -77,6 +77,8 @@ def test_round_trip_bit_exact(base, kind, tmp_path):
         ), key
     ids = base[1]
     assert torch.equal(q(ids).logits, r(ids).logits)
+    # every loader of the project (eval, generate, serve) reads it through from_pretrained
+    assert torch.equal(HybridLM.from_pretrained(tmp_path).eval()(ids).logits, r(ids).logits)
 
 
 def test_nvfp4_layout_as_vllm_expects(base, tmp_path):

@@ -569,7 +569,6 @@ class Speedrun:
         from .precision.quantize import QuantizeConfig, run_quantize
 
         s = self.settings("quantize")
-        tok = self.tokenizer()
         models, results = {}, {}
         for recipe in s["recipes"]:
             out = self.stage_dir("quantize") / recipe
@@ -587,9 +586,7 @@ class Speedrun:
                 exclude=DEFAULT_EXCLUDE + tuple(s["exclude"]),
                 progress=self.progress,
             )
-            summary = run_quantize(qcfg)
-            if hasattr(tok, "save"):  # the checkpoint carries its model's tokenizer
-                tok.save(out)
+            summary = run_quantize(qcfg)  # the checkpoint carries its model's tokenizer
             models[recipe] = str(out)
             results[recipe] = {
                 k: summary[k] for k in ("unquantized", "quantized", "delta", "calibration")

@@ -55,20 +55,10 @@ def cache_memory_rows(name: str, cfg: ModelConfig, contexts: list[int]) -> list[
     ]
 
 
-def load_stage_model(stage: str, path: str) -> torch.nn.Module:
-    """The model a flow stage wrote: ModelOpt fake-quant modules for `quantize`."""
-    from ..model.model import HybridLM
-
-    if stage == "quantize":
-        from ..interop.modelopt import load_modelopt
-
-        return load_modelopt(path).float().eval()
-    return HybridLM.from_pretrained(path).float().eval()
-
-
 def evaluate_flow(flow: Any, out: Path) -> dict[str, Any]:
     """Evaluate the finished models of a `Speedrun` (`flow`); returns the summary rows."""
     from ..data.pipeline import build_loaders, prepare_shards
+    from ..model.model import HybridLM
     from ..precision.ptq import evaluate as text_loss
     from ..precision.ptq import take
     from ..precision.quantize import run_data
@@ -100,7 +90,7 @@ def evaluate_flow(flow: Any, out: Path) -> dict[str, Any]:
     last_cfg = None
     for stage, name, path in flow.models():
         flow.console.print(f"eval {name}: {path}", markup=False)
-        model = load_stage_model(stage, path)
+        model = HybridLM.from_pretrained(path).float().eval()
         last_cfg = model.config
         row: dict[str, Any] = {"kind": "model", "model": name, "stage": stage, "path": path}
         row["params"] = sum(p.numel() for p in model.parameters())

@@ -204,6 +204,16 @@ def _format_of(t: torch.Tensor, name: str) -> str:
     raise ValueError(f"{name} has a weight_scale but dtype {t.dtype}: not NVFP4 or FP8")
 
 
+def is_modelopt(path: str | Path) -> bool:
+    """Whether a transformers directory holds a ModelOpt-quantised checkpoint
+    (hf_quant_config.json, or config.json's `quantization_config` naming modelopt)."""
+    path = Path(path)
+    if (path / "hf_quant_config.json").is_file():
+        return True
+    q = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+    return str(q.get("quant_method", "")).lower().startswith("modelopt")
+
+
 def read_quant_config(path: Path) -> dict[str, Any]:
     """The `quantization` section (hf_quant_config.json, else config.json's)."""
     file = path / "hf_quant_config.json"

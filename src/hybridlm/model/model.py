@@ -345,12 +345,17 @@ class HybridLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | None = None) -> HybridLM:
-        """Load a transformers (NemotronH / Olmo3) checkpoint directory, a hybridlm training
-        checkpoint (`<run>/checkpoints/step_*`), or a run directory (its newest checkpoint)."""
+        """Load a transformers (NemotronH / Olmo3) checkpoint directory (ModelOpt-quantised
+        ones with fake-quant modules), a hybridlm training checkpoint (`<run>/checkpoints/
+        step_*`), or a run directory (its newest checkpoint)."""
         from ..interop.hf import load_pretrained
 
         p = Path(path)
         if (p / "config.json").is_file():
+            from ..interop.modelopt import is_modelopt, load_modelopt
+
+            if is_modelopt(p):
+                return load_modelopt(p, dtype=dtype)
             return load_pretrained(path, dtype=dtype)
         if (p / "meta.json").is_file() or (p / "checkpoints").is_dir():
             from ..train.checkpoint import model_from_checkpoint

@@ -161,6 +161,7 @@ def run_quantize(cfg: QuantizeConfig) -> dict[str, Any]:
 
     from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
     from ..interop.modelopt import export_modelopt
+    from ..train.checkpoint import tokenizer_for
     from ..train.trainer import token_byte_lengths
     from .autoquant import autoquantize, measure_sensitivities, print_table
 
@@ -260,6 +261,9 @@ def run_quantize(cfg: QuantizeConfig) -> dict[str, Any]:
 
     dtype = getattr(torch, cfg.export_dtype)
     export_modelopt(qmodel.to("cpu"), out, dtype=dtype)
+    tok = tokenizer_for(cfg.checkpoint)
+    if hasattr(tok, "save"):  # a BPE travels with the checkpoint (the byte tokenizer is implied)
+        tok.save(out)
     bits = model_bits(qmodel, applied, ops)
     summary = {
         "checkpoint": str(cfg.checkpoint),
