@@ -22,6 +22,7 @@ import torch
 from hybridlm import HybridLM, ModelConfig
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.presets import get_preset
+from hybridlm.train.plot import save_figure
 
 HELD_OUT_FRACTION = 0.1
 
@@ -191,6 +192,4 @@ def plot_training(metrics: Path, png: Path) -> None:
     ax.set(xlabel="training tokens (M)", ylabel="loss (nats / byte)", title="byte-level training")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, dpi=120)

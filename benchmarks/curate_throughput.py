@@ -54,6 +54,7 @@ from hybridlm.data.curate.pipeline import (
     run_curate,
 )
 from hybridlm.data.sources import StdlibSource, TextFileSource
+from hybridlm.train.plot import save_figure
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 EDIT_RATES = (0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.10)
@@ -351,10 +352,7 @@ def plot_dedup(metrics: Path, png: Path, bands: int = 20, rows: int = 5) -> Path
     ax.set_ylim(-0.15, 1.15)
     ax.legend(loc="center left", fontsize=8)
     ax.set_title("Dedup of planted near-duplicates")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:

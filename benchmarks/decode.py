@@ -53,6 +53,7 @@ from hybridlm.eval.flow import cache_bytes as computed_bytes  # noqa: E402
 from hybridlm.infer.cache import HybridCache, KVState, MambaState  # noqa: E402
 from hybridlm.infer.generate import generate  # noqa: E402
 from hybridlm.presets import get_preset  # noqa: E402
+from hybridlm.train.plot import save_figure  # noqa: E402
 
 SECTIONS = ("decode", "speculative", "memory")
 REPO = Path(__file__).resolve().parents[1]
@@ -582,9 +583,7 @@ def plot_acceptance(rows: list[dict], png: Path) -> None:
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, dpi=120)
 
 
 def plot_memory(rows: list[dict], png: Path) -> None:
@@ -663,9 +662,7 @@ def plot_memory(rows: list[dict], png: Path) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png, dpi=120)
 
 
 # ====================================================================== main

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from hybridlm.train.plot import save_figure
+
 
 def study_config(out: Path, *, steps: int, low_precision: str, seq_len: int, batch: int):
     from hybridlm.data.config import DataConfig, SourceConfig
@@ -161,10 +163,7 @@ def plot_study(out: Path, cfg, png: Path) -> Path:
     )
     ax_z.legend()
     ax_z.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:

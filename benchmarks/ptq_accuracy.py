@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from hybridlm.train.plot import save_figure
+
 
 def find_checkpoint(args) -> Path:
     from hybridlm.train.checkpoint import latest_checkpoint
@@ -77,10 +79,7 @@ def plot(metrics: Path, png: Path) -> Path:
     ax.set_ylabel("held-out loss vs unquantised (%)")
     ax.set_title(f"PTQ accuracy (unquantised loss {base['loss']:.4f} nats/token)")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:

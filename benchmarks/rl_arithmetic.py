@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from hybridlm.rl.learner import EnvConfig, RLConfig, run_rl
+from hybridlm.train.plot import save_figure
 
 
 def config(sft: str, out: Path, reward: str, args: argparse.Namespace) -> RLConfig:
@@ -82,9 +83,7 @@ def plot(runs: dict[str, Path], png: Path) -> None:
     a2.set(title="held-out exact match (greedy, verifier)", xlabel="step", ylim=(0, 1))
     a1.legend()
     a2.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 def main(argv: list[str] | None = None) -> int:
