@@ -92,8 +92,6 @@ from .sft import (
     load_source,
     prompt_and_answer,
     prompt_key,
-    resolve_device,
-    seed_all,
     truncate_metrics,
 )
 
@@ -434,17 +432,11 @@ class OnPolicyDistiller(PostTrainingLoop):
         return tuple(f"kl/{n}" for n in self.teachers)
 
     def __init__(self, run: DistillRunConfig, *, resume: bool = False) -> None:
-        from ..data.bpe import load_tokenizer
         from ..rl.rollout import RolloutPool
 
         self.run, self.tc, self.dc, self.cfg = run, run.train, run.data, run.distill
         tc, dc, cfg = self.tc, self.dc, self.cfg
-        self.out = Path(tc.out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.out / "metrics.jsonl"
-        self.device = resolve_device(tc.device)
-        seed_all(tc.seed)
-        self.tokenizer = load_tokenizer(dc.tokenizer)
+        self.prepare_run(tc, dc.tokenizer)
 
         # prompts: per domain, a held-out split (prompts with reference answers) and the rest
         self.read_report = ReadReport()

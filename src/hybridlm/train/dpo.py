@@ -61,8 +61,6 @@ from .sft import (
     progress_bar,
     prompt_and_answer,
     prompt_key,
-    resolve_device,
-    seed_all,
     truncate_metrics,
 )
 
@@ -425,18 +423,12 @@ class DPOTrainer(PostTrainingLoop):
         return f"loss {m['loss']:.4f} acc {m['reward_accuracy']:.2f}"
 
     def __init__(self, run: DPORunConfig, *, resume: bool = False) -> None:
-        from ..data.bpe import load_tokenizer
 
         self.run = run
         tc, dc, pc = run.train, run.data, run.dpo
         self.tc, self.dc, self.pc = tc, dc, pc
         self.beta = pc.effective_beta
-        self.out = Path(tc.out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.out / "metrics.jsonl"
-        self.device = resolve_device(tc.device)
-        seed_all(tc.seed)
-        self.tokenizer = load_tokenizer(dc.tokenizer)
+        self.prepare_run(tc, dc.tokenizer)
         self.pad_id = pad_id_of(self.tokenizer)
         self.model = load_model(pc.init_from, None, seed=tc.seed, device=self.device)
         self.report = ReadReport()

@@ -470,16 +470,27 @@ def chat_batches(dc: SFTDataConfig, num_rows: int) -> list[dict[str, torch.Tenso
 class PostTrainingLoop:
     """The step / log / eval / checkpoint / plot loop shared by the SFT, DPO and distillation
     trainers. A subclass sets `stage`, `plot_train` / `plot_eval` (metric keys of the PNG) and
-    `rate_key` / `units_per_step` (throughput), has `tc`, `step`, `total_steps`, `out`,
-    `metrics_path`, `resumed_from`, and implements `train_step()`, `evaluate()` (an empty dict:
-    nothing to evaluate), `save()` and `data_summary()`; `start_rows()`, `progress_info()` and
-    `close()` are optional hooks."""
+    `rate_key` / `units_per_step` (throughput), calls `prepare_run` (`out`, `metrics_path`,
+    `device`, `tokenizer`), has `tc`, `step`, `total_steps`, `resumed_from`, and implements
+    `train_step()`, `evaluate()` (an empty dict: nothing to evaluate), `save()` and
+    `data_summary()`; `start_rows()`, `progress_info()` and `close()` are optional hooks."""
 
     stage = "train"
     plot_train: tuple[str, ...] = ("loss",)
     plot_eval: tuple[str, ...] | None = None
     rate_key = "steps_per_s"
     units_per_step = 1
+
+    def prepare_run(self, tc: TrainConfig, tokenizer: str) -> None:
+        """The run's output directory and metrics file, device, seeds and tokenizer."""
+        from ..data.bpe import load_tokenizer
+
+        self.out = Path(tc.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.device = resolve_device(tc.device)
+        seed_all(tc.seed)
+        self.tokenizer = load_tokenizer(tokenizer)
 
     def start_rows(self) -> list[dict[str, Any]]:
         """Rows logged once before the first step (after the data row)."""
@@ -578,17 +589,11 @@ class SFTTrainer(PostTrainingLoop):
         return f"{m['norm']} loss {m['loss']:.3f} nll/tok {m['nll_token']:.3f}"
 
     def __init__(self, run: SFTRunConfig, *, resume: bool = False) -> None:
-        from ..data.bpe import load_tokenizer
 
         self.run = run
         tc, dc, sc = run.train, run.data, run.sft
         self.tc, self.dc, self.sc = tc, dc, sc
-        self.out = Path(tc.out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.out / "metrics.jsonl"
-        self.device = resolve_device(tc.device)
-        seed_all(tc.seed)
-        self.tokenizer = load_tokenizer(dc.tokenizer)
+        self.prepare_run(tc, dc.tokenizer)
 
         # data: read, hold out, transform, tokenise
         data = prepare_chat_data(dc, self.tokenizer)
