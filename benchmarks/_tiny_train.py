@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from hybridlm import HybridLM, ModelConfig
+from hybridlm.data.builtin import read_text
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.presets import get_preset
 from hybridlm.train.plot import save_figure
@@ -47,11 +48,12 @@ def spec_config(*, mtp_depth: int = 3, mtp_loss_weight: float = 1.0) -> ModelCon
 
 
 def load_split(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """Byte ids of the text: (first 90%, last 10%). No BOS: windows are cut anywhere."""
+    """Byte ids of the text (`.gz` ok): (first 90%, last 10%). No BOS: windows are cut
+    anywhere."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"training text not found: {path}")
-    ids = torch.tensor(ByteTokenizer().encode(path.read_text(), add_bos=False), dtype=torch.long)
+    ids = torch.tensor(ByteTokenizer().encode(read_text(path), add_bos=False), dtype=torch.long)
     cut = int(len(ids) * (1 - HELD_OUT_FRACTION))
     return ids[:cut], ids[cut:]
 
@@ -157,7 +159,7 @@ def load_or_train(
     )
     ckpt.mkdir(parents=True, exist_ok=True)
     model = train(cfg, train_ids, held, metrics_path=ckpt / "metrics.jsonl", log=log, **train_kw)
-    model.save_pretrained(ckpt)
+    model.save_pretrained(ckpt, tokenizer=ByteTokenizer())
     return model, True
 
 

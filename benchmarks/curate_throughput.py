@@ -1,12 +1,11 @@
 """Curation throughput and dedup quality, every figure measured in this run.
 
-    python benchmarks/curate_throughput.py                    # tinyshakespeare if present
+    python benchmarks/curate_throughput.py                    # the packaged tinyshakespeare
     python benchmarks/curate_throughput.py --docs 300 --no-ray --json out.json --out runs/curate
 
 1. Per-stage throughput on one core (docs/s): each per-document stage runs alone over the same
-   real documents (tinyshakespeare passages grouped to ~1,500 characters, or the standard
-   library's docstrings when ../shared/data is absent); global stages are timed observe + plan +
-   apply over the whole set.
+   real documents (the packaged tinyshakespeare's passages grouped to ~1,500 characters);
+   global stages are timed observe + plan + apply over the whole set.
 2. The whole pipeline on the in-process executor vs Ray Data with 2 workers on a local 2-CPU Ray
    instance (started before timing), run twice: cold (worker processes start and import the
    package) and warm (workers reused); speedup = local seconds / warm Ray seconds. The machine's
@@ -43,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridlm.data import builtin
 from hybridlm.data.curate.core import CurateDoc, DocStage, GlobalStage, StageStats, run_in_memory
 from hybridlm.data.curate.dedup import ExactDedup, MinHashDedup, SubstringDedup, jaccard
 from hybridlm.data.curate.dedup import shingle_hashes as shingles
@@ -53,24 +53,18 @@ from hybridlm.data.curate.pipeline import (
     iter_output,
     run_curate,
 )
-from hybridlm.data.sources import StdlibSource, TextFileSource
+from hybridlm.data.sources import TextFileSource
 from hybridlm.train.plot import save_figure
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 EDIT_RATES = (0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.10)
 
 
 def load_corpus(n: int) -> tuple[str, list[CurateDoc]]:
-    """Real documents: tinyshakespeare passages grouped to ~1,500 chars, else stdlib docs."""
-    path = SHARED / "tinyshakespeare" / "input.txt"
-    if path.is_file():
-        src = TextFileSource(path, split="blank_line", group_chars=1500, name="shakespeare")
-        name = "tinyshakespeare"
-    else:
-        src = StdlibSource(docstrings_only=True, name="stdlib")
-        name = "stdlib docstrings"
+    """Real documents: tinyshakespeare passages grouped to ~1,500 chars."""
+    path = builtin.path(builtin.TINYSHAKESPEARE)
+    src = TextFileSource(path, split="blank_line", group_chars=1500, name="shakespeare")
     docs = [CurateDoc.from_document(d) for d in src]
-    return name, docs[:n]
+    return "tinyshakespeare", docs[:n]
 
 
 def stage_throughput(docs: list[CurateDoc]) -> list[dict]:

@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hybridlm import HybridLM, ModelConfig  # noqa: E402
+from hybridlm.data import builtin  # noqa: E402
 from hybridlm.eval.flow import attention_only  # noqa: E402
 from hybridlm.eval.flow import cache_bytes as computed_bytes  # noqa: E402
 from hybridlm.infer.cache import HybridCache, KVState, MambaState  # noqa: E402
@@ -57,7 +58,7 @@ from hybridlm.train.plot import save_figure  # noqa: E402
 
 SECTIONS = ("decode", "speculative", "memory")
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+DEFAULT_DATA = builtin.path(builtin.TINYSHAKESPEARE)  # `.gz`; any UTF-8 text file works
 FULL_SCALE = ("nemotron-3-super-120b-a12b", "nemotron-3.5-lightning-30b-a3b")
 GiB, MiB = 2**30, 2**20
 

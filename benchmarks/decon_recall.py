@@ -1,8 +1,9 @@
 """Decontamination recall on planted benchmark copies and false-positive rate on clean text.
 
-    python benchmarks/decon_recall.py [--data ../shared/data] [--items 300] [--clean 500]
+    python benchmarks/decon_recall.py [--data DIR] [--items 300] [--clean 500]
 
-Index: GSM8K (train + test) and HumanEval from `--data`. Planted documents: a benchmark
+Index: GSM8K (train + test) and HumanEval, the packaged copies (`hybridlm.data.builtin`) or
+those in `--data`. Planted documents: a benchmark
 question (optionally followed by its answer) edited by `hybridlm.data.curate.decon.edit_text`
 (verbatim, format, word_swap, number, two_edits) and embedded between two Shakespeare passages.
 Clean documents: tinyshakespeare passages and Python standard-library source files, and (near
@@ -20,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from hybridlm.data import builtin
 from hybridlm.data.curate.decon import (
     EDITS,
     BenchmarkRegistry,
@@ -30,24 +32,23 @@ from hybridlm.data.curate.decon import (
 )
 from hybridlm.data.sources import StdlibSource, tinyshakespeare
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--data", default="", help="GSM8K / HumanEval / tinyshakespeare folder")
     ap.add_argument("--items", type=int, default=300, help="planted items per benchmark")
     ap.add_argument("--clean", type=int, default=500, help="clean docs per clean corpus")
     ap.add_argument("--near", type=int, default=2000, help="GSM8K train problems as clean text")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    data = Path(args.data)
-    if not data.is_dir():
-        print(f"no data folder at {data}; pass --data", file=sys.stderr)
+    data = Path(args.data) if args.data else None  # None: the packaged data sets
+    if data is not None and not data.is_dir():
+        print(f"no data folder at {data}; omit --data for the packaged copies", file=sys.stderr)
         return 2
     reg = BenchmarkRegistry.from_data_dir(data)
     shakes = [
-        d.text for d in tinyshakespeare(data / "tinyshakespeare" / "input.txt", group_chars=2000)
+        d.text
+        for d in tinyshakespeare(builtin.path(builtin.TINYSHAKESPEARE, data), group_chars=2000)
     ]
     stdlib = [d.text for d in StdlibSource(max_files=args.clean)]
     clean = {"shakespeare": shakes[: args.clean], "stdlib": stdlib}
@@ -112,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  false positives on {corpus}: {len(flagged)}/{len(docs)} ({fpr:.2%})")
         print(f"  throughput: {n_docs / t_docs:,.0f} docs/s ({n_docs} docs, one thread)")
     # near-domain clean text: GSM8K train problems against an index of the test split only
-    test_only = BenchmarkRegistry().add_jsonl(data / "gsm8k" / "test.jsonl", "gsm8k")
-    train = BenchmarkRegistry().add_jsonl(data / "gsm8k" / "train.jsonl", "gsm8k-train")
+    test_only = BenchmarkRegistry().add_jsonl(builtin.path(builtin.GSM8K_TEST, data), "gsm8k")
+    train = BenchmarkRegistry().add_jsonl(builtin.path(builtin.GSM8K_TRAIN, data), "gsm8k-train")
     near = [it.question + "\n" + it.answer for it in train.items[: args.near]]
     print(f"\n== near-domain clean: {len(near)} GSM8K train problems vs a GSM8K-test index")
     for name, build in (

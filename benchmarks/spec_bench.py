@@ -41,7 +41,6 @@ from hybridlm.eval.tasks import EvalRunner
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS = (REPO / "runs" / "quickstart", REPO / "runs" / "decode-bench" / "spec-model")
-DEFAULT_DATA = REPO.parent / "shared" / "data"
 
 
 def _pm(m: dict, se: dict, key: str) -> str:
@@ -75,7 +74,7 @@ def bench_one(path: Path, args: argparse.Namespace) -> bool:
         timing_batch_size=args.timing_batch,
         timing_repeats=args.timing_repeats,
     ).validate()
-    task = SpecBenchTask(data_dir=Path(args.data_dir), config=spec_cfg)
+    task = SpecBenchTask(data_dir=Path(args.data_dir) if args.data_dir else None, config=spec_cfg)
     runner = EvalRunner(model=model, tokenizer=loaded.tokenizer, progress=not args.no_progress)
     t0 = time.perf_counter()
     res = task.run(runner)
@@ -83,7 +82,7 @@ def bench_one(path: Path, args: argparse.Namespace) -> bool:
     out = Path(args.out) / loaded.name
     eval_cfg = EvalConfig(
         tasks=["spec_bench"],
-        data_dir=str(args.data_dir),
+        data_dir=args.data_dir,
         out_dir=str(out),
         seed=args.seed,
         max_new_tokens=args.new_tokens,
@@ -141,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", action="append", default=[], help="repeatable")
     p.add_argument("--out", default=str(REPO / "runs" / "spec-bench"))
-    p.add_argument("--data-dir", default=str(DEFAULT_DATA))
+    p.add_argument(
+        "--data-dir", default="", help="GSM8K / tinyshakespeare folder (default: packaged copies)"
+    )
     p.add_argument("--per-category", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--draft-len", type=int, default=7)

@@ -2,9 +2,13 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+from hybridlm.threads import configure_threads
+
+# a pinned count: tests are repeatable, and no thread governor changes it under a test
+configure_threads(max(1, min(2, os.cpu_count() or 1)))
+
+import torch  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 
@@ -17,7 +21,9 @@ def _seeded():
 
 @pytest.fixture
 def shared_data() -> Path:
-    """../shared/data, or skip: a fresh clone has no ../shared."""
+    """../shared/data, the originals of the packaged data sets (`hybridlm.data.builtin`), or
+    skip: a fresh clone has no ../shared. Tests read the packaged copies; only the checksum
+    comparison with the originals needs this."""
     path = SHARED / "data"
     if not path.is_dir():
         pytest.skip("../shared/data is not present")

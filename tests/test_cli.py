@@ -1,11 +1,13 @@
 """The command line: every command runs; user mistakes give a message, not a traceback."""
 
+import argparse
+import json
 import subprocess
 import sys
 
 import pytest
 
-from hybridlm.cli import main
+from hybridlm.cli import build_parser, main
 
 
 def test_info_prints_counts(capsys):
@@ -89,12 +91,109 @@ def test_pretrain_runs_samples_and_exports(tmp_path, capsys):
     assert main(["pretrain", "--config", str(tmp_path / "missing.yaml")]) == 2
 
 
+def _sub_commands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
 def test_every_sub_command_dispatches():
-    """Stage modules add their own sub-commands; each must name the function `main` calls."""
-    import argparse
+    """The stage groups' modules (cli/*.py) add the sub-commands; each names the function `main`
+    calls, a handler of the command line (the library modules hold no argument parsing)."""
+    commands = _sub_commands()
+    missing = [name for name, p in commands.items() if not callable(p.get_default("fn"))]
+    assert len(commands) >= 20 and not missing, missing
+    outside = {
+        name: p.get_default("fn").__module__
+        for name, p in commands.items()
+        if not p.get_default("fn").__module__.startswith("hybridlm.cli.")
+    }
+    assert not outside, outside
 
-    from hybridlm.cli import build_parser
 
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    missing = [name for name, p in sub.choices.items() if not callable(p.get_default("fn"))]
-    assert len(sub.choices) >= 20 and not missing, missing
+@pytest.mark.parametrize("command", sorted(_sub_commands()))
+def test_every_sub_command_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: hybridlm {command}") and "--threads N" in out
+
+
+# Parsing in a fresh interpreter: import the CLI, parse, and report the seconds it took, the exit
+# code and whether torch was imported (`hybridlm.cli` imports the library only in handlers).
+_PARSE = """
+import json, sys, time
+t0 = time.perf_counter()
+from hybridlm.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"s": time.perf_counter() - t0, "code": code, "torch": "torch" in sys.modules}),
+      file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    "argv,code",
+    [(["--help"], 0), (["pretrain", "--help"], 0), (["pretrain", "--bogus"], 2), (["nosuch"], 2)],
+)
+def test_parsing_is_fast_and_never_imports_torch(argv, code):
+    """`hybridlm --help`, a sub-command's help and a mistyped flag or command answer without
+    importing torch, within a second (import + parse, the best of 3 runs: robust to a loaded
+    machine; the interpreter's own start is not counted)."""
+    seconds = []
+    for _ in range(3):
+        res = subprocess.run(
+            [sys.executable, "-c", _PARSE, *argv], capture_output=True, text=True, timeout=60
+        )
+        report = json.loads(res.stderr.strip().splitlines()[-1])
+        assert not report["torch"], f"hybridlm {' '.join(argv)} imported torch"
+        assert report["code"] == code, res.stderr
+        seconds.append(report["s"])
+    if code == 2:
+        assert "Traceback" not in res.stderr and "usage: hybridlm" in res.stderr
+    assert min(seconds) < 1.0, seconds
+
+
+def test_import_hybridlm_is_lazy():
+    """`import hybridlm` (and its configs) leaves torch alone; the model names still import."""
+    code = (
+        "import sys, hybridlm\n"
+        "assert 'torch' not in sys.modules\n"
+        "from hybridlm import ModelConfig, apply_overrides\n"
+        "assert 'torch' not in sys.modules\n"
+        "from hybridlm import HybridLM, ModelOutput\n"
+        "import hybridlm.model.model as m\n"
+        "assert HybridLM is m.HybridLM and ModelOutput is m.ModelOutput\n"
+        "assert set(hybridlm.__all__) <= set(dir(hybridlm))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+def test_threads_option_on_every_sub_command():
+    parser = build_parser()
+    assert parser.parse_args(["speedrun", "--threads", "1"]).threads == 1
+    assert parser.parse_args(["pretrain", "--threads", "2"]).threads == 2
+    assert parser.parse_args(["--threads", "2", "info"]).threads == 2  # before the command too
+    assert parser.parse_args(["info"]).threads is None  # automatic
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(["info", "--threads", bad])
+        assert exit_.value.code == 2
+
+
+def test_main_configures_threads_before_the_handler(monkeypatch, capsys):
+    import hybridlm.threads
+
+    calls = []
+
+    def fake(requested=None):
+        calls.append(requested)
+        return {"threads": requested}
+
+    monkeypatch.setattr(hybridlm.threads, "configure_threads", fake)
+    assert main(["config", "--preset", "tiny-super", "--threads", "3"]) == 0
+    assert calls == [3]
+    assert "vocab_size" in capsys.readouterr().out

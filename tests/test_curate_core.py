@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hybridlm.cli.data import register
 from hybridlm.data.config import SourceConfig
 from hybridlm.data.curate.core import (
     STAGES,
@@ -28,7 +29,6 @@ from hybridlm.data.curate.pipeline import (
     CurateInput,
     iter_output,
     read_docs,
-    register,
     run_curate,
 )
 from hybridlm.data.pipeline import build_source

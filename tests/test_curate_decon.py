@@ -1,5 +1,5 @@
 """Decontamination: hashing and scoring by hand, cluster expansion, and recall / false positives
-on GSM8K + HumanEval from ../shared/data with planted copies in Shakespeare."""
+on the packaged GSM8K + HumanEval with planted copies in Shakespeare."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from conftest import SHARED
+from hybridlm.data import builtin
 from hybridlm.data.curate.core import CurateDoc, StageStats, build_stage
 from hybridlm.data.curate.decon import (
     EDITS,
@@ -138,24 +138,30 @@ def test_registry_and_errors(tmp_path):
         edit_text("a", "rewrite", random.Random(0))
 
 
-# ---------------------------------------------------------------------------- shared data
+def test_registry_defaults_to_the_packaged_sets(tmp_path):
+    reg = BenchmarkRegistry.from_data_dir()  # GSM8K train + test and HumanEval, packaged
+    by = {b: [i for i in reg.items if i.benchmark == b] for b in ("gsm8k", "humaneval")}
+    assert len(by["gsm8k"]) == 7473 + 1319 and len(by["humaneval"]) == 164
+    # ids name the file without .gz: the same as for the uncompressed originals
+    assert by["gsm8k"][0].id == "train.jsonl:0" and by["gsm8k"][-1].id == "test.jsonl:1318"
+    (tmp_path / "humaneval").mkdir()
+    with pytest.raises(ValueError, match="no GSM8K or HumanEval files"):
+        BenchmarkRegistry.from_data_dir(tmp_path)  # an explicit folder is not mixed with ours
+
+
+# ---------------------------------------------------------------------------- packaged data
 @pytest.fixture(scope="module")
 def bench():
-    data = SHARED / "data"
-    if not data.is_dir():
-        pytest.skip("../shared/data is not present")
     reg = BenchmarkRegistry()
-    reg.add_jsonl(data / "gsm8k" / "test.jsonl", "gsm8k")
+    reg.add_jsonl(builtin.path(builtin.GSM8K_TEST), "gsm8k")
     reg.add_jsonl(
-        data / "humaneval" / "HumanEval.jsonl.gz",
+        builtin.path(builtin.HUMANEVAL),
         "humaneval",
         question_field="prompt",
         answer_field="canonical_solution",
         id_field="task_id",
     )
-    shakes = [
-        d.text for d in tinyshakespeare(data / "tinyshakespeare" / "input.txt", group_chars=2000)
-    ]
+    shakes = [d.text for d in tinyshakespeare(group_chars=2000)]
     stdlib = [d.text for d in StdlibSource(max_files=120)]
     return reg, shakes, stdlib
 
@@ -197,7 +203,7 @@ def test_simple_recall_and_false_positives(bench):
     print("relaxed recall", r2)
     assert min(r2.values()) > 0.8
     # near-domain clean text: GSM8K *train* problems (same style, not in the test-only index)
-    train = BenchmarkRegistry().add_jsonl(SHARED / "data" / "gsm8k" / "train.jsonl", "train")
+    train = BenchmarkRegistry().add_jsonl(builtin.path(builtin.GSM8K_TRAIN), "train")
     near = [it.question + "\n" + it.answer for it in train.items[:300]]
     for d in (det, relaxed):
         clean, report = decontaminate(
@@ -242,7 +248,7 @@ def test_stage_and_report(bench, tmp_path):
         {
             "stage": "decontaminate",
             "benchmarks": [
-                {"name": "gsm8k", "path": str(SHARED / "data" / "gsm8k" / "test.jsonl")},
+                {"name": "gsm8k", "path": str(builtin.path(builtin.GSM8K_TEST))},
                 {"name": "mine", "path": str(bench_file)},
             ],
         }

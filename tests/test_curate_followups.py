@@ -332,10 +332,8 @@ def test_hashed_tfidf_by_hand():
 
 
 @pytest.fixture
-def humaneval(shared_data):
-    if not (shared_data / "humaneval" / "HumanEval.jsonl.gz").is_file():
-        pytest.skip("HumanEval is not in ../shared/data")
-    return BenchmarkRegistry.from_data_dir(shared_data)
+def humaneval():
+    return BenchmarkRegistry.from_data_dir()  # the packaged GSM8K + HumanEval
 
 
 def test_hashed_code_decon_recall_on_planted_solutions_and_stdlib_false_positives(humaneval):
@@ -354,7 +352,7 @@ def test_hashed_code_decon_recall_on_planted_solutions_and_stdlib_false_positive
     assert ctl["recall"]["reformat"] == 1.0 and ctl["recall"]["rename"] < 0.1
 
 
-def test_decontaminate_stage_embedding_mode(humaneval, shared_data):
+def test_decontaminate_stage_embedding_mode(humaneval):
     item = next(it for it in humaneval.items if it.id == "HumanEval/10")
     planted = "Some notes first.\n\n" + plant_variant(item_code(item), "rename_reformat", 1)
     clean = "\n\n".join(code for _, code in stdlib_functions(["textwrap.py"])[:6])
@@ -363,7 +361,7 @@ def test_decontaminate_stage_embedding_mode(humaneval, shared_data):
         CurateDoc(id="stdlib", text=clean),
         CurateDoc(id="prose", text="The cat sat on the mat. " * 20),
     ]
-    stage = DecontaminateStage(data_dir=str(shared_data), method="embedding")
+    stage = DecontaminateStage(method="embedding")  # no data_dir: the packaged sets
     kept, stats, removed = run_in_memory([stage], [docs])
     assert [d.id for d in kept[0]] == ["stdlib", "prose"]
     assert [d.id for d in removed] == ["planted"]
@@ -418,7 +416,7 @@ def test_minilm_backend_offline(humaneval, monkeypatch, one_thread):
 def test_mix_command_writes_a_quality_weighted_phase_two(tmp_path, capsys):
     import argparse
 
-    from hybridlm.data.curate.mixing import register
+    from hybridlm.cli.data import register
 
     base = _two_sources(tmp_path)
     base.save(tmp_path / "data.yaml")

@@ -1,6 +1,6 @@
 """Swarm mixture optimisation: Dirichlet sampling, capped-simplex projection, regression and
-optimiser against hand-computed optima, a bigram-proxy swarm and a trainer-proxy swarm on
-../shared/data, and the mixture file read back by the pretraining loader."""
+optimiser against hand-computed optima, a bigram-proxy swarm and a trainer-proxy swarm on the
+packaged tinyshakespeare and GSM8K, and the mixture file read back by the pretraining loader."""
 
 import math
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from _tiny import tiny_train_model
+from hybridlm.data import builtin
 from hybridlm.data.config import DataConfig, SourceConfig
 from hybridlm.data.curate.mixing import (
     BigramProxy,
@@ -121,20 +122,14 @@ def test_optimiser_hand_computed_optima():
 
 
 # ---------------------------------------------------------------------------- real proxies
-def _shards(tmp_path, shared_data, with_code: bool = True) -> tuple[DataConfig, dict]:
+def _shards(tmp_path, with_code: bool = True) -> tuple[DataConfig, dict]:
+    # GSM8K test as a plain test.jsonl: JSONL document ids name the file (`test.jsonl:<line>`)
+    # and the held-out split hashes the ids, so the figures below stay those of the original
+    math_file = tmp_path / "test.jsonl"
+    math_file.write_text(builtin.read_text(builtin.path(builtin.GSM8K_TEST)))
     sources = [
-        SourceConfig(
-            name="shakes",
-            kind="tinyshakespeare",
-            path=str(shared_data / "tinyshakespeare" / "input.txt"),
-            group_chars=1000,
-        ),
-        SourceConfig(
-            name="math",
-            kind="jsonl",
-            path=str(shared_data / "gsm8k" / "test.jsonl"),
-            text_field="question",
-        ),
+        SourceConfig(name="shakes", kind="tinyshakespeare", group_chars=1000),  # packaged
+        SourceConfig(name="math", kind="jsonl", path=str(math_file), text_field="question"),
     ]
     if with_code:
         sources.insert(1, SourceConfig(name="code", kind="stdlib", max_files=60))
@@ -143,8 +138,8 @@ def _shards(tmp_path, shared_data, with_code: bool = True) -> tuple[DataConfig, 
     return cfg, sets
 
 
-def test_bigram_swarm_regression_optimum_and_mixture_file(shared_data, tmp_path):
-    cfg, sets = _shards(tmp_path, shared_data)
+def test_bigram_swarm_regression_optimum_and_mixture_file(tmp_path):
+    cfg, sets = _shards(tmp_path)
     dirs = {k: str(v.path) for k, v in sets.items()}
     proxy = BigramProxy(dirs, budget=20_000)
     # by hand: with overwhelming smoothing the model is uniform over the 258 ids, so every
@@ -206,9 +201,9 @@ def test_bigram_swarm_regression_optimum_and_mixture_file(shared_data, tmp_path)
         write_mixture(tmp_path / "bad.yaml", cfg, {"nope": 1.0})
 
 
-def test_trainer_proxy_tiny_swarm(shared_data, tmp_path):
+def test_trainer_proxy_tiny_swarm(tmp_path):
     """Two real proxy runs (tiny HybridLM, 10 steps each) through run_pretrain."""
-    _, sets = _shards(tmp_path, shared_data, with_code=False)
+    _, sets = _shards(tmp_path, with_code=False)
     proxy = TrainerProxy(
         shard_dirs={k: str(v.path) for k, v in sets.items()},
         model=tiny_train_model(mtp=False),
@@ -235,9 +230,9 @@ def test_trainer_proxy_tiny_swarm(shared_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_trainer_swarm_end_to_end(shared_data, tmp_path):
+def test_trainer_swarm_end_to_end(tmp_path):
     """A real small swarm: 6 tiny-model runs of 40 steps, regression, optimum, mixture file."""
-    cfg, sets = _shards(tmp_path, shared_data, with_code=False)
+    cfg, sets = _shards(tmp_path, with_code=False)
     proxy = TrainerProxy(
         shard_dirs={k: str(v.path) for k, v in sets.items()},
         model=tiny_train_model(mtp=False),

@@ -1,5 +1,6 @@
 """fastText-style classifier (features, a numpy reference forward, training, save/load, the
-/work/shared/data example), topic x quality vingtiles, up-sampling curves and their stages."""
+example on the packaged data sets), topic x quality vingtiles, up-sampling curves and their
+stages."""
 
 import json
 import math
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridlm.data import builtin
 from hybridlm.data.curate.core import CurateDoc, StageStats, build_stage
 from hybridlm.data.curate.quality import (
     BucketThresholds,
@@ -102,8 +104,8 @@ def test_junk_kinds():
     assert boiler and spam and all(w.isalpha() for w in spam.split())
 
 
-def test_quality_example_on_shared_data(shared_data, tmp_path):
-    texts, labels = example_quality_data(shared_data, per_source=300, seed=0)
+def test_quality_example_on_packaged_data(tmp_path):
+    texts, labels = example_quality_data(per_source=300, seed=0)
     tr_x, tr_y, te_x, te_y = train_test_split(texts, labels, test_fraction=0.25, seed=0)
     clf = FastTextClassifier.train_model(tr_x, tr_y, ClassifierConfig(epochs=5))
     acc = clf.accuracy(te_x, te_y)
@@ -111,12 +113,12 @@ def test_quality_example_on_shared_data(shared_data, tmp_path):
     print(f"quality classifier held-out accuracy {acc:.3f} (majority {majority:.3f})")
     assert majority < 0.6 and acc > 0.8
     # boilerplate and keyword spam are easy; real questions score high
-    gsm = read_texts(shared_data / "gsm8k" / "test.jsonl", text_field="question", limit=50)
+    gsm = read_texts(builtin.path(builtin.GSM8K_TEST), text_field="question", limit=50)
     assert np.mean(clf.score(gsm, "high") > 0.5) > 0.9
 
 
-def test_topic_example_on_shared_data(shared_data):
-    texts, labels = example_topic_data(shared_data, per_topic=100)
+def test_topic_example_on_packaged_data():
+    texts, labels = example_topic_data(per_topic=100)
     tr_x, tr_y, te_x, te_y = train_test_split(texts, labels, test_fraction=0.3, seed=1)
     clf = FastTextClassifier.train_model(tr_x, tr_y, ClassifierConfig(epochs=10))
     assert clf.labels == ["code", "literature", "math"]

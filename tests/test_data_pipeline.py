@@ -130,15 +130,11 @@ def test_build_source_kinds(tmp_path):
         build_source(SourceConfig(name="s", kind="shards", path="x"))
 
 
-def test_tinyshakespeare_and_stdlib_curriculum(shared_data, tmp_path):
+def test_tinyshakespeare_and_stdlib_curriculum(tmp_path):
     cfg = DataConfig(
         sources=[
-            SourceConfig(
-                name="shakespeare",
-                kind="tinyshakespeare",
-                path=str(shared_data / "tinyshakespeare" / "input.txt"),
-                group_chars=1000,
-            ),
+            # no path: the packaged copy
+            SourceConfig(name="shakespeare", kind="tinyshakespeare", group_chars=1000),
             SourceConfig(name="python", kind="stdlib", max_files=40, docstrings_only=True),
         ],
         tokenizer=str(tmp_path / "tok"),

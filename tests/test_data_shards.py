@@ -164,15 +164,14 @@ def test_held_out_splits(tmp_path):
         a.split(eval_fraction=0.1, method="random")
 
 
-def test_tinyshakespeare_shards(shared_data, tmp_path):
+def test_tinyshakespeare_shards(tmp_path):
     from hybridlm.data.sources import tinyshakespeare
 
-    path = shared_data / "tinyshakespeare" / "input.txt"
-    report = write_shards(tinyshakespeare(path), ByteTokenizer(), tmp_path, num_workers=2)
+    report = write_shards(tinyshakespeare(), ByteTokenizer(), tmp_path, num_workers=2)
     shards = ShardSet(tmp_path)
     assert report.num_documents == len(shards) > 7000
     # byte tokens: the UTF-8 bytes of every passage plus BOS and EOS
-    docs = list(tinyshakespeare(path))
+    docs = list(tinyshakespeare())
     assert shards.num_tokens == sum(len(d.text.encode()) + 2 for d in docs)
     assert bytes(shards.document(7000)[1:-1].tolist()).decode() == docs[7000].text
     assert bytes(shards.document(0)[1:-1].tolist()).startswith(b"First Citizen:")

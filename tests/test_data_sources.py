@@ -7,6 +7,7 @@ import sysconfig
 
 import pytest
 
+from hybridlm.data import builtin
 from hybridlm.data.sources import (
     Document,
     IterableSource,
@@ -188,14 +189,17 @@ def test_iterable_source_and_names():
         IterableSource(["a"], name="a/b")
 
 
-def test_tinyshakespeare_passages(shared_data):
-    path = shared_data / "tinyshakespeare" / "input.txt"
-    src = tinyshakespeare(path)
+def test_tinyshakespeare_passages(tmp_path):
+    src = tinyshakespeare()  # the packaged copy (gzip)
     docs = list(src)
     assert len(docs) > 7000 and src.stats.num_skipped == 0
     assert docs[0].text.startswith("First Citizen:\nBefore we proceed any further")
-    text = path.read_text()
+    assert docs[0].id == "tinyshakespeare/input.txt#0"  # the same ids as the plain file
+    text = builtin.read_text(builtin.path(builtin.TINYSHAKESPEARE))
     assert "".join("".join(d.text for d in docs).split()) == "".join(text.split())
-    grouped = list(tinyshakespeare(path, group_chars=2000))
+    plain = tmp_path / "input.txt"
+    plain.write_text(text)
+    assert [(d.id, d.text) for d in tinyshakespeare(plain)] == [(d.id, d.text) for d in docs]
+    grouped = list(tinyshakespeare(group_chars=2000))
     assert 400 < len(grouped) < 700
     assert all(len(d.text) >= 2000 for d in grouped[:-1])

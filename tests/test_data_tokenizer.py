@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from hybridlm.data import builtin
 from hybridlm.data.bpe import (
     BOS,
     EOS,
@@ -143,10 +144,9 @@ def test_byte_tokenizer_fingerprint():
     assert len(tokenizer_sha256(byte)) == 64
 
 
-def test_tinyshakespeare_bpe(shared_data):
-    path = shared_data / "tinyshakespeare" / "input.txt"
-    tok = train_bpe(tinyshakespeare(path), vocab_size=1024)
-    text = path.read_text()[:200_000]
+def test_tinyshakespeare_bpe():
+    tok = train_bpe(tinyshakespeare(), vocab_size=1024)  # the packaged copy
+    text = builtin.read_text(builtin.path(builtin.TINYSHAKESPEARE))[:200_000]
     ids = tok.encode(text, add_bos=False)
     assert tok.decode(ids) == text
     assert len(text) / len(ids) > 2.4  # ~2.6 characters per token at this vocabulary

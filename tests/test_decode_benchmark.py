@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import decode  # noqa: E402
+from hybridlm.data import builtin  # noqa: E402
 from hybridlm.presets import get_preset  # noqa: E402
 
 
@@ -54,10 +55,8 @@ def test_decode_section_reports_ratio_and_agreement(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_speculative_section_trains_reuses_and_matches_greedy(tmp_path, capsys, shared_data):
-    data = shared_data / "tinyshakespeare" / "input.txt"
-    if not data.is_file():
-        pytest.skip("tinyshakespeare is not in ../shared/data")
+def test_speculative_section_trains_reuses_and_matches_greedy(tmp_path, capsys):
+    data = builtin.path(builtin.TINYSHAKESPEARE)
     common = [
         "--only",
         "speculative",

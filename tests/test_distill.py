@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from _tiny import tiny_train_model
+from hybridlm.cli.train import register
 from hybridlm.train.checkpoint import save_checkpoint
 from hybridlm.train.config import TrainConfig, apply_run_overrides
 from hybridlm.train.distill import (
@@ -20,7 +21,6 @@ from hybridlm.train.distill import (
     OnPolicyDistiller,
     PromptSource,
     offline_distill_loss,
-    register,
     run_distill,
 )
 from hybridlm.train.objectives import distill_loss, skew_reverse_kl

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from _tiny import tiny_train_model
+from hybridlm.cli.train import register
 from hybridlm.data.chat import STOP
 from hybridlm.data.sft import ReadReport, arithmetic_conversations
 from hybridlm.data.tokenizer import ByteTokenizer
@@ -27,7 +28,6 @@ from hybridlm.train.dpo import (
     policy_logps,
     read_pairs,
     reference_logps,
-    register,
     run_dpo,
     tokenize_pair,
     write_pairs,

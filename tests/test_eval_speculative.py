@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hybridlm import HybridLM
+from hybridlm.data import builtin
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.eval.harness import main
 from hybridlm.eval.speculative import (
@@ -134,10 +135,12 @@ def test_prompts_are_deterministic_per_category_with_fallbacks(tmp_path):
     assert len(ids) == 10 and ids[0] == ByteTokenizer.bos_id
 
 
-def test_prompts_use_gsm8k_and_tinyshakespeare_when_present(shared_data):
-    ps = build_prompts(data_dir=shared_data, per_category=4)
-    math_rows = [json.loads(x) for x in (shared_data / "gsm8k/test.jsonl").read_text().splitlines()]
-    text = (shared_data / "tinyshakespeare/input.txt").read_text()
+def test_prompts_use_the_packaged_gsm8k_and_tinyshakespeare():
+    ps = build_prompts(per_category=4)
+    math_rows = builtin.read_jsonl(builtin.path(builtin.GSM8K_TEST))
+    text = builtin.read_text(builtin.path(builtin.TINYSHAKESPEARE))
+    sources = {p.source.split(":")[0].split("@")[0] for p in ps if p.category != "code"}
+    assert {"gsm8k/test.jsonl", "tinyshakespeare/input.txt"} <= sources  # not generated
     for p in ps:
         if p.category == "math":
             row = int(p.source.rsplit(":", 1)[1])
@@ -296,7 +299,7 @@ def test_task_limit_is_prompts_per_category(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_trained_quickstart_head_drafts_far_better_than_random_init(shared_data):
+def test_the_trained_quickstart_head_drafts_far_better_than_random_init():
     """The quickstart model's MTP head (trained at depth 2, drafting 7 deep here) is accepted
     several tokens per verify step on the real prompt set; the same architecture at random
     init almost never (greedy drafts must equal the backbone's argmax)."""
@@ -310,7 +313,7 @@ def test_the_trained_quickstart_head_drafts_far_better_than_random_init(shared_d
         pytest.skip("runs/quickstart checkpoint not present")
     trained = load_model(ckpt, dtype="float64")
     rand = build_model(trained.model.config, seed=0, device=torch.device("cpu")).double().eval()
-    prompts = build_prompts(data_dir=shared_data, per_category=2)
+    prompts = build_prompts(per_category=2)
     cfg = SpecBenchConfig(new_tokens=32, temperatures=[0.0], timing=False, bootstrap_iters=100)
     a = run_spec_bench(trained.model, trained.tokenizer, prompts, cfg)
     b = run_spec_bench(rand, trained.tokenizer, prompts, cfg)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from _tiny import tiny_train_model
+from hybridlm.data import builtin
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.eval.harness import EvalConfig, LoadedModel, evaluate, load_model, main
 from hybridlm.eval.loglik import LN2, encode_pair, loglikelihood
@@ -20,6 +21,7 @@ from hybridlm.eval.tasks import (
     bootstrap_ratio_stderr,
     cloze_prompt,
     copycolors_items,
+    get_task,
     gsm8k_final,
     gsm8k_mc_items,
     humaneval_environment,
@@ -125,8 +127,8 @@ def test_standard_errors():
 
 
 # ---------------------------------------------------------------------- data-backed tasks
-def test_humaneval_canonical_solutions_pass_in_the_sandbox(shared_data):
-    env = humaneval_environment(shared_data)
+def test_humaneval_canonical_solutions_pass_in_the_sandbox():
+    env = humaneval_environment()  # the packaged HumanEval
     probs = list(env)[:3]
     good = [p.metadata["canonical_solution"] for p in probs]
     bad = ["    return None\n"] * 3
@@ -137,13 +139,33 @@ def test_humaneval_canonical_solutions_pass_in_the_sandbox(shared_data):
     assert [r.value for r in rewards] == [1.0, 0.0] * 3
 
 
-def test_gsm8k_mc_items_hold_the_gold_answer(shared_data):
-    items = gsm8k_mc_items(shared_data)[:50]
-    rows = [json.loads(x) for x in (shared_data / "gsm8k/test.jsonl").read_text().splitlines()]
+def test_gsm8k_mc_items_hold_the_gold_answer():
+    items = gsm8k_mc_items()[:50]
+    rows = builtin.read_jsonl(builtin.path(builtin.GSM8K_TEST))
     for it in items:
         assert len(set(it.choices)) == 4
     assert items[0].choices[items[0].answer] == gsm8k_final(rows[0]["answer"])
-    assert gsm8k_mc_items(shared_data)[:50] == items  # deterministic
+    assert gsm8k_mc_items()[:50] == items  # deterministic
+
+
+def test_tasks_read_an_explicit_data_dir(tmp_path):
+    """A given data_dir is used instead of the packaged copies (plain or .gz files), and a file
+    missing there is an error that names it."""
+    (tmp_path / "gsm8k").mkdir()
+    rows = [
+        {"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"}
+        for i in (3, 9)
+    ]
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items = gsm8k_mc_items(tmp_path)
+    assert [it.question for it in items] == [r["question"] for r in rows]
+    assert [it.choices[it.answer] for it in items] == ["4", "10"]
+    task = get_task("gsm8k_bpb", data_dir=str(tmp_path))
+    assert task.load() == [(f"Question: {r['question']}\nAnswer:", f" {r['answer']}") for r in rows]
+    with pytest.raises(ValueError, match="HumanEval not found at .*HumanEval.jsonl.gz"):
+        get_task("humaneval_bpb", data_dir=tmp_path).load()
+    assert len(get_task("humaneval_bpb").load()) == 164  # no data_dir: the packaged copy
+    assert len(get_task("humaneval_bpb", data_dir="").load()) == 164
 
 
 def test_resolve_tasks_groups_and_errors():
@@ -153,7 +175,7 @@ def test_resolve_tasks_groups_and_errors():
         resolve_tasks("mmlu")
 
 
-def test_cli_end_to_end_on_a_random_model(shared_data, tmp_path, one_thread, capsys):
+def test_cli_end_to_end_on_a_random_model(tmp_path, one_thread, capsys):
     ckpt = tmp_path / "tiny"
     HybridLM(tiny_train_model(), seed=0).save_pretrained(ckpt)  # transformers directory
     out = tmp_path / "ev"
@@ -162,7 +184,7 @@ def test_cli_end_to_end_on_a_random_model(shared_data, tmp_path, one_thread, cap
             "--checkpoint", str(ckpt), "--tasks",
             "humaneval_bpb,shakespeare_bpb,copycolors:rc,copycolors:mc,gsm8k,humaneval,"
             "ruler_niah_single",
-            "--limit", "2", "--data-dir", str(shared_data), "--out", str(out),
+            "--limit", "2", "--out", str(out),
             "--ruler-lengths", "512", "--max-new-tokens", "64", "--no-progress",
         ]
     )  # fmt: skip
@@ -183,7 +205,7 @@ def test_cli_end_to_end_on_a_random_model(shared_data, tmp_path, one_thread, cap
 
 
 @pytest.mark.slow
-def test_quickstart_checkpoint_beats_random_init(shared_data, tmp_path, one_thread):
+def test_quickstart_checkpoint_beats_random_init(tmp_path, one_thread):
     """The quickstart model (trained on Python source) has a lower HumanEval bpb than the same
     architecture at random init."""
     if not QUICKSTART.is_dir():
@@ -196,8 +218,7 @@ def test_quickstart_checkpoint_beats_random_init(shared_data, tmp_path, one_thre
         model=random_model.eval(), tokenizer=trained.tokenizer, name="random", source="init"
     )
     cfg = EvalConfig(
-        tasks=["humaneval_bpb", "copycolors:rc"], limit=10, data_dir=str(shared_data),
-        progress=False,
+        tasks=["humaneval_bpb", "copycolors:rc"], limit=10, progress=False,
     )  # fmt: skip
     a = evaluate(trained, cfg, out_dir=tmp_path / "a")["tasks"]
     b = evaluate(rand, cfg, out_dir=tmp_path / "b")["tasks"]
@@ -205,21 +226,19 @@ def test_quickstart_checkpoint_beats_random_init(shared_data, tmp_path, one_thre
     assert a["copycolors:rc"]["metrics"]["bpb_gold"] < b["copycolors:rc"]["metrics"]["bpb_gold"]
 
 
-def test_gsm8k_generative_in_both_prompt_formats(tiny_runner, shared_data, one_thread):
+def test_gsm8k_generative_in_both_prompt_formats(tiny_runner, one_thread):
     from hybridlm.eval.tasks import GSM8KTask
     from hybridlm.rl.environments import GSM8KEnvironment
 
     for fmt, shots in (("base", 0), ("base", 2), ("chat", 0)):
-        task = GSM8KTask(
-            name="gsm8k", data_dir=shared_data, max_tokens=8, prompt_format=fmt, num_fewshot=shots
-        )
+        task = GSM8KTask(name="gsm8k", max_tokens=8, prompt_format=fmt, num_fewshot=shots)
         block = task.fewshot_block()
         assert block.count("Question:") == shots and block.count("####") == shots
         res = task.run(tiny_runner, limit=2)
         assert res.num_items == 2 and res.metrics["exact_match"] in (0.0, 0.5, 1.0)
         assert [s["gold"] for s in res.samples] == ["18", "3"]
     # the same reward as the RL environment: a reference solution scores 1
-    env = GSM8KEnvironment(shared_data / "gsm8k" / "test.jsonl", limit=1)
+    env = GSM8KEnvironment(builtin.path(builtin.GSM8K_TEST), limit=1)
     assert env.score(env[0], env[0].metadata["solution"]).value == 1.0
     with pytest.raises(ValueError, match="prompt_format"):
-        GSM8KTask(name="gsm8k", data_dir=shared_data, prompt_format="cot")
+        GSM8KTask(name="gsm8k", prompt_format="cot")

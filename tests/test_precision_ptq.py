@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _tiny import tiny_train_model
+from hybridlm.cli.precision import register
 from hybridlm.data.config import DataConfig, SourceConfig
 from hybridlm.interop.hf import save_pretrained
 from hybridlm.interop.modelopt import load_modelopt
@@ -20,7 +21,6 @@ from hybridlm.model.mlp import relu2
 from hybridlm.model.model import HybridLM
 from hybridlm.precision import ptq
 from hybridlm.precision.formats import NVFP4Tensor, nvfp4_fake_quant, nvfp4_quantize
-from hybridlm.precision.quantize import register
 from hybridlm.train.checkpoint import save_checkpoint
 from hybridlm.train.config import RunConfig, TrainConfig
 

@@ -259,7 +259,7 @@ def test_policy_options_and_filter():
 def test_precision_plan_command(capsys):
     import argparse
 
-    from hybridlm.precision.policy import register
+    from hybridlm.cli.precision import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

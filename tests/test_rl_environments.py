@@ -1,11 +1,9 @@
 """Environments: problems and rewards for GSM8K, generated arithmetic, math, HumanEval code,
 instruction following; the low-effort length penalty, mixtures and the difficulty filter."""
 
-import gzip
-import json
-
 import pytest
 
+from hybridlm.data import builtin
 from hybridlm.rl.environments import (
     LOW_EFFORT_SYSTEM,
     ArithmeticEnvironment,
@@ -46,18 +44,15 @@ def test_arithmetic_is_seeded_and_correct():
         ArithmeticEnvironment(difficulty=7)
 
 
-def test_gsm8k_environment(shared_data):
-    path = shared_data / "gsm8k" / "test.jsonl"
-    if not path.exists():
-        pytest.skip("GSM8K is not present")
-    env = GSM8KEnvironment(path, limit=50)
+def test_gsm8k_environment(tmp_path):
+    env = GSM8KEnvironment(builtin.path(builtin.GSM8K_TEST), limit=50)
     assert len(env) == 50 and env[0].answer == "18"
     assert "Janet" in env[0].user_text
     completions = [p.metadata["solution"] for p in env]
     assert all(r.value == 1.0 for r in env.score_many(list(env), completions))
     assert env.score(env[0], "She makes $17 every day.").value == 0.0
     with pytest.raises(ValueError, match="no such file"):
-        GSM8KEnvironment(shared_data / "gsm8k" / "missing.jsonl")
+        GSM8KEnvironment(tmp_path / "gsm8k" / "missing.jsonl")
 
 
 def test_math_environment():
@@ -76,16 +71,8 @@ def test_math_environment():
         MathEnvironment([{"problem": "?"}])
 
 
-def _humaneval(shared_data, n):
-    path = shared_data / "humaneval" / "HumanEval.jsonl.gz"
-    if not path.exists():
-        pytest.skip("HumanEval is not present")
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line) for _, line in zip(range(n), f, strict=False)]
-
-
-def test_code_environment_on_humaneval(shared_data):
-    records = _humaneval(shared_data, 4)
+def test_code_environment_on_humaneval():
+    records = builtin.read_jsonl(builtin.path(builtin.HUMANEVAL), limit=4)
     env = CodeEnvironment(records, sandbox=Sandbox(SandboxConfig(timeout_s=5.0), max_workers=2))
     assert env[0].id == "HumanEval/0" and "```python" in env[0].user_text
     # 1) continuation style: the completion is the body

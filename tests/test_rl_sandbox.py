@@ -1,7 +1,6 @@
 """Sandbox: correct/wrong programs, limits (time, memory, processes, output), refused escapes
 (files, network, secrets), forged results, the worker pool, and real HumanEval problems."""
 
-import gzip
 import json
 import os
 import secrets
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridlm.data import builtin
 from hybridlm.rl.sandbox import Sandbox, SandboxConfig, StdioTest, namespace_support
 
 CONFIG = SandboxConfig(timeout_s=10.0)
@@ -229,16 +229,8 @@ def test_config_errors():
         Sandbox().run("x = 1", [42])
 
 
-def _humaneval(shared_data: Path, n: int) -> list[dict]:
-    path = shared_data / "humaneval" / "HumanEval.jsonl.gz"
-    if not path.exists():
-        pytest.skip("HumanEval is not present")
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line) for _, line in zip(range(n), f, strict=False)]
-
-
-def test_humaneval_canonical_passes_broken_fails(shared_data, sandbox):
-    problems = _humaneval(shared_data, 6)
+def test_humaneval_canonical_passes_broken_fails(sandbox):
+    problems = builtin.read_jsonl(builtin.path(builtin.HUMANEVAL), limit=6)
     tests = [[p["test"] + f"\ncheck({p['entry_point']})\n"] for p in problems]
     good = sandbox.run_many(
         [(p["prompt"] + p["canonical_solution"], t) for p, t in zip(problems, tests, strict=True)]

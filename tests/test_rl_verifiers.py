@@ -1,10 +1,9 @@
 """Verifiers: math equivalence (Math-Verify and the SymPy path), GSM8K final numbers on real
 GSM8K answers, code through the sandbox, and every instruction-following checker true and false."""
 
-import json
-
 import pytest
 
+from hybridlm.data import builtin
 from hybridlm.rl.sandbox import Sandbox, SandboxConfig, StdioTest
 from hybridlm.rl.verifiers import (
     INSTRUCTIONS,
@@ -111,11 +110,8 @@ def test_gsm8k_extraction_variants():
         gsm8k_reference("no marker")
 
 
-def test_gsm8k_on_real_answers(shared_data):
-    path = shared_data / "gsm8k" / "test.jsonl"
-    if not path.exists():
-        pytest.skip("GSM8K is not present")
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
+def test_gsm8k_on_real_answers():
+    rows = builtin.read_jsonl(builtin.path(builtin.GSM8K_TEST))
     assert len(rows) == 1319
     v = GSM8KVerifier()
     for row in rows:

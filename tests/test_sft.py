@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from _tiny import tiny_train_model
+from hybridlm.cli.train import register
 from hybridlm.data.sft import arithmetic_conversations, collate_rows, encode_chat
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.train.config import TrainConfig, apply_run_overrides
@@ -21,7 +22,6 @@ from hybridlm.train.sft import (
     SFTTrainer,
     load_model,
     prompt_key,
-    register,
     run_sft,
     split_held_out,
 )
@@ -171,12 +171,10 @@ def test_shipped_config_loads():
 
 
 @pytest.mark.slow
-def test_gsm8k_sft_run(shared_data, tmp_path):
+def test_gsm8k_sft_run(tmp_path):
     """A few steps on real GSM8K conversations (worked solutions as reasoning traces)."""
     cfg = tiny_sft(tmp_path, steps=16)
-    cfg.data.sources = [
-        ChatSource(kind="gsm8k", path=str(shared_data / "gsm8k" / "train.jsonl"), max_rows=200)
-    ]
+    cfg.data.sources = [ChatSource(kind="gsm8k", max_rows=200)]  # the packaged train split
     cfg.data.seq_len, cfg.data.overflow = 768, "truncate"
     cfg.train.eval_interval = 16
     run_sft(cfg)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridlm.data import builtin
 from hybridlm.data.bpe import train_bpe
 from hybridlm.data.chat import STOP, THINK_CLOSE, parse_assistant, render_with_spans
 from hybridlm.data.loader import IGNORE_INDEX
@@ -280,9 +281,10 @@ def test_loader_epochs_and_exact_resume():
         c.load_state_dict(state)
 
 
-def test_gsm8k_conversations(shared_data):
-    convs = gsm8k_conversations(shared_data / "gsm8k" / "test.jsonl", max_rows=5)
+def test_gsm8k_conversations():
+    convs = gsm8k_conversations(builtin.path(builtin.GSM8K_TEST), max_rows=5)
     assert len(convs) == 5
+    assert gsm8k_conversations(max_rows=2)[0][0]["content"].startswith("Natalia sold clips")
     assert convs[0][1]["content"].strip().lstrip("-").isdigit()
     assert "<<" not in convs[0][1]["reasoning_content"]
     ex = encode_chat(convs[0], ByteTokenizer())

@@ -12,6 +12,7 @@ import yaml
 
 from hybridlm.eval.report import render_report
 from hybridlm.speedrun import STAGES, Speedrun, SpeedrunConfig, load_config
+from test_report import check_report_html
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "speedrun.yaml"
 
@@ -140,7 +141,14 @@ def test_whole_flow_runs_and_writes_the_report(finished):
         assert heading in md
     page = (run / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 6 and "<table>" in page
+    check_report_html(run / "report.html")
     assert result["stages"]["eval"]["models"][0]["model"] == "pretrain"
+    # provenance: a toy run is marked as not the default one, with the settings that differ
+    prov = json.loads((run / "provenance.json").read_text())
+    assert {o["key"] for o in prov["overrides"]} >= {"pretrain.train.max_steps", "rl.steps"}
+    assert prov["is_default"] is False and "torch" in prov["versions"]
+    assert {s: e["status"] for s, e in prov["stages"].items()} == dict.fromkeys(STAGES, "run")
+    assert md.startswith(f"# hybridlm speedrun — {run}\n") and "Not the default speedrun" in md
 
 
 def test_rerun_reuses_finished_stages_and_reruns_downstream_of_a_change(finished):

@@ -136,7 +136,7 @@ def test_eval_bits_per_byte_byte_tokenizer(tmp_path):
     assert ev["eval_loss"] == pytest.approx(math.log(258), rel=0.1)  # untrained
 
 
-def test_tiny_tinyshakespeare_run_loss_falls(tmp_path, shared_data):
+def test_tiny_tinyshakespeare_run_loss_falls(tmp_path):
     cfg = tiny_run(
         tmp_path,
         "ts",
@@ -149,12 +149,7 @@ def test_tiny_tinyshakespeare_run_loss_falls(tmp_path, shared_data):
     )
     cfg.data = DataConfig(
         sources=[
-            SourceConfig(
-                name="ts",
-                kind="tinyshakespeare",
-                path=str(shared_data / "tinyshakespeare" / "input.txt"),
-                group_chars=2000,
-            )
+            SourceConfig(name="ts", kind="tinyshakespeare", group_chars=2000)  # packaged
         ],
         shards_dir=str(tmp_path / "ts_shards"),
         seq_len=64,

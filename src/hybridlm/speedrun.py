@@ -20,8 +20,11 @@ in the speedrun config), and where they write:
     report     report.md + report.html with plots, from the metrics files      <run>/report.*
 
 Each stage writes `<run>/<stage>/stage.json` when it finishes, with a fingerprint of its settings
-and of its inputs' fingerprints. A rerun skips every finished stage whose fingerprint is unchanged
-and reruns the others (and, through the fingerprints, everything downstream of them).
+and of its inputs' fingerprints. `<run>/provenance.json` records the run itself (command line,
+settings that differ from configs/speedrun.yaml, git commit, library versions, threads, CPU,
+and each stage's status and wall time), for the report. A rerun skips every finished stage whose
+fingerprint is unchanged and reruns the others (and, through the fingerprints, everything
+downstream of them).
 Pretraining and SFT continue from their newest checkpoint when interrupted; the other stages take
 minutes and restart. `--skip` leaves stages out: the model chain then continues from the newest
 model before the skipped stage (e.g. `--skip rl` heals the SFT model's MTP head), and a skipped
@@ -30,7 +33,6 @@ tokenizer means the byte tokenizer. Paths inside the config may use `{run}` for 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import itertools
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import add_overrides_arg, from_dict, read_mapping, write_mapping
+from .config import from_dict, read_mapping, write_mapping
 from .data.curate.pipeline import CurateConfig
 from .rl.learner import RLConfig
 from .train.config import RunConfig
@@ -63,6 +65,8 @@ STAGES = (
 )
 # stages whose output is a model, in chain order (each starts from the newest one before it)
 MODEL_STAGES = ("pretrain", "sft", "rl", "mtp_heal", "quantize")
+# the reference settings a run's provenance is compared with (present in a source checkout)
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "speedrun.yaml"
 
 
 # ---------------------------------------------------------------------------- config
@@ -120,12 +124,12 @@ class EvalStageConfig:
     spec_prompts: int = 4  # prompts per SPEED-Bench category (5 categories)
     spec_new_tokens: int = 48
     spec_prompt_format: Literal["base", "chat"] = "chat"
-    # harness tasks on `harness_models`, run only when `data_dir` exists (GSM8K / HumanEval /
-    # tinyshakespeare are not embedded)
+    # harness tasks on `harness_models`, over the packaged GSM8K / HumanEval / tinyshakespeare
+    # (`data_dir` "") or a folder of them (run only when it exists)
     harness_tasks: list[str] = field(default_factory=lambda: ["base_easy"])
     harness_models: list[str] = field(default_factory=lambda: ["pretrain", "mtp_heal"])
     harness_limit: int = 32
-    data_dir: str = "../shared/data"
+    data_dir: str = ""
     cache_contexts: list[int] = field(
         default_factory=lambda: [2**k for k in range(10, 21)]  # 1K .. 1M tokens
     )
@@ -249,7 +253,11 @@ class Speedrun:
         only: list[str] | None = None,
         force: list[str] | None = None,
         progress: bool = True,
+        threads: dict[str, Any] | None = None,
+        argv: list[str] | None = None,
     ) -> None:
+        """`threads`: what `hybridlm.threads.configure_threads` returned, when it was called;
+        `argv`: the command line to record (default `sys.argv`). Both go to provenance.json."""
         from rich.console import Console
 
         self.cfg = cfg.validate()
@@ -262,6 +270,9 @@ class Speedrun:
         self.progress = progress
         self.console = Console(quiet=not progress)
         self.summaries: dict[str, dict[str, Any]] = {}
+        self.threads = threads
+        self.argv = argv
+        self.provenance: dict[str, Any] = {}
 
     # -------------------------------------------------------------- bookkeeping
     def stage_dir(self, name: str) -> Path:
@@ -402,9 +413,62 @@ class Speedrun:
         return _fingerprint({"stage": name, "settings": self.settings(name), "inputs": ins})
 
     # -------------------------------------------------------------- driver
+    def start_provenance(self) -> dict[str, Any]:
+        """Write `<run>/provenance.json` for this invocation (see `hybridlm.provenance`); the
+        stages' statuses and times are added to it as they finish."""
+        from .provenance import collect
+
+        defaults = None
+        if DEFAULT_CONFIG.is_file():
+            try:
+                defaults = SpeedrunConfig.load(DEFAULT_CONFIG).to_dict()
+            except ValueError:  # an edited default that no longer parses: no reference
+                defaults = None
+        self.provenance = collect(
+            argv=self.argv,
+            config=self.cfg.to_dict(),
+            defaults=defaults,
+            defaults_path=DEFAULT_CONFIG if defaults is not None else None,
+            threads=self.threads,
+        )
+        self.provenance |= {
+            "run_dir": str(self.run_dir),
+            "only": sorted(self.only) if self.only else None,
+            "force": sorted(self.force),
+            "skip": list(self.cfg.skip),
+            "budget_minutes": self.cfg.budget_minutes,
+            "stages": {},
+        }
+        self._write_provenance()
+        return self.provenance
+
+    def _write_provenance(self) -> None:
+        path = self.run_dir / "provenance.json"
+        path.write_text(json.dumps(self.provenance, indent=1, default=str))
+
+    def _stage_status(self, name: str, status: str, seconds: float | None = None) -> None:
+        entry: dict[str, Any] = {"status": status}
+        if seconds is not None:
+            entry["seconds"] = seconds
+        rec = self.record(name) if status != "run" else None
+        if rec is not None:  # reused / kept: when and by what it was produced
+            entry["seconds_when_run"] = rec.get("seconds")
+            entry["produced_by"] = rec.get("run")
+        self.provenance.setdefault("stages", {})[name] = entry
+        self._write_provenance()
+
     def run(self) -> dict[str, Any]:
+        from .provenance import now_iso
+
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg.save(self.run_dir / "speedrun.yaml")
+        self.start_provenance()
+        made_by = {
+            "started": self.provenance["started"],
+            "command": self.provenance["command"],
+            "commit": self.provenance["git"].get("commit"),
+            "dirty": self.provenance["git"].get("dirty"),
+        }
         log_path = self.run_dir / "metrics.jsonl"
         t_start = time.time()
         for i, name in enumerate(STAGES, 1):
@@ -413,15 +477,23 @@ class Speedrun:
             if not selected and name != "report":
                 self.console.print(f"{header} [dim]skipped[/]")
                 _log(log_path, {"kind": "stage", "stage": name, "status": "skipped"})
+                if name in self.cfg.skip:
+                    self._stage_status(name, "skipped")
+                else:  # left out by --only: an earlier run's outputs, if any, are still used
+                    self._stage_status(name, "kept" if self.done(name) else "not run")
                 continue
             if name == "report":
                 self.console.print(header)
+                self.provenance["finished"] = now_iso()
+                self.provenance["wall_seconds"] = time.time() - t_start
+                self._write_provenance()
                 t0 = time.time()
                 summary = self.stage_report()
                 _log(
                     log_path,
                     {"kind": "stage", "stage": name, "status": "done", "seconds": time.time() - t0},
                 )
+                self._stage_status(name, "run", time.time() - t0)
                 self.summaries[name] = summary
                 continue
             fp = self.fingerprint(name)
@@ -429,6 +501,7 @@ class Speedrun:
             if rec is not None and rec["fingerprint"] == fp and name not in self.force:
                 self.console.print(f"{header} [dim]done before ({rec['seconds']:.0f} s), reused[/]")
                 _log(log_path, {"kind": "stage", "stage": name, "status": "reused"})
+                self._stage_status(name, "reused")
                 self.summaries[name] = rec["summary"]
                 continue
             out = self.stage_dir(name)
@@ -443,12 +516,22 @@ class Speedrun:
             t0 = time.time()
             summary = getattr(self, f"stage_{name}")()
             seconds = time.time() - t0
-            record = {"stage": name, "fingerprint": fp, "seconds": seconds, "summary": summary}
+            record = {
+                "stage": name,
+                "fingerprint": fp,
+                "seconds": seconds,
+                "summary": summary,
+                "run": made_by,  # not in the fingerprint: provenance, not settings
+            }
             (out / "stage.json").write_text(json.dumps(record, indent=1, default=str))
             _log(log_path, {"kind": "stage", "stage": name, "status": "done", "seconds": seconds})
+            self._stage_status(name, "run", seconds)
             self.summaries[name] = summary
             self.console.print(f"[green]{name} done[/] in {seconds:.0f} s")
         total = time.time() - t_start
+        self.provenance["finished"] = now_iso()
+        self.provenance["wall_seconds"] = total
+        self._write_provenance()
         self.console.print(
             f"[bold]speedrun finished[/] in {total / 60:.1f} min: "
             f"{self.run_dir / 'report.md'}, {self.run_dir / 'report.html'}"
@@ -535,13 +618,14 @@ class Speedrun:
 
         cfg = RLConfig.from_dict(self.settings("rl"))
         result = run_rl(cfg, progress=self.progress)
-        train = result["train"]
-        first = [r["reward_mean"] for r in train[:10]]
-        last = [r["reward_mean"] for r in train[-10:]]
+        rewards = [r["reward_mean"] for r in result["train"]]
+        k = reward_window(len(rewards))  # first and last k steps do not overlap
         return {
             "model": result["model"],
-            "reward_first10": sum(first) / len(first),
-            "reward_last10": sum(last) / len(last),
+            "steps": len(rewards),
+            "reward_window": k,
+            "reward_first": sum(rewards[:k]) / k if k else None,
+            "reward_last": sum(rewards[-k:]) / k if k else None,
             "eval": [{"step": e.get("step"), "solved": e["all/solved"]} for e in result["eval"]],
         }
 
@@ -609,6 +693,11 @@ class Speedrun:
         return render_report(self.run_dir)
 
 
+def reward_window(steps: int, most: int = 10) -> int:
+    """Steps averaged at each end of a curve: up to `most`, at most half of them (0 for none)."""
+    return min(most, max(steps // 2, 1)) if steps else 0
+
+
 def _scalars(result: dict[str, Any]) -> dict[str, Any]:
     """The JSON-friendly scalars (and small dicts of scalars) of a stage's result."""
     out: dict[str, Any] = {}
@@ -622,7 +711,7 @@ def _scalars(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# ---------------------------------------------------------------------------- CLI
+# ---------------------------------------------------------------------------- loading
 def load_config(path: str, overrides: list[str], out: str = "", skip: str = "") -> SpeedrunConfig:
     from .train.config import apply_run_overrides
 
@@ -634,28 +723,3 @@ def load_config(path: str, overrides: list[str], out: str = "", skip: str = "") 
     if skip:
         cfg = dataclasses.replace(cfg, skip=[*cfg.skip, *(s for s in skip.split(",") if s)])
     return cfg.validate()
-
-
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "speedrun",
-        help="the whole flow: curate -> tokenizer -> pretrain -> SFT -> GRPO -> MTP healing -> "
-        "NVFP4 PTQ -> eval -> report, resumable, in one run directory",
-    )
-    p.add_argument("--config", default="configs/speedrun.yaml", help="speedrun config YAML")
-    p.add_argument("--out", default="", help="run directory (default: the config's out_dir)")
-    p.add_argument("--skip", default="", help="comma-separated stages to leave out")
-    p.add_argument("--only", default="", help="comma-separated stages to run (others untouched)")
-    p.add_argument("--force", default="", help="comma-separated stages to rerun even if done")
-    add_overrides_arg(p, "pretrain.train.max_steps=300")
-    p.set_defaults(fn=cmd_speedrun)
-
-
-def cmd_speedrun(args: argparse.Namespace) -> None:
-    cfg = load_config(args.config, args.overrides, args.out, args.skip)
-
-    def names(s: str) -> list[str]:
-        return [x for x in s.split(",") if x]
-
-    result = Speedrun(cfg, only=names(args.only) or None, force=names(args.force)).run()
-    print(json.dumps({"run_dir": result["run_dir"], "minutes": result["seconds"] / 60}, indent=1))

@@ -4,7 +4,8 @@
 (`encode(text, add_bos=True)`, `decode(ids)`, `bos_id`, `eos_id`, `vocab_size`) plus `save(dir)` /
 `load(dir)`. A saved directory holds `tokenizer.json` and a `tokenizer_config.json` that
 transformers' `AutoTokenizer` / `PreTrainedTokenizerFast` loads and encodes identically (the
-`tokenizer.json` post-processor prepends `<|bos|>`, as `encode(add_bos=True)` does).
+`tokenizer.json` post-processor prepends `<|bos|>`, as `encode(add_bos=True)` does), with the
+chat template of `hybridlm.data.chat` (also in `chat_template.jinja`).
 
 The pipeline is Llama-3 / Qwen2's: split with the GPT-4 (cl100k) regex, map bytes to unicode
 (GPT-2 byte-level), BPE without unknown tokens (all 256 bytes are in the initial alphabet), no
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .sources import Document
+from .tokenizer import ByteTokenizer, write_hf_tokenizer
 
 BOS = "<|bos|>"
 EOS = "<|endoftext|>"
@@ -262,23 +264,18 @@ class BPETokenizer:
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | Path, *, model_max_length: int | None = None) -> Path:
-        """Write `tokenizer.json` and `tokenizer_config.json` (PreTrainedTokenizerFast)."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self._tok.save(str(path / "tokenizer.json"))
+        """Write `tokenizer.json`, `tokenizer_config.json` (PreTrainedTokenizerFast, with the
+        chat template) and `chat_template.jinja`."""
         added = self._tok.get_added_tokens_decoder()
-        config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": self.bos_token,
-            "eos_token": self.eos_token,
-            "pad_token": self.pad_token,
-            "unk_token": None,
-            "add_bos_token": True,
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-            "model_max_length": model_max_length or 1_000_000_000_000_000_019_884_624_838_656,
-            "added_tokens_decoder": {
-                str(i): {
+        return write_hf_tokenizer(
+            path,
+            self._tok.to_str(pretty=True),
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            pad_token=self.pad_token,
+            added_tokens=[
+                {
+                    "id": i,
                     "content": t.content,
                     "lstrip": t.lstrip,
                     "rstrip": t.rstrip,
@@ -287,10 +284,9 @@ class BPETokenizer:
                     "special": t.special,
                 }
                 for i, t in sorted(added.items())
-            },
-        }
-        (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-        return path
+            ],
+            model_max_length=model_max_length,
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> BPETokenizer:
@@ -344,9 +340,8 @@ def tokenizer_sha256(tokenizer: Any) -> str:
 
 
 def load_tokenizer(spec: str | Path) -> Any:
-    """`"byte"` -> `ByteTokenizer()`; a directory or `tokenizer.json` path -> `BPETokenizer`."""
-    if str(spec) == "byte":
-        from .tokenizer import ByteTokenizer
-
+    """`"byte"` or a saved byte tokenizer -> `ByteTokenizer()`; another directory or
+    `tokenizer.json` path -> `BPETokenizer`."""
+    if str(spec) == "byte" or ByteTokenizer.is_saved(spec):
         return ByteTokenizer()
     return BPETokenizer.load(spec)

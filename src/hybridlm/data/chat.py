@@ -20,6 +20,11 @@ content, and one `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` line
 `render_with_spans` also returns the character spans of every assistant body (plus its `STOP`
 by default): the tokens a post-training loss is computed on. Spans are in *characters* of the
 returned text; a byte tokenizer needs `len(text[:i].encode())` to turn them into token offsets.
+
+`CHAT_TEMPLATE` is the same rendering as a Jinja chat template, for transformers'
+`tokenizer.apply_chat_template` (and the servers that use it); every saved tokenizer carries it.
+It renders `bos_token + render(messages)`, so `apply_chat_template(messages, tokenize=True)`
+equals `tokenizer.encode(render(messages))` token for token (tests/test_hf_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -126,7 +131,9 @@ def validate(messages: Sequence[Message]) -> list[Turn]:
             raise ValueError(f"{where}: unknown role {msg.get('role')!r}; expected one of {ROLES}")
         content = msg.get("content")
         tool_calls = msg.get("tool_calls") or []
-        reasoning = msg.get("reasoning_content", msg.get("reasoning"))
+        reasoning = msg.get("reasoning_content")
+        if reasoning is None:  # a null field is an absent one (as transformers treats it)
+            reasoning = msg.get("reasoning")
         if role != "assistant":
             if tool_calls:
                 raise ValueError(f"{where}: only assistant messages can have tool_calls")
@@ -182,6 +189,100 @@ def render(messages: Sequence[Message], add_generation_prompt: bool = True) -> s
 def generation_prompt() -> str:
     """The header that opens an assistant turn."""
     return f"{IM_START}assistant\n"
+
+
+# `render` as a Jinja chat template (transformers' `apply_chat_template`: `messages`,
+# `add_generation_prompt`, `bos_token`, `raise_exception`, `tojson` without HTML escaping).
+# Every tag trims the template's own whitespace, so the output does not depend on the
+# environment's trim_blocks / lstrip_blocks. Jinja cannot parse JSON: a tool call whose
+# `arguments` is a JSON *string* is inserted as it is (stripped; blank is `{}`) where `render`
+# re-serialises it with `json.dumps`; the two agree whenever the string is
+# `json.dumps(arguments, ensure_ascii=False)`, which is what `parse_assistant` (and so the server)
+# returns. Pass arguments as an object to be independent of their spelling.
+CHAT_TEMPLATE = """\
+{%- macro render_text(content, where) -%}
+  {%- if content is string -%}
+    {{- content -}}
+  {%- elif content is iterable and content is not mapping -%}
+    {%- for part in content -%}
+      {%- if part is not mapping or part['type'] != 'text' -%}
+        {{- raise_exception(where ~ ': only text content parts are supported') -}}
+      {%- endif -%}
+      {%- if part['text'] is not string -%}
+        {{- raise_exception(where ~ ': content part ' ~ loop.index0 ~ " needs a string 'text'") -}}
+      {%- endif -%}
+      {{- ('\\n' if not loop.first else '') ~ part['text'] -}}
+    {%- endfor -%}
+  {%- else -%}
+    {{- raise_exception(where ~ ': content must be a string or a list of text parts') -}}
+  {%- endif -%}
+{%- endmacro -%}
+{{- bos_token if bos_token else '' -}}
+{%- for message in messages -%}
+  {%- set where = 'messages[' ~ loop.index0 ~ ']' -%}
+  {%- set role = 'system' if message['role'] == 'developer' else message['role'] -%}
+  {%- if role not in ['system', 'user', 'assistant', 'tool'] -%}
+    {{- raise_exception(where ~ ': unknown role ' ~ role) -}}
+  {%- endif -%}
+  {%- if role != 'assistant' -%}
+    {%- if message['tool_calls'] -%}
+      {{- raise_exception(where ~ ': only assistant messages can have tool_calls') -}}
+    {%- endif -%}
+    {%- if message['content'] is not defined -%}
+      {{- raise_exception(where ~ ': a ' ~ role ~ " message needs 'content'") -}}
+    {%- endif -%}
+    {{- '<|im_start|>' ~ role ~ '\\n' ~ render_text(message['content'], where) ~ '<|im_end|>\\n' -}}
+  {%- else -%}
+    {%- set calls = message['tool_calls'] if message['tool_calls'] else [] -%}
+    {%- if message['content'] is not defined and not calls -%}
+      {{- raise_exception(where ~ ": an assistant message needs 'content' or 'tool_calls'") -}}
+    {%- endif -%}
+    {%- if message['reasoning_content'] is defined -%}
+      {%- set reasoning = message['reasoning_content'] -%}
+    {%- else -%}
+      {%- set reasoning = message['reasoning'] -%}
+    {%- endif -%}
+    {%- if reasoning is defined and reasoning is not none and reasoning is not string -%}
+      {{- raise_exception(where ~ ': reasoning_content must be a string') -}}
+    {%- endif -%}
+    {%- if calls is string or calls is mapping -%}
+      {{- raise_exception(where ~ ': tool_calls must be a list of tool calls') -}}
+    {%- endif -%}
+    {%- set ns = namespace(body='') -%}
+    {%- if reasoning -%}
+      {%- set ns.body = '<think>\\n' ~ reasoning ~ '\\n</think>' -%}
+    {%- endif -%}
+    {%- if message['content'] is defined -%}
+      {%- set text = render_text(message['content'], where) -%}
+      {%- if text -%}
+        {%- set ns.body = ns.body ~ ('\\n' if ns.body else '') ~ text -%}
+      {%- endif -%}
+    {%- endif -%}
+    {%- for call in calls -%}
+      {%- if call is not mapping -%}
+        {{- raise_exception(where ~ ': each tool call must be an object') -}}
+      {%- endif -%}
+      {%- set fn = call['function'] if call['function'] is defined else call -%}
+      {%- if fn is not mapping or fn['name'] is not string or not fn['name'] -%}
+        {{- raise_exception(where ~ ': a tool call needs {"function": {"name": "...", ...}}') -}}
+      {%- endif -%}
+      {%- set args = fn['arguments'] if fn['arguments'] is defined else {} -%}
+      {%- if args is string -%}
+        {%- set args = args.strip() if args.strip() else '{}' -%}
+      {%- else -%}
+        {%- set args = args | tojson -%}
+      {%- endif -%}
+      {%- set call_text = '<tool_call>{"name": ' ~ (fn['name'] | tojson) ~ ', "arguments": '
+        ~ args ~ '}</tool_call>' -%}
+      {%- set ns.body = ns.body ~ ('\\n' if ns.body else '') ~ call_text -%}
+    {%- endfor -%}
+    {{- '<|im_start|>assistant\\n' ~ ns.body ~ '<|im_end|>\\n' -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant\\n' -}}
+{%- endif -%}
+"""
 
 
 # An unclosed reasoning block (generation stopped mid-thought, e.g. at max_tokens) is all

@@ -14,8 +14,8 @@
     total_tokens: 1000000000
 
 `hybridlm.data.pipeline` turns it into shards (`prepare_shards`) and loaders (`build_loaders`).
-Source kinds map to `hybridlm.data.sources`: text, tinyshakespeare, jsonl, parquet, hf, stdlib,
-plus `shards` (an existing shard directory at `path`).
+Source kinds map to `hybridlm.data.sources`: text, tinyshakespeare (the packaged copy when `path`
+is empty), jsonl, parquet, hf, stdlib, plus `shards` (an existing shard directory at `path`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class SourceConfig:
 
     name: str
     kind: SourceKind = "stdlib"
-    path: str = ""  # file / folder / glob; the dataset for hf; the shard folder for shards
+    path: str = ""  # file / folder / glob; hf: the dataset; shards: the folder; "" for stdlib and
+    # tinyshakespeare (the packaged copy)
     weight: float = 1.0  # token fraction in the mixture (normalised over sources)
     pattern: str = ""  # glob inside folders; "" = the kind's default (**/*.txt, **/*.jsonl*, ...)
     split: Literal["file", "blank_line", "separator"] = "file"  # text: how files become docs
@@ -99,7 +100,7 @@ class DataConfig:
                 raise ValueError(
                     f"{where}: kind must be one of {list(typing.get_args(SourceKind))}"
                 )
-            if src.kind != "stdlib" and not src.path:
+            if src.kind not in ("stdlib", "tinyshakespeare") and not src.path:
                 raise ValueError(f"{where}: kind {src.kind!r} needs a path")
             if src.weight < 0:
                 raise ValueError(f"{where}: weight must be >= 0, got {src.weight}")

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .bpe import BPETokenizer, load_tokenizer, train_bpe
+from .bpe import load_tokenizer, train_bpe
 from .config import DataConfig, SourceConfig
 from .loader import PackedLoader
 from .shards import ShardSet, write_shards
@@ -95,7 +95,7 @@ def build_tokenizer(cfg: DataConfig) -> Any:
         return load_tokenizer("byte")
     path = Path(cfg.tokenizer)
     if (path / "tokenizer.json").is_file() or path.is_file():
-        return BPETokenizer.load(path)
+        return load_tokenizer(path)  # a saved byte tokenizer stays a ByteTokenizer
     if cfg.tokenizer_vocab_size <= 0:
         raise ValueError(
             f"no tokenizer at {path}: point data.tokenizer at a directory with tokenizer.json, "

@@ -52,6 +52,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from . import builtin
 from .chat import render_with_spans, validate
 from .loader import IGNORE_INDEX, best_fit_decreasing
 
@@ -184,8 +185,7 @@ def _raw_rows(path: str, kind: str, split: str) -> Iterator[tuple[Any, str]]:
     if kind == "jsonl":
         if not p.is_file():
             raise ValueError(f"chat data file not found: {path}")
-        opener = _open_text(p)
-        with opener as f:
+        with builtin.open_text(p) as f:
             for line in f:
                 if not line.strip():
                     continue
@@ -220,14 +220,6 @@ def _raw_rows(path: str, kind: str, split: str) -> Iterator[tuple[Any, str]]:
         raise ValueError(f"unknown chat data kind {kind!r}; use auto, jsonl, parquet or hf")
 
 
-def _open_text(p: Path):
-    if p.name.endswith(".gz"):
-        import gzip
-
-        return gzip.open(p, "rt", encoding="utf-8")
-    return open(p, encoding="utf-8")
-
-
 def read_conversations(
     path: str | Path,
     *,
@@ -256,26 +248,24 @@ def read_conversations(
 
 
 # ---------------------------------------------------------------------------- generated data
-def gsm8k_conversations(path: str | Path, *, max_rows: int | None = None) -> list[Conversation]:
-    """GSM8K rows (`question`, `answer` ending in `#### N`) as conversations: the worked
-    solution is the reasoning trace, the final number the answer. Calculator annotations
-    `<<48/2=24>>` are removed."""
+def gsm8k_conversations(
+    path: str | Path | None = None, *, max_rows: int | None = None
+) -> list[Conversation]:
+    """GSM8K rows (`question`, `answer` ending in `#### N`; `.gz` ok; the packaged train split
+    when `path` is None or "") as conversations: the worked solution is the reasoning trace, the
+    final number the answer. Calculator annotations `<<48/2=24>>` are removed."""
     import re
 
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if max_rows is not None and len(out) >= max_rows:
-                break
-            row = json.loads(line)
-            work, _, final = row["answer"].rpartition("####")
-            work = re.sub(r"<<[^>]*>>", "", work).strip()
-            out.append(
-                [
-                    {"role": "user", "content": row["question"]},
-                    {"role": "assistant", "content": final.strip(), "reasoning_content": work},
-                ]
-            )
+    for row in builtin.read_jsonl(path or builtin.path(builtin.GSM8K_TRAIN), limit=max_rows):
+        work, _, final = row["answer"].rpartition("####")
+        work = re.sub(r"<<[^>]*>>", "", work).strip()
+        out.append(
+            [
+                {"role": "user", "content": row["question"]},
+                {"role": "assistant", "content": final.strip(), "reasoning_content": work},
+            ]
+        )
     return out
 
 
@@ -367,7 +357,9 @@ def _with_system_line(messages: Conversation, line: str) -> Conversation:
 
 
 def _reasoning_of(m: Message) -> str | None:
-    r = m.get("reasoning_content", m.get("reasoning"))
+    r = m.get("reasoning_content")
+    if r is None:  # as `chat.validate` reads it
+        r = m.get("reasoning")
     return r if isinstance(r, str) and r else None
 
 

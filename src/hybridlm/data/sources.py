@@ -1,8 +1,9 @@
 """Document sources: every corpus becomes an iterator of `Document(id, text, source, metadata)`.
 
-    TextFileSource      plain text files and folders (glob); one document per file, or split on
-                        blank lines / a separator string (e.g. TinyStories' `<|endoftext|>`)
-    tinyshakespeare()   a single file of blank-line separated passages (Karpathy's char-rnn data)
+    TextFileSource      plain text files and folders (glob; `.gz` decompressed); one document per
+                        file, or split on blank lines / a separator (TinyStories' `<|endoftext|>`)
+    tinyshakespeare()   a single file of blank-line separated passages (Karpathy's char-rnn data;
+                        the packaged copy, `hybridlm.data.builtin`, by default)
     JsonlSource         JSON Lines (`.jsonl`, `.jsonl.gz`), text field configurable (dotted keys)
     ParquetSource       Parquet via pyarrow, text column configurable, read in record batches
     HFDatasetSource     anything `datasets.load_dataset` opens (hub names, local json/parquet/csv)
@@ -31,6 +32,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from . import builtin
 
 SplitMode = Literal["file", "blank_line", "separator"]
 
@@ -186,8 +189,10 @@ def _group(parts: list[str], min_chars: int, joiner: str) -> list[str]:
 
 # ---------------------------------------------------------------------------- sources
 class TextFileSource(DocumentSource):
-    """Plain UTF-8 text files. `split="file"`: one document per file; `"blank_line"`: one per
-    blank-line separated passage; `"separator"`: split on the string `separator`.
+    """Plain UTF-8 text files (gzip when the name ends in `.gz`; ids and metadata name the file
+    without `.gz`, so a compressed copy gives the same documents). `split="file"`: one document
+    per file; `"blank_line"`: one per blank-line separated passage; `"separator"`: split on the
+    string `separator`.
     `group_chars > 0` merges consecutive passages until each document has that many characters
     (short passages, like tinyshakespeare's speaker turns, make poor documents alone)."""
 
@@ -231,13 +236,15 @@ class TextFileSource(DocumentSource):
 
     def _items(self) -> Iterator[Document | _Skip]:
         for path, rel in self.files:
+            rel = rel.removesuffix(".gz")
             where = f"{self.name}/{rel}"
             try:
-                text = _decode(path.read_bytes())
+                raw = path.read_bytes()
+                text = _decode(gzip.decompress(raw) if path.name.endswith(".gz") else raw)
             except UnicodeDecodeError as err:
                 yield _Skip(where, "non_utf8", f"byte {err.start}")
                 continue
-            except OSError as err:
+            except (OSError, EOFError) as err:  # unreadable file, bad or truncated gzip
                 yield _Skip(where, "unreadable", str(err))
                 continue
             if "\x00" in text:
@@ -252,11 +259,12 @@ class TextFileSource(DocumentSource):
 
 
 def tinyshakespeare(
-    path: str | Path, *, group_chars: int = 0, name: str = "tinyshakespeare"
+    path: str | Path | None = None, *, group_chars: int = 0, name: str = "tinyshakespeare"
 ) -> TextFileSource:
     """A single file of blank-line separated passages (tinyshakespeare's `input.txt`: one speaker
-    turn per passage, ~40k lines, 1.1 MB). `group_chars` merges turns into longer documents."""
-    path = Path(path)
+    turn per passage, ~40k lines, 1.1 MB; `.gz` ok), the packaged copy when `path` is None or "".
+    `group_chars` merges turns into longer documents."""
+    path = Path(path) if path else builtin.path(builtin.TINYSHAKESPEARE)
     if not path.is_file():
         raise ValueError(f"tinyshakespeare file not found: {path}")
     return TextFileSource(path, split="blank_line", group_chars=group_chars, name=name)

@@ -3,8 +3,9 @@
 For each finished model stage (pretrain, SFT, RL, MTP healing, the quantised model) on the same
 data: held-out pretraining text (next-token loss and bits per byte, as the trainer measures them),
 held-out arithmetic problems (the RL eval set, greedy, exact match with a binomial standard
-error), and, for `spec_models`, the SPEED-Bench protocol at draft length 7; harness tasks that need
-`../shared/data` run when it exists. Cache memory vs context is computed from the model config
+error), and, for `spec_models`, the SPEED-Bench protocol at draft length 7; harness tasks on the
+packaged GSM8K / HumanEval / tinyshakespeare (or those in `data_dir`, when that folder exists) for
+`harness_models`. Cache memory vs context is computed from the model config
 (KV cache of the attention layers + the fixed Mamba state) next to an attention-only twin, for the
 speedrun model and Nemotron 3 Super.
 
@@ -85,7 +86,7 @@ def evaluate_flow(flow: Any, out: Path) -> dict[str, Any]:
     rl = flow.cfg.rl
     env = build_mixture(eval_specs(rl), tokenizer=tok)
     problems = env.sample(ecfg.arithmetic_problems, seed=rl.seed + 12345)  # the RL eval set
-    harness_on = Path(ecfg.data_dir).is_dir()
+    harness_on = not ecfg.data_dir or Path(ecfg.data_dir).is_dir()  # "": the packaged data
     rows = []
     last_cfg = None
     for stage, name, path in flow.models():

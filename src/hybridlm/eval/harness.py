@@ -21,7 +21,6 @@ directory, or `--preset NAME` (randomly initialised, `--seed`).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import time
@@ -31,11 +30,12 @@ from typing import Any
 
 import torch
 
+from ..choices import EVAL_DTYPES
 from ..config import from_dict, read_mapping
 from ..model.model import HybridLM
 from .tasks import EvalRunner, TaskResult, get_task, resolve_tasks
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+_DTYPES = {name: getattr(torch, name) for name in EVAL_DTYPES}  # "float32" -> torch.float32
 
 
 @dataclass(kw_only=True)
@@ -44,7 +44,7 @@ class EvalConfig:
 
     tasks: list[str] = field(default_factory=lambda: ["base_easy", "mc"])
     limit: int | None = None  # items per task (RULER: samples per length)
-    data_dir: str = "../shared/data"
+    data_dir: str = ""  # "": the packaged GSM8K / HumanEval / tinyshakespeare; or a folder of them
     out_dir: str = ""  # default runs/eval/<model name>
     dtype: str = "float32"
     seed: int = 0
@@ -168,14 +168,16 @@ def run_tasks(
         res = task.run(runner, cfg.limit)
         out[name] = (res, time.perf_counter() - t0)
         if cfg.progress:
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in res.metrics.items() if _headline(k))
+            shown = ", ".join(
+                f"{k} {v:.4f}" for k, v in res.metrics.items() if is_headline_metric(k)
+            )
             print(f"[eval] {name}: {shown} ({res.num_items} items, {out[name][1]:.1f}s)")
             for note in res.notes:
                 print(f"[eval] {name}: skipped: {note}")
     return out
 
 
-def _headline(metric: str) -> bool:
+def is_headline_metric(metric: str) -> bool:
     """Printed metrics: all but the per-length / per-position breakdowns (`string_match@1024`,
     `acceptance@...`)."""
     return not metric.startswith(("string_match@", "acceptance@"))
@@ -292,101 +294,15 @@ def evaluate(
 
 
 # ---------------------------------------------------------------------- command line
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add `hybridlm eval` to the CLI's subparsers."""
-    from ..presets import PRESETS
-
-    p = sub.add_parser("eval", help="evaluate a model: bpb, multiple choice, GSM8K, pass@k, RULER")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="training checkpoint, run directory or HF directory")
-    src.add_argument("--preset", choices=sorted(PRESETS), help="a randomly initialised preset")
-    p.add_argument("--config", help="an eval YAML (configs/eval.yaml); flags override it")
-    p.add_argument("--tasks", help="comma-separated tasks or groups (base_easy, mc, ruler)")
-    p.add_argument("--limit", type=int, help="items per task")
-    p.add_argument("--data-dir", help="folder with gsm8k/, humaneval/, tinyshakespeare/")
-    p.add_argument("--out", help="output folder (default runs/eval/<model name>)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES))
-    p.add_argument("--seed", type=int)
-    p.add_argument("--tokenizer", help="'byte' or a tokenizer.json / directory (override)")
-    p.add_argument("--max-len", type=int, help="context limit (default: the model's)")
-    p.add_argument("--max-new-tokens", type=int, help="GSM8K / HumanEval generation budget")
-    p.add_argument(
-        "--prompt-format", choices=("base", "chat"), help="GSM8K / HumanEval prompt style"
-    )
-    p.add_argument("--gsm8k-fewshot", type=int, help="solved examples before each GSM8K question")
-    p.add_argument("--humaneval-samples", type=int, help="n completions per HumanEval problem")
-    p.add_argument("--ruler-lengths", help="comma-separated context lengths in tokens")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(fn=cmd_eval)
-
-
-def config_from_args(args: argparse.Namespace) -> EvalConfig:
-    cfg = EvalConfig.load(args.config) if args.config else EvalConfig()
-    updates: dict[str, Any] = {}
-    if args.tasks:
-        updates["tasks"] = [t for t in args.tasks.split(",") if t.strip()]
-    for flag, key in (
-        ("limit", "limit"),
-        ("data_dir", "data_dir"),
-        ("dtype", "dtype"),
-        ("seed", "seed"),
-        ("max_len", "max_len"),
-        ("humaneval_samples", "humaneval_samples"),
-        ("max_new_tokens", "max_new_tokens"),
-        ("prompt_format", "prompt_format"),
-        ("gsm8k_fewshot", "gsm8k_fewshot"),
-    ):
-        if getattr(args, flag, None) is not None:
-            updates[key] = getattr(args, flag)
-    if args.ruler_lengths:
-        try:
-            updates["ruler_lengths"] = [int(x) for x in args.ruler_lengths.split(",") if x]
-        except ValueError:
-            raise ValueError(
-                f"--ruler-lengths takes integers, got {args.ruler_lengths!r}"
-            ) from None
-    if args.out:
-        updates["out_dir"] = args.out
-    if args.no_progress:
-        updates["progress"] = False
-    return dataclasses.replace(cfg, **updates)
-
-
-def cmd_eval(args: argparse.Namespace) -> None:
-    cfg = config_from_args(args)
-    loaded = load_model(
-        args.checkpoint,
-        preset=args.preset,
-        seed=cfg.seed,
-        dtype=cfg.dtype,
-        tokenizer=args.tokenizer,
-    )
-    doc = evaluate(loaded, cfg)
-    out = cfg.out_dir or Path("runs") / "eval" / loaded.name
-    print(f"results: {Path(out) / 'results.json'}")
-    for name, t in doc["tasks"].items():
-        for k, v in t["metrics"].items():
-            se = t["stderr"].get(k)
-            if not _headline(k):
-                continue
-            shown = "nan" if v is None else f"{v:.4f}"
-            print(f"  {name:24s} {k:14s} {shown}" + (f" ± {se:.4f}" if se is not None else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m hybridlm.eval.harness ...` (the same flags as `hybridlm eval`)."""
+    """`python -m hybridlm.eval.harness ...`: `hybridlm eval ...` (its flags: cli/eval.py)."""
     import sys
 
-    parser = argparse.ArgumentParser(prog="hybridlm")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = parser.parse_args(["eval", *(argv if argv is not None else sys.argv[1:])])
-    try:
-        args.fn(args)
-    except ValueError as err:
-        print(f"hybridlm eval: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    from ..cli import main as cli_main  # the command line is the top layer: imported on use
+
+    return cli_main(["eval", *(argv if argv is not None else sys.argv[1:])])
 
 
 if __name__ == "__main__":

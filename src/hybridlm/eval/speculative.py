@@ -10,9 +10,10 @@ verification step = accepted drafts + 1, reported per category and as their mean
 
 1. **Prompts** (`build_prompts`), built locally and deterministically from a seed, in five
    categories: `code` (Python standard-library function heads: signature + docstring),
-   `math` (GSM8K test questions from `<data_dir>/gsm8k`, generated arithmetic word problems
-   otherwise), `writing` (tinyshakespeare passages from the held-out last 10% of
-   `<data_dir>/tinyshakespeare`, standard-library docstrings otherwise), `chat` (chat-template
+   `math` (GSM8K test questions, the packaged copy or `<data_dir>/gsm8k`; generated arithmetic
+   word problems when a `data_dir` has none), `writing` (tinyshakespeare passages from the
+   held-out last 10%, packaged or `<data_dir>/tinyshakespeare`; standard-library docstrings
+   when a `data_dir` has none), `chat` (chat-template
    conversations ending in the assistant header) and `repetitive` (lists, tables and sequences
    to continue). `prompt_format="chat"` wraps the non-chat prompts as a user turn too.
 2. **Acceptance** (`measure_prompts`): every prompt is decoded by `speculative_generate` with
@@ -54,7 +55,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import math
 import random
 import statistics
@@ -67,6 +67,7 @@ from typing import Any
 
 import torch
 
+from ..data import builtin
 from ..data.chat import render
 from ..infer.engine import Engine
 from ..infer.generate import generate
@@ -166,10 +167,10 @@ _WORD_PROBLEMS = (
 )
 
 
-def _math_prompts(n: int, rng: random.Random, data_dir: Path) -> list[SpecPrompt]:
-    path = data_dir / "gsm8k" / "test.jsonl"
+def _math_prompts(n: int, rng: random.Random, data_dir: Path | None) -> list[SpecPrompt]:
+    path = builtin.path(builtin.GSM8K_TEST, data_dir)
     if path.is_file():
-        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+        rows = builtin.read_jsonl(path)
         picks = rng.sample(range(len(rows)), min(n, len(rows)))
         return [
             SpecPrompt(
@@ -192,10 +193,10 @@ def _math_prompts(n: int, rng: random.Random, data_dir: Path) -> list[SpecPrompt
     return out
 
 
-def _writing_prompts(n: int, rng: random.Random, data_dir: Path) -> list[SpecPrompt]:
-    path = data_dir / "tinyshakespeare" / "input.txt"
+def _writing_prompts(n: int, rng: random.Random, data_dir: Path | None) -> list[SpecPrompt]:
+    path = builtin.path(builtin.TINYSHAKESPEARE, data_dir)
     if path.is_file():
-        text = path.read_text()
+        text = builtin.read_text(path)
         start = int(len(text) * 0.9)  # the held-out last 10% (the usual validation split)
         held = text[start:]
         out = []
@@ -284,7 +285,7 @@ def _repetitive_prompts(n: int, rng: random.Random) -> list[SpecPrompt]:
 
 def build_prompts(
     *,
-    data_dir: str | Path,
+    data_dir: str | Path | None = None,
     per_category: int,
     prompt_format: str = "base",
     seed: int = 0,
@@ -292,6 +293,7 @@ def build_prompts(
 ) -> list[SpecPrompt]:
     """`per_category` prompts of each category, deterministic for a seed and the data present
     (the category's own seeded RNG, so adding a category does not change the others).
+    `data_dir`: None for the packaged GSM8K / tinyshakespeare, or a folder holding them.
     `prompt_format="chat"` renders every non-chat prompt as a user turn of the chat template
     followed by the assistant header (for post-trained models)."""
     if per_category < 1:
@@ -301,7 +303,7 @@ def build_prompts(
     unknown = sorted(set(categories) - set(CATEGORIES))
     if unknown or not categories:
         raise ValueError(f"categories must be a non-empty subset of {CATEGORIES}, got {unknown}")
-    data = Path(data_dir)
+    data = Path(data_dir) if data_dir else None
     out: list[SpecPrompt] = []
     for cat in categories:
         rng = random.Random(f"spec_bench/{cat}/{seed}")
@@ -747,7 +749,7 @@ class SpecBenchTask(Task):
     """`spec_bench` in `hybridlm eval`: `limit` is the number of prompts per category."""
 
     name: str = "spec_bench"
-    data_dir: Path
+    data_dir: Path | None = None  # None: the packaged data sets
     config: SpecBenchConfig
     kind: str = "speculative"
 
@@ -787,7 +789,7 @@ class SpecBenchTask(Task):
 
 
 @register_task("spec_bench")
-def _spec_bench(data_dir: Path, **kw: Any) -> Task:
+def _spec_bench(data_dir: Path | None, **kw: Any) -> Task:
     """SPEED-Bench protocol: draft length 7, greedy and T=1; `max_tokens` new tokens each."""
     return SpecBenchTask(
         data_dir=data_dir,

@@ -20,13 +20,13 @@ Kinds (OLMES, Gu et al. 2024; Olmo 3 §6.1):
   unbiased pass@k (`passk.py`).
 - **RULER** (`ruler.py`): synthetic long-context tasks at several lengths.
 
-Data files are read from `data_dir` (`gsm8k/test.jsonl`, `humaneval/HumanEval.jsonl.gz`,
-`tinyshakespeare/input.txt`); copycolors and RULER are generated.
+GSM8K, HumanEval and tinyshakespeare are the copies packaged in `hybridlm.data.builtin`, or read
+from `data_dir` when one is given (`gsm8k/test.jsonl`, `humaneval/HumanEval.jsonl.gz`,
+`tinyshakespeare/input.txt`, each also as `.gz`); copycolors and RULER are generated.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import random
@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ..data import builtin
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
 from ..model.model import HybridLM
@@ -363,11 +364,17 @@ class MCTask(Task):
 
 
 # ---------------------------------------------------------------------- generative
-def _gsm8k_rows(data_dir: Path) -> list[dict[str, str]]:
-    path = data_dir / "gsm8k" / "test.jsonl"
+def _data_file(name: str, data_dir: Path | None, what: str) -> Path:
+    """The packaged copy of `name` (a `hybridlm.data.builtin` name), or the file under an
+    explicit `data_dir`, which must exist."""
+    path = builtin.path(name, data_dir)
     if not path.is_file():
-        raise ValueError(f"GSM8K not found at {path} (set --data-dir)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        raise ValueError(f"{what} not found at {path} (omit --data-dir for the packaged copy)")
+    return path
+
+
+def _gsm8k_rows(data_dir: Path | None) -> list[dict[str, str]]:
+    return builtin.read_jsonl(_data_file(builtin.GSM8K_TEST, data_dir, "GSM8K"))
 
 
 def gsm8k_final(answer: str) -> str:
@@ -396,7 +403,7 @@ class GSM8KTask(Task):
     at the end-of-turn marker."""
 
     name: str
-    data_dir: Path
+    data_dir: Path | None = None  # None: the packaged GSM8K
     max_tokens: int = 256
     prompt_format: str = "base"
     num_fewshot: int = 0
@@ -410,25 +417,15 @@ class GSM8KTask(Task):
     def fewshot_block(self) -> str:
         if self.num_fewshot == 0:
             return ""
-        path = self.data_dir / "gsm8k" / "train.jsonl"
-        if not path.is_file():
-            raise ValueError(f"GSM8K few-shot examples need {path}")
-        rows = []
-        with path.open() as f:
-            for line in f:
-                if line.strip():
-                    rows.append(json.loads(line))
-                if len(rows) == self.num_fewshot:
-                    break
+        path = _data_file(builtin.GSM8K_TRAIN, self.data_dir, "GSM8K few-shot examples (train)")
+        rows = builtin.read_jsonl(path, limit=self.num_fewshot)
         return "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows)
 
     def run(self, runner: EvalRunner, limit: int | None = None) -> TaskResult:
         from ..data.chat import STOP
         from ..rl.environments import GSM8K_INSTRUCTION, GSM8KEnvironment
 
-        path = self.data_dir / "gsm8k" / "test.jsonl"
-        if not path.is_file():
-            raise ValueError(f"GSM8K not found at {path} (set --data-dir)")
+        path = _data_file(builtin.GSM8K_TEST, self.data_dir, "GSM8K")
         _check_limit(limit)
         env = GSM8KEnvironment(path, limit=limit)
         problems = list(env)
@@ -459,27 +456,21 @@ class GSM8KTask(Task):
 
 
 # ---------------------------------------------------------------------- code pass@k
-def _humaneval_rows(data_dir: Path) -> list[dict[str, str]]:
-    path = data_dir / "humaneval" / "HumanEval.jsonl.gz"
-    if not path.is_file():
-        raise ValueError(f"HumanEval not found at {path} (set --data-dir)")
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def _humaneval_rows(data_dir: Path | None) -> list[dict[str, str]]:
+    return builtin.read_jsonl(_data_file(builtin.HUMANEVAL, data_dir, "HumanEval"))
 
 
 # Codex stop sequences (Chen et al. 2021 §3.2): a new top-level statement ends the function
 HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 
 
-def humaneval_environment(data_dir: Path, *, timeout_s: float = 10.0) -> Any:
-    """The shared `rl.environments.CodeEnvironment` over HumanEval, its sandbox limited to
-    `timeout_s` per program."""
+def humaneval_environment(data_dir: Path | None = None, *, timeout_s: float = 10.0) -> Any:
+    """The shared `rl.environments.CodeEnvironment` over HumanEval (the packaged copy when
+    `data_dir` is None), its sandbox limited to `timeout_s` per program."""
     from ..rl.environments import CodeEnvironment
     from ..rl.sandbox import Sandbox, SandboxConfig
 
-    path = data_dir / "humaneval" / "HumanEval.jsonl.gz"
-    if not path.is_file():
-        raise ValueError(f"HumanEval not found at {path} (set --data-dir)")
+    path = _data_file(builtin.HUMANEVAL, data_dir, "HumanEval")
     return CodeEnvironment.from_humaneval(path, sandbox=Sandbox(SandboxConfig(timeout_s=timeout_s)))
 
 
@@ -507,7 +498,7 @@ class HumanEvalTask(Task):
     prompt (the whole function in a code block)."""
 
     name: str
-    data_dir: Path
+    data_dir: Path | None = None  # None: the packaged HumanEval
     num_samples: int = 1
     ks: tuple[int, ...] = (1,)
     temperature: float = 0.8
@@ -644,7 +635,7 @@ def copycolors_items(num: int = 100, *, num_choices: int = 4, seed: int = 0) -> 
     return items
 
 
-def gsm8k_mc_items(data_dir: Path, *, seed: int = 0) -> list[MCItem]:
+def gsm8k_mc_items(data_dir: Path | None = None, *, seed: int = 0) -> list[MCItem]:
     """GSM8K as 4-way multiple choice over final numbers (a Gen2MC-style conversion, Olmo 3
     §6.1): the gold number and three distractors from arithmetic slips (+-1, x2, /2, +-10)."""
     items = []
@@ -678,12 +669,9 @@ def mc_items_from_jsonl(path: str | Path) -> list[MCItem]:
         raise ValueError(f"{path}: rows need question, choices, answer ({err})") from None
 
 
-def _shakespeare_docs(data_dir: Path, chunk_chars: int = 2000) -> list[str]:
+def _shakespeare_docs(data_dir: Path | None, chunk_chars: int = 2000) -> list[str]:
     """The last 10% of tinyshakespeare (the usual validation split), in fixed-size chunks."""
-    path = data_dir / "tinyshakespeare" / "input.txt"
-    if not path.is_file():
-        raise ValueError(f"tinyshakespeare not found at {path} (set --data-dir)")
-    text = path.read_text()
+    text = builtin.read_text(_data_file(builtin.TINYSHAKESPEARE, data_dir, "tinyshakespeare"))
     val = text[int(len(text) * 0.9) :]
     return [val[i : i + chunk_chars] for i in range(0, len(val), chunk_chars)]
 
@@ -704,7 +692,7 @@ def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
 
 
 @register_task("humaneval_bpb")
-def _humaneval_bpb(data_dir: Path, **kw: Any) -> Task:
+def _humaneval_bpb(data_dir: Path | None, **kw: Any) -> Task:
     """BPB of the canonical solution given the HumanEval prompt (Base Easy code)."""
     return BpbTask(
         name="humaneval_bpb",
@@ -713,7 +701,7 @@ def _humaneval_bpb(data_dir: Path, **kw: Any) -> Task:
 
 
 @register_task("gsm8k_bpb")
-def _gsm8k_bpb(data_dir: Path, **kw: Any) -> Task:
+def _gsm8k_bpb(data_dir: Path | None, **kw: Any) -> Task:
     """BPB of the reference solution given the question (Base Easy math)."""
     return BpbTask(
         name="gsm8k_bpb",
@@ -725,16 +713,16 @@ def _gsm8k_bpb(data_dir: Path, **kw: Any) -> Task:
 
 
 @register_task("shakespeare_bpb")
-def _shakespeare_bpb(data_dir: Path, **kw: Any) -> Task:
+def _shakespeare_bpb(data_dir: Path | None, **kw: Any) -> Task:
     return RollingBpbTask(name="shakespeare_bpb", load=lambda: _shakespeare_docs(data_dir))
 
 
 for _fmt in ("rc", "mc"):
 
-    def _copy(data_dir: Path, _f: str = _fmt, **kw: Any) -> Task:
+    def _copy(data_dir: Path | None, _f: str = _fmt, **kw: Any) -> Task:
         return MCTask(name=f"copycolors:{_f}", load=lambda: copycolors_items(), fmt=_f)
 
-    def _gmc(data_dir: Path, _f: str = _fmt, **kw: Any) -> Task:
+    def _gmc(data_dir: Path | None, _f: str = _fmt, **kw: Any) -> Task:
         return MCTask(name=f"gsm8k_mc:{_f}", load=lambda: gsm8k_mc_items(data_dir), fmt=_f)
 
     register_task(f"copycolors:{_fmt}")(_copy)
@@ -742,7 +730,7 @@ for _fmt in ("rc", "mc"):
 
 
 @register_task("gsm8k")
-def _gsm8k(data_dir: Path, **kw: Any) -> Task:
+def _gsm8k(data_dir: Path | None, **kw: Any) -> Task:
     return GSM8KTask(
         name="gsm8k",
         data_dir=data_dir,
@@ -753,7 +741,7 @@ def _gsm8k(data_dir: Path, **kw: Any) -> Task:
 
 
 @register_task("humaneval")
-def _humaneval(data_dir: Path, **kw: Any) -> Task:
+def _humaneval(data_dir: Path | None, **kw: Any) -> Task:
     n = int(kw.get("num_samples", 1))
     ks = tuple(k for k in (1, 10, 100) if k <= n)
     return HumanEvalTask(
@@ -769,7 +757,7 @@ def _humaneval(data_dir: Path, **kw: Any) -> Task:
 
 for _t in RULER_TASKS:
 
-    def _ruler(data_dir: Path, _t: str = _t, **kw: Any) -> Task:
+    def _ruler(data_dir: Path | None, _t: str = _t, **kw: Any) -> Task:
         return RulerTask(
             name=f"ruler_{_t}",
             task=_t,
@@ -807,10 +795,11 @@ def resolve_tasks(spec: str | Sequence[str]) -> list[str]:
     return out
 
 
-def get_task(name: str, *, data_dir: str | Path, **options: Any) -> Task:
+def get_task(name: str, *, data_dir: str | Path | None = None, **options: Any) -> Task:
+    """Task `name` over the packaged data sets, or those under `data_dir` when one is given."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
-    return TASKS[name](Path(data_dir), **options)
+    return TASKS[name](Path(data_dir) if data_dir else None, **options)
 
 
 GROUPS["speculative"] = ("spec_bench",)

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..choices import SSM_PRECISIONS
+
 Tensor = torch.Tensor
-SSM_PRECISIONS = ("fp32", "fp16", "fp16-sr", "int16-block")
 INT16_BLOCK = 128
 _INT16_MAX = 32767.0
 

@@ -2,8 +2,11 @@
 
 `load_pretrained(dir)` reads a directory with `config.json` and safetensors (one file or a sharded
 `model.safetensors.index.json`), written by transformers, by NVIDIA (`backbone.*`, one tensor per
-expert) or by hybridlm. `save_pretrained(model, dir)` writes one that
-`transformers.AutoModelForCausalLM.from_pretrained` loads.
+expert) or by hybridlm. `save_pretrained(model, dir, tokenizer=tok)` writes one that
+`transformers.AutoModelForCausalLM.from_pretrained` loads, and with the model's tokenizer one that
+serves alone: tokenizer files with the chat template of `data.chat`, `generation_config.json`
+(stopping at EOS and at the end-of-turn token) and the tokenizer's BOS / EOS / PAD ids in
+`config.json`. `write_model_dir` is the one writer of model directories (plain and ModelOpt).
 
 Key mapping, hybridlm -> NemotronH checkpoint (the layout of NVIDIA's released checkpoints, which
 transformers converts on load and vLLM reads directly):
@@ -55,6 +58,7 @@ from ..config import (
     MTPConfig,
     YarnConfig,
 )
+from ..data.chat import STOP
 
 NEMOTRON_LETTERS = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
 HF_LAYER_TYPES = {
@@ -570,13 +574,61 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None):
     return model
 
 
-def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+# ====================================================================== model directories
+def special_token_ids(tokenizer: Any, tokenizer_dir: str | Path) -> dict[str, int | None]:
+    """`bos_token_id` / `eos_token_id` / `pad_token_id` as transformers reads them from the
+    tokenizer saved in `tokenizer_dir` (its tokenizer_config.json names, `tokenizer`'s ids)."""
+    names = json.loads((Path(tokenizer_dir) / "tokenizer_config.json").read_text())
+    ids: dict[str, int | None] = {}
+    for key in ("bos", "eos", "pad"):
+        name = names.get(f"{key}_token")
+        ids[f"{key}_token_id"] = None if name is None else tokenizer.token_to_id(name)
+    return ids
+
+
+def generation_config(tokenizer: Any, ids: dict[str, int | None]) -> dict[str, Any]:
+    """generation_config.json: the tokenizer's ids; generation also stops at the end-of-turn
+    token of the chat template (`<|im_end|>`) where the tokenizer has it as one token."""
+    eos = ids["eos_token_id"]
+    stop = tokenizer.token_to_id(STOP)
+    return {
+        "bos_token_id": ids["bos_token_id"],
+        "eos_token_id": [eos, stop] if stop is not None and stop != eos else eos,
+        "pad_token_id": eos if ids["pad_token_id"] is None else ids["pad_token_id"],
+    }
+
+
+def write_model_dir(
+    path: str | Path,
+    tensors: dict[str, torch.Tensor],
+    hf_cfg: dict[str, Any],
+    *,
+    tokenizer: Any = None,
+    extra_files: dict[str, Any] | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> Path:
+    """The one writer of transformers model directories (`save_pretrained`, ModelOpt exports):
+    safetensors (sharded past `max_shard_bytes`, with an index), `config.json`, the JSON
+    `extra_files`, and with a `tokenizer` (`ByteTokenizer` / `BPETokenizer`) its files with the
+    chat template, `generation_config.json` and the tokenizer's BOS / EOS / PAD ids in
+    `config.json`, so the directory alone serves `AutoTokenizer` / `AutoModelForCausalLM` /
+    `generate`. Everything is written into a staging folder first, so a failure leaves an
+    earlier checkpoint intact."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} exists and is not a directory")
-    dtype = model.embeddings.weight.dtype
-    hf_cfg = to_hf_config(model.config, dtype)  # raises before anything is written
-    tensors = to_hf_state_dict(model)
+    if tokenizer is not None:
+        if not hasattr(tokenizer, "save") or not hasattr(tokenizer, "token_to_id"):
+            raise TypeError(
+                f"cannot save a {type(tokenizer).__name__} with a model: pass a ByteTokenizer "
+                "or BPETokenizer (hybridlm.data.bpe.load_tokenizer)"
+            )
+        if tokenizer.vocab_size > hf_cfg["vocab_size"]:
+            raise ValueError(
+                f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
+                f"{hf_cfg['vocab_size']}"
+            )
+    hf_cfg = dict(hf_cfg)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -587,9 +639,14 @@ def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
         shards[-1][name] = t
         size += nbytes
     path.mkdir(parents=True, exist_ok=True)
-    # Write everything into a staging folder first, so a failure leaves the old checkpoint intact.
     with tempfile.TemporaryDirectory(dir=path, prefix=".staging-") as tmp:
         staging = Path(tmp)
+        if tokenizer is not None:
+            tokenizer.save(staging, model_max_length=hf_cfg.get("max_position_embeddings"))
+            ids = special_token_ids(tokenizer, staging)
+            hf_cfg.update(ids)
+            gen = generation_config(tokenizer, ids)
+            (staging / "generation_config.json").write_text(json.dumps(gen, indent=2))
         if len(shards) == 1:
             save_file(shards[0], staging / "model.safetensors", metadata={"format": "pt"})
         else:
@@ -602,7 +659,25 @@ def save_pretrained(model, path: str | Path, *, max_shard_bytes: int = 5 * 2**30
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (staging / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+        for name, content in (extra_files or {}).items():
+            (staging / name).write_text(json.dumps(content, indent=2))
         for old in path.glob("model*.safetensors*"):  # shards of an earlier save would be stale
             old.unlink()
         for f in staging.iterdir():
             f.replace(path / f.name)
+    return path
+
+
+def save_pretrained(
+    model, path: str | Path, *, tokenizer: Any = None, max_shard_bytes: int = 5 * 2**30
+) -> Path:
+    """Write `model` as a transformers NemotronH / Olmo3 directory (`write_model_dir`), with
+    `tokenizer`'s files, chat template and generation config when given."""
+    hf_cfg = to_hf_config(model.config, model.embeddings.weight.dtype)  # raises before writing
+    return write_model_dir(
+        path,
+        to_hf_state_dict(model),
+        hf_cfg,
+        tokenizer=tokenizer,
+        max_shard_bytes=max_shard_bytes,
+    )

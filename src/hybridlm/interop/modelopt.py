@@ -40,13 +40,11 @@ expert projection); a single-format export lists the unquantised linears in `exc
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from ..model.moe import Experts
@@ -58,6 +56,7 @@ from .hf import (
     read_safetensors_dir,
     to_hf_config,
     to_hf_state_dict,
+    write_model_dir,
 )
 
 FIELDS = ("weight_scale", "weight_scale_2", "input_scale")
@@ -152,15 +151,18 @@ def quantization_metadata(
 
 
 def export_modelopt(
-    model: torch.nn.Module, path: str | Path, *, dtype: torch.dtype | None = None
+    model: torch.nn.Module,
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    tokenizer: Any = None,
 ) -> Path:
     """Write a ModelOpt-format directory (config.json, hf_quant_config.json, model.safetensors)
-    for a model converted by `ptq.quantize_model`. `dtype`: the unquantised tensors' dtype
-    (default: the model's; bfloat16 is what vLLM serves); the router stays fp32."""
+    for a model converted by `ptq.quantize_model`, with the model's `tokenizer`, chat template
+    and generation config when given (`interop.hf.write_model_dir`). `dtype`: the unquantised
+    tensors' dtype (default: the model's; bfloat16 is what vLLM serves); the router stays
+    fp32."""
     cfg: ModelConfig = model.config
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{path} exists and is not a directory")
     dtype = dtype or model.embeddings.weight.dtype
     quant = _quantised(model)
     hf_quant, config_q = quantization_metadata(cfg, model)
@@ -181,18 +183,13 @@ def export_modelopt(
         if part:
             tensors.update(_hf_names(cfg, part, field))
     tensors = {k: v.contiguous() for k, v in tensors.items()}
-
-    path.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path, prefix=".staging-") as tmp:
-        staging = Path(tmp)
-        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
-        (staging / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-        (staging / "hf_quant_config.json").write_text(json.dumps(hf_quant, indent=2))
-        for old in path.glob("model*.safetensors*"):
-            old.unlink()
-        for f in staging.iterdir():
-            f.replace(path / f.name)
-    return path
+    return write_model_dir(
+        path,
+        tensors,
+        hf_cfg,
+        tokenizer=tokenizer,
+        extra_files={"hf_quant_config.json": hf_quant},
+    )
 
 
 # ============================================================================ import

@@ -366,9 +366,13 @@ class HybridLM(nn.Module):
             "(meta.json) nor a run directory (checkpoints/)"
         )
 
-    def save_pretrained(self, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+    def save_pretrained(
+        self, path: str | Path, *, tokenizer=None, max_shard_bytes: int = 5 * 2**30
+    ) -> Path:
         """Write a transformers checkpoint (config.json + safetensors) that
-        `AutoModelForCausalLM.from_pretrained` loads; MTP weights use vLLM's key names."""
+        `AutoModelForCausalLM.from_pretrained` loads; MTP weights use vLLM's key names. With the
+        model's `tokenizer` (`ByteTokenizer` / `BPETokenizer`) the directory also holds its
+        files, the chat template and generation_config.json, and config.json its special ids."""
         from ..interop.hf import save_pretrained
 
-        save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
+        return save_pretrained(self, path, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)

@@ -218,36 +218,3 @@ def convert_for_low_precision(
 def quantised_modules(model: nn.Module) -> dict[str, nn.Module]:
     """name -> QLinear / QExperts module of a converted model."""
     return {n: m for n, m in model.named_modules() if isinstance(m, QLinear | QExperts)}
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def cmd_precision_plan(args) -> None:
-    """Print which GEMM of a model trains in which format under the §2.2 policy."""
-    import torch
-
-    from ..config import ModelConfig
-    from ..model.model import HybridLM
-    from ..presets import get_preset
-
-    cfg = ModelConfig.load(args.config) if args.config else get_preset(args.preset)
-    with torch.device("meta"):  # no memory: the 120B preset plans in a second
-        model = HybridLM(cfg)
-    policy = PrecisionPolicy(high_precision_tail=args.tail)
-    report = ConversionReport([row for _, _, row in assign_formats(model, policy)])
-    print(report.table())
-
-
-def register(sub) -> None:
-    """Add `hybridlm precision-plan` to the CLI's sub-command parsers."""
-    p = sub.add_parser(
-        "precision-plan",
-        help="which layers train in NVFP4 / MXFP8 / BF16 (Nemotron 3 Super §2.2 policy)",
-    )
-    p.add_argument("--preset", default="tiny-super", help="model preset name")
-    p.add_argument("--config", default=None, help="model config YAML/JSON (instead of --preset)")
-    p.add_argument(
-        "--tail", type=float, default=0.15, help="fraction of final layers kept in high precision"
-    )
-    p.set_defaults(fn=cmd_precision_plan)

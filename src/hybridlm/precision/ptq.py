@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..choices import PTQ_DEFAULT_EXCLUDE
 from ..model.mlp import relu2
 from ..model.moe import Experts, MoE
 from .formats import (
@@ -64,9 +65,8 @@ NVFP4_GROUP = 16
 # 16 elements; the per-tensor fp32 scale is negligible), FP8 8 (one fp32 scale per tensor),
 # BF16 16. AutoQuantize's cost model and the reports use these.
 BITS: dict[str, float] = {"nvfp4": 4.5, "fp8": 8.0, "bf16": 16.0}
-# Not quantised by default: the LM head (as ModelOpt's default config) and the MTP drafter (kept
-# in BF16 in Nemotron 3 Super, so speculative acceptance is not traded for memory).
-DEFAULT_EXCLUDE: tuple[str, ...] = ("lm_head", "mtp.*")
+# Not quantised by default: the LM head and the MTP drafter (see choices.PTQ_DEFAULT_EXCLUDE).
+DEFAULT_EXCLUDE: tuple[str, ...] = PTQ_DEFAULT_EXCLUDE
 # The Nemotron 3 Super FP8 checkpoint's table (notes §5.1): attention and latent projections stay
 # BF16; add these to `exclude` to reproduce it.
 NEMOTRON_FP8_EXCLUDE: tuple[str, ...] = (

@@ -13,7 +13,6 @@ decision group) and `quantize.json` (settings, plan, sensitivities, results).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -24,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..choices import PTQ_RECIPES
 from .ptq import (
     BITS,
     DEFAULT_EXCLUDE,
@@ -38,7 +38,7 @@ from .ptq import (
     take,
 )
 
-RECIPES = ("fp8", "nvfp4", "autoquant")
+RECIPES = PTQ_RECIPES
 
 
 @dataclass(kw_only=True)
@@ -260,10 +260,7 @@ def run_quantize(cfg: QuantizeConfig) -> dict[str, Any]:
             prog.update(task, advance=1)
 
     dtype = getattr(torch, cfg.export_dtype)
-    export_modelopt(qmodel.to("cpu"), out, dtype=dtype)
-    tok = tokenizer_for(cfg.checkpoint)
-    if hasattr(tok, "save"):  # a BPE travels with the checkpoint (the byte tokenizer is implied)
-        tok.save(out)
+    export_modelopt(qmodel.to("cpu"), out, dtype=dtype, tokenizer=tokenizer_for(cfg.checkpoint))
     bits = model_bits(qmodel, applied, ops)
     summary = {
         "checkpoint": str(cfg.checkpoint),
@@ -362,76 +359,3 @@ def _print_summary(console, s: dict[str, Any]) -> None:
 
 
 # ============================================================================ CLI
-def register(sub: argparse._SubParsersAction) -> None:
-    """Add `hybridlm quantize` to the CLI's sub-command parsers."""
-    p = sub.add_parser(
-        "quantize",
-        help="PTQ (FP8 W8A8, NVFP4 W4A4, AutoQuantize mixed) + ModelOpt/vLLM-format export",
-    )
-    p.add_argument("checkpoint", help="training checkpoint, run directory or transformers dir")
-    p.add_argument("out", help="output directory (quantised checkpoint + reports)")
-    p.add_argument("--recipe", choices=RECIPES, default="nvfp4")
-    p.add_argument(
-        "--budget", type=float, default=4.75, help="autoquant: average effective bits per weight"
-    )
-    p.add_argument(
-        "--cost",
-        choices=["params", "flops"],
-        default="params",
-        help="autoquant: weight the bits average by parameters or by MACs per token",
-    )
-    p.add_argument("--calib-samples", type=int, default=64, help="calibration sequences")
-    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches to compare on")
-    p.add_argument(
-        "--weight-scale",
-        choices=["mse", "max"],
-        default="mse",
-        help="NVFP4 weight block scales: per-block MSE search or plain amax",
-    )
-    p.add_argument(
-        "--exclude",
-        action="append",
-        default=None,
-        metavar="PATTERN",
-        help=f"module-name glob kept unquantised, added to {list(DEFAULT_EXCLUDE)} (repeatable)",
-    )
-    p.add_argument(
-        "--no-per-layer",
-        dest="per_layer",
-        action="store_false",
-        help="skip the per-group loss deltas (one evaluation per group)",
-    )
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    p.add_argument(
-        "--data",
-        default="",
-        help="calibrate and evaluate on the data of this pretraining run (dir or run.yaml)",
-    )
-    p.add_argument(
-        "--calib-data",
-        default="",
-        help="calibrate on the chat data of this SFT run (dir or run.yaml) instead of `--data`",
-    )
-    p.set_defaults(fn=cmd_quantize)
-
-
-def cmd_quantize(args: argparse.Namespace) -> None:
-    run_quantize(
-        QuantizeConfig(
-            checkpoint=args.checkpoint,
-            out=args.out,
-            recipe=args.recipe,
-            budget=args.budget,
-            cost=args.cost,
-            calib_samples=args.calib_samples,
-            eval_batches=args.eval_batches,
-            weight_scale=args.weight_scale,
-            exclude=DEFAULT_EXCLUDE + tuple(args.exclude or ()),
-            per_layer=args.per_layer,
-            export_dtype=args.dtype,
-            device=args.device,
-            data=args.data,
-            calib_data=args.calib_data,
-        )
-    )

@@ -21,9 +21,7 @@ verifiers (Olmo 3 §4.4.1):
 from __future__ import annotations
 
 import copy
-import gzip
 import hashlib
-import json
 import math
 import random
 import re
@@ -34,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hybridlm.data.builtin import read_jsonl
 from hybridlm.data.chat import render
 from hybridlm.rl.verifiers import (
     CodeVerifier,
@@ -71,22 +70,6 @@ class Problem:
 def _user(text: str, system: str | None = None) -> tuple[dict[str, str], ...]:
     msgs = [{"role": "system", "content": system}] if system else []
     return tuple(msgs + [{"role": "user", "content": text}])
-
-
-def _read_jsonl(path: str | Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        raise ValueError(f"no such file: {path}")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        rows = []
-        for i, line in enumerate(f):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{i + 1}: not JSON ({err})") from None
-    return rows
 
 
 class Environment(ABC):
@@ -154,7 +137,7 @@ class GSM8KEnvironment(DatasetEnvironment):
     completion's final number equals N."""
 
     def __init__(self, path: str | Path, *, limit: int | None = None, name: str = "gsm8k") -> None:
-        rows = _read_jsonl(path)[:limit]
+        rows = read_jsonl(path)[:limit]
         problems = []
         for i, row in enumerate(rows):
             if "question" not in row or "answer" not in row:
@@ -267,7 +250,7 @@ class MathEnvironment(DatasetEnvironment):
 
     @classmethod
     def from_jsonl(cls, path: str | Path, **kwargs: Any) -> MathEnvironment:
-        return cls(_read_jsonl(path), **kwargs)
+        return cls(read_jsonl(path), **kwargs)
 
     def score(self, problem: Problem, completion: str) -> Reward:
         return self.verifier(completion, problem.answer)
@@ -318,7 +301,7 @@ class CodeEnvironment(DatasetEnvironment):
     @classmethod
     def from_humaneval(cls, path: str | Path, **kwargs: Any) -> CodeEnvironment:
         """From `HumanEval.jsonl(.gz)`."""
-        return cls(_read_jsonl(path), **kwargs)
+        return cls(read_jsonl(path), **kwargs)
 
     @staticmethod
     def program(problem: Problem, completion: str) -> str:
@@ -428,7 +411,7 @@ class InstructionFollowingEnvironment(DatasetEnvironment):
 
     @classmethod
     def from_jsonl(cls, path: str | Path, **kwargs: Any) -> InstructionFollowingEnvironment:
-        return cls(_read_jsonl(path), **kwargs)
+        return cls(read_jsonl(path), **kwargs)
 
     @classmethod
     def generated(

@@ -45,7 +45,8 @@ from typing import Any, Literal
 
 import torch
 
-from ..config import add_overrides_arg, apply_overrides, from_dict, read_mapping, write_mapping
+from ..config import from_dict, read_mapping, write_mapping
+from ..data import builtin
 from ..data.chat import STOP
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
@@ -72,8 +73,9 @@ EnvKind = Literal["arithmetic", "sft_arithmetic", "gsm8k", "math", "code", "ifev
 
 @dataclass(kw_only=True)
 class EnvConfig:
-    """One environment of the mixture. `path` is the dataset for gsm8k (JSONL), math (JSONL),
-    code (HumanEval JSONL[.gz]) and ifeval (IFEval JSONL; empty: the generated set)."""
+    """One environment of the mixture. `path` is the dataset for gsm8k (JSONL; empty: the
+    packaged train split, evaluated on the packaged test split), math (JSONL), code (HumanEval
+    JSONL[.gz]; empty: the packaged copy) and ifeval (IFEval JSONL; empty: the generated set)."""
 
     kind: EnvKind = "arithmetic"
     weight: float = 1.0
@@ -162,11 +164,11 @@ def build_environment(spec: EnvConfig, *, tokenizer: Any = None) -> Environment:
     elif kind == "sft_arithmetic":  # the questions `hybridlm sft` trains on (data/sft.py)
         env = sft_arithmetic_environment(spec.num_problems, digits=spec.digits, seed=spec.seed)
     elif kind == "gsm8k":
-        env = GSM8KEnvironment(_need(spec), limit=limit)
+        env = GSM8KEnvironment(spec.path or builtin.path(builtin.GSM8K_TRAIN), limit=limit)
     elif kind == "math":
         env = MathEnvironment.from_jsonl(_need(spec))
     elif kind == "code":
-        env = CodeEnvironment.from_humaneval(_need(spec))
+        env = CodeEnvironment.from_humaneval(spec.path or builtin.path(builtin.HUMANEVAL))
     elif kind == "ifeval":
         env = (
             InstructionFollowingEnvironment.from_jsonl(spec.path)
@@ -220,14 +222,17 @@ def build_mixture(specs: list[EnvConfig], *, tokenizer: Any = None) -> MixtureEn
 
 def eval_specs(cfg: RLConfig) -> list[EnvConfig]:
     """Held-out problems: the configured eval envs, else the training envs with the generated
-    ones reseeded (GSM8K: its test file next to the train file, when there is one)."""
+    ones reseeded (GSM8K: its test file next to the train file, when there is one; the packaged
+    test split for the packaged train split)."""
     if cfg.eval_envs:
         return cfg.eval_envs
     out = []
     for s in cfg.envs:
         s = dataclasses.replace(s, seed=s.seed + 1, low_effort_fraction=0.0)
-        if s.kind == "gsm8k" and Path(s.path).name == "train.jsonl":
-            test = Path(s.path).with_name("test.jsonl")
+        if s.kind == "gsm8k" and not s.path:
+            s = dataclasses.replace(s, path=str(builtin.path(builtin.GSM8K_TEST)))
+        elif s.kind == "gsm8k" and Path(s.path).name in ("train.jsonl", "train.jsonl.gz"):
+            test = Path(s.path).with_name(Path(s.path).name.replace("train", "test"))
             if test.is_file():
                 s = dataclasses.replace(s, path=str(test))
         out.append(s)
@@ -469,9 +474,7 @@ def run_rl(
                 )
     finally:
         pool.shutdown()
-    model.eval().save_pretrained(out / "model")
-    if hasattr(tok, "save"):
-        tok.save(out / "model")
+    model.eval().save_pretrained(out / "model", tokenizer=tok)
     plot_rl(metrics_path, out / "rl.png")
     return {
         "metrics": str(metrics_path),
@@ -573,34 +576,6 @@ def plot_rl(metrics_path: str | Path, png: str | Path) -> None:
     if diffs or tis:  # steps without an update (every group filtered) have no diagnostics
         a2.legend()
     save_figure(fig, png)
-
-
-# ---------------------------------------------------------------------- CLI
-def register(sub: Any) -> None:
-    p = sub.add_parser("rl", help="GRPO with verifiable rewards and asynchronous rollouts")
-    p.add_argument("--config", default="", help="an RL YAML (default: configs/rl.yaml if present)")
-    p.add_argument("--checkpoint", default="", help="the starting policy (overrides the config)")
-    add_overrides_arg(p, "steps=20 --set grpo.eps_high=0.28")
-    p.set_defaults(fn=cmd_rl)
-
-
-def cmd_rl(args: Any) -> None:
-    path = Path(args.config or "configs/rl.yaml")
-    if args.config and not path.is_file():
-        raise ValueError(f"rl config {path} not found")
-    cfg = RLConfig.load(path) if path.is_file() else RLConfig()
-    cfg = apply_overrides(cfg, args.overrides)
-    if args.checkpoint:
-        cfg.checkpoint = args.checkpoint
-    res = run_rl(cfg)
-    first, last = res["eval"][0], res["eval"][-1]
-    tr = res["train"]
-    print(
-        f"[rl] {len(tr)} steps | train reward {tr[0]['reward_mean']:.3f} -> "
-        f"{tr[-1]['reward_mean']:.3f} | held-out solved {first['all/solved']:.3f} -> "
-        f"{last['all/solved']:.3f} ({int(first['all/count'])} problems, greedy)"
-    )
-    print(f"metrics: {res['metrics']}\nplot:    {res['plot']}\nmodel:   {res['model']}")
 
 
 __all__ = [

@@ -45,10 +45,7 @@ Teacher logits are recomputed every step (no on-disk cache of the top-k).
 
 from __future__ import annotations
 
-import argparse
 import copy
-import gzip
-import json
 import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -60,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..data import builtin
 from ..data.chat import STOP, render
 from ..data.sft import Conversation, ReadReport, SFTLoader
 from ..model.model import HybridLM
@@ -84,7 +82,6 @@ from .sft import (
     SFTDataConfig,
     SFTRunConfig,
     SFTTrainer,
-    add_run_args,
     answer_matches,
     autocast,
     generate_replies,
@@ -105,7 +102,8 @@ class PromptSource:
     """Prompts of one domain for on-policy distillation. `kind`: `arithmetic` (generated
     "What is a ± b?" chats), `gsm8k` (GSM8K JSONL at `path`), `file` (chat JSONL / Parquet at
     `path`; the last assistant turn, if any, is the reference answer) or `humaneval`
-    (HumanEval JSONL(.gz) at `path`; the function stub is the user turn, no reference)."""
+    (HumanEval JSONL(.gz) at `path`; the function stub is the user turn, no reference). gsm8k
+    and humaneval read the packaged copies (GSM8K train) when `path` is empty."""
 
     domain: str
     kind: Literal["arithmetic", "gsm8k", "file", "humaneval"] = "arithmetic"
@@ -117,7 +115,7 @@ class PromptSource:
     def __post_init__(self) -> None:
         if not self.domain:
             raise ValueError("every distill.prompts entry needs a domain (a key of distill.routes)")
-        if self.kind in ("gsm8k", "file", "humaneval") and not self.path:
+        if self.kind == "file" and not self.path:
             raise ValueError(f"a prompt source of kind {self.kind!r} needs a path")
         if self.kind == "arithmetic" and self.max_rows <= 0:
             raise ValueError("an arithmetic prompt source needs max_rows > 0")
@@ -393,19 +391,12 @@ class PromptItem:
 def load_prompts(src: PromptSource, report: ReadReport) -> list[PromptItem]:
     """The prompts (and reference answers) of one `PromptSource`."""
     if src.kind == "humaneval":
-        path = Path(src.path)
+        path = Path(src.path) if src.path else builtin.path(builtin.HUMANEVAL)
         if not path.is_file():
             raise ValueError(f"HumanEval file not found: {src.path}")
-        opener = gzip.open if path.suffix == ".gz" else open
-        items = []
-        with opener(path, "rt") as f:
-            for line in f:
-                if line.strip():
-                    row = json.loads(line)
-                    msg = {"role": "user", "content": row["prompt"]}
-                    items.append(PromptItem(src.domain, [msg], ""))
-                if src.max_rows and len(items) >= src.max_rows:
-                    break
+        rows = builtin.read_jsonl(path, limit=src.max_rows or None)
+        msgs = [[{"role": "user", "content": r["prompt"]}] for r in rows]
+        items = [PromptItem(src.domain, m, "") for m in msgs]
         report.rows += len(items)
         report.kept += len(items)
         return items
@@ -713,22 +704,3 @@ def run_distill(
         trainer = OnPolicyDistiller(cfg, resume=resume)
     cfg.save(Path(cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)
-
-
-def cmd_distill(args: argparse.Namespace) -> None:
-    from .config import apply_run_overrides
-
-    cfg = DistillRunConfig.load(args.config)
-    if args.overrides:
-        cfg = apply_run_overrides(cfg, args.overrides)
-    result = run_distill(cfg, resume=args.resume)
-    print(json.dumps({k: result[k] for k in ("step", "eval", "checkpoint", "plot")}, indent=1))
-
-
-def register(sub: Any) -> None:
-    """Add `hybridlm distill` to an argparse subparsers object."""
-    p = sub.add_parser(
-        "distill", help="distillation: offline top-k KL + CE, or on-policy multi-teacher"
-    )
-    add_run_args(p, "configs/distill.yaml")
-    p.set_defaults(fn=cmd_distill)

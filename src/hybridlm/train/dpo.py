@@ -26,7 +26,6 @@ and rejected rewards (beta * (log pi - log ref)) and the chosen / rejected polic
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -43,7 +42,7 @@ from ..data.chat import parse_assistant, render_with_spans, validate
 from ..data.sft import ChatExample, Conversation, ReadReport, _raw_rows, encode_chat
 from ..model.model import IGNORE_INDEX, HybridLM
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import TrainConfig, apply_run_overrides
+from .config import TrainConfig
 from .objectives import dpo_loss, sequence_logps
 from .optim import build_optimizer
 from .schedule import lr_for
@@ -51,7 +50,6 @@ from .sft import (
     ChatSource,
     PostTrainingLoop,
     PostTrainingRunConfig,
-    add_run_args,
     answer_matches,
     autocast,
     generate_replies,
@@ -666,20 +664,3 @@ def run_dpo(
     trainer = DPOTrainer(cfg, resume=resume)
     cfg.save(Path(cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)
-
-
-def cmd_dpo(args: argparse.Namespace) -> None:
-    cfg = DPORunConfig.load(args.config)
-    if args.overrides:
-        cfg = apply_run_overrides(cfg, args.overrides)
-    result = run_dpo(cfg, resume=args.resume)
-    print(
-        json.dumps({k: result[k] for k in ("step", "eval", "checkpoint", "plot", "data")}, indent=1)
-    )
-
-
-def register(sub: Any) -> None:
-    """Add `hybridlm dpo` to an argparse subparsers object."""
-    p = sub.add_parser("dpo", help="direct preference optimisation (dpo / dpo_norm)")
-    add_run_args(p, "configs/dpo.yaml")
-    p.set_defaults(fn=cmd_dpo)

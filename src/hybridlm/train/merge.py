@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from .checkpoint import list_checkpoints, merge_checkpoints, merge_weights, read_meta
+from .checkpoint import (
+    list_checkpoints,
+    merge_checkpoints,
+    merge_weights,
+    read_meta,
+    tokenizer_for,
+)
 from .config import RunConfig
 
 
@@ -138,7 +144,7 @@ def merge_run(
         assert best_state is not None
         load_merged(evaluate.model, best_state)
         out.mkdir(parents=True, exist_ok=True)
-        evaluate.model.save_pretrained(out)
+        evaluate.model.save_pretrained(out, tokenizer=tokenizer_for(run_dir))
 
     log(f"{'window':>6}  {'weights':<10}  {'eval loss':>9}  {'bpb':>7}  {'delta vs last':>13}")
     for r in rows:

@@ -39,7 +39,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..config import add_overrides_arg
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
 from ..infer.speculative import SpecStats, speculative_generate
@@ -192,7 +191,9 @@ def measure_acceptance(
     temperature: float,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Speculative decoding of every prompt with the MTP drafter; merged acceptance stats."""
+    """Speculative decoding of every prompt with the MTP drafter; merged acceptance stats, and
+    each prompt's (accepted, drafted) counts per draft position (`by_prompt`), from which a
+    report draws confidence intervals by resampling prompts."""
     device = model.embeddings.weight.device
     stats = []
     for i, p in enumerate(prompts):
@@ -201,7 +202,8 @@ def measure_acceptance(
             model, x, new_tokens, draft_len=draft_len, temperature=temperature, seed=seed + i
         )
         stats.append(st)
-    return merge_stats(stats)
+    by_prompt = [[list(s.accepted_at), list(s.drafted_at)] for s in stats]
+    return {**merge_stats(stats), "prompts": len(stats), "by_prompt": by_prompt}
 
 
 def _lr(step: int, cfg: MTPBoostConfig) -> float:
@@ -328,9 +330,7 @@ def run_mtp_boost(
     after = _acceptance_rows(model, eval_prompts, cfg, "after")
     for row in after:
         log(row)
-    model.save_pretrained(out / "model")
-    if hasattr(tokenizer, "save"):  # a BPE travels with the model (the byte tokenizer is implied)
-        tokenizer.save(out / "model")
+    model.save_pretrained(out / "model", tokenizer=tokenizer)
     plot_acceptance(metrics_path, out / "acceptance.png")
     return {
         "before": before,
@@ -376,7 +376,7 @@ def plot_acceptance(metrics_path: str | Path, png: str | Path) -> None:
     save_figure(fig, png)
 
 
-# ---------------------------------------------------------------------- CLI
+# ---------------------------------------------------------------------- prompts
 def prompts_from_checkpoint(
     path: str | None, tokenizer: Any, *, n_train: int, n_eval: int, prompt_len: int, seed: int
 ) -> tuple[list[list[int]], list[list[int]]]:
@@ -431,17 +431,6 @@ def prompts_from_environment(
     return prompts(seed, n_train), prompts(seed + 1, n_eval)
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "mtp-boost",
-        help="MTP healing/boosting: train only the MTP head on the model's own generations",
-    )
-    p.add_argument("--checkpoint", required=True, help="run, training checkpoint or HF directory")
-    p.add_argument("--out", default="", help="output directory (default: <checkpoint>-mtp-boost)")
-    add_overrides_arg(p, "steps=300 --set mix_true=0.5")
-    p.set_defaults(fn=cmd_mtp_boost)
-
-
 def boost_checkpoint(
     checkpoint: str | Path, cfg: MTPBoostConfig, out: str | Path, *, progress: bool = True
 ) -> dict[str, Any]:
@@ -469,25 +458,3 @@ def boost_checkpoint(
         )
     res = run_mtp_boost(model, tok, train, held, cfg, out, progress=progress)
     return {**res, "eval_prompts": len(held)}
-
-
-def cmd_mtp_boost(args: Any) -> None:
-    from ..config import apply_overrides
-
-    cfg = apply_overrides(MTPBoostConfig(), args.overrides).validate()
-    out = Path(args.out or str(Path(args.checkpoint).resolve()) + "-mtp-boost")
-    res = boost_checkpoint(args.checkpoint, cfg, out)
-    print(
-        f"[mtp-boost] {res['sequences']} self-generated sequences ({res['generation_s']:.0f} s),"
-        f" {cfg.steps} steps ({res['train_s']:.0f} s): loss {res['first']['loss']:.3f} ->"
-        f" {res['last']['loss']:.3f}"
-    )
-    for b, a in zip(res["before"], res["after"], strict=True):
-        pos_b = " ".join(f"{x:.2f}" for x in b["acceptance_by_position"])
-        pos_a = " ".join(f"{x:.2f}" for x in a["acceptance_by_position"])
-        print(
-            f"[mtp-boost] T={b['temperature']:g}, k={cfg.draft_len}, {res['eval_prompts']} held-out"
-            f" prompts: acceptance length {b['acceptance_length']:.2f} ->"
-            f" {a['acceptance_length']:.2f} | by position {pos_b} -> {pos_a}"
-        )
-    print(f"plot: {res['plot']}\nmodel: {res['model']}")

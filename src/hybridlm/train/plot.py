@@ -18,10 +18,12 @@ def pyplot():
 
 
 def save_figure(fig: Any, png: str | Path, *, dpi: int = 110) -> Path:
-    """Lay out, write the PNG and close the figure (releasing its memory); returns the path."""
+    """Lay out, write the PNG and close the figure (releasing its memory); returns the path.
+    A figure made with a layout engine (`layout="constrained"`, needed for subfigures) keeps it."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     png = Path(png)
     fig.savefig(png, dpi=dpi)
     plt.close(fig)

@@ -16,7 +16,9 @@ the loss is assistant-only CE with `token` or `sample` normalisation over the wh
 depths, each depth's targets weighted like the next-token ones and never crossing a packed
 conversation) and the MoE balancing loss. Optimizer, LR schedule, checkpoints (exact resume:
 weights, optimizer, loader position, RNG) and `metrics.jsonl` are the pretraining ones
-(`train.optim`, `train.schedule`, `train.checkpoint`).
+(`train.optim`, `train.schedule`, `train.checkpoint`). The final weights are also written as a
+transformers directory `<out>/hf` with the tokenizer, chat template and generation config (the
+SFT, DPO and distillation runs alike: `PostTrainingLoop.export_hf`).
 
 Evaluation (`eval_interval`, at step 0 and at the end): held-out assistant-token NLL, and exact
 match of the final answers that the model generates greedily for `sft.eval_generate` held-out
@@ -30,7 +32,6 @@ only needs the counts all-reduced over ranks.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
@@ -47,7 +48,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from ..config import ModelConfig, add_overrides_arg, read_mapping, write_mapping
+from ..config import ModelConfig, read_mapping, write_mapping
 from ..data.chat import STOP, parse_assistant, render
 from ..data.sft import (
     ChatExample,
@@ -64,7 +65,7 @@ from ..data.sft import (
 from ..model.model import HybridLM
 from ..presets import PRESETS, get_preset
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import TrainConfig, apply_run_overrides, run_from_dict
+from .config import TrainConfig, run_from_dict
 from .objectives import sft_token_weights, shift_targets_float, token_nll
 from .optim import build_optimizer
 from .schedule import lr_for
@@ -76,9 +77,10 @@ LossNorm = Literal["token", "sample", "two_stage"]
 @dataclass(kw_only=True)
 class ChatSource:
     """One source of conversations. `kind`: `file` (JSONL / Parquet / saved HF dataset at
-    `path`), `hf` (a hub dataset name at `path`, `split`), `gsm8k` (GSM8K JSONL at `path`,
-    the worked solution as the reasoning trace) or `arithmetic` (`max_rows` generated questions
-    with `digits` digits, from `seed`). `max_rows`: 0 = all rows."""
+    `path`), `hf` (a hub dataset name at `path`, `split`), `gsm8k` (GSM8K JSONL at `path`, the
+    packaged train split when empty; the worked solution as the reasoning trace) or
+    `arithmetic` (`max_rows` generated questions with `digits` digits, from `seed`).
+    `max_rows`: 0 = all rows."""
 
     kind: Literal["file", "hf", "gsm8k", "arithmetic"] = "file"
     path: str = ""
@@ -89,7 +91,7 @@ class ChatSource:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind in ("file", "hf", "gsm8k") and not self.path:
+        if self.kind in ("file", "hf") and not self.path:
             raise ValueError(f"a chat source of kind {self.kind!r} needs a path")
         if self.kind == "arithmetic" and self.max_rows <= 0:
             raise ValueError("an arithmetic chat source needs max_rows > 0 (how many to generate)")
@@ -244,9 +246,9 @@ def load_source(src: ChatSource, report: ReadReport) -> list[Conversation]:
         report.kept += len(convs)
         return convs
     if src.kind == "gsm8k":
-        if not Path(src.path).is_file():
+        if src.path and not Path(src.path).is_file():
             raise ValueError(f"GSM8K file not found: {src.path}")
-        convs = gsm8k_conversations(src.path, max_rows=limit)
+        convs = gsm8k_conversations(src.path or None, max_rows=limit)
         report.rows += len(convs)
         report.kept += len(convs)
         return convs
@@ -515,6 +517,19 @@ class PostTrainingLoop:
                 bar.console.print(f"step {self.step}: {text}")
         return result
 
+    def export_hf(self) -> Path | None:
+        """`<out>/hf`: the final weights as a transformers directory with the run's tokenizer,
+        chat template and generation config (as `hybridlm pretrain` writes); None, with a note,
+        for a model transformers has no class for."""
+        from ..interop.hf import to_hf_config
+
+        try:
+            to_hf_config(self.model.config)
+        except ValueError as err:
+            print(f"{self.stage}: no transformers export ({err})")
+            return None
+        return self.model.save_pretrained(self.out / "hf", tokenizer=self.tokenizer)
+
     def train(self, *, until_step: int | None = None) -> dict[str, Any]:
         tc = self.tc
         end = self.total_steps if until_step is None else min(until_step, self.total_steps)
@@ -556,7 +571,9 @@ class PostTrainingLoop:
                         t0, steps = time.perf_counter(), 0
         finally:
             self.close()
-        plot = None
+        plot = hf = None
+        if self.step == self.total_steps:
+            hf = self.export_hf()
         if tc.plot and self.step == self.total_steps and self.metrics_path.exists():
             plot = plot_post_training(
                 self.metrics_path, self.out / f"{self.stage}.png", self.plot_train, self.plot_eval
@@ -567,6 +584,7 @@ class PostTrainingLoop:
             "last_train": row,
             "eval": last_eval,
             "checkpoint": str(last_ckpt) if last_ckpt else None,
+            "hf": str(hf) if hf else None,
             "metrics": str(self.metrics_path),
             "plot": str(plot) if plot else None,
             "data": self.data_summary(),
@@ -803,25 +821,3 @@ def run_sft(
     trainer = SFTTrainer(cfg, resume=resume)
     cfg.save(Path(cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)
-
-
-# ---------------------------------------------------------------------------- CLI
-def add_run_args(p: argparse.ArgumentParser, default_config: str) -> None:
-    p.add_argument("--config", default=default_config, help="run config YAML")
-    add_overrides_arg(p, "train.max_steps=100")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-
-
-def cmd_sft(args: argparse.Namespace) -> None:
-    cfg = SFTRunConfig.load(args.config)
-    if args.overrides:
-        cfg = apply_run_overrides(cfg, args.overrides)
-    result = run_sft(cfg, resume=args.resume)
-    print(json.dumps({k: result[k] for k in ("step", "eval", "checkpoint", "plot")}, indent=1))
-
-
-def register(sub: Any) -> None:
-    """Add `hybridlm sft` to an argparse subparsers object."""
-    p = sub.add_parser("sft", help="supervised fine-tuning on chat data (assistant-only loss)")
-    add_run_args(p, "configs/sft.yaml")
-    p.set_defaults(fn=cmd_sft)

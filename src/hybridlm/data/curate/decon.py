@@ -42,7 +42,6 @@ examples.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import random
@@ -54,6 +53,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .. import builtin
 from .core import CurateDoc, Decision, Filter, register_stage
 
 _TOKEN_RE = re.compile(r"\w+", re.UNICODE)
@@ -104,8 +104,7 @@ class BenchmarkRegistry:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"benchmark file not found: {path}")
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8") as f:
+        with builtin.open_text(path) as f:
             for k, line in enumerate(f):
                 if not line.strip():
                     continue
@@ -117,21 +116,26 @@ class BenchmarkRegistry:
                 if not isinstance(question, str):
                     raise ValueError(f"{path}:{k + 1}: no string field {question_field!r}")
                 answer = _field(row, answer_field) if answer_field else ""
-                item_id = str(_field(row, id_field)) if id_field else f"{path.name}:{k}"
+                item_id = (
+                    str(_field(row, id_field))
+                    if id_field
+                    else f"{path.name.removesuffix('.gz')}:{k}"  # same ids for a gzipped copy
+                )
                 self.items.append(EvalItem(name, item_id, question, str(answer or "")))
         return self
 
     @classmethod
-    def from_data_dir(cls, data_dir: str | Path) -> BenchmarkRegistry:
-        """GSM8K (train and test: Olmo 3 decontaminates all splits) and HumanEval from a folder
-        laid out as `gsm8k/{train,test}.jsonl`, `humaneval/HumanEval.jsonl.gz`."""
-        root = Path(data_dir)
+    def from_data_dir(cls, data_dir: str | Path | None = None) -> BenchmarkRegistry:
+        """GSM8K (train and test: Olmo 3 decontaminates all splits) and HumanEval: the packaged
+        copies when `data_dir` is None or "", else from a folder laid out as
+        `gsm8k/{train,test}.jsonl`, `humaneval/HumanEval.jsonl.gz` (`.gz` ok; what is there)."""
+        root = Path(data_dir) if data_dir else builtin.ROOT
         reg = cls()
-        for split in ("train", "test"):
-            f = root / "gsm8k" / f"{split}.jsonl"
+        for name in (builtin.GSM8K_TRAIN, builtin.GSM8K_TEST):
+            f = builtin.path(name, data_dir)
             if f.is_file():
                 reg.add_jsonl(f, "gsm8k")
-        he = root / "humaneval" / "HumanEval.jsonl.gz"
+        he = builtin.path(builtin.HUMANEVAL, data_dir)
         if he.is_file():
             reg.add_jsonl(
                 he,
@@ -530,9 +534,10 @@ class DecontaminateStage(Filter):
     """Drop documents that contain a benchmark item (reason `decontaminate:<benchmark>`).
     `data_dir`: a folder with GSM8K / HumanEval (see `BenchmarkRegistry.from_data_dir`);
     `benchmarks`: extra JSON Lines benchmarks as {name, path, question_field, answer_field,
-    id_field}; `method`: "simple" (decon, pretraining/midtraining text), "overlap" (8-gram
-    overlap, post-training examples) or "embedding" (code: a function whose embedding has cosine
-    >= `embedding_threshold` against a benchmark function, see `embed.py`; options
+    id_field}; with neither, the packaged GSM8K (train + test) and HumanEval; `method`:
+    "simple" (decon, pretraining/midtraining text), "overlap" (8-gram overlap, post-training
+    examples) or "embedding" (code: a function whose embedding has cosine >=
+    `embedding_threshold` against a benchmark function, see `embed.py`; options
     `embedding_backend` hashed | minilm, `embedding_normalize`, `embedding_min_tokens`, and
     `code_benchmarks`, the registry's benchmarks used as references)."""
 
@@ -552,8 +557,11 @@ class DecontaminateStage(Filter):
         key = self._key()
         if key in _DETECTORS:
             return
-        reg = BenchmarkRegistry.from_data_dir(self.data_dir) if self.data_dir else None
-        reg = reg or BenchmarkRegistry()
+        reg = (  # neither data_dir nor benchmarks: the packaged GSM8K + HumanEval
+            BenchmarkRegistry.from_data_dir(self.data_dir)
+            if self.data_dir or not self.benchmarks
+            else BenchmarkRegistry()
+        )
         for spec in self.benchmarks:
             spec = dict(spec)
             if "name" not in spec or "path" not in spec:
@@ -593,72 +601,3 @@ class DecontaminateStage(Filter):
             score=round(top.score, 4),
             matches=len(matches),
         )
-
-
-# ---------------------------------------------------------------------------- command line
-def cmd_decon(args: Any) -> None:
-    """Decontaminate a JSON Lines file against the benchmark registry; writes the report and
-    (optionally) the clean documents."""
-    reg = BenchmarkRegistry.from_data_dir(args.data_dir) if args.data_dir else BenchmarkRegistry()
-    for spec in args.benchmark:
-        name, _, path = spec.partition("=")
-        if not path:
-            raise SystemExit(f"--benchmark takes NAME=FILE.jsonl, got {spec!r}")
-        reg.add_jsonl(path, name)
-    if not reg.items:
-        raise SystemExit("no benchmarks: give --data-dir and/or --benchmark NAME=FILE")
-    det: Any
-    if args.method == "simple":
-        det = SampledNgramDetector(reg)
-    elif args.method == "overlap":
-        det = NgramOverlapDetector(reg)
-    else:
-        from .embed import CodeEmbeddingDetector, EmbedDeconConfig
-
-        det = CodeEmbeddingDetector(
-            reg,
-            EmbedDeconConfig(backend=args.embedding_backend, threshold=args.embedding_threshold),
-        )
-    from ..sources import JsonlSource
-
-    docs = [(d.id, d.text) for d in JsonlSource(args.input, text_field=args.text_field)]
-    clean, report = decontaminate(docs, det)
-    report.write(args.report)
-    if args.clean_out:
-        keep = set(clean)
-        with open(args.clean_out, "w") as f:
-            for doc_id, text in docs:
-                if doc_id in keep:
-                    f.write(json.dumps({"id": doc_id, "text": text}) + "\n")
-    summary = {b: (r["documents"], len(r["items"])) for b, r in report.per_benchmark.items()}
-    print(
-        f"{report.contaminated}/{report.documents} documents contaminated; per benchmark "
-        f"(documents, items): {summary}; report: {args.report}"
-    )
-
-
-def register(sub: Any) -> None:
-    """Add `decon` to an argparse subparsers object."""
-    p = sub.add_parser("decon", help="benchmark decontamination of a JSONL corpus")
-    p.add_argument("--input", required=True, help="JSON Lines documents")
-    p.add_argument("--text-field", default="text")
-    p.add_argument("--data-dir", help="folder with gsm8k/ and humaneval/ (e.g. ../shared/data)")
-    p.add_argument(
-        "--benchmark",
-        action="append",
-        default=[],
-        metavar="NAME=FILE",
-        help="extra JSONL benchmark with question/answer fields (repeatable)",
-    )
-    p.add_argument(
-        "--method",
-        choices=["simple", "overlap", "embedding"],
-        default="simple",
-        help="simple: decon sampled 5-grams; overlap: 8-gram >= 0.5 (post-training); "
-        "embedding: code functions with cosine >= 0.8 to a HumanEval function",
-    )
-    p.add_argument("--embedding-backend", choices=["hashed", "minilm"], default="hashed")
-    p.add_argument("--embedding-threshold", type=float, default=0.8)
-    p.add_argument("--report", default="decon_report.json")
-    p.add_argument("--clean-out", help="write the clean documents here (JSONL)")
-    p.set_defaults(fn=cmd_decon)

@@ -29,12 +29,11 @@ features of one text.
 
 `measure_code_decon` plants renamed / reformatted HumanEval solutions and measures recall, and
 the false-positive rate on Python standard-library functions (`python -m
-hybridlm.data.curate.embed --data-dir ../shared/data`).
+hybridlm.data.curate.embed`, on the packaged HumanEval, or `--data-dir DIR`).
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import builtins
 import hashlib
@@ -600,51 +599,14 @@ def measure_code_decon(
     return out
 
 
-def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--data-dir", required=True, help="folder with humaneval/HumanEval.jsonl.gz")
-    p.add_argument("--backend", action="append", choices=["hashed", "minilm"], default=None)
-    p.add_argument(
-        "--normalize", action="append", choices=["none", "format", "canonical"], default=None
-    )
-    p.add_argument("--threshold", type=float, default=0.8)
-    p.add_argument("--min-tokens", type=int, default=24)
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hybridlm.data.curate.embed ...`: `hybridlm decon-code-eval ...`."""
+    import sys
 
+    from ...cli import main as cli_main  # the command line is the top layer: imported on use
 
-def cmd_decon_code_eval(args: argparse.Namespace) -> None:
-    """Print one JSON line of recall / false positives per backend and normalisation."""
-    import json
-
-    reg = BenchmarkRegistry.from_data_dir(args.data_dir)
-    negatives = stdlib_functions()
-    for backend in args.backend or ["hashed"]:
-        for norm in args.normalize or ["canonical"]:
-            cfg = EmbedDeconConfig(
-                backend=backend,
-                threshold=args.threshold,
-                normalize=norm,
-                min_tokens=args.min_tokens,
-            )
-            det = CodeEmbeddingDetector(reg, cfg)
-            res = measure_code_decon(det, reg, negatives=negatives, progress=True)
-            print(json.dumps(res))
-
-
-def register(sub: Any) -> None:
-    """Add `decon-code-eval` to an argparse subparsers object."""
-    p = sub.add_parser(
-        "decon-code-eval",
-        help="recall on planted HumanEval solutions / false positives on stdlib functions of "
-        "code-embedding decontamination",
-    )
-    _add_args(p)
-    p.set_defaults(fn=cmd_decon_code_eval)
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m hybridlm.data.curate.embed")
-    _add_args(p)
-    cmd_decon_code_eval(p.parse_args(argv))
+    return cli_main(["decon-code-eval", *(argv if argv is not None else sys.argv[1:])])
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -598,35 +598,55 @@ def plot_swarm(swarm_jsonl: str | Path, reg: MixtureRegression, png: str | Path)
     return save_figure(fig, png)
 
 
-# ---------------------------------------------------------------------------- command line
-def cmd_mix(args: Any) -> None:
-    """Swarm -> regression -> optimised mixture file, for the sources of a data config."""
+# ---------------------------------------------------------------------------- the mix stage
+def run_mix(
+    data: str | Path,
+    out: str | Path,
+    *,
+    proxy: Literal["bigram", "trainer"] = "trainer",
+    runs: int = 0,
+    steps: int = 30,
+    model: str = "tiny-super",
+    budget: int = 20_000,
+    regression: Literal["quadratic", "loglinear", "linear"] = "quadratic",
+    total_tokens: float = 0.0,
+    max_repetition: float = 4.0,
+    phase2_weights: str = "",
+    phase2_task_weights: str = "",
+    phase2_fraction: float = 0.2,
+) -> dict[str, Any]:
+    """Swarm -> regression -> optimised mixture file (`hybridlm mix`), for the sources of the
+    DataConfig YAML `data`: writes `out`/swarm.jsonl, mixture.yaml, swarm.png and, with
+    `phase2_weights` ("name=w,...") or `phase2_task_weights` ("task=w,..."), curriculum.yaml.
+    `runs=0` is 5 x sources; `steps` and `model` size the trainer proxy, `budget` the bigram
+    proxy; `total_tokens` > 0 caps each source at `max_repetition` x its tokens. Returns the
+    optimum's weights and predicted loss, the in-sample R^2 per task and the written paths."""
     from ...presets import get_preset
     from ..pipeline import prepare_shards
 
-    cfg = DataConfig.load(args.data)
+    cfg = DataConfig.load(data)
     sets = prepare_shards(cfg, progress=True)
     dirs = {name: str(s.path) for name, s in sets.items()}
-    out = Path(args.out)
-    if args.proxy == "bigram":
-        proxy: Proxy = BigramProxy(dirs, budget=args.budget, seed=cfg.seed)
+    out = Path(out)
+    if proxy == "bigram":
+        scorer: Proxy = BigramProxy(dirs, budget=budget, seed=cfg.seed)
     else:
-        model = get_preset(args.model)
-        model.vocab_size = max(model.vocab_size, max(s.vocab_size for s in sets.values()))
-        proxy = TrainerProxy(
+        model_cfg = get_preset(model)
+        model_cfg.vocab_size = max(model_cfg.vocab_size, max(s.vocab_size for s in sets.values()))
+        scorer = TrainerProxy(
             shard_dirs=dirs,
-            model=model,
+            model=model_cfg,
             out_dir=str(out / "runs"),
-            steps=args.steps,
+            steps=steps,
             seq_len=min(cfg.seq_len, 256),
             batch_size=min(cfg.batch_size, 8),
             tokenizer=cfg.tokenizer,
         )
     prior = normalise(cfg.weights)
     prior = {k: max(v, 1e-3) for k, v in prior.items()}  # every domain explored by the swarm
-    res = run_swarm(prior, proxy, num_runs=args.runs, seed=cfg.seed, out_dir=out)
-    reg = MixtureRegression(kind=args.regression).fit(res.weights, res.losses)
-    avail = {n: float(s.num_tokens) for n, s in sets.items()} if args.total_tokens else None
+    res = run_swarm(prior, scorer, num_runs=runs, seed=cfg.seed, out_dir=out)
+    reg = MixtureRegression(kind=regression).fit(res.weights, res.losses)
+    avail = {n: float(s.num_tokens) for n, s in sets.items()} if total_tokens else None
     optimize = functools.partial(  # phase 1 and (with task weights) phase 2 share all else
         optimize_mixture,
         reg,
@@ -635,73 +655,40 @@ def cmd_mix(args: Any) -> None:
         starts=res.weights,
         tasks=res.tasks,
         available_tokens=avail,
-        total_tokens=args.total_tokens,
-        max_repetition=args.max_repetition,
+        total_tokens=total_tokens,
+        max_repetition=max_repetition,
     )
     opt = optimize()
     write_mixture(out / "mixture.yaml", cfg, opt.weights)
-    if args.phase2_weights or args.phase2_task_weights:
-        if args.phase2_weights:
-            phase2 = parse_weights(args.phase2_weights)
+    cur, cur_path = None, None
+    if phase2_weights or phase2_task_weights:
+        if phase2_weights:
+            phase2 = parse_weights(phase2_weights)
         else:  # the optimum under a quality-weighted objective
-            tw = parse_weights(args.phase2_task_weights)
+            tw = parse_weights(phase2_task_weights)
             unknown = sorted(set(tw) - set(res.tasks))
             if unknown:
                 raise ValueError(f"--phase2-task-weights: unknown tasks {unknown}; {res.tasks}")
             opt2 = optimize(task_weights=[tw.get(t, 0.0) for t in res.tasks])
             phase2 = opt2.weights
+        cur_path = out / "curriculum.yaml"
         cur = write_curriculum(
-            out / "curriculum.yaml",
+            cur_path,
             cfg,
             opt.weights,
             phase2,
-            phase2_fraction=args.phase2_fraction,
-            total_tokens=int(args.total_tokens or cfg.total_tokens),
+            phase2_fraction=phase2_fraction,
+            total_tokens=int(total_tokens or cfg.total_tokens),
         )
-        print(
-            f"curriculum: phase 1 {cur.phases[0].weights} for {cur.phases[0].fraction:.0%}, "
-            f"phase 2 {cur.phases[1].weights}; wrote {out / 'curriculum.yaml'}"
-        )
-    plot_swarm(out / "swarm.jsonl", reg, out / "swarm.png")
+    plot = plot_swarm(out / "swarm.jsonl", reg, out / "swarm.png")
     r2 = dict(zip(res.tasks, reg.r2(res.weights, res.losses).round(3).tolist(), strict=True))
-    print(f"swarm of {len(res.weights)} runs; regression R^2 (in-sample) {r2}")
-    print(
-        f"optimised weights { ({k: round(v, 4) for k, v in opt.weights.items()}) }; predicted "
-        f"mean loss {opt.objective:.4f}; wrote {out / 'mixture.yaml'}"
-    )
-
-
-def register(sub: Any) -> None:
-    """Add `mix` to an argparse subparsers object."""
-    p = sub.add_parser("mix", help="swarm mixture optimisation -> a mixture (DataConfig) YAML")
-    p.add_argument("--data", required=True, help="a DataConfig YAML (its sources and weights)")
-    p.add_argument("--out", required=True, help="output folder (swarm.jsonl, mixture.yaml)")
-    p.add_argument("--proxy", choices=["bigram", "trainer"], default="trainer")
-    p.add_argument("--runs", type=int, default=0, help="swarm size (0: 5 x sources)")
-    p.add_argument("--steps", type=int, default=30, help="trainer proxy: steps per run")
-    p.add_argument("--model", default="tiny-super", help="trainer proxy: model preset")
-    p.add_argument("--budget", type=int, default=20_000, help="bigram proxy: training tokens")
-    p.add_argument(
-        "--regression", choices=["quadratic", "loglinear", "linear"], default="quadratic"
-    )
-    p.add_argument(
-        "--total-tokens",
-        type=float,
-        default=0.0,
-        help="training budget for the repetition caps (0: no caps)",
-    )
-    p.add_argument("--max-repetition", type=float, default=4.0)
-    p.add_argument(
-        "--phase2-weights",
-        default="",
-        metavar="NAME=W,...",
-        help="also write curriculum.yaml: the optimum, then this blend for the last tokens",
-    )
-    p.add_argument(
-        "--phase2-task-weights",
-        default="",
-        metavar="TASK=W,...",
-        help="also write curriculum.yaml with phase 2 = the optimum under these task weights",
-    )
-    p.add_argument("--phase2-fraction", type=float, default=0.2, help="share of phase 2")
-    p.set_defaults(fn=cmd_mix)
+    return {
+        "weights": opt.weights,
+        "objective": opt.objective,
+        "runs": len(res.weights),
+        "r2": r2,
+        "mixture": out / "mixture.yaml",
+        "curriculum": cur,
+        "curriculum_path": cur_path,
+        "plot": plot,
+    }

@@ -53,7 +53,6 @@ keep-newest needs JSONL inputs with `metadata_fields: [date]`.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import gzip
@@ -62,7 +61,6 @@ import json
 import math
 import os
 import pickle
-import sys
 import time
 import typing
 from collections.abc import Iterator, Sequence
@@ -102,7 +100,7 @@ InputKind = Literal["jsonl", "parquet", "text", "tinyshakespeare", "stdlib"]
 class CurateInput(SourceConfig):
     """One input corpus: a pretraining `SourceConfig` (kinds jsonl, parquet, text,
     tinyshakespeare, stdlib; `weight` and the hf fields are unused here) read in shards of
-    `files_per_shard` files."""
+    `files_per_shard` files. stdlib and tinyshakespeare need no path (the packaged copy)."""
 
     kind: InputKind = "jsonl"
     files_per_shard: int = 1
@@ -161,7 +159,7 @@ class CurateConfig:
             where = f"curate.inputs[{k}] ({inp.name!r})"
             if not inp.name or "/" in inp.name:
                 raise ValueError(f"{where}: name must be non-empty and without '/'")
-            if inp.kind != "stdlib" and not inp.path:
+            if inp.kind not in ("stdlib", "tinyshakespeare") and not inp.path:
                 raise ValueError(f"{where}: kind {inp.kind!r} needs a path")
             if inp.files_per_shard <= 0:
                 raise ValueError(f"{where}: files_per_shard must be positive")
@@ -840,81 +838,12 @@ def write_report(out_dir: Path, report: CurateReport) -> None:
     _atomic_write(out_dir / "report.md", ("\n".join(lines) + "\n").encode())
 
 
-# ---------------------------------------------------------------------------- CLI
-def register(sub: Any) -> None:
-    """Add `hybridlm curate` to an argparse subparsers object."""
-    p = sub.add_parser("curate", help="curate pretraining text: filters, language ID, dedup")
-    p.add_argument(
-        "--config",
-        default=None,
-        help="curate YAML (default: configs/curate.yaml when present, else built-in)",
-    )
-    p.add_argument("--output", default=None, help="output folder (overrides output_dir)")
-    p.add_argument("--executor", choices=["local", "ray"], default=None)
-    p.add_argument("--ray-address", default=None, help="Ray cluster address; default: local")
-    p.add_argument("--num-cpus", type=int, default=None, help="local Ray instance CPUs")
-    p.add_argument("--workers", type=int, default=None, help="concurrent shard tasks on Ray")
-    p.add_argument("--no-resume", action="store_true", help="redo every shard")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(fn=cmd_curate)
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hybridlm.data.curate.pipeline curate ...`: `hybridlm curate ...`."""
+    from ...cli import main as cli_main  # the command line is the top layer: imported on use
 
-
-def cmd_curate(args: argparse.Namespace) -> None:
-    """Run `hybridlm curate` and print the per-stage summary."""
-    path = args.config
-    if path is None and Path("configs/curate.yaml").is_file():
-        path = "configs/curate.yaml"
-    cfg = CurateConfig.load(path) if path else CurateConfig()
-    changes: dict[str, Any] = {}
-    if args.output:
-        changes["output_dir"] = args.output
-    if args.executor:
-        changes["executor"] = args.executor
-    if args.ray_address is not None:
-        changes["ray_address"] = args.ray_address
-    if args.num_cpus is not None:
-        changes["ray_num_cpus"] = args.num_cpus
-    if args.workers is not None:
-        changes["num_workers"] = args.workers
-    if args.no_resume:
-        changes["resume"] = False
-    if args.no_progress:
-        changes["progress"] = False
-    cfg = dataclasses.replace(cfg, **changes)
-    report = run_curate(cfg)
-    d = report.data
-    print(
-        f"read {d['read']['documents']} documents ({d['read']['skipped']} skipped by the readers: "
-        "empty, undecodable, malformed or huge; reasons in the report)"
-    )
-    for e in d["stages"]:
-        print(
-            f"  {e['index']:>2} {e['stage']:<18} {e['docs_in']:>8} -> {e['docs_out']:<8} "
-            f"{e['seconds']:7.2f} s"
-        )
-    exp = d["output"]["expansion"]
-    if exp["enabled"]:
-        print(
-            f"repeats expanded: {exp['docs_before']} -> {exp['docs_after']} documents, "
-            f"{exp['chars_before']} -> {exp['chars_after']} characters"
-        )
-    print(
-        f"kept {report.docs_out} documents in {d['output']['dir']} "
-        f"(shards run {report.shards_run}, skipped {report.shards_skipped}); "
-        f"report: {Path(cfg.output_dir) / 'report.md'}"
-    )
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="hybridlm")
-    register(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(argv)
-    try:
-        args.fn(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    return cli_main(argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import builtin
 from ..sources import JsonlSource, TextFileSource
 from .core import CurateDoc, Decision, DocStage, GlobalStage, register_stage
 
@@ -357,14 +358,16 @@ def make_junk(texts: Sequence[str], *, seed: int = 0) -> list[str]:
     return out
 
 
-def example_quality_data(data_dir: str | Path, *, per_source: int = 400, seed: int = 0):
-    """(texts, labels) of the example quality task on `/work/shared/data`: positives are GSM8K
-    questions, HumanEval prompts and tinyshakespeare passages ("high"); negatives are
-    `make_junk` of other documents of the same sources ("low")."""
-    root = Path(data_dir)
-    gsm = read_texts(root / "gsm8k" / "train.jsonl", text_field="question")
-    he = read_texts(root / "humaneval" / "HumanEval.jsonl.gz", text_field="prompt")
-    shakes = read_texts(root / "tinyshakespeare" / "input.txt", split="blank_line")
+def example_quality_data(
+    data_dir: str | Path | None = None, *, per_source: int = 400, seed: int = 0
+):
+    """(texts, labels) of the example quality task on the packaged data sets (or those under
+    `data_dir`): positives are GSM8K train questions, HumanEval prompts and tinyshakespeare
+    passages ("high"); negatives are `make_junk` of other documents of the same sources
+    ("low")."""
+    gsm = read_texts(builtin.path(builtin.GSM8K_TRAIN, data_dir), text_field="question")
+    he = read_texts(builtin.path(builtin.HUMANEVAL, data_dir), text_field="prompt")
+    shakes = read_texts(builtin.path(builtin.TINYSHAKESPEARE, data_dir), split="blank_line")
     rng = random.Random(seed)
     pos, neg_src = [], []
     for docs in (gsm, he, shakes):
@@ -377,16 +380,16 @@ def example_quality_data(data_dir: str | Path, *, per_source: int = 400, seed: i
     return pos + neg, ["high"] * len(pos) + ["low"] * len(neg)
 
 
-def example_topic_data(data_dir: str | Path, *, per_topic: int = 150, seed: int = 0):
-    """(texts, labels) of a tiny 3-topic task: math (GSM8K), code (HumanEval + stdlib source),
-    literature (tinyshakespeare)."""
+def example_topic_data(data_dir: str | Path | None = None, *, per_topic: int = 150, seed: int = 0):
+    """(texts, labels) of a tiny 3-topic task: math (GSM8K train), code (HumanEval + stdlib
+    source), literature (tinyshakespeare); the packaged data sets or those under `data_dir`."""
     from ..sources import StdlibSource
 
-    root = Path(data_dir)
-    gsm = read_texts(root / "gsm8k" / "train.jsonl", text_field="question", limit=per_topic)
-    he = read_texts(root / "humaneval" / "HumanEval.jsonl.gz", text_field="prompt")
+    gsm_path = builtin.path(builtin.GSM8K_TRAIN, data_dir)
+    gsm = read_texts(gsm_path, text_field="question", limit=per_topic)
+    he = read_texts(builtin.path(builtin.HUMANEVAL, data_dir), text_field="prompt")
     stdlib = [d.text[:2000] for d in StdlibSource(max_files=per_topic)]
-    shakes = read_texts(root / "tinyshakespeare" / "input.txt", split="blank_line")
+    shakes = read_texts(builtin.path(builtin.TINYSHAKESPEARE, data_dir), split="blank_line")
     rng = random.Random(seed)
     code = (he + stdlib)[:per_topic]
     lit = rng.sample(shakes, per_topic)
@@ -533,62 +536,3 @@ class QualityBucketStage(GlobalStage):
         bucket = int(th.assign([score], [topic])[0])
         doc.metadata[self.bucket_key] = bucket
         return Decision.ok(**{self.bucket_key: bucket})
-
-
-# ---------------------------------------------------------------------------- command line
-def cmd_quality_train(args: Any) -> None:
-    """Train a quality (or topic) classifier and report its held-out accuracy."""
-    if args.example:
-        texts, labels = example_quality_data(args.example, per_source=args.per_source)
-    else:
-        if not args.pos or not args.neg:
-            raise SystemExit("give --pos and --neg files (or --example DATA_DIR)")
-        texts, labels = [], []
-        for files, label in ((args.pos, args.pos_label), (args.neg, args.neg_label)):
-            for f in files:
-                docs = read_texts(f, text_field=args.text_field, split=args.split)
-                texts += docs
-                labels += [label] * len(docs)
-    cfg = ClassifierConfig(
-        dim=args.dim,
-        epochs=args.epochs,
-        lr=args.lr,
-        min_char=args.char_ngrams[0] if args.char_ngrams else 0,
-        max_char=args.char_ngrams[1] if args.char_ngrams else 0,
-    )
-    tr_x, tr_y, te_x, te_y = train_test_split(texts, labels, test_fraction=args.test_fraction)
-    clf = FastTextClassifier.train_model(tr_x, tr_y, cfg, progress=True)
-    clf.save(args.out)
-    acc = clf.accuracy(te_x, te_y)
-    counts = {lab: tr_y.count(lab) for lab in clf.labels}
-    print(
-        f"trained on {len(tr_x)} documents {counts}; held-out accuracy {acc:.4f} "
-        f"on {len(te_x)}; saved to {args.out}"
-    )
-
-
-def register(sub: Any) -> None:
-    """Add `quality-train` to an argparse subparsers object."""
-    p = sub.add_parser(
-        "quality-train", help="train a fastText-style quality/topic classifier (numpy-2 safe)"
-    )
-    p.add_argument("--pos", nargs="*", default=[], help="positive files (JSONL or text)")
-    p.add_argument("--neg", nargs="*", default=[], help="negative files (JSONL or text)")
-    p.add_argument("--pos-label", default="high")
-    p.add_argument("--neg-label", default="low")
-    p.add_argument("--text-field", default="text", help="JSONL field (dotted ok)")
-    p.add_argument("--split", default="line", choices=["line", "blank_line", "file"])
-    p.add_argument(
-        "--example",
-        metavar="DATA_DIR",
-        help="train the GSM8K/HumanEval/Shakespeare "
-        "vs synthetic-junk example from this folder instead",
-    )
-    p.add_argument("--per-source", type=int, default=1500)
-    p.add_argument("--dim", type=int, default=16)
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--lr", type=float, default=0.5)
-    p.add_argument("--char-ngrams", type=int, nargs=2, metavar=("MIN", "MAX"))
-    p.add_argument("--test-fraction", type=float, default=0.2)
-    p.add_argument("--out", required=True, help="output directory")
-    p.set_defaults(fn=cmd_quality_train)

@@ -1,28 +1,20 @@
-"""`hybridlm <stage> ...`: the command line of every stage.
-
-    hybridlm info --preset nemotron-3-super-120b-a12b
-    hybridlm config --preset tiny-super --set moe.top_k=8 > my.yaml
-    hybridlm generate --preset tiny-super --prompt "To be, or not to be"
-    hybridlm export-hf --preset tiny-super --out ckpt/    # or --checkpoint dir (any HF dir)
-    hybridlm serve --preset tiny-super --port 8000        # OpenAI-compatible server on localhost
-    hybridlm chat --preset tiny-super --system "Be brief."
+"""`hybridlm info | config | generate | export-hf | serve | chat`: one model, inspected or served.
 
 A model comes from `--preset NAME`, `--config FILE.yaml|json` or `--checkpoint DIR` (a transformers
-NemotronH / Olmo3 directory), with `--set a.b=value` overrides for the first two.
+NemotronH / Olmo3 directory, a training checkpoint or a run directory), with `--set a.b=value`
+overrides for the first two.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
+from typing import Any
 
-import yaml
-
-from .config import ModelConfig, add_overrides_arg, apply_overrides
-from .infer.state_precision import SSM_PRECISIONS
-from .presets import PRESETS, get_preset
+from ..choices import SSM_PRECISIONS
+from ..config import ModelConfig, add_overrides_arg, apply_overrides
+from ..presets import PRESETS, get_preset
 
 
 def _add_model_args(p: argparse.ArgumentParser, *, checkpoint: bool = True) -> None:
@@ -38,12 +30,113 @@ def _add_model_args(p: argparse.ArgumentParser, *, checkpoint: bool = True) -> N
     add_overrides_arg(p, "moe.top_k=8")
 
 
-def _tokenizer(args: argparse.Namespace, model):
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seed", type=int, default=0, help="weight init (random models) and sampling")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + reply in tokens (default: the model's max_seq_len)",
+    )
+    p.add_argument(
+        "--ssm-precision",
+        choices=SSM_PRECISIONS,
+        default="fp32",
+        help="storage precision of the Mamba state cache",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the Mamba / MoE decode steps with torch.compile (slow first steps)",
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the model commands to the CLI's sub-command parsers."""
+    p = sub.add_parser("info", help="parameter counts, FLOPs, cache and state sizes of a model")
+    _add_model_args(p, checkpoint=False)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.set_defaults(fn=cmd_info)
+
+    p = sub.add_parser("config", help="print a model config as YAML (with overrides applied)")
+    _add_model_args(p, checkpoint=False)
+    p.set_defaults(fn=cmd_config)
+
+    p = sub.add_parser(
+        "generate", help="generate text (byte tokenizer) from a preset or checkpoint"
+    )
+    _add_model_args(p)
+    p.add_argument("--prompt", default="To be, or not to be")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the Mamba / MoE decode steps with torch.compile (slow first steps)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ssm-precision",
+        choices=SSM_PRECISIONS,
+        default="fp32",
+        help="storage precision of the Mamba state cache",
+    )
+    p.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="K",
+        help="draft K tokens per step with the MTP head (greedy output equals plain greedy; "
+        "sampled output follows the model's distribution by rejection sampling)",
+    )
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("export-hf", help="write a transformers checkpoint directory")
+    _add_model_args(p)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_export_hf)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the [serve] extra)")
+    _add_model_args(p)
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
+    p.add_argument(
+        "--model-name",
+        default=None,
+        help="the model id clients send (default: the preset/checkpoint name)",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(fn=cmd_serve)
+
+    p = sub.add_parser("chat", help="interactive chat on stdin/stdout with the chat template")
+    _add_model_args(p)
+    _add_engine_args(p)
+    p.add_argument("--system", default=None, help="a system message that starts the conversation")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply")
+    p.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="K",
+        help="draft K tokens per step with the MTP head",
+    )
+    p.set_defaults(fn=cmd_chat, model_name=None)
+
+
+# ---------------------------------------------------------------------------- helpers
+def _tokenizer(args: argparse.Namespace, model: Any) -> Any:
     """The checkpoint's own tokenizer; the byte tokenizer for presets and configs."""
-    from .data.tokenizer import ByteTokenizer
+    from ..data.tokenizer import ByteTokenizer
 
     if getattr(args, "checkpoint", None):
-        from .train.checkpoint import tokenizer_for
+        from ..train.checkpoint import tokenizer_for
 
         tok = tokenizer_for(args.checkpoint)
     else:
@@ -63,8 +156,8 @@ def _config(args: argparse.Namespace, default: str = "tiny-super") -> ModelConfi
     return apply_overrides(cfg, args.overrides) if args.overrides else cfg
 
 
-def _model(args: argparse.Namespace):
-    from .model.model import HybridLM
+def _model(args: argparse.Namespace) -> Any:
+    from ..model.model import HybridLM
 
     if getattr(args, "checkpoint", None):
         if args.overrides:
@@ -87,6 +180,7 @@ def _fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+# ---------------------------------------------------------------------------- handlers
 def cmd_info(args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -122,13 +216,15 @@ def cmd_info(args: argparse.Namespace) -> None:
 
 
 def cmd_config(args: argparse.Namespace) -> None:
+    import yaml
+
     sys.stdout.write(yaml.safe_dump(_config(args).to_dict(), sort_keys=False))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
-    from .infer.generate import generate
+    from ..infer.generate import generate
 
     model = _model(args)
     tok = _tokenizer(args, model)
@@ -138,7 +234,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     stats = None
     if args.speculative:
-        from .infer.speculative import speculative_generate
+        from ..infer.speculative import speculative_generate
 
         if args.ssm_precision != "fp32":
             raise ValueError("--speculative keeps an fp32 state cache (per-position rollback)")
@@ -181,81 +277,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
         )
 
 
-def cmd_pretrain(args: argparse.Namespace) -> None:
-    """Pretrain from a run YAML (model + data + train); ends with a sample, the loss plot and a
-    transformers export of the final weights."""
-    from pathlib import Path
-
-    import torch
-
-    from .data.pipeline import build_tokenizer
-    from .infer.generate import generate
-    from .train import RunConfig, apply_run_overrides, parallel
-    from .train.trainer import Trainer
-
-    path = Path(args.config)
-    if not path.is_file():
-        raise ValueError(
-            f"run config {path} not found (run from the repository root, or pass --config)"
-        )
-    run = apply_run_overrides(RunConfig.load(path), args.overrides)
-    trainer = Trainer(run, resume=args.resume)
-    trainer.run.save(Path(trainer.run.train.out_dir) / "run.yaml")
-    result = trainer.train()
-    if not parallel.is_main():  # under torchrun only rank 0 samples, exports and reports
-        parallel.destroy()
-        return
-    model, tok = trainer.model.eval(), build_tokenizer(trainer.run.data)
-    ids = torch.tensor([tok.encode(args.prompt)], device=trainer.device)
-    with torch.no_grad():
-        out = generate(model, ids, args.sample_tokens, temperature=0.8, top_p=0.95, seed=0)
-    export = Path(trainer.run.train.out_dir) / "hf"
-    model.save_pretrained(export)
-    ev = result.get("eval") or {}
-    print("--- sample (T=0.8, top-p 0.95) ---")
-    print(args.prompt + tok.decode(out[0].tolist()))
-    print("---")
-    last = result.get("last_train") or {}
-    summary = [
-        f"step {result['step']}/{result['total_steps']}",
-        f"tokens {result['tokens_seen']:,}",
-    ]
-    if "loss" in last:
-        summary.append(f"train loss {last['loss']:.3f}")
-    if ev:
-        summary.append(
-            " ".join(f"{k} {v:.3f}" for k, v in ev.items() if isinstance(v, (int, float)))
-        )
-    print("[" + " | ".join(summary) + "]")
-    print(f"metrics:    {result['metrics']}")
-    print(f"loss plot:  {result['plot']}")
-    print(f"checkpoint: {result['checkpoint']}")
-    print(f"hf export:  {export}  (HybridLM.from_pretrained / transformers)")
-    parallel.destroy()
-
-
-def cmd_merge(args: argparse.Namespace) -> None:
-    """Average sliding windows of a run's last checkpoints, evaluate each on the held-out split
-    and export the best (train/merge.py)."""
-    from .train.merge import merge_run, parse_list
-
-    merge_run(
-        args.run,
-        windows=parse_list(args.windows, int),
-        weights=parse_list(args.weights),
-        out=args.out,
-    )
-
-
 def cmd_export_hf(args: argparse.Namespace) -> None:
     model = _model(args)
-    model.save_pretrained(args.out)
+    model.save_pretrained(args.out, tokenizer=_tokenizer(args, model))
     print(f"wrote {args.out} ({model.count_params():,} parameters)")
 
 
-def _engine(args: argparse.Namespace, *, max_batch_size: int):
+def _engine(args: argparse.Namespace, *, max_batch_size: int) -> Any:
     """The model of `--preset/--config/--checkpoint` behind a continuous-batching Engine."""
-    from .infer.engine import Engine
+    from ..infer.engine import Engine
 
     model = _model(args)
     tok = _tokenizer(args, model)
@@ -286,7 +316,7 @@ def _model_name(args: argparse.Namespace) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     try:
-        from .infer.server import serve
+        from ..infer.server import serve
     except ImportError as err:
         raise ValueError(
             f"`hybridlm serve` needs FastAPI and uvicorn: pip install 'hybridlm[serve]' ({err})"
@@ -307,8 +337,8 @@ def cmd_chat(args: argparse.Namespace) -> None:
     """A REPL: each stdin line is a user turn; the reply streams to stdout as it is generated."""
     from dataclasses import replace
 
-    from .data import chat as chat_template
-    from .infer.sampling import SamplingParams
+    from ..data import chat as chat_template
+    from ..infer.sampling import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -386,162 +416,3 @@ def cmd_chat(args: argparse.Namespace) -> None:
                 f"{st.acceptance_length:.2f}, by draft position {by_pos}]",
                 file=sys.stderr,
             )
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seed", type=int, default=0, help="weight init (random models) and sampling")
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt + reply in tokens (default: the model's max_seq_len)",
-    )
-    p.add_argument(
-        "--ssm-precision",
-        choices=SSM_PRECISIONS,
-        default="fp32",
-        help="storage precision of the Mamba state cache",
-    )
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="compile the Mamba / MoE decode steps with torch.compile (slow first steps)",
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridlm", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("info", help="parameter counts, FLOPs, cache and state sizes of a model")
-    _add_model_args(p, checkpoint=False)
-    p.add_argument("--seq-len", type=int, default=8192)
-    p.set_defaults(fn=cmd_info)
-
-    p = sub.add_parser("config", help="print a model config as YAML (with overrides applied)")
-    _add_model_args(p, checkpoint=False)
-    p.set_defaults(fn=cmd_config)
-
-    p = sub.add_parser(
-        "generate", help="generate text (byte tokenizer) from a preset or checkpoint"
-    )
-    _add_model_args(p)
-    p.add_argument("--prompt", default="To be, or not to be")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument(
-        "--compile",
-        action="store_true",
-        help="compile the Mamba / MoE decode steps with torch.compile (slow first steps)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--ssm-precision",
-        choices=SSM_PRECISIONS,
-        default="fp32",
-        help="storage precision of the Mamba state cache",
-    )
-    p.add_argument(
-        "--speculative",
-        type=int,
-        default=0,
-        metavar="K",
-        help="draft K tokens per step with the MTP head (greedy output equals plain greedy; "
-        "sampled output follows the model's distribution by rejection sampling)",
-    )
-    p.set_defaults(fn=cmd_generate)
-
-    p = sub.add_parser("pretrain", help="pretrain from a run YAML (default: the quickstart)")
-    p.add_argument("--config", default="configs/quickstart.yaml", help="a run YAML")
-    add_overrides_arg(p, "train.max_steps=200")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    p.add_argument("--prompt", default="def ", help="prompt of the closing sample")
-    p.add_argument("--sample-tokens", type=int, default=200)
-    p.set_defaults(fn=cmd_pretrain)
-
-    p = sub.add_parser(
-        "merge", help="merge a run's last checkpoints (sliding windows), export the best"
-    )
-    p.add_argument("--run", required=True, help="a pretrain out_dir (run.yaml + checkpoints/)")
-    p.add_argument("--windows", default="2,3,4", help="window sizes, comma-separated")
-    p.add_argument(
-        "--weights", default="uniform,minus_sqrt", help="weightings: uniform, minus_sqrt"
-    )
-    p.add_argument("--out", default=None, help="export directory (default: RUN/merged)")
-    p.set_defaults(fn=cmd_merge)
-
-    p = sub.add_parser("export-hf", help="write a transformers checkpoint directory")
-    _add_model_args(p)
-    p.add_argument("--out", required=True)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(fn=cmd_export_hf)
-
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the [serve] extra)")
-    _add_model_args(p)
-    _add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
-    p.add_argument(
-        "--model-name",
-        default=None,
-        help="the model id clients send (default: the preset/checkpoint name)",
-    )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.set_defaults(fn=cmd_serve)
-
-    p = sub.add_parser("chat", help="interactive chat on stdin/stdout with the chat template")
-    _add_model_args(p)
-    _add_engine_args(p)
-    p.add_argument("--system", default=None, help="a system message that starts the conversation")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply")
-    p.add_argument(
-        "--speculative",
-        type=int,
-        default=0,
-        metavar="K",
-        help="draft K tokens per step with the MTP head",
-    )
-    p.set_defaults(fn=cmd_chat, model_name=None)
-
-    # stages that register their own sub-commands (each module's `register(sub)`)
-    for module in _STAGE_MODULES:
-        importlib.import_module(module, __package__).register(sub)
-    return parser
-
-
-_STAGE_MODULES = (
-    ".speedrun",
-    ".train.sft",
-    ".train.dpo",
-    ".train.distill",
-    ".train.mtp_boost",
-    ".rl.learner",
-    ".eval.harness",
-    ".precision.policy",
-    ".precision.quantize",
-    ".data.curate.pipeline",
-    ".data.curate.quality",
-    ".data.curate.upsample",
-    ".data.curate.decon",
-    ".data.curate.embed",
-    ".data.curate.mixing",
-)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        args.fn(args)
-    except ValueError as err:
-        print(f"hybridlm {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

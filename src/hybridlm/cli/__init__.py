@@ -1,0 +1,73 @@
+"""`hybridlm <stage> ...`: the command line of every stage.
+
+    hybridlm info --preset nemotron-3-super-120b-a12b
+    hybridlm config --preset tiny-super --set moe.top_k=8 > my.yaml
+    hybridlm generate --preset tiny-super --prompt "To be, or not to be"
+    hybridlm export-hf --preset tiny-super --out ckpt/    # or --checkpoint dir (any HF dir)
+    hybridlm serve --preset tiny-super --port 8000        # OpenAI-compatible server on localhost
+    hybridlm chat --preset tiny-super --system "Be brief."
+
+A model comes from `--preset NAME`, `--config FILE.yaml|json` or `--checkpoint DIR` (a transformers
+NemotronH / Olmo3 directory), with `--set a.b=value` overrides for the first two.
+
+One module per stage group (model, speedrun, train, rl, eval, precision, data) defines its
+sub-commands' arguments and handlers; a handler imports the library when it runs, so building the
+parser imports no torch and `hybridlm --help` or a mistyped flag answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# stage groups, in the order `hybridlm --help` lists their commands
+_GROUPS = ("model", "speedrun", "train", "rl", "eval", "precision", "data")
+
+
+def _thread_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _add_threads_arg(p: argparse.ArgumentParser, default: object) -> None:
+    p.add_argument(
+        "--threads",
+        type=_thread_count,
+        default=default,
+        metavar="N",
+        help="CPU threads for torch (default: automatic, the cores other processes leave free)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridlm", description=__doc__.split("\n\n")[0])
+    _add_threads_arg(parser, None)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for group in _GROUPS:
+        importlib.import_module(f".{group}", __name__).register(sub)
+    # every sub-command takes --threads too (`hybridlm pretrain --threads 2`); SUPPRESS keeps a
+    # value given before the sub-command (`hybridlm --threads 2 pretrain`) when it is absent here
+    for p in sub.choices.values():
+        _add_threads_arg(p, argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        from ..threads import configure_threads, describe
+
+        # before a handler imports torch: the OpenMP wait policy is read when torch loads
+        args.threads_info = configure_threads(args.threads)
+        print(f"hybridlm {args.command}: {describe(args.threads_info)}", file=sys.stderr)
+        args.fn(args)
+    except ValueError as err:
+        print(f"hybridlm {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0

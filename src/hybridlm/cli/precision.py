@@ -1,0 +1,114 @@
+"""`hybridlm precision-plan | quantize`: low-precision training plan and post-training
+quantisation (precision/policy.py, precision/quantize.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..choices import PTQ_DEFAULT_EXCLUDE, PTQ_RECIPES
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the precision commands to the CLI's sub-command parsers."""
+    p = sub.add_parser(
+        "precision-plan",
+        help="which layers train in NVFP4 / MXFP8 / BF16 (Nemotron 3 Super §2.2 policy)",
+    )
+    p.add_argument("--preset", default="tiny-super", help="model preset name")
+    p.add_argument("--config", default=None, help="model config YAML/JSON (instead of --preset)")
+    p.add_argument(
+        "--tail", type=float, default=0.15, help="fraction of final layers kept in high precision"
+    )
+    p.set_defaults(fn=cmd_precision_plan)
+
+    p = sub.add_parser(
+        "quantize",
+        help="PTQ (FP8 W8A8, NVFP4 W4A4, AutoQuantize mixed) + ModelOpt/vLLM-format export",
+    )
+    p.add_argument("checkpoint", help="training checkpoint, run directory or transformers dir")
+    p.add_argument("out", help="output directory (quantised checkpoint + reports)")
+    p.add_argument("--recipe", choices=PTQ_RECIPES, default="nvfp4")
+    p.add_argument(
+        "--budget", type=float, default=4.75, help="autoquant: average effective bits per weight"
+    )
+    p.add_argument(
+        "--cost",
+        choices=["params", "flops"],
+        default="params",
+        help="autoquant: weight the bits average by parameters or by MACs per token",
+    )
+    p.add_argument("--calib-samples", type=int, default=64, help="calibration sequences")
+    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches to compare on")
+    p.add_argument(
+        "--weight-scale",
+        choices=["mse", "max"],
+        default="mse",
+        help="NVFP4 weight block scales: per-block MSE search or plain amax",
+    )
+    p.add_argument(
+        "--exclude",
+        action="append",
+        default=None,
+        metavar="PATTERN",
+        help=f"module-name glob kept unquantised, added to {list(PTQ_DEFAULT_EXCLUDE)} "
+        "(repeatable)",
+    )
+    p.add_argument(
+        "--no-per-layer",
+        dest="per_layer",
+        action="store_false",
+        help="skip the per-group loss deltas (one evaluation per group)",
+    )
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    p.add_argument(
+        "--data",
+        default="",
+        help="calibrate and evaluate on the data of this pretraining run (dir or run.yaml)",
+    )
+    p.add_argument(
+        "--calib-data",
+        default="",
+        help="calibrate on the chat data of this SFT run (dir or run.yaml) instead of `--data`",
+    )
+    p.set_defaults(fn=cmd_quantize)
+
+
+def cmd_precision_plan(args: argparse.Namespace) -> None:
+    """Print which GEMM of a model trains in which format under the §2.2 policy."""
+    import torch
+
+    from ..config import ModelConfig
+    from ..model.model import HybridLM
+    from ..precision.policy import ConversionReport, PrecisionPolicy, assign_formats
+    from ..presets import get_preset
+
+    cfg = ModelConfig.load(args.config) if args.config else get_preset(args.preset)
+    with torch.device("meta"):  # no memory: the 120B preset plans in a second
+        model = HybridLM(cfg)
+    policy = PrecisionPolicy(high_precision_tail=args.tail)
+    report = ConversionReport([row for _, _, row in assign_formats(model, policy)])
+    print(report.table())
+
+
+def cmd_quantize(args: argparse.Namespace) -> None:
+    from ..precision.quantize import QuantizeConfig, run_quantize
+
+    run_quantize(
+        QuantizeConfig(
+            checkpoint=args.checkpoint,
+            out=args.out,
+            recipe=args.recipe,
+            budget=args.budget,
+            cost=args.cost,
+            calib_samples=args.calib_samples,
+            eval_batches=args.eval_batches,
+            weight_scale=args.weight_scale,
+            exclude=PTQ_DEFAULT_EXCLUDE + tuple(args.exclude or ()),
+            per_layer=args.per_layer,
+            export_dtype=args.dtype,
+            device=args.device,
+            data=args.data,
+            calib_data=args.calib_data,
+        )
+    )

@@ -1,0 +1,41 @@
+"""`hybridlm speedrun`: the whole flow, stage by stage, in one run directory (speedrun.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..config import add_overrides_arg
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add `hybridlm speedrun` to the CLI's sub-command parsers."""
+    p = sub.add_parser(
+        "speedrun",
+        help="the whole flow: curate -> tokenizer -> pretrain -> SFT -> GRPO -> MTP healing -> "
+        "NVFP4 PTQ -> eval -> report, resumable, in one run directory",
+    )
+    p.add_argument("--config", default="configs/speedrun.yaml", help="speedrun config YAML")
+    p.add_argument("--out", default="", help="run directory (default: the config's out_dir)")
+    p.add_argument("--skip", default="", help="comma-separated stages to leave out")
+    p.add_argument("--only", default="", help="comma-separated stages to run (others untouched)")
+    p.add_argument("--force", default="", help="comma-separated stages to rerun even if done")
+    add_overrides_arg(p, "pretrain.train.max_steps=300")
+    p.set_defaults(fn=cmd_speedrun)
+
+
+def cmd_speedrun(args: argparse.Namespace) -> None:
+    from ..speedrun import Speedrun, load_config
+
+    cfg = load_config(args.config, args.overrides, args.out, args.skip)
+
+    def names(s: str) -> list[str]:
+        return [x for x in s.split(",") if x]
+
+    result = Speedrun(
+        cfg,
+        only=names(args.only) or None,
+        force=names(args.force),
+        threads=getattr(args, "threads_info", None),
+    ).run()
+    print(json.dumps({"run_dir": result["run_dir"], "minutes": result["seconds"] / 60}, indent=1))

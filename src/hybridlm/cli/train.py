@@ -1,0 +1,183 @@
+"""`hybridlm pretrain | merge | sft | dpo | distill | mtp-boost`: the training stages."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ..config import add_overrides_arg
+
+
+def add_run_args(p: argparse.ArgumentParser, default_config: str) -> None:
+    """`--config RUN.yaml`, `--set` and `--resume`: the flags of a post-training stage."""
+    p.add_argument("--config", default=default_config, help="run config YAML")
+    add_overrides_arg(p, "train.max_steps=100")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the training commands to the CLI's sub-command parsers."""
+    p = sub.add_parser("pretrain", help="pretrain from a run YAML (default: the quickstart)")
+    p.add_argument("--config", default="configs/quickstart.yaml", help="a run YAML")
+    add_overrides_arg(p, "train.max_steps=200")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--prompt", default="def ", help="prompt of the closing sample")
+    p.add_argument("--sample-tokens", type=int, default=200)
+    p.set_defaults(fn=cmd_pretrain)
+
+    p = sub.add_parser(
+        "merge", help="merge a run's last checkpoints (sliding windows), export the best"
+    )
+    p.add_argument("--run", required=True, help="a pretrain out_dir (run.yaml + checkpoints/)")
+    p.add_argument("--windows", default="2,3,4", help="window sizes, comma-separated")
+    p.add_argument(
+        "--weights", default="uniform,minus_sqrt", help="weightings: uniform, minus_sqrt"
+    )
+    p.add_argument("--out", default=None, help="export directory (default: RUN/merged)")
+    p.set_defaults(fn=cmd_merge)
+
+    p = sub.add_parser("sft", help="supervised fine-tuning on chat data (assistant-only loss)")
+    add_run_args(p, "configs/sft.yaml")
+    p.set_defaults(fn=cmd_sft)
+
+    p = sub.add_parser("dpo", help="direct preference optimisation (dpo / dpo_norm)")
+    add_run_args(p, "configs/dpo.yaml")
+    p.set_defaults(fn=cmd_dpo)
+
+    p = sub.add_parser(
+        "distill", help="distillation: offline top-k KL + CE, or on-policy multi-teacher"
+    )
+    add_run_args(p, "configs/distill.yaml")
+    p.set_defaults(fn=cmd_distill)
+
+    p = sub.add_parser(
+        "mtp-boost",
+        help="MTP healing/boosting: train only the MTP head on the model's own generations",
+    )
+    p.add_argument("--checkpoint", required=True, help="run, training checkpoint or HF directory")
+    p.add_argument("--out", default="", help="output directory (default: <checkpoint>-mtp-boost)")
+    add_overrides_arg(p, "steps=300 --set mix_true=0.5")
+    p.set_defaults(fn=cmd_mtp_boost)
+
+
+def cmd_pretrain(args: argparse.Namespace) -> None:
+    """Pretrain from a run YAML (model + data + train); ends with a sample, the loss plot and a
+    transformers export of the final weights."""
+    from pathlib import Path
+
+    import torch
+
+    from ..data.pipeline import build_tokenizer
+    from ..infer.generate import generate
+    from ..train import RunConfig, apply_run_overrides, parallel
+    from ..train.trainer import Trainer
+
+    path = Path(args.config)
+    if not path.is_file():
+        raise ValueError(
+            f"run config {path} not found (run from the repository root, or pass --config)"
+        )
+    run = apply_run_overrides(RunConfig.load(path), args.overrides)
+    trainer = Trainer(run, resume=args.resume)
+    trainer.run.save(Path(trainer.run.train.out_dir) / "run.yaml")
+    result = trainer.train()
+    if not parallel.is_main():  # under torchrun only rank 0 samples, exports and reports
+        parallel.destroy()
+        return
+    model, tok = trainer.model.eval(), build_tokenizer(trainer.run.data)
+    ids = torch.tensor([tok.encode(args.prompt)], device=trainer.device)
+    with torch.no_grad():
+        out = generate(model, ids, args.sample_tokens, temperature=0.8, top_p=0.95, seed=0)
+    export = Path(trainer.run.train.out_dir) / "hf"
+    model.save_pretrained(export, tokenizer=tok)
+    ev = result.get("eval") or {}
+    print("--- sample (T=0.8, top-p 0.95) ---")
+    print(args.prompt + tok.decode(out[0].tolist()))
+    print("---")
+    last = result.get("last_train") or {}
+    summary = [
+        f"step {result['step']}/{result['total_steps']}",
+        f"tokens {result['tokens_seen']:,}",
+    ]
+    if "loss" in last:
+        summary.append(f"train loss {last['loss']:.3f}")
+    if ev:
+        summary.append(
+            " ".join(f"{k} {v:.3f}" for k, v in ev.items() if isinstance(v, (int, float)))
+        )
+    print("[" + " | ".join(summary) + "]")
+    print(f"metrics:    {result['metrics']}")
+    print(f"loss plot:  {result['plot']}")
+    print(f"checkpoint: {result['checkpoint']}")
+    print(f"hf export:  {export}  (HybridLM.from_pretrained / transformers)")
+    parallel.destroy()
+
+
+def cmd_merge(args: argparse.Namespace) -> None:
+    """Average sliding windows of a run's last checkpoints, evaluate each on the held-out split
+    and export the best (train/merge.py)."""
+    from ..train.merge import merge_run, parse_list
+
+    merge_run(
+        args.run,
+        windows=parse_list(args.windows, int),
+        weights=parse_list(args.weights),
+        out=args.out,
+    )
+
+
+def _post_training(load: Any, run: Any, args: argparse.Namespace, keys: tuple[str, ...]) -> None:
+    """Load a stage's run config, apply `--set`, run it and print the result's `keys` as JSON."""
+    from ..train.config import apply_run_overrides
+
+    cfg = load(args.config)
+    if args.overrides:
+        cfg = apply_run_overrides(cfg, args.overrides)
+    result = run(cfg, resume=args.resume)
+    print(json.dumps({k: result[k] for k in keys}, indent=1))
+
+
+def cmd_sft(args: argparse.Namespace) -> None:
+    from ..train.sft import SFTRunConfig, run_sft
+
+    _post_training(SFTRunConfig.load, run_sft, args, ("step", "eval", "checkpoint", "plot"))
+
+
+def cmd_dpo(args: argparse.Namespace) -> None:
+    from ..train.dpo import DPORunConfig, run_dpo
+
+    keys = ("step", "eval", "checkpoint", "plot", "data")
+    _post_training(DPORunConfig.load, run_dpo, args, keys)
+
+
+def cmd_distill(args: argparse.Namespace) -> None:
+    from ..train.distill import DistillRunConfig, run_distill
+
+    keys = ("step", "eval", "checkpoint", "plot")
+    _post_training(DistillRunConfig.load, run_distill, args, keys)
+
+
+def cmd_mtp_boost(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from ..config import apply_overrides
+    from ..train.mtp_boost import MTPBoostConfig, boost_checkpoint
+
+    cfg = apply_overrides(MTPBoostConfig(), args.overrides).validate()
+    out = Path(args.out or str(Path(args.checkpoint).resolve()) + "-mtp-boost")
+    res = boost_checkpoint(args.checkpoint, cfg, out)
+    print(
+        f"[mtp-boost] {res['sequences']} self-generated sequences ({res['generation_s']:.0f} s),"
+        f" {cfg.steps} steps ({res['train_s']:.0f} s): loss {res['first']['loss']:.3f} ->"
+        f" {res['last']['loss']:.3f}"
+    )
+    for b, a in zip(res["before"], res["after"], strict=True):
+        pos_b = " ".join(f"{x:.2f}" for x in b["acceptance_by_position"])
+        pos_a = " ".join(f"{x:.2f}" for x in a["acceptance_by_position"])
+        print(
+            f"[mtp-boost] T={b['temperature']:g}, k={cfg.draft_len}, {res['eval_prompts']} held-out"
+            f" prompts: acceptance length {b['acceptance_length']:.2f} ->"
+            f" {a['acceptance_length']:.2f} | by position {pos_b} -> {pos_a}"
+        )
+    print(f"plot: {res['plot']}\nmodel: {res['model']}")
