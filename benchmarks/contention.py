@@ -9,8 +9,9 @@ hybrid model, batch 8 x 256, AdamW) and batch-1 greedy decode tokens/s in three 
 - busy:      one CPU-bound neighbour (a Python spin loop) running before the worker starts;
 - busy late: the neighbour starts after the worker has chosen its threads.
 
-Settings: `hybridlm` = the CLI's `configure_threads()` (free cores at start, passive OpenMP
-waits), `torch` = PyTorch's defaults (one thread per core, the OpenMP runtime's default waits).
+Settings: `hybridlm` = the CLI's `configure_threads()` (free cores at start, followed while it
+runs), `torch` = PyTorch's defaults (one thread per core); `NAME:POLICY` (`hybridlm:PASSIVE`)
+runs a setting with that `OMP_WAIT_POLICY`.
 Conditions and settings are interleaved round by round; the table shows medians and each busy
 condition as a ratio of the same setting's idle speed (the target is >= 0.4).
 Results go to `metrics.jsonl` (one row per measurement) and `contention.png` in `--out`.
@@ -33,6 +34,9 @@ SPIN = "while True: pass"
 
 def worker(setting: str, seconds: float) -> None:
     info: dict = {}
+    setting, _, policy = setting.partition(":")
+    if policy:  # `hybridlm:ACTIVE` -- a wait policy set by the user, which configure_threads keeps
+        os.environ["OMP_WAIT_POLICY"] = "" if policy == "runtime" else policy
     if setting == "hybridlm":
         from hybridlm.threads import configure_threads
 
@@ -123,19 +127,19 @@ def plot(rows: list[dict], out: Path) -> None:
     from hybridlm.train.plot import pyplot, save_figure
 
     plt = pyplot()
-    settings = ["hybridlm", "torch"]
+    settings = list(dict.fromkeys(r["setting"] for r in rows))
     conds = ["idle", "busy", "busy late"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, title in zip(
         axes, ("train_tok_s", "decode_tok_s"), ("pretraining", "batch-1 greedy decode"), strict=True
     ):
-        width = 0.38
+        width = 0.8 / len(settings)
         for i, s in enumerate(settings):
             meds = [
                 statistics.median(r[key] for r in rows if r["setting"] == s and r["condition"] == c)
                 for c in conds
             ]
-            xs = [j + (i - 0.5) * width for j in range(len(conds))]
+            xs = [j + (i - (len(settings) - 1) / 2) * width for j in range(len(conds))]
             ax.bar(xs, meds, width, label=f"{s} threading")
         ax.set_xticks(range(len(conds)), conds)
         ax.set_ylim(bottom=0)
@@ -173,7 +177,7 @@ def main() -> None:
                     f.write(json.dumps(row) + "\n")
                     f.flush()
                     print(
-                        f"round {r} {s:9s} {c:10s} "
+                        f"round {r} {s:16s} {c:10s} "
                         f"threads {res['threads_start']}->{res['threads']}  "
                         f"train {res['train_tok_s']:7.0f} tok/s  "
                         f"decode {res['decode_tok_s']:6.1f} tok/s",
@@ -196,19 +200,25 @@ def main() -> None:
                 base = {"train": tr, "decode": de}
             rt, rd = tr / base["train"], de / base["decode"]
             summary[f"{s}/{c}"] = {"train_ratio": rt, "decode_ratio": rd}
-            print(f"{s:9s} {c:10s} {tr:12.0f} {rt:6.2f} {de:13.1f} {rd:6.2f}")
+            print(f"{s:16s} {c:10s} {tr:12.0f} {rt:6.2f} {de:13.1f} {rd:6.2f}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(rows, out)
-    worst = (
-        min(
+    for s in settings:
+        worst = min(
             min(v["train_ratio"], v["decode_ratio"])
             for k, v in summary.items()
-            if k.startswith("hybridlm/")
+            if k.startswith(f"{s}/") and not k.endswith("/idle")
         )
-        if "hybridlm" in settings
-        else float("nan")
-    )
-    print(f"\nhybridlm threading, worst busy / idle ratio: {worst:.2f} (target >= 0.40)")
+        print(f"{s} threading: worst busy / idle ratio {worst:.2f} (target >= 0.40)")
+    if "hybridlm" in settings and "torch" in settings:
+        idle = {
+            s: statistics.median(
+                x["train_tok_s"] for x in rows if x["setting"] == s and x["condition"] == "idle"
+            )
+            for s in ("hybridlm", "torch")
+        }
+        ratio = idle["hybridlm"] / idle["torch"]
+        print(f"idle pretraining, hybridlm / torch defaults: {ratio:.2f}")
     print(f"wrote {out / 'metrics.jsonl'} and {out / 'contention.png'}")
 
 

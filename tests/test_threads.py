@@ -69,11 +69,13 @@ def test_governor_follows_a_neighbour(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_configure_before_torch_sets_passive_waits():
+def test_configure_before_torch_sizes_the_pool():
+    """Called before torch loads, the choice reaches torch and the environment of child processes
+    (Ray workers, data workers), and the wait policy stays the runtime's."""
     code = (
         "import json, sys; from hybridlm.threads import configure_threads; "
         "assert 'torch' not in sys.modules; info = configure_threads(None); "
-        "import os, torch; info['env'] = os.environ['OMP_WAIT_POLICY']; "
+        "import os, torch; info['env'] = os.environ['OMP_NUM_THREADS']; "
         "info['torch_threads'] = torch.get_num_threads(); print(json.dumps(info))"
     )
     env = {
@@ -86,8 +88,8 @@ def test_configure_before_torch_sets_passive_waits():
     )
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout.strip().splitlines()[-1])
-    assert info["env"] == "PASSIVE" and info["omp_wait_policy"] == "PASSIVE"
-    assert info["torch_threads"] == info["threads"] >= 1
+    assert info["omp_wait_policy"] == "runtime default" and not info["torch_imported_first"]
+    assert info["torch_threads"] == info["threads"] == int(info["env"]) >= 1
     assert info["source"] == "free cores" and "busy_cpus_at_start" in info
 
 

@@ -3,24 +3,26 @@
 PyTorch's CPU kernels run on an OpenMP pool of one thread per core, and every parallel region ends
 in a barrier: a region is as slow as its slowest thread. When another process keeps one core busy,
 the thread that shares that core runs only in the scheduler's time slices, so each of the thousands
-of small regions of a training or decode step waits milliseconds for it, and GNU OpenMP's default
-spin-waiting burns the other cores meanwhile. On a 2-core machine with one CPU-bound neighbour this
-made pretraining 10-25x slower (`benchmarks/contention.py`). Two measures keep it to the share of
-the machine that is free:
+of small regions of a training or decode step waits milliseconds for it. On a 2-core machine
+with one CPU-bound neighbour this made pretraining 4-25x slower (`benchmarks/contention.py`).
+So the thread count follows the share of the machine that is free:
 
-- the thread count is the number of cores this process may use (its affinity mask) minus the cores
-  other processes keep busy when it starts (sampled from /proc/stat), at least one;
-- idle OpenMP threads sleep (`OMP_WAIT_POLICY=PASSIVE`) instead of spinning (the wait policy is
-  read when the OpenMP runtime loads, so it is set before torch is imported);
-- a neighbour that starts or stops later is followed: every `interval_s` seconds (2 by default)
-  the thread that runs the model re-reads /proc/stat, subtracts its own process's CPU time, and
-  sets the thread count to the cores left free. The check rides on a global module forward
-  pre-hook (`torch.nn.modules.module.register_module_forward_pre_hook`), so training, decoding,
-  serving and evaluation loops need no call of their own; between checks the hook costs one
-  clock read per module call.
+- at start, the cores this process may use (its affinity mask) minus the cores other processes
+  keep busy (sampled from /proc/stat over 0.2 s), at least one;
+- while it runs, every `interval_s` seconds (2 by default) the thread that runs the model
+  re-reads /proc/stat, subtracts its own process's CPU time, and sets the count to the cores
+  left free, so a neighbour that starts or stops later is followed. The check rides on a global
+  module forward pre-hook (`torch.nn.modules.module.register_module_forward_pre_hook`), so
+  training, decoding, serving and evaluation loops need no call of their own; between checks
+  the hook costs one clock read per module call.
+
+The OpenMP wait policy is left to the runtime (or the user's `OMP_WAIT_POLICY`): measured on
+2 cores, `PASSIVE` (threads sleep at once) cost 30-40% of idle training speed and ~40% of decode
+speed, and `ACTIVE` (threads never sleep) kept 0.41 of idle training speed against a neighbour
+that starts late, against 0.56 for the runtime default, which did best in all three conditions.
 
 `configure_threads(n)` pins the count (`hybridlm ... --threads n`) and turns the adaptation
-off; so does `OMP_NUM_THREADS` when the user sets it. A user's `OMP_WAIT_POLICY` is respected.
+off; so does `OMP_NUM_THREADS` when the user sets it.
 """
 
 from __future__ import annotations
@@ -131,7 +133,8 @@ def configure_threads(requested: int | None = None, *, window_s: float = 0.2) ->
     """Choose and apply the intra-op thread count and the OpenMP wait policy; return what was done.
 
     `requested` pins the count; otherwise `OMP_NUM_THREADS` if set, else the free cores at start.
-    Call it before the first `import torch` of the process so that the wait policy takes effect.
+    Call it before the first `import torch` of the process: `OMP_NUM_THREADS` then also sizes
+    the OpenMP pool that torch starts.
     The automatic choice is made once per process: later calls with `requested=None` return it
     unchanged (a library or test that pinned the count keeps it); a number always re-pins.
     """
@@ -155,11 +158,8 @@ def configure_threads(requested: int | None = None, *, window_s: float = 0.2) ->
         info["busy_cpus_at_start"] = round(busy, 2)
     info.update(threads=threads, source=source)
 
-    if "OMP_WAIT_POLICY" not in os.environ and not torch_loaded:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "runtime default")
-    if torch_loaded and "OMP_WAIT_POLICY" not in os.environ:
-        info["omp_wait_policy"] = "runtime default (torch was imported first)"
+    info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY") or "runtime default"
+    info["torch_imported_first"] = torch_loaded
     # child processes (Ray workers, data workers, tokenizers) start from the same settings
     os.environ["OMP_NUM_THREADS"] = str(threads)
     os.environ.setdefault("MKL_NUM_THREADS", str(threads))

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from ..threads import configure_threads, describe
 
-        # before a handler imports torch: the OpenMP wait policy is read when torch loads
+        # before a handler imports torch: OMP_NUM_THREADS sizes the pool torch starts
         args.threads_info = configure_threads(args.threads)
         print(f"hybridlm {args.command}: {describe(args.threads_info)}", file=sys.stderr)
         args.fn(args)
