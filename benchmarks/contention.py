@@ -134,6 +134,7 @@ def plot(rows: list[dict], out: Path) -> None:
         axes, ("train_tok_s", "decode_tok_s"), ("pretraining", "batch-1 greedy decode"), strict=True
     ):
         width = 0.8 / len(settings)
+        top = 0.0
         for i, s in enumerate(settings):
             meds = [
                 statistics.median(r[key] for r in rows if r["setting"] == s and r["condition"] == c)
@@ -141,11 +142,12 @@ def plot(rows: list[dict], out: Path) -> None:
             ]
             xs = [j + (i - (len(settings) - 1) / 2) * width for j in range(len(conds))]
             ax.bar(xs, meds, width, label=f"{s} threading")
+            top = max(top, *meds)
         ax.set_xticks(range(len(conds)), conds)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, top * 1.3)  # room for the legend above the bars
         ax.set_ylabel("tokens / s (median of rounds)")
         ax.set_title(title)
-        ax.legend()
+        ax.legend(loc="upper right", ncol=len(settings), fontsize=8)
     fig.suptitle("CPU contention: one CPU-bound neighbour process")
     save_figure(fig, out / "contention.png")
 
