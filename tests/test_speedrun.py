@@ -170,6 +170,13 @@ def test_rerun_reuses_finished_stages_and_reruns_downstream_of_a_change(finished
     after = json.loads((run / "mtp_heal" / "stage.json").read_text())
     assert after["fingerprint"] != before["mtp_heal"]["fingerprint"]
     assert json.loads((run / "pretrain" / "stage.json").read_text()) == before["pretrain"]
+    # --force reruns a stage with the same settings, and everything that reads its outputs
+    Speedrun(cfg, progress=False, force=["quantize"]).run()
+    status = {r["stage"]: r["status"] for r in stage_rows(run)[-len(STAGES) :]}
+    assert status == {
+        **{s: "reused" for s in ("curate", "tokenizer", "pretrain", "sft", "rl", "mtp_heal")},
+        **{s: "done" for s in ("quantize", "eval", "report")},
+    }
 
 
 def _record(run: Path, stage: str, model: str) -> None:

@@ -24,7 +24,8 @@ and of its inputs' fingerprints. `<run>/provenance.json` records the run itself 
 settings that differ from configs/speedrun.yaml, git commit, library versions, threads, CPU,
 and each stage's status and wall time), for the report. A rerun skips every finished stage whose
 fingerprint is unchanged and reruns the others (and, through the fingerprints, everything
-downstream of them).
+downstream of them). An input enters a fingerprint with the time its outputs were made, so a
+stage rerun with `--force` (same settings, new outputs) reruns everything downstream too.
 Pretraining and SFT continue from their newest checkpoint when interrupted; the other stages take
 minutes and restart. `--skip` leaves stages out: the model chain then continues from the newest
 model before the skipped stage (e.g. `--skip rl` heals the SFT model's MTP head), and a skipped
@@ -409,7 +410,12 @@ class Speedrun:
         return [s for s in dict.fromkeys(upstream) if self.done(s)]
 
     def fingerprint(self, name: str) -> str:
-        ins = {s: self.record(s)["fingerprint"] for s in self.inputs(name)}  # type: ignore[index]
+        ins = {}
+        for s in self.inputs(name):
+            rec = self.record(s)
+            assert rec is not None  # inputs() keeps finished stages only
+            # which outputs, not only which settings: a forced rerun makes new ones
+            ins[s] = [rec["fingerprint"], rec.get("made_at")]
         return _fingerprint({"stage": name, "settings": self.settings(name), "inputs": ins})
 
     # -------------------------------------------------------------- driver
@@ -520,6 +526,7 @@ class Speedrun:
                 "stage": name,
                 "fingerprint": fp,
                 "seconds": seconds,
+                "made_at": time.time(),
                 "summary": summary,
                 "run": made_by,  # not in the fingerprint: provenance, not settings
             }
