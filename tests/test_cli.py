@@ -52,6 +52,9 @@ def test_generate_and_export(tmp_path, capsys):
             ["generate", "--preset", "tiny-super", "--speculative", "3", "--ssm-precision", "fp16"],
             "fp32 state cache",
         ),
+        (["quality-train", "--out", "/tmp/unused-quality"], "give --pos and --neg"),
+        (["upsample-curve", "--target", "web"], "--target web"),
+        (["decon", "--input", "/dev/null", "--benchmark", "bad"], "NAME=FILE.jsonl"),
     ],
 )
 def test_user_mistakes_are_reported(argv, message, capsys):

@@ -217,7 +217,7 @@ def cmd_quality_train(args: argparse.Namespace) -> None:
         texts, labels = example_quality_data(args.example or None, per_source=args.per_source)
     else:
         if not args.pos or not args.neg:
-            raise SystemExit("give --pos and --neg files (or --example [DATA_DIR])")
+            raise ValueError("give --pos and --neg files (or --example [DATA_DIR])")
         texts, labels = [], []
         for files, label in ((args.pos, args.pos_label), (args.neg, args.neg_label)):
             for f in files:
@@ -261,7 +261,7 @@ def cmd_upsample_curve(args: argparse.Namespace) -> None:
         try:
             curves[topic] = UpsampleCurve.fit_mean(float(mean), cfg)
         except ValueError as err:
-            raise SystemExit(f"--target {spec}: {err}") from None
+            raise ValueError(f"--target {spec}: {err}") from None
     out = Path(args.out)
     jsonl = write_curves(curves, out / "curves.jsonl")
     png = plot_curves(jsonl, out / "curves.png")
@@ -291,10 +291,10 @@ def cmd_decon(args: argparse.Namespace) -> None:
     for spec in args.benchmark:
         name, _, path = spec.partition("=")
         if not path:
-            raise SystemExit(f"--benchmark takes NAME=FILE.jsonl, got {spec!r}")
+            raise ValueError(f"--benchmark takes NAME=FILE.jsonl, got {spec!r}")
         reg.add_jsonl(path, name)
     if not reg.items:
-        raise SystemExit("no benchmarks: give --data-dir and/or --benchmark NAME=FILE")
+        raise ValueError("no benchmarks: give --data-dir and/or --benchmark NAME=FILE")
     det: Any
     if args.method == "simple":
         det = SampledNgramDetector(reg)
