@@ -62,7 +62,7 @@ def write_hf_tokenizer(
 
 
 @cache
-def _bytes_to_unicode() -> tuple[str, ...]:
+def byte_level_chars() -> tuple[str, ...]:
     """GPT-2's printable stand-in character of every byte (the `ByteLevel` pre-tokenizer's)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
     keep += range(ord("®"), ord("ÿ") + 1)
@@ -78,9 +78,11 @@ class ByteTokenizer:
     bos_id = 256
     eos_id = 257
     vocab_size = 258
-    # names of the two non-byte ids in a saved (transformers) tokenizer; the BPE's names
+    # names of the two non-byte ids in a saved (transformers) tokenizer; the BPE's names. There is
+    # no padding token: transformers is told to pad with EOS.
     bos_token = "<|bos|>"
     eos_token = "<|endoftext|>"
+    pad_token = eos_token
 
     def encode(self, text: str, *, add_bos: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -136,21 +138,20 @@ class ByteTokenizer:
                 "fuse_unk": False,
                 "byte_fallback": False,
                 "ignore_merges": False,
-                "vocab": {c: b for b, c in enumerate(_bytes_to_unicode())},
+                "vocab": {c: b for b, c in enumerate(byte_level_chars())},
                 "merges": [],
             },
         }
 
     def save(self, path: str | Path, *, model_max_length: int | None = None) -> Path:
-        """Write `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja`. The byte
-        tokenizer has no padding token; transformers is told to pad with EOS."""
+        """Write `tokenizer.json`, `tokenizer_config.json` and `chat_template.jinja`."""
         data = self.tokenizer_json()
         return write_hf_tokenizer(
             path,
             json.dumps(data, indent=2, ensure_ascii=False),
             bos_token=self.bos_token,
             eos_token=self.eos_token,
-            pad_token=self.eos_token,
+            pad_token=self.pad_token,
             added_tokens=data["added_tokens"],
             model_max_length=model_max_length,
         )

@@ -575,13 +575,12 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None):
 
 
 # ====================================================================== model directories
-def special_token_ids(tokenizer: Any, tokenizer_dir: str | Path) -> dict[str, int | None]:
-    """`bos_token_id` / `eos_token_id` / `pad_token_id` as transformers reads them from the
-    tokenizer saved in `tokenizer_dir` (its tokenizer_config.json names, `tokenizer`'s ids)."""
-    names = json.loads((Path(tokenizer_dir) / "tokenizer_config.json").read_text())
+def special_token_ids(tokenizer: Any) -> dict[str, int | None]:
+    """`bos_token_id` / `eos_token_id` / `pad_token_id` as transformers reads them from the saved
+    tokenizer: the ids of the token names its `tokenizer_config.json` gets from `tokenizer`."""
     ids: dict[str, int | None] = {}
     for key in ("bos", "eos", "pad"):
-        name = names.get(f"{key}_token")
+        name = getattr(tokenizer, f"{key}_token")
         ids[f"{key}_token_id"] = None if name is None else tokenizer.token_to_id(name)
     return ids
 
@@ -643,7 +642,7 @@ def write_model_dir(
         staging = Path(tmp)
         if tokenizer is not None:
             tokenizer.save(staging, model_max_length=hf_cfg.get("max_position_embeddings"))
-            ids = special_token_ids(tokenizer, staging)
+            ids = special_token_ids(tokenizer)
             hf_cfg.update(ids)
             gen = generation_config(tokenizer, ids)
             (staging / "generation_config.json").write_text(json.dumps(gen, indent=2))

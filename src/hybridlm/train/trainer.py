@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..data.tokenizer import byte_level_chars
 from ..model.model import IGNORE_INDEX, HybridLM
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import RunConfig
@@ -89,26 +90,13 @@ def measure_peak_flops(
     return 2 * n**3 / best
 
 
-def _bytes_to_unicode() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: character -> byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1))
-    bs += list(range(0xAE, 0xFF + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
 def token_byte_lengths(tokenizer: Any, vocab_size: int) -> torch.Tensor:
     """Bytes of text each token id stands for (0 for special tokens), for bits per byte."""
     out = torch.zeros(vocab_size, dtype=torch.float64)
     if not hasattr(tokenizer, "id_to_token"):  # ByteTokenizer: ids 0-255 are the bytes
         out[: min(256, vocab_size)] = 1
         return out
-    inverse = _bytes_to_unicode()
+    inverse = set(byte_level_chars())
     added = {i: t for i, t in tokenizer.tokenizer.get_added_tokens_decoder().items()}
     for i in range(min(vocab_size, tokenizer.vocab_size)):
         if i in added:
