@@ -57,20 +57,30 @@ def _cpu_times() -> tuple[float, float] | None:
     return total - idle, total
 
 
-def busy_cpus(window_s: float = 0.2) -> float:
-    """How many cores other processes keep busy, averaged over `window_s` (0.0 where unknown).
+def _sample() -> tuple[float, float, float] | None:
+    """`_cpu_times()` and this process's own CPU time (user + system), all in jiffies."""
+    times = _cpu_times()
+    if times is None:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return times[0], times[1], sum(os.times()[:2]) * ticks
 
-    This process sleeps through the window, so all the busy time it sees belongs to others.
-    """
-    a = _cpu_times()
+
+def _busy_others(a: tuple | None, b: tuple | None) -> float | None:
+    """Cores that other processes kept busy between two `_sample()`s (None where unknown)."""
+    if a is None or b is None or b[1] <= a[1]:
+        return None
+    others = max(0.0, (b[0] - a[0]) - (b[2] - a[2]))
+    return others / (b[1] - a[1]) * (os.cpu_count() or 1)
+
+
+def busy_cpus(window_s: float = 0.2) -> float:
+    """How many cores other processes keep busy, averaged over `window_s` (0.0 where unknown)."""
+    a = _sample()
     if a is None:
         return 0.0
     time.sleep(window_s)
-    b = _cpu_times()
-    if b is None or b[1] <= a[1]:
-        return 0.0
-    ncpu = os.cpu_count() or 1
-    return max(0.0, (b[0] - a[0]) / (b[1] - a[1]) * ncpu)
+    return _busy_others(a, _sample()) or 0.0
 
 
 def _free_threads(cpus: int, busy_others: float) -> int:
@@ -90,28 +100,19 @@ class ThreadGovernor:
         self.cpus, self.threads, self.interval_s = cpus, threads, interval_s
         self.changes: list[tuple[float, int]] = []
         self._next = time.monotonic() + interval_s
-        self._last = self._sample()
-
-    @staticmethod
-    def _sample() -> tuple[float, float, float] | None:
-        times = _cpu_times()
-        if times is None:
-            return None
-        ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        own = sum(os.times()[:2]) * ticks  # this process's user + system time, in jiffies
-        return times[0], times[1], own
+        self._last = _sample()
 
     def poll(self) -> None:
         now = time.monotonic()
         if now < self._next:
             return
         self._next = now + self.interval_s
-        cur = self._sample()
-        last, self._last = self._last, cur
-        if cur is None or last is None or cur[1] <= last[1]:
+        cur = _sample()
+        others = _busy_others(self._last, cur)
+        self._last = cur
+        if others is None:
             return
-        others = max(0.0, (cur[0] - last[0]) - (cur[2] - last[2])) / (cur[1] - last[1])
-        target = _free_threads(self.cpus, others * (os.cpu_count() or 1))
+        target = _free_threads(self.cpus, others)
         if target != self.threads:
             import torch
 
@@ -130,7 +131,7 @@ _INFO: dict | None = None
 
 
 def configure_threads(requested: int | None = None, *, window_s: float = 0.2) -> dict:
-    """Choose and apply the intra-op thread count and the OpenMP wait policy; return what was done.
+    """Choose and apply torch's intra-op thread count; return what was done (and the wait policy).
 
     `requested` pins the count; otherwise `OMP_NUM_THREADS` if set, else the free cores at start.
     Call it before the first `import torch` of the process: `OMP_NUM_THREADS` then also sizes
@@ -194,8 +195,6 @@ def governor() -> ThreadGovernor | None:
 
 def describe(info: dict) -> str:
     """One line for the log: `threads 2 of 2 CPUs (free cores; 0.0 busy at start), OpenMP ...`."""
-    if not info:
-        return "threads: torch defaults"
     why = info.get("source", "")
     if "busy_cpus_at_start" in info:
         why += f"; {info['busy_cpus_at_start']:.1f} busy at start"
