@@ -283,16 +283,14 @@ def cmd_decon(args: argparse.Namespace) -> None:
         decontaminate,
     )
 
-    reg = (  # neither --data-dir nor --benchmark: the packaged GSM8K + HumanEval
-        BenchmarkRegistry.from_data_dir(args.data_dir)
-        if args.data_dir or not args.benchmark
-        else BenchmarkRegistry()
-    )
+    extra = []
     for spec in args.benchmark:
         name, _, path = spec.partition("=")
         if not path:
             raise ValueError(f"--benchmark takes NAME=FILE.jsonl, got {spec!r}")
-        reg.add_jsonl(path, name)
+        extra.append({"name": name, "path": path})
+    # neither --data-dir nor --benchmark: the packaged GSM8K + HumanEval
+    reg = BenchmarkRegistry.build(args.data_dir, extra)
     if not reg.items:
         raise ValueError("no benchmarks: give --data-dir and/or --benchmark NAME=FILE")
     det: Any

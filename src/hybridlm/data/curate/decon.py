@@ -129,7 +129,6 @@ class BenchmarkRegistry:
         """GSM8K (train and test: Olmo 3 decontaminates all splits) and HumanEval: the packaged
         copies when `data_dir` is None or "", else from a folder laid out as
         `gsm8k/{train,test}.jsonl`, `humaneval/HumanEval.jsonl.gz` (`.gz` ok; what is there)."""
-        root = Path(data_dir) if data_dir else builtin.ROOT
         reg = cls()
         for name in (builtin.GSM8K_TRAIN, builtin.GSM8K_TEST):
             f = builtin.path(name, data_dir)
@@ -145,7 +144,22 @@ class BenchmarkRegistry:
                 id_field="task_id",
             )
         if not reg.items:
-            raise ValueError(f"no GSM8K or HumanEval files under {root}")
+            raise ValueError(f"no GSM8K or HumanEval files under {data_dir or builtin.ROOT}")
+        return reg
+
+    @classmethod
+    def build(
+        cls, data_dir: str | Path | None = None, benchmarks: Sequence[Mapping[str, Any]] = ()
+    ) -> BenchmarkRegistry:
+        """`from_data_dir(data_dir)` (the packaged GSM8K + HumanEval when neither `data_dir` nor
+        `benchmarks` is given) plus each JSON Lines benchmark `{name, path, question_field,
+        answer_field, id_field}` (the last three optional, as in `add_jsonl`)."""
+        reg = cls.from_data_dir(data_dir) if data_dir or not benchmarks else cls()
+        for spec in benchmarks:
+            spec = dict(spec)
+            if "name" not in spec or "path" not in spec:
+                raise ValueError(f"decontaminate: a benchmark needs 'name' and 'path', got {spec}")
+            reg.add_jsonl(spec.pop("path"), spec.pop("name"), **spec)
         return reg
 
 
@@ -557,16 +571,7 @@ class DecontaminateStage(Filter):
         key = self._key()
         if key in _DETECTORS:
             return
-        reg = (  # neither data_dir nor benchmarks: the packaged GSM8K + HumanEval
-            BenchmarkRegistry.from_data_dir(self.data_dir)
-            if self.data_dir or not self.benchmarks
-            else BenchmarkRegistry()
-        )
-        for spec in self.benchmarks:
-            spec = dict(spec)
-            if "name" not in spec or "path" not in spec:
-                raise ValueError(f"decontaminate: a benchmark needs 'name' and 'path', got {spec}")
-            reg.add_jsonl(spec.pop("path"), spec.pop("name"), **spec)
+        reg = BenchmarkRegistry.build(self.data_dir, self.benchmarks)
         if not reg.items:
             raise ValueError("decontaminate: give data_dir or at least one benchmark file")
         if self.method == "simple":
