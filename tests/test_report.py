@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridlm.eval.report import fmt_duration, render_report, wilson_interval
+from hybridlm.eval.report import fmt_duration, render_report, reward_window, wilson_interval
 from hybridlm.provenance import collect, config_diff, git_state
-from hybridlm.speedrun import STAGES, SpeedrunConfig, reward_window
+from hybridlm.speedrun import STAGES, SpeedrunConfig
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "speedrun.yaml"
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "wbr"}

@@ -20,6 +20,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from .threads import available_cpus
+
 FORMAT = 1
 # the libraries whose versions change the numbers of a run
 LIBRARIES = ("hybridlm", "torch", "numpy", "transformers", "tokenizers", "ray", "matplotlib")
@@ -112,10 +114,7 @@ def cpu_info() -> dict[str, Any]:
     except OSError:
         pass
     info["logical_cores"] = os.cpu_count()
-    try:
-        info["usable_cores"] = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        info["usable_cores"] = os.cpu_count()
+    info["usable_cores"] = available_cpus()
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):

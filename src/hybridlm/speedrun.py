@@ -238,6 +238,16 @@ def _plain(cfg: Any) -> dict[str, Any]:
     return cfg.to_dict() if hasattr(cfg, "to_dict") else dataclasses.asdict(cfg)
 
 
+# a stage's outcome as metrics.jsonl names it (provenance.json keeps the finer status)
+_LOG_STATUS = {
+    "run": "done",
+    "reused": "reused",
+    "skipped": "skipped",
+    "kept": "skipped",
+    "not run": "skipped",
+}
+
+
 def _log(path: Path, row: dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row, default=str) + "\n")
@@ -453,9 +463,14 @@ class Speedrun:
         path.write_text(json.dumps(self.provenance, indent=1, default=str))
 
     def _stage_status(self, name: str, status: str, seconds: float | None = None) -> None:
+        """Record a stage's outcome in both places the report reads: a `stage` row of
+        metrics.jsonl (done / reused / skipped) and provenance.json's `stages` (run / reused /
+        skipped / kept / not run, with when a reused output was made)."""
+        row: dict[str, Any] = {"kind": "stage", "stage": name, "status": _LOG_STATUS[status]}
         entry: dict[str, Any] = {"status": status}
         if seconds is not None:
-            entry["seconds"] = seconds
+            row["seconds"] = entry["seconds"] = seconds
+        _log(self.run_dir / "metrics.jsonl", row)
         rec = self.record(name) if status != "run" else None
         if rec is not None:  # reused / kept: when and by what it was produced
             entry["seconds_when_run"] = rec.get("seconds")
@@ -463,9 +478,14 @@ class Speedrun:
         self.provenance.setdefault("stages", {})[name] = entry
         self._write_provenance()
 
-    def run(self) -> dict[str, Any]:
+    def _finish(self, t_start: float) -> None:
         from .provenance import now_iso
 
+        self.provenance["finished"] = now_iso()
+        self.provenance["wall_seconds"] = time.time() - t_start
+        self._write_provenance()
+
+    def run(self) -> dict[str, Any]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg.save(self.run_dir / "speedrun.yaml")
         self.start_provenance()
@@ -475,14 +495,12 @@ class Speedrun:
             "commit": self.provenance["git"].get("commit"),
             "dirty": self.provenance["git"].get("dirty"),
         }
-        log_path = self.run_dir / "metrics.jsonl"
         t_start = time.time()
         for i, name in enumerate(STAGES, 1):
             selected = (self.only is None or name in self.only) and name not in self.cfg.skip
             header = f"[bold]speedrun {i}/{len(STAGES)}: {name}[/]"
             if not selected and name != "report":
                 self.console.print(f"{header} [dim]skipped[/]")
-                _log(log_path, {"kind": "stage", "stage": name, "status": "skipped"})
                 if name in self.cfg.skip:
                     self._stage_status(name, "skipped")
                 else:  # left out by --only: an earlier run's outputs, if any, are still used
@@ -490,15 +508,9 @@ class Speedrun:
                 continue
             if name == "report":
                 self.console.print(header)
-                self.provenance["finished"] = now_iso()
-                self.provenance["wall_seconds"] = time.time() - t_start
-                self._write_provenance()
+                self._finish(t_start)  # the report shows the flow's finish and wall time
                 t0 = time.time()
                 summary = self.stage_report()
-                _log(
-                    log_path,
-                    {"kind": "stage", "stage": name, "status": "done", "seconds": time.time() - t0},
-                )
                 self._stage_status(name, "run", time.time() - t0)
                 self.summaries[name] = summary
                 continue
@@ -506,7 +518,6 @@ class Speedrun:
             rec = self.record(name)
             if rec is not None and rec["fingerprint"] == fp and name not in self.force:
                 self.console.print(f"{header} [dim]done before ({rec['seconds']:.0f} s), reused[/]")
-                _log(log_path, {"kind": "stage", "stage": name, "status": "reused"})
                 self._stage_status(name, "reused")
                 self.summaries[name] = rec["summary"]
                 continue
@@ -531,14 +542,11 @@ class Speedrun:
                 "run": made_by,  # not in the fingerprint: provenance, not settings
             }
             (out / "stage.json").write_text(json.dumps(record, indent=1, default=str))
-            _log(log_path, {"kind": "stage", "stage": name, "status": "done", "seconds": seconds})
             self._stage_status(name, "run", seconds)
             self.summaries[name] = summary
             self.console.print(f"[green]{name} done[/] in {seconds:.0f} s")
         total = time.time() - t_start
-        self.provenance["finished"] = now_iso()
-        self.provenance["wall_seconds"] = total
-        self._write_provenance()
+        self._finish(t_start)
         self.console.print(
             f"[bold]speedrun finished[/] in {total / 60:.1f} min: "
             f"{self.run_dir / 'report.md'}, {self.run_dir / 'report.html'}"
@@ -625,14 +633,16 @@ class Speedrun:
 
         cfg = RLConfig.from_dict(self.settings("rl"))
         result = run_rl(cfg, progress=self.progress)
+        from .eval.report import reward_ends
+
         rewards = [r["reward_mean"] for r in result["train"]]
-        k = reward_window(len(rewards))  # first and last k steps do not overlap
+        k, first, last = reward_ends(rewards)
         return {
             "model": result["model"],
             "steps": len(rewards),
             "reward_window": k,
-            "reward_first": sum(rewards[:k]) / k if k else None,
-            "reward_last": sum(rewards[-k:]) / k if k else None,
+            "reward_first": first,
+            "reward_last": last,
             "eval": [{"step": e.get("step"), "solved": e["all/solved"]} for e in result["eval"]],
         }
 
@@ -698,11 +708,6 @@ class Speedrun:
         from .eval.report import render_report
 
         return render_report(self.run_dir)
-
-
-def reward_window(steps: int, most: int = 10) -> int:
-    """Steps averaged at each end of a curve: up to `most`, at most half of them (0 for none)."""
-    return min(most, max(steps // 2, 1)) if steps else 0
 
 
 def _scalars(result: dict[str, Any]) -> dict[str, Any]:

@@ -1229,13 +1229,25 @@ def _fixed(x: float | None, digits: int) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
-def _reward_ends(train: list[dict]) -> tuple[int, float, float]:
-    """(k, mean of the first k, mean of the last k) train rewards, k = min(10, n // 2) >= 1."""
-    from ..speedrun import reward_window
+def reward_window(steps: int, most: int = 10) -> int:
+    """Steps averaged at each end of a curve: up to `most`, at most half of them (0 for none)."""
+    return min(most, max(steps // 2, 1)) if steps else 0
 
-    rewards = [r["reward_mean"] for r in train]
+
+def reward_ends(rewards: list[float]) -> tuple[int, float | None, float | None]:
+    """(k, mean of the first k, mean of the last k) of a reward curve, k = `reward_window`, so
+    the two ends do not overlap; (0, None, None) for an empty curve."""
     k = reward_window(len(rewards))
+    if not k:
+        return 0, None, None
     return k, sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+
+
+def _reward_ends(train: list[dict]) -> tuple[int, float, float]:
+    """`reward_ends` of the `train` rows of an RL metrics file (at least one row)."""
+    k, first, last = reward_ends([r["reward_mean"] for r in train])
+    assert first is not None and last is not None
+    return k, first, last
 
 
 def _window_text(k: int, n: int) -> str:
