@@ -139,12 +139,20 @@ print(json.dumps({"s": time.perf_counter() - t0, "code": code, "torch": "torch" 
 
 @pytest.mark.parametrize(
     "argv,code",
-    [(["--help"], 0), (["pretrain", "--help"], 0), (["pretrain", "--bogus"], 2), (["nosuch"], 2)],
+    [
+        (["--help"], 0),
+        (["pretrain", "--help"], 0),
+        (["pretrain", "--bogus"], 2),
+        (["nosuch"], 2),
+        (["info", "--preset", "tiny-super"], 0),
+        (["config", "--preset", "tiny-super"], 0),
+    ],
 )
 def test_parsing_is_fast_and_never_imports_torch(argv, code):
-    """`hybridlm --help`, a sub-command's help and a mistyped flag or command answer without
-    importing torch, within a second (import + parse, the best of 3 runs: robust to a loaded
-    machine; the interpreter's own start is not counted)."""
+    """`hybridlm --help`, a sub-command's help, a mistyped flag or command, and the commands that
+    only read configs (info, config) answer without importing torch, within a second (import +
+    parse, the best of 3 runs: robust to a loaded machine; the interpreter's own start is not
+    counted)."""
     seconds = []
     for _ in range(3):
         res = subprocess.run(

@@ -61,11 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        from ..threads import configure_threads, describe
+        args.threads_info = None
+        # commands that compute nothing with torch (info, config) skip the automatic choice,
+        # which samples the machine for 0.2 s and imports torch; --threads is always applied
+        if args.threads is not None or getattr(args, "uses_torch", True):
+            from ..threads import configure_threads, describe
 
-        # before a handler imports torch: OMP_NUM_THREADS sizes the pool torch starts
-        args.threads_info = configure_threads(args.threads)
-        print(f"hybridlm {args.command}: {describe(args.threads_info)}", file=sys.stderr)
+            # before a handler imports torch: OMP_NUM_THREADS sizes the pool torch starts
+            args.threads_info = configure_threads(args.threads)
+            print(f"hybridlm {args.command}: {describe(args.threads_info)}", file=sys.stderr)
         args.fn(args)
     except ValueError as err:
         print(f"hybridlm {args.command}: error: {err}", file=sys.stderr)

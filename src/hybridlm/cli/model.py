@@ -56,11 +56,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="parameter counts, FLOPs, cache and state sizes of a model")
     _add_model_args(p, checkpoint=False)
     p.add_argument("--seq-len", type=int, default=8192)
-    p.set_defaults(fn=cmd_info)
+    p.set_defaults(fn=cmd_info, uses_torch=False)
 
     p = sub.add_parser("config", help="print a model config as YAML (with overrides applied)")
     _add_model_args(p, checkpoint=False)
-    p.set_defaults(fn=cmd_config)
+    p.set_defaults(fn=cmd_config, uses_torch=False)
 
     p = sub.add_parser(
         "generate", help="generate text (byte tokenizer) from a preset or checkpoint"

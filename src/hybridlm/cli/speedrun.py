@@ -36,6 +36,6 @@ def cmd_speedrun(args: argparse.Namespace) -> None:
         cfg,
         only=names(args.only) or None,
         force=names(args.force),
-        threads=getattr(args, "threads_info", None),
+        threads=args.threads_info,
     ).run()
     print(json.dumps({"run_dir": result["run_dir"], "minutes": result["seconds"] / 60}, indent=1))
