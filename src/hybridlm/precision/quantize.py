@@ -38,8 +38,6 @@ from .ptq import (
     take,
 )
 
-RECIPES = PTQ_RECIPES
-
 
 @dataclass(kw_only=True)
 class QuantizeConfig:
@@ -67,8 +65,8 @@ class QuantizeConfig:
     progress: bool = True
 
     def validate(self) -> None:
-        if self.recipe not in RECIPES:
-            raise ValueError(f"recipe must be one of {list(RECIPES)}, got {self.recipe!r}")
+        if self.recipe not in PTQ_RECIPES:
+            raise ValueError(f"recipe must be one of {list(PTQ_RECIPES)}, got {self.recipe!r}")
         if self.calib_samples < 1 or self.eval_batches < 1:
             raise ValueError("calib_samples and eval_batches must be >= 1")
         if self.recipe == "autoquant" and not 4.5 <= self.budget <= 16:
