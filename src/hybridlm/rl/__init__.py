@@ -23,7 +23,14 @@ from hybridlm.rl.grpo import (
     grpo_loss,
     nonzero_variance_groups,
 )
-from hybridlm.rl.sandbox import Sandbox, SandboxConfig, SandboxResult, StdioTest
+from hybridlm.rl.sandbox import (
+    FunctionTest,
+    Sandbox,
+    SandboxConfig,
+    SandboxResult,
+    SandboxUnavailable,
+    StdioTest,
+)
 from hybridlm.rl.verifiers import (
     INSTRUCTIONS,
     CodeVerifier,
@@ -53,9 +60,11 @@ __all__ = [
     "MixtureEnvironment",
     "Problem",
     "Reward",
+    "FunctionTest",
     "Sandbox",
     "SandboxConfig",
     "SandboxResult",
+    "SandboxUnavailable",
     "StdioTest",
     "filter_by_pass_rate",
     "group_advantages",

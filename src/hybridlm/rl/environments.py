@@ -34,6 +34,7 @@ from typing import Any
 
 from hybridlm.data.builtin import read_jsonl
 from hybridlm.data.chat import render
+from hybridlm.rl.sandbox import FunctionTest
 from hybridlm.rl.verifiers import (
     CodeVerifier,
     GSM8KVerifier,
@@ -264,6 +265,18 @@ CODE_INSTRUCTION = (
 )
 
 
+def humaneval_test(rec: Mapping[str, Any]) -> FunctionTest:
+    """A HumanEval record's test for the sandbox's judge: `check(<entry_point>)`, with the
+    prompt's preamble (imports and given helpers such as HumanEval/32's `poly`) as trusted setup,
+    so the checks use the dataset's helpers, never ones the program redefines."""
+    m = re.search(rf"^def\s+{re.escape(rec['entry_point'])}\s*\(", rec["prompt"], flags=re.M)
+    return FunctionTest(
+        code=f"{rec['test']}\ncheck({rec['entry_point']})\n",
+        setup=rec["prompt"][: m.start()] if m else "",
+        name=str(rec.get("task_id", "")),
+    )
+
+
 class CodeEnvironment(DatasetEnvironment):
     """HumanEval-style function completion (`task_id`, `prompt`, `entry_point`, `test` with a
     `check(candidate)` function). The program is the prompt's preamble (imports, helpers) plus the
@@ -288,7 +301,7 @@ class CodeEnvironment(DatasetEnvironment):
                     id=str(rec.get("task_id", f"{name}/{i}")),
                     messages=_user(CODE_INSTRUCTION.format(prompt=rec["prompt"])),
                     answer={
-                        "tests": [f"{rec['test']}\ncheck({rec['entry_point']})\n"],
+                        "tests": [humaneval_test(rec)],
                         "prompt": rec["prompt"],
                         "entry_point": rec["entry_point"],
                     },

@@ -1,95 +1,144 @@
-"""Run untrusted Python programs against tests in a subprocess, for code rewards and pass@k.
+"""Run untrusted Python programs against tests, for code rewards and pass@k.
 
 Verifiable code rewards run model-written programs (OlmoRL, Olmo 3 §4.4.1 / Figure 16: "run test
-cases"; Nemotron 3 Super §3.2.1 code environments). Each call gets a fresh process and a fresh
-directory, and the layers below, from strongest to weakest:
+cases"; Nemotron 3 Super §3.2.1 code environments), and RL optimises whatever the verifier says,
+so a program that can make the verifier say "pass" without solving the task will be found.
 
-1. **Process**: `python -I` (isolated: no `PYTHONPATH`, no user site, `PYTHON*` variables
-   ignored), `PYTHONNOUSERSITE=1`, an environment rebuilt from scratch (minimal `PATH`, `HOME`
-   and `TMPDIR` set to the work directory; nothing inherited, so no secrets), stdin closed, a new
-   session, cwd a fresh temporary directory deleted afterwards.
-2. **Namespaces** (when `unshare` works here: as root, or for an ordinary user inside a new
-   *user* namespace where it maps to root, as unprivileged containers do): a new *network*
-   namespace (only a downed loopback: no route anywhere, not even to the host's 127.0.0.1); a
-   new *PID* namespace whose init reaps the program and, when it exits, makes the kernel kill
-   every process left in it, so nothing forked survives the call; and a private
-   *mount* namespace with a fresh `/proc` (only the sandbox's processes, so no other process's
-   environment) and every mount read-only except the work directory.
-3. **Identity**: as root, the program runs as a fresh unprivileged uid drawn at random when the
-   interpreter is readable by other users; otherwise (and as root of a user namespace) it keeps
-   uid 0 but loses every capability (bounding, effective, permitted, inheritable) and gets
-   `no_new_privs`, so it cannot remount the filesystem, `ptrace`, or signal other users'
-   processes.
-4. **Resource limits**: `setrlimit` in the child (CPU seconds, address space, file size, open
-   files, no core files) and a process bound: `RLIMIT_NPROC` for a fresh uid or inside a user
-   namespace (counted per namespace), a `pids` cgroup for root (which `RLIMIT_NPROC` does not
-   bind) when cgroups are writable; an ordinary user without user namespaces gets
-   `RLIMIT_NPROC` = its current process count + the limit. A wall-clock deadline kills the
-   whole process group (and with it the PID namespace).
-5. **Audit hook** (PEP 578) installed before user code runs: refuses socket creation / connect /
-   bind, process spawning (`os.system`, `subprocess`, `exec*`, `spawn*`, `posix_spawn`, `fork`),
-   foreign calls through `ctypes`, writing, creating, renaming or deleting files outside the work
-   directory, opening directories outside it and reading `/proc/*/environ`. **This is defence in
-   depth, not a security boundary**: code running inside the interpreter can get around an audit
-   hook (CPython documents this); layers 1-4 are the ones the kernel enforces.
+## Threat model
 
-`Sandbox.layers` names the layers active on this machine (e.g. `('process', 'rlimits', 'netns',
-'pidns', 'readonly_fs', 'no_capabilities', 'pids_cgroup', 'audit_hook')` as root in a container
-whose Python lives under a 0700 `/root`; `('process', 'rlimits', 'userns', 'netns', 'pidns',
-'readonly_fs', 'no_capabilities', 'audit_hook')` for an ordinary user). None of this is a VM or
-a seccomp filter: the kernel is shared, as with the Apptainer sandboxes of Nemotron 3 Super's
-SWE-RL (§3.2.5).
+The program is adversarial Python. It may walk frames, patch builtins, return objects with a
+custom `__eq__`, exit early with status 0, print forged results, read any file it can name,
+try the network, fork without end, fill memory and disk, or spend CPU forever. It must not (1)
+change a verdict other than by what its functions return or print, (2) read or change anything
+of the host (files, environment, other processes), (3) take the machine down or leave anything
+behind. It runs on the host's kernel: a kernel exploit is out of scope (run the whole reward
+worker in a VM for that), as are timing side channels.
 
-Outputs are read through pipes and truncated to `max_output_bytes` (the rest is drained and
-dropped, so a program printing forever costs no memory). Test results come back on a separate
-pipe, each record tagged with a per-run random token, so a program that prints a fake result,
-calls `sys.exit(0)` or `os._exit(0)` does not pass: a run passes only when the runner itself
-reports every test passed.
+## Layers
 
-`Sandbox.run_many` runs many programs with a bounded pool of worker threads (each thread waits on
-one child process), the shape an RL reward worker or a pass@k evaluation needs.
+1. **Verdicts outside the program.** Each run has three processes: this one, the *program
+   process* and the *judge* (`_sandbox_child.py`). The program process executes the program and
+   never sees a test. The judge, a separate interpreter outside the sandbox's namespaces, runs
+   the test code (`assert f(1) == 2`, HumanEval's `check(candidate)`), where the program's
+   top-level names are handles: calling one sends the arguments over a pipe, and the result comes
+   back as plain data (None, bool, int, float, complex, str, bytes, list, tuple, dict, set,
+   frozenset), decoded into fresh objects of exactly those types; anything else stays a handle
+   that has no truth value and equals only itself. Frame walking, patched builtins, a custom
+   `__eq__`, `os._exit(0)` or a forged line on stdout reach nothing the judge uses; a program
+   that dies mid-test fails it, even if the test catches exceptions. For stdio tests the judge
+   sends one stdin at a time and compares the returned stdout with an expectation the program
+   never receives. Only the judge writes the verdict, on a pipe the program does not hold, and
+   only "every test passed" is a pass.
+2. **A private root** (mount namespace + `pivot_root`): a tmpfs holding, read-only, the
+   interpreter, its standard library and the shared libraries it loads (found by a probe that
+   imports every `lib-dynload` module), with empty masks over site-packages; `/dev/null`,
+   `zero`, `urandom`, `random`; a fresh `/proc` showing only the sandbox's processes; and a
+   writable tmpfs at `/sandbox` (also `/tmp`) limited to `disk_mb` and 4096 inodes, which is the
+   total disk the program can fill. The host's filesystem (`/etc/shadow`, its `/tmp`, the
+   project, other users' homes) is not in the namespace at all.
+3. **Identity**: as root, the program runs as a fresh unprivileged uid drawn at random (no
+   capabilities, no files of its own outside `/sandbox`); for an ordinary user, whose sandbox
+   is set up as root of a new user namespace, the program runs as uid 65534 of a nested one
+   (its own uid outside). Both lose every capability and get `no_new_privs`.
+4. **Namespaces**: a new network namespace (only a downed loopback: not even the host's
+   127.0.0.1) and a PID namespace whose init reaps the program and, on exit, makes the kernel
+   kill every process left in it.
+5. **Resource limits**: `setrlimit` (CPU seconds, address space, file size, open files, no core
+   files), a process bound (`RLIMIT_NPROC` for a fresh uid or inside a user namespace, a `pids`
+   cgroup for root that keeps uid 0), the `/sandbox` quota, pipes drained into bounded buffers, and
+   a wall-clock deadline that kills both process groups (and with them the PID namespace).
+6. **Process hygiene**: `python -I -S` (no site-packages, no `PYTHON*` variables), an
+   environment rebuilt from scratch (nothing inherited, so no secrets), stdin closed, a new
+   session; the judge is not dumpable (no ptrace, no `/proc/<pid>/mem`).
+7. **Audit hook** (PEP 578) refusing sockets, process creation, `ctypes` calls and writes
+   outside `/sandbox`: defence in depth only, since code in the same interpreter can disable it.
 
-This file is also the child's runner (`python -I sandbox.py`), so it imports only the standard
-library.
+Layers 2-4 need namespaces: real root (as in most containers and CI runners) or, for an
+ordinary user, unprivileged user namespaces (`unshare --user` must work). Without them the
+sandbox refuses to start (`SandboxUnavailable`, naming what is missing) unless the caller opts
+into the weaker mode with `SandboxConfig(allow_weak_isolation=True)` or the environment
+variable `HYBRIDLM_SANDBOX_ALLOW_WEAK=1`: then layers 1, 5 (without the quota), 6 and 7 still
+hold, verdicts stay unforgeable, but the program sees the host's files with the caller's rights,
+and a warning says so on every `Sandbox()`. `Sandbox.layers` names the active layers.
+
+Each run costs two interpreter starts plus the root's mounts: `benchmarks/sandbox.py` measures
+runs per second and every escape class in this docstring. Outputs are read through pipes and
+truncated to `max_output_bytes`. `Sandbox.run_many` runs many programs on a bounded pool of
+threads (each waits on its run's processes), the shape an RL reward worker or pass@k needs.
+Standard library only: this module is also loaded by itself (`setpriv` tests, other
+interpreters).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import selectors
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Literal
 
 Status = Literal["ok", "failed", "timeout", "error", "killed"]
 _STATUSES = ("ok", "failed", "timeout", "error", "killed")
 _UID_RANGE = (200_000, 1_200_000)  # fresh uids for sandboxed programs (no passwd entry needed)
 _MIN_PATH = "/usr/local/bin:/usr/bin:/bin"
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
+_WEAK_ENV = "HYBRIDLM_SANDBOX_ALLOW_WEAK"
+
+
+# the program process's whole command line: the child module's source follows on stdin
+_BOOT = (
+    "import sys;n=int(sys.stdin.buffer.readline());"
+    "exec(compile(sys.stdin.buffer.read(n),'<sandbox>','exec'))"
+)
+
+
+@lru_cache(maxsize=1)
+def _child_source() -> bytes:
+    with open(_CHILD, "rb") as f:
+        return f.read()
+
+
+class SandboxUnavailable(RuntimeError):
+    """This machine cannot isolate untrusted code fully and weak isolation was not allowed."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class StdioTest:
     """A competitive-programming style test: run the program with `stdin`; its stdout must equal
-    `expected_stdout` up to whitespace between tokens."""
+    `expected_stdout` up to whitespace between tokens. The program never sees the expectation."""
 
     stdin: str
     expected_stdout: str
     name: str = ""
 
 
-Test = str | StdioTest  # a str is code run after the program in its globals (e.g. `assert ...`)
+@dataclass(frozen=True, kw_only=True)
+class FunctionTest:
+    """Test code the judge runs (never the program): `code` (`assert f(2) == 4`, or HumanEval's
+    `def check(candidate): ...` then `check(f)`) sees the program's top-level names as handles.
+    `setup` is trusted code run first in the same scope whose definitions take precedence over
+    the program's: the helpers a prompt gives (HumanEval/32's `poly`, /38's `encode_cyclic`)
+    must be the dataset's, or a program could redefine the function the test checks it with."""
+
+    code: str
+    setup: str = ""
+    name: str = ""
+
+
+Test = str | FunctionTest | StdioTest  # a str is FunctionTest(code=str)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,19 +149,21 @@ class SandboxConfig:
     cpu_s: int | None = None  # RLIMIT_CPU seconds; default int(timeout_s) + 2
     memory_mb: int = 1024  # RLIMIT_AS (address space)
     file_size_mb: int = 16  # RLIMIT_FSIZE
+    disk_mb: int = 64  # the writable /sandbox tmpfs: all files together
     max_open_files: int = 64  # RLIMIT_NOFILE
-    max_processes: int = 16  # processes + threads, the runner's two included
+    max_processes: int = 16  # processes + threads, the runner's own included
     max_output_bytes: int = 16_384  # per stream; the rest is dropped
     user_namespace: bool = True  # not root: the namespaces below inside `unshare --user`
-    network_namespace: bool = True  # `unshare --net` when permitted
-    pid_namespace: bool = True  # `unshare --pid --fork` when permitted
-    readonly_filesystem: bool = True  # when root: mount namespace, all read-only but the work dir
-    drop_privileges: bool = True  # when root: a fresh unprivileged uid, else no capabilities
+    network_namespace: bool = True  # `unshare --net`
+    pid_namespace: bool = True  # `unshare --pid --fork`
+    readonly_filesystem: bool = True  # the private root (mount namespace + pivot_root)
+    drop_privileges: bool = True  # a fresh uid as root, no capabilities otherwise
     audit_hook: bool = True
+    allow_weak_isolation: bool = False  # run even where layers 2-4 are unavailable (see above)
     python: str = sys.executable
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "memory_mb", "file_size_mb", "max_open_files"):
+        for name in ("timeout_s", "memory_mb", "file_size_mb", "disk_mb", "max_open_files"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.cpu_s is not None and self.cpu_s < 1:
@@ -134,10 +185,10 @@ class TestOutcome:
 
 @dataclass(frozen=True, kw_only=True)
 class SandboxResult:
-    """What one run did. `status`: ok (program ran and every test passed), failed (some test
-    failed), timeout (wall clock), error (the program raised, did not compile, or exited before
-    the runner reported), killed (a resource limit: memory, CPU, file size, processes, or a
-    signal)."""
+    """What one run did. `status`: ok (every test passed, as the judge saw it), failed (some
+    test failed), timeout (wall clock), error (the program raised, did not compile, or died
+    before the tests finished), killed (a resource limit: memory, CPU, file size, processes, or
+    a signal)."""
 
     status: Status
     tests: tuple[TestOutcome, ...] = ()
@@ -190,37 +241,135 @@ def namespace_support(kind: str, user: bool = False) -> bool:
     return r.returncode == 0
 
 
-@lru_cache(maxsize=4)
-def interpreter_readable_by_others(python: str) -> bool:
-    """Whether an unprivileged uid can run `python` and import its standard library and
-    site-packages (false e.g. for an interpreter under a 0700 `/root`)."""
+_PROBE = r"""
+import importlib, json, os, site, sys, sysconfig
+paths = sysconfig.get_paths()
+dynload = [p for p in sys.path if p.endswith("lib-dynload") and os.path.isdir(p)]
+for d in dynload:
+    for f in sorted(os.listdir(d)):
+        if f.endswith(".so") and not f.startswith(("_test", "_tkinter", "_curses", "readline")):
+            try:
+                importlib.import_module(f.split(".")[0])
+            except BaseException:
+                pass
+maps = set()
+with open("/proc/self/maps") as f:
+    for line in f:
+        parts = line.split()
+        if len(parts) >= 6 and parts[5].startswith("/") and os.path.isfile(parts[5]):
+            maps.add(parts[5])
+sites = set(site.getsitepackages()) | {paths["purelib"], paths["platlib"]}
+sites |= {p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages"))}
+exe = getattr(sys, "_base_executable", sys.executable)
+stdlib = [os.path.dirname(os.__file__), *dynload]
+print(json.dumps({"exe": os.path.realpath(exe), "stdlib": stdlib,
+                  "libs": sorted(maps), "sites": sorted(sites)}))
+"""
+
+
+def _elf_interpreter(path: str) -> str | None:
+    """The PT_INTERP path (the dynamic loader) of an ELF executable, or None."""
     try:
-        out = subprocess.run(
-            [
-                python,
-                "-I",
-                "-c",
-                "import json, sys, sysconfig; "
-                "print(json.dumps([sys.executable, *sysconfig.get_paths().values()]))",
-            ],
-            capture_output=True,
-            timeout=30,
-            check=True,
-        ).stdout
-        paths = [os.path.realpath(p) for p in json.loads(out)]
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if head[:4] != b"\x7fELF":
+                return None
+            wide, order = head[4] == 2, "<" if head[5] == 1 else ">"
+            if wide:
+                (phoff,) = struct.unpack_from(order + "Q", head, 0x20)
+                phentsize, phnum = struct.unpack_from(order + "HH", head, 0x36)
+            else:
+                (phoff,) = struct.unpack_from(order + "I", head, 0x1C)
+                phentsize, phnum = struct.unpack_from(order + "HH", head, 0x2A)
+            for i in range(phnum):
+                f.seek(phoff + i * phentsize)
+                ph = f.read(phentsize)
+                if struct.unpack_from(order + "I", ph, 0)[0] != 3:  # PT_INTERP
+                    continue
+                if wide:
+                    off, size = struct.unpack_from(order + "Q", ph, 8)[0], struct.unpack_from(
+                        order + "Q", ph, 0x20)[0]  # fmt: skip
+                else:
+                    off, size = struct.unpack_from(order + "I", ph, 4)[0], struct.unpack_from(
+                        order + "I", ph, 16)[0]  # fmt: skip
+                f.seek(off)
+                return f.read(size).rstrip(b"\0").decode()
+    except (OSError, struct.error, UnicodeDecodeError):
+        return None
+    return None
+
+
+def _symlink_chain(path: str, links: dict[str, str], depth: int = 0) -> str:
+    """Resolve `path` one component at a time, recording every symlink met (so that the same
+    path resolves inside the private root); returns the resolved path."""
+    parts = [p for p in path.split("/") if p]
+    cur = ""
+    for i, part in enumerate(parts):
+        nxt = f"{cur}/{part}"
+        if depth < 32 and os.path.islink(nxt):
+            target = os.readlink(nxt)
+            links[nxt] = target
+            base = target if target.startswith("/") else os.path.join(cur or "/", target)
+            rest = "/".join(parts[i + 1 :])
+            return _symlink_chain(os.path.normpath(f"{base}/{rest}" if rest else base), links,
+                                  depth + 1)  # fmt: skip
+        cur = nxt
+    return cur or "/"
+
+
+@lru_cache(maxsize=4)
+def root_plan(python: str) -> dict | None:
+    """What the private root holds for `python`: its real executable, the directories to bind
+    read-only (standard library, shared libraries it loads, the loader), the symlinks leading
+    to them, and the site-packages to mask. None when the probe fails (probed once)."""
+    try:
+        out = subprocess.run([python, "-I", "-c", _PROBE], capture_output=True, timeout=60,
+                             check=True, env={"PATH": _MIN_PATH}).stdout  # fmt: skip
+        info = json.loads(out)
     except (OSError, subprocess.SubprocessError, ValueError):
-        return False
-    for path in paths:
-        if not os.path.exists(path):
-            continue
-        if not os.stat(path).st_mode & stat.S_IROTH:
-            return False
-        parent = os.path.dirname(path)
-        while parent and parent != "/":
-            if not os.stat(parent).st_mode & stat.S_IXOTH:
-                return False
-            parent = os.path.dirname(parent)
-    return True
+        return None
+    links: dict[str, str] = {}
+    for entry in os.listdir("/"):
+        if os.path.islink("/" + entry):
+            links["/" + entry] = os.readlink("/" + entry)
+    exe = info["exe"]
+    files = {exe}
+    if os.path.exists("/etc/ld.so.cache"):
+        files.add("/etc/ld.so.cache")
+    loader = _elf_interpreter(exe)
+    dirs = {os.path.realpath(p) for p in info["stdlib"]}
+    for path in [*info["libs"], *([loader] if loader else [])]:
+        real = _symlink_chain(path, links)
+        if real != exe:
+            dirs.add(os.path.dirname(real))
+    binds: list[str] = []
+    for p in sorted(dirs | files):
+        if not any(p.startswith(b.rstrip("/") + "/") or p == b for b in binds):
+            binds.append(p)
+    import glob
+
+    sites = set(info["sites"])
+    for b in binds:  # the base interpreter's and the system's package directories too
+        for pattern in ("site-packages", "dist-packages", "python3*/site-packages",
+                        "python3*/dist-packages"):  # fmt: skip
+            sites.update(glob.glob(os.path.join(b, pattern)))
+    masks = []
+    for site_dir in sites:
+        real = os.path.realpath(site_dir)
+        if any(real.startswith(b + "/") for b in binds if b not in files):
+            masks.append(real)
+    readable = all(
+        os.stat(p).st_mode & stat.S_IROTH
+        for p in [exe, *info["libs"], os.path.join(info["stdlib"][0], "os.py")]
+        if os.path.exists(p)
+    )
+    return {
+        "exe": exe,
+        "binds": binds,
+        "symlinks": sorted(links.items()),
+        "masks": sorted(set(masks)),
+        "readable": readable,
+    }
 
 
 @lru_cache(maxsize=1)
@@ -297,28 +446,32 @@ class Sandbox:
         cfg = self.config
         root = os.geteuid() == 0
         # an unprivileged user gets the other namespaces inside a new user namespace, where it
-        # is root (and then loses its capabilities like real root does below)
+        # is root (and then loses its capabilities)
         user = not root and cfg.user_namespace and namespace_support("user")
+        self._plan = root_plan(cfg.python) if cfg.readonly_filesystem else None
         wanted = {
             "net": cfg.network_namespace,
             "pid": cfg.pid_namespace,
-            # a read-only filesystem needs root (real, or in the user namespace) to mount it,
-            # and a program without capabilities inside so that it cannot mount it back
-            "mount": cfg.readonly_filesystem and (root or user),
+            "mount": self._plan is not None and (root or user),
         }
         self._ns = {k for k, want in wanted.items() if want and namespace_support(k, user)}
         if user and self._ns:
             self._ns.add("user")
+        if "mount" not in self._ns:
+            self._plan = None
         self._unshare: list[str] = []
         if self._ns:
             self._unshare = [shutil.which("unshare") or "unshare"]
             for k in ("user", "net", "pid", "mount"):
                 if k in self._ns:
                     self._unshare += _UNSHARE_FLAGS[k]
-        self._drop = cfg.drop_privileges and root and interpreter_readable_by_others(cfg.python)
-        # uid 0 that stays uid 0 (real root, or root of the user namespace) loses every
-        # capability instead: no mount, no kill of other users' processes, no ptrace
-        self._drop_caps = cfg.drop_privileges and (root and not self._drop or "user" in self._ns)
+        # a fresh uid needs files other users can read (the private root makes the directories
+        # above them traversable); without the private root, the host path must be too
+        readable = (self._plan or {}).get("readable", False)
+        self._drop = cfg.drop_privileges and root and readable
+        # every capability goes (bounding, effective, permitted, inheritable) with
+        # no_new_privs: no mount, no kill of other users' processes, no ptrace, no setuid files
+        self._drop_caps = cfg.drop_privileges and (root or "user" in self._ns)
         # RLIMIT_NPROC does not bind root: bound the process count with a pids cgroup instead
         self._cgroup = pids_cgroup_base() if root and not self._drop else None
         if self._drop:
@@ -329,21 +482,48 @@ class Sandbox:
             self._nproc_mode = "shared_uid"  # counts every process of the caller's uid
         else:
             self._nproc_mode = "none"  # root ignores RLIMIT_NPROC
+        missing = self.missing_layers()
+        if missing:
+            allowed = cfg.allow_weak_isolation or os.environ.get(_WEAK_ENV, "") not in ("", "0")
+            message = (
+                f"the sandbox cannot isolate untrusted code here: no {', '.join(missing)} "
+                f"(needs root or unprivileged user namespaces: `unshare --user true` must work)"
+            )
+            if not allowed:
+                raise SandboxUnavailable(
+                    f"{message}; pass SandboxConfig(allow_weak_isolation=True) or set "
+                    f"{_WEAK_ENV}=1 to run it with the host's files visible"
+                )
+            warnings.warn(f"WEAK SANDBOX: {message}; programs see the host's files", stacklevel=2)
+
+    def missing_layers(self) -> list[str]:
+        """The full-isolation layers (private root, PID and network namespaces, an unprivileged
+        identity) that are not active here."""
+        out = []
+        if self._plan is None:
+            out.append("private root (mount namespace)")
+        if "pid" not in self._ns:
+            out.append("PID namespace")
+        if "net" not in self._ns:
+            out.append("network namespace")
+        if not (self._drop or "user" in self._ns):
+            out.append("unprivileged uid")
+        return out
 
     @property
     def layers(self) -> tuple[str, ...]:
         """The isolation layers active for this sandbox on this machine."""
-        out = ["process", "rlimits"]
+        out = ["judge", "process", "rlimits"]
         if "user" in self._ns:
             out.append("userns")
         if "net" in self._ns:
             out.append("netns")
         if "pid" in self._ns:
             out.append("pidns")
-        if "mount" in self._ns:
-            out.append("readonly_fs")
-        if self._drop:
-            out.append("uid")
+        if self._plan is not None:
+            out += ["private_root", "disk_quota"]
+        if self._drop or ("user" in self._ns and self._plan is not None):
+            out.append("uid")  # a fresh uid (root), or 65534 of a nested user namespace
         if self._drop_caps:
             out.append("no_capabilities")
         if self._cgroup:
@@ -355,7 +535,7 @@ class Sandbox:
     def run(
         self, program: str, tests: Sequence[Test] = (), *, files: dict[str, str] | None = None
     ) -> SandboxResult:
-        """Run `program`, then each test; `files` (name -> text) are written to the work dir."""
+        """Run `program`, then each test; `files` (name -> text) are written to its work dir."""
         return self._run(program, list(tests), dict(files or {}))
 
     def run_many(
@@ -376,44 +556,54 @@ class Sandbox:
 
     # -- parent side ---------------------------------------------------------------------------
 
+    @staticmethod
+    def _test_spec(test: Test) -> dict:
+        if isinstance(test, str):
+            return {"kind": "code", "code": test, "setup": "", "name": ""}
+        if isinstance(test, FunctionTest):
+            return {"kind": "code", "code": test.code, "setup": test.setup, "name": test.name}
+        if isinstance(test, StdioTest):
+            return {"kind": "stdio", "stdin": test.stdin, "name": test.name,
+                    "expected_stdout": test.expected_stdout}  # fmt: skip
+        raise TypeError(
+            f"a test must be a str, FunctionTest or StdioTest, got {type(test).__name__}"
+        )
+
     def _run(self, program: str, tests: list[Test], files: dict) -> SandboxResult:
         if not isinstance(program, str):
             raise TypeError(f"program must be a str, got {type(program).__name__}")
-        for t in tests:
-            if not isinstance(t, (str, StdioTest)):
-                raise TypeError(f"a test must be a str or StdioTest, got {type(t).__name__}")
+        test_specs = [self._test_spec(t) for t in tests]
+        for name, text in files.items():
+            if not isinstance(name, str) or not isinstance(text, str):
+                raise TypeError("files must map str names to str contents")
+            if not name or "/" in name or name in (".", "..") or "\0" in name:
+                raise ValueError(f"files: {name!r} must be a plain file name")
         cfg = self.config
-        workdir = tempfile.mkdtemp(prefix="hybridlm-sandbox-")
+        base = tempfile.mkdtemp(prefix="hybridlm-sandbox-")  # the root's mount point, or cwd
+        judge_dir = tempfile.mkdtemp(prefix="hybridlm-judge-")
         uid = secrets.randbelow(_UID_RANGE[1] - _UID_RANGE[0]) + _UID_RANGE[0] if self._drop else -1
-        token = secrets.token_hex(16)
         t0 = time.monotonic()
         cgroup = None
         try:
             if self._cgroup:
-                cgroup = os.path.join(self._cgroup, f"hybridlm-sandbox-{token[:12]}")
+                cgroup = os.path.join(self._cgroup, f"hybridlm-sandbox-{secrets.token_hex(6)}")
                 os.mkdir(cgroup)
                 with open(os.path.join(cgroup, "pids.max"), "w") as f:
                     f.write(str(cfg.max_processes))
-            for name, text in files.items():
-                path = os.path.realpath(os.path.join(workdir, name))
-                if os.path.dirname(path) != os.path.realpath(workdir):
-                    raise ValueError(f"files: {name!r} must be a plain file name")
-                with open(path, "w") as f:
-                    f.write(text)
-            if uid >= 0:
-                for p in [workdir] + [os.path.join(workdir, n) for n in files]:
-                    os.chown(p, uid, uid)
-            os.chmod(workdir, 0o700)
-            spec = {
-                "token": token,
+            if uid >= 0 and self._plan is None:
+                os.chown(base, uid, uid)
+            os.chmod(base, 0o700)
+            root = None
+            if self._plan is not None:
+                root = {**self._plan, "base": base, "disk_mb": cfg.disk_mb, "inodes": 4096}
+            program_spec = {
                 "program": program,
-                "tests": [
-                    t if isinstance(t, str) else {**asdict(t), "kind": "stdio"} for t in tests
-                ],
+                "files": files,
                 "uid": uid,
                 "cgroup": cgroup,
-                "readonly_fs": "mount" in self._ns,
+                "root": root,
                 "drop_caps": self._drop_caps,
+                "nested_user": "user" in self._ns and self._plan is not None,
                 "nproc_mode": self._nproc_mode,
                 "limits": {
                     "cpu": cfg.cpu_s or int(cfg.timeout_s) + 2,
@@ -425,75 +615,101 @@ class Sandbox:
                 "audit_hook": cfg.audit_hook,
                 "max_output": cfg.max_output_bytes,
             }
-            return self._spawn(spec, workdir, t0, len(tests))
+            judge_spec = {"tests": test_specs, "cpu": cfg.cpu_s or int(cfg.timeout_s) + 2}
+            return self._spawn(program_spec, judge_spec, base, judge_dir, t0, len(tests))
         finally:
             if cgroup:
                 _remove_cgroup(cgroup)
-            shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(base, ignore_errors=True)
+            shutil.rmtree(judge_dir, ignore_errors=True)
 
-    def _spawn(self, spec: dict, workdir: str, t0: float, num_tests: int) -> SandboxResult:
-        cfg = self.config
-        res_r, res_w = os.pipe()
-        spec["result_fd"] = res_w
-        env = {
+    def _env(self, home: str) -> dict[str, str]:
+        return {
             "PATH": _MIN_PATH,
-            "HOME": workdir,
-            "TMPDIR": workdir,
+            "HOME": home,
+            "TMPDIR": home,
             "LANG": "C.UTF-8",
-            "PYTHONNOUSERSITE": "1",
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONIOENCODING": "utf-8",
-            # one thread per numeric library, so RLIMIT_NPROC is not spent on BLAS pools
+            # one thread per numeric library, so the process limit is not spent on BLAS pools
             "OMP_NUM_THREADS": "1",
             "OPENBLAS_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
         }
-        cmd = self._unshare + [cfg.python, "-I", "-B", os.path.abspath(__file__)]
+
+    def _spawn(
+        self, pspec: dict, jspec: dict, base: str, judge_dir: str, t0: float, num_tests: int
+    ) -> SandboxResult:
+        cfg = self.config
+        req_r, req_w = os.pipe()  # judge -> program
+        resp_r, resp_w = os.pipe()  # program -> judge
+        ver_r, ver_w = os.pipe()  # judge -> here: the verdict
+        pspec.update(req_fd=req_r, resp_fd=resp_w)
+        jspec.update(req_fd=req_w, resp_fd=resp_r, verdict_fd=ver_w)
+        python = self._plan["exe"] if self._plan is not None else cfg.python
+        home = "/sandbox" if self._plan is not None else base
+        procs: list[subprocess.Popen] = []
         try:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=workdir,
-                env=env,
-                pass_fds=(res_w,),
-                start_new_session=True,
-                close_fds=True,
-            )
+            for cmd, cwd, env, fds, spec in (
+                (self._unshare + [python, "-I", "-S", "-B", "-c", _BOOT, "program"], base,
+                 self._env(home), (req_r, resp_w), pspec),
+                ([cfg.python, "-I", "-B", _CHILD, "judge"], judge_dir, self._env(judge_dir),
+                 (req_w, resp_r, ver_w), jspec),
+            ):  # fmt: skip
+                proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=cwd,
+                    env=env,
+                    pass_fds=fds,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+                procs.append(proc)
+                try:
+                    if spec is pspec:  # its code comes on stdin: no host path in its cmdline
+                        proc.stdin.write(b"%d\n%s" % (len(_child_source()), _child_source()))
+                    proc.stdin.write(json.dumps(spec).encode())
+                    proc.stdin.close()
+                except BrokenPipeError:
+                    pass
         except OSError as err:
-            os.close(res_r)
-            os.close(res_w)
+            for proc in procs:
+                _kill_group(proc)
+                proc.wait()
+            for fd in (req_r, req_w, resp_r, resp_w, ver_r, ver_w):
+                os.close(fd)
             return SandboxResult(
                 status="error", reason=f"could not start: {err}", layers=self.layers
             )
-        os.close(res_w)
-        try:
-            proc.stdin.write(json.dumps(spec).encode())
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
+        finally:
+            for fd in (req_r, req_w, resp_r, resp_w, ver_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        prog, judge = procs
         deadline = t0 + cfg.timeout_s
         cap = cfg.max_output_bytes
-        out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-        bufs = {out_fd: bytearray(), err_fd: bytearray()}
-        results = bytearray()
-        truncated = {out_fd: False, err_fd: False}
+        streams = {
+            prog.stdout.fileno(): bytearray(),
+            prog.stderr.fileno(): bytearray(),
+            judge.stderr.fileno(): bytearray(),
+        }
+        truncated = dict.fromkeys(streams, False)
+        verdict = bytearray()
         sel = selectors.DefaultSelector()
-        for fd in (out_fd, err_fd, res_r):
+        for fd in (*streams, ver_r):
             os.set_blocking(fd, False)
             sel.register(fd, selectors.EVENT_READ)
         timed_out = False
-        exited_at = None
         try:
-            while sel.get_map():
+            while ver_r in sel.get_map():  # until the judge is done (its verdict pipe closes)
                 now = time.monotonic()
                 if now >= deadline:
-                    timed_out = proc.poll() is None
-                    break
-                if exited_at is None and proc.poll() is not None:
-                    exited_at = now  # the runner is gone: drain what is left, briefly
-                if exited_at is not None and now - exited_at > 1.0:
+                    timed_out = True
                     break
                 for key, _ in sel.select(timeout=min(0.05, deadline - now)):
                     fd = key.fd
@@ -504,51 +720,66 @@ class Sandbox:
                     if not chunk:
                         sel.unregister(fd)
                         continue
-                    if fd == res_r:
-                        if len(results) < 1 << 22:
-                            results += chunk
-                    else:
-                        room = cap - len(bufs[fd])
-                        if room > 0:
-                            bufs[fd] += chunk[:room]
-                        if len(chunk) > room:
-                            truncated[fd] = True
+                    if fd == ver_r:
+                        if len(verdict) < 1 << 22:
+                            verdict += chunk
+                        continue
+                    room = cap - len(streams[fd])
+                    if room > 0:
+                        streams[fd] += chunk[:room]
+                    if len(chunk) > room:
+                        truncated[fd] = True
+            rc = None
+            if not timed_out:
+                try:  # the program process ends when the judge says exit (or it died already)
+                    rc = prog.wait(timeout=0.5)
+                except subprocess.TimeoutExpired:
+                    pass
         finally:
             sel.close()
             # also ends the PID namespace: its init dies and the kernel kills the rest
-            _kill_group(proc)
-            proc.wait()
-            for f in (proc.stdout, proc.stderr):
-                f.close()
-            os.close(res_r)
+            for proc in (judge, prog):
+                _kill_group(proc)
+                proc.wait()
+            for fd in streams:  # what the processes wrote last, without waiting for more
+                while True:
+                    try:
+                        chunk = os.read(fd, 1 << 16)
+                    except (BlockingIOError, OSError):
+                        break
+                    if not chunk:
+                        break
+                    room = cap - len(streams[fd])
+                    if room > 0:
+                        streams[fd] += chunk[:room]
+                    if len(chunk) > room:
+                        truncated[fd] = True
+            for proc in (judge, prog):
+                for f in (proc.stdout, proc.stderr):
+                    f.close()
+            os.close(ver_r)
         runtime = time.monotonic() - t0
-        stdout = self._text(bufs[out_fd], truncated[out_fd])
-        stderr = self._text(bufs[err_fd], truncated[err_fd])
-        return self._result(
-            spec["token"],
-            bytes(results),
-            proc.returncode,
-            timed_out,
-            runtime,
-            stdout,
-            stderr,
-            num_tests,
-        )
 
-    @staticmethod
-    def _text(buf: bytes, truncated: bool) -> str:
-        text = bytes(buf).decode("utf-8", errors="replace")
-        return text + "\n...[truncated]" if truncated else text
+        out_fd, err_fd, judge_err_fd = streams
+
+        def text(fd: int) -> str:
+            out = bytes(streams[fd]).decode("utf-8", errors="replace")
+            return out + "\n...[truncated]" if truncated[fd] else out
+
+        return self._result(
+            bytes(verdict), rc, timed_out, runtime, text(out_fd), text(err_fd),
+            text(judge_err_fd), num_tests,
+        )  # fmt: skip
 
     def _result(
         self,
-        token: str,
         raw: bytes,
         rc: int | None,
         timed_out: bool,
         runtime: float,
         stdout: str,
         stderr: str,
+        judge_stderr: str,
         num_tests: int,
     ) -> SandboxResult:
         records = []
@@ -557,10 +788,10 @@ class Sandbox:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(rec, dict) and rec.get("token") == token:
+            if isinstance(rec, dict):
                 records.append(rec)
         tests = tuple(
-            TestOutcome(name=r["name"], passed=bool(r["passed"]), error=r.get("error", ""))
+            TestOutcome(name=str(r["name"]), passed=r["passed"] is True, error=str(r["error"]))
             for r in records
             if r.get("kind") == "test"
         )
@@ -578,327 +809,24 @@ class Sandbox:
             return SandboxResult(
                 status="timeout", reason=f"wall clock > {self.config.timeout_s}s", **common
             )
-        if done is not None and done.get("status") in _STATUSES:
-            return SandboxResult(status=done["status"], reason=done.get("reason", ""), **common)
-        sig = None
-        if rc is not None and rc < 0:
-            sig = -rc
-        elif rc is not None and rc > 128 and "pid" in self._ns:
-            sig = rc - 128  # the PID-namespace init reports its worker's signal as 128 + n
-        if sig is not None:
-            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else sig
-            why = {"SIGXCPU": "CPU time limit", "SIGXFSZ": "file size limit"}.get(str(name), "")
-            return SandboxResult(status="killed", reason=f"signal {name} {why}".strip(), **common)
-        return SandboxResult(
-            status="error", reason=f"exited (code {rc}) before the runner reported", **common
-        )
-
-
-# -- child side: runs in the sandboxed interpreter (`python -I sandbox.py`) ----------------------
-
-_BLOCKED_EVENTS = frozenset(
-    {
-        "os.system",
-        "os.exec",
-        "os.posix_spawn",
-        "os.spawn",
-        "os.fork",
-        "os.forkpty",
-        "os.kill",
-        "os.killpg",
-        "subprocess.Popen",
-        "pty.spawn",
-        "os.symlink",
-        "os.link",
-        "os.chroot",
-        "resource.setrlimit",
-        "resource.prlimit",
-        "ctypes.dlsym",
-        "ctypes.dlsym/handle",
-        "ctypes.call_function",
-        "ctypes.cdata",
-        "webbrowser.open",
-    }
-)
-_PATH_EVENTS = {  # event -> indices of path arguments that must stay inside the work dir
-    "os.remove": (0,),
-    "os.rmdir": (0,),
-    "os.mkdir": (0,),
-    "os.rename": (0, 1),
-    "os.replace": (0, 1),
-    "os.chmod": (0,),
-    "os.chown": (0,),
-    "os.truncate": (0,),
-    "os.utime": (0,),
-    "shutil.rmtree": (0,),
-    "shutil.move": (0, 1),
-    "shutil.copyfile": (1,),
-    "shutil.copytree": (1,),
-    "os.mkfifo": (0,),
-    "os.mknod": (0,),
-}
-_PROC_SECRET = re.compile(r"^/proc/[^/]+/(task/\d+/)?(environ|mem|root|cwd|fd|map_files)(/|$)")
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-
-
-def _install_audit_hook(root: str) -> None:
-    """PEP 578 hook: see layer 5 in the module docstring."""
-    import threading
-
-    local = threading.local()
-    devnull = os.devnull
-
-    def inside(path: Any) -> bool:
-        if isinstance(path, int):
-            return True  # an already-open descriptor
-        p = os.path.realpath(os.fsdecode(path))
-        return p == root or p.startswith(root + os.sep) or p == devnull
-
-    def hook(event: str, args: tuple) -> None:
-        if getattr(local, "busy", False):
-            return
-        local.busy = True
-        try:
-            if event in _BLOCKED_EVENTS or event.startswith("socket."):
-                raise PermissionError(f"sandbox: {event} is not allowed")
-            if event == "open":
-                path, mode, flags = args
-                writing = bool(flags & _WRITE_FLAGS) or (
-                    isinstance(mode, str) and any(c in mode for c in "wax+")
+        if done is None or done.get("status") not in _STATUSES:
+            last = judge_stderr.strip().splitlines()[-1:] or ["no verdict"]
+            return SandboxResult(status="error", reason=f"judge failed: {last[0]}", **common)
+        status, reason = done["status"], str(done.get("reason", ""))
+        if status == "ok" and (len(tests) != num_tests or not all(t.passed for t in tests)):
+            status, reason = "error", "judge reported ok without every test passing"
+        if done.get("died"):  # the program process went away: say how
+            sig = None
+            if rc is not None and rc < 0:
+                sig = -rc
+            elif rc is not None and rc > 128 and "pid" in self._ns:
+                sig = rc - 128  # the PID-namespace init reports its worker's signal as 128 + n
+            if sig is not None:
+                name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else sig
+                why = {"SIGXCPU": "CPU time limit", "SIGXFSZ": "file size limit"}.get(str(name), "")
+                return SandboxResult(
+                    status="killed", reason=f"signal {name} {why}".strip(), **common
                 )
-                if isinstance(path, (str, bytes)) and _PROC_SECRET.match(
-                    os.path.realpath(os.fsdecode(path))
-                ):
-                    raise PermissionError(f"sandbox: reading {path!r} is not allowed")
-                if path is not None and not inside(path):
-                    if writing:
-                        raise PermissionError(f"sandbox: writing {path!r} is not allowed")
-                    if not isinstance(path, int) and os.path.isdir(os.fsdecode(path)):
-                        raise PermissionError(f"sandbox: opening directory {path!r} is refused")
-            elif event in _PATH_EVENTS:
-                for i in _PATH_EVENTS[event]:
-                    if i < len(args) and args[i] is not None and not inside(args[i]):
-                        raise PermissionError(f"sandbox: {event} on {args[i]!r} is not allowed")
-        finally:
-            local.busy = False
-
-    sys.addaudithook(hook)
-
-
-_MS = {"rdonly": 1, "nosuid": 2, "nodev": 4, "noexec": 8, "remount": 32, "bind": 4096}
-_MS_KEEP = {"nosuid": 2, "nodev": 4, "noexec": 8, "noatime": 1024, "nodiratime": 2048,
-            "relatime": 1 << 21}  # fmt: skip
-
-
-def _libc() -> Any:
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _mount(libc: Any, src: str | None, target: str, fstype: str | None, flags: int) -> None:
-    import ctypes
-
-    def enc(x: str | None) -> bytes | None:
-        return x.encode() if x is not None else None
-
-    if libc.mount(enc(src), enc(target), enc(fstype), flags, None) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"mount {target}: {os.strerror(err)}")
-
-
-def _readonly_filesystem(workdir: str, fresh_proc: bool) -> None:
-    """In a private mount namespace: a fresh /proc (only this PID namespace's processes), the
-    work dir bind-mounted onto itself, then every other mount remounted read-only (keeping its
-    nosuid/nodev/noexec flags). Device nodes such as /dev/null stay writable."""
-    libc = _libc()
-    if fresh_proc:
-        _mount(libc, "proc", "/proc", "proc", _MS["nosuid"] | _MS["nodev"] | _MS["noexec"])
-    _mount(libc, workdir, workdir, None, _MS["bind"])
-    os.chdir(workdir)  # the old cwd still points below the bind mount, into what turns read-only
-    with open("/proc/self/mountinfo") as f:
-        mounts = [line.split() for line in f]
-    for fields in mounts:
-        target = re.sub(r"\\(\d{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-        if target == workdir:
-            continue
-        keep = sum(v for k, v in _MS_KEEP.items() if k in fields[5].split(","))
-        try:
-            _mount(libc, None, target, None, _MS["remount"] | _MS["bind"] | _MS["rdonly"] | keep)
-        except OSError:
-            if os.path.exists(target):  # a mount hidden by another one cannot be remounted
-                raise
-
-
-def _drop_capabilities() -> None:
-    """Empty the bounding, effective, permitted and inheritable capability sets and set
-    no_new_privs: uid 0 without capabilities cannot mount, kill other users' processes, ptrace,
-    or override file permissions."""
-    import ctypes
-
-    libc = _libc()
-    pr_capbset_drop, pr_set_no_new_privs = 24, 38
-    cap = 0
-    while libc.prctl(pr_capbset_drop, cap, 0, 0, 0) == 0:
-        cap += 1
-    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
-    data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable} words, all zero
-    if libc.capset(header, data) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"capset: {os.strerror(err)}")
-    if libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-
-
-def _norm_tokens(text: str) -> list[str]:
-    return text.split()
-
-
-def _child_main() -> None:  # pragma: no cover - runs in the child process
-    spec = json.loads(sys.stdin.buffer.read())
-    token = spec.pop("token")
-    result_fd = spec["result_fd"]
-    if spec["cgroup"]:  # join the pids cgroup before anything can fork
-        with open(os.path.join(spec["cgroup"], "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
-    if spec["readonly_fs"]:
-        _readonly_filesystem(os.path.realpath(os.getcwd()), fresh_proc=os.getpid() == 1)
-    if os.getpid() == 1:
-        # PID-namespace init: the kernel ignores most signals sent to init, so the program runs
-        # in a child; init reaps everything and reports the worker's fate as an exit code.
-        worker = os.fork()
-        if worker:
-            code = 0
-            while True:
-                try:
-                    pid, status = os.wait()
-                except ChildProcessError:
-                    break
-                if pid == worker:
-                    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
-                    code = 128 + sig if sig else os.WEXITSTATUS(status)
-                    break
-            os._exit(code)  # the kernel now kills every process left in the namespace
-    import io
-    import resource
-    import traceback
-
-    lim = spec["limits"]
-    for res, val in (
-        (resource.RLIMIT_CPU, (lim["cpu"], lim["cpu"] + 1)),
-        (resource.RLIMIT_AS, (lim["as"], lim["as"])),
-        (resource.RLIMIT_FSIZE, (lim["fsize"], lim["fsize"])),
-        (resource.RLIMIT_NOFILE, (lim["nofile"], lim["nofile"])),
-        (resource.RLIMIT_CORE, (0, 0)),
-    ):
-        resource.setrlimit(res, val)
-    nproc, mode = lim["nproc"], spec["nproc_mode"]
-    if mode == "shared_uid":
-        # RLIMIT_NPROC counts every process of the caller's uid: allow those plus `nproc`
-        uid, mine = os.getuid(), 0
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    with open(f"/proc/{d}/status") as f:
-                        mine += any(ln.startswith("Uid:") and ln.split()[1] == str(uid) for ln in f)
-                except OSError:
-                    pass
-        nproc += mine
-    if mode != "none":
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    if spec["uid"] >= 0:
-        os.setgroups([])
-        os.setgid(spec["uid"])
-        os.setuid(spec["uid"])
-    elif spec["drop_caps"]:
-        _drop_capabilities()
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, closefd=False)))
-
-    def emit(**rec: Any) -> None:
-        os.write(result_fd, (json.dumps({"token": token, **rec}) + "\n").encode())
-
-    def describe(err: BaseException) -> str:
-        last = traceback.format_exception_only(type(err), err)[-1].strip()
-        return last[:500]
-
-    def classify(err: BaseException) -> tuple[str, str]:
-        if isinstance(err, MemoryError):
-            return "killed", "memory limit (MemoryError)"
-        if isinstance(err, BlockingIOError):  # EAGAIN from fork/clone: the process limit
-            return "killed", f"process limit ({describe(err)})"
-        if isinstance(err, RuntimeError) and "new thread" in str(err):
-            return "killed", f"process limit ({describe(err)})"
-        return "error", describe(err)
-
-    program = spec["program"]
-    tests = spec["tests"]
-    if spec["audit_hook"]:
-        _install_audit_hook(os.path.realpath(os.getcwd()))
-    max_out = spec["max_output"]
-    try:
-        code = compile(program, "<program>", "exec")
-    except (SyntaxError, ValueError, MemoryError) as err:
-        status, reason = classify(err)
-        emit(kind="done", status=status, reason=reason)
-        sys.exit(0)
-    fn_tests = [(i, t) for i, t in enumerate(tests) if isinstance(t, str)]
-    io_tests = [(i, t) for i, t in enumerate(tests) if isinstance(t, dict)]
-    failed = 0
-    if fn_tests or not io_tests:
-        scope: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
-        try:
-            exec(code, scope)
-        except BaseException as err:  # noqa: BLE001 - the program's fault, reported as such
-            if isinstance(err, SystemExit) and err.code in (None, 0) and not fn_tests:
-                emit(kind="done", status="ok", reason="program exited with 0")
-                sys.exit(0)
-            status, reason = classify(err)
-            emit(kind="done", status=status, reason=f"program: {reason}")
-            sys.exit(0)
-        for i, test in fn_tests:
-            try:
-                exec(compile(test, f"<test {i}>", "exec"), scope)
-                emit(kind="test", name=f"test_{i}", passed=True)
-            except MemoryError as err:
-                emit(kind="test", name=f"test_{i}", passed=False, error=describe(err))
-                emit(kind="done", status="killed", reason="memory limit (MemoryError)")
-                sys.exit(0)
-            except BaseException as err:  # noqa: BLE001
-                failed += 1
-                emit(kind="test", name=f"test_{i}", passed=False, error=describe(err))
-    for i, test in io_tests:
-        name = test.get("name") or f"test_{i}"
-        real_out = sys.stdout
-        buf = io.StringIO()
-        sys.stdin, sys.stdout = io.StringIO(test["stdin"]), buf
-        err_text = ""
-        try:
-            exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
-        except SystemExit as err:
-            if err.code not in (None, 0):
-                err_text = f"exit code {err.code}"
-        except BaseException as err:  # noqa: BLE001
-            err_text = describe(err)
-        finally:
-            sys.stdout = real_out
-        got = buf.getvalue()
-        ok = not err_text and _norm_tokens(got) == _norm_tokens(test["expected_stdout"])
-        if not ok and not err_text:
-            err_text = f"wrong output: {got[:200]!r}"
-        failed += not ok
-        emit(kind="test", name=name, passed=ok, error=err_text)
-        real_out.write(got[:max_out])
-    emit(
-        kind="done",
-        status="failed" if failed else "ok",
-        reason=f"{failed} of {len(tests)} tests failed" if failed else "all tests passed",
-    )
-    sys.stdout.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _child_main()
+            code = "still running" if rc is None else f"code {rc}"
+            reason = f"the program process exited ({code}) before the tests finished"
+        return SandboxResult(status=status, reason=reason, **common)
