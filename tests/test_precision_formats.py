@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from hybridlm.precision.formats import (
+    E2M1_MAX,
     E2M1_VALUES,
+    F32_TINY,
+    NVFP4_RESCALE_BELOW,
+    e2m1_round,
     e4m3_round,
     e8m0_decode,
     e8m0_encode,
@@ -25,6 +29,9 @@ from hybridlm.precision.formats import (
     pack_fp4,
     unpack_fp4,
 )
+from hybridlm.precision.ptq import nvfp4_quantize_weight
+
+F32_MIN_NORMAL = torch.finfo(torch.float32).tiny  # 2**-126 = 1.17549435e-38
 
 
 def _all_e4m3_values() -> torch.Tensor:
@@ -244,6 +251,110 @@ def test_nvfp4_hand_computed_block():
     assert nvfp4_fake_quant(y, global_scale=2.0**-8).flatten().tolist() == expect
 
 
+def _rel_err(y: torch.Tensor, x: torch.Tensor) -> float:
+    return float((y.double() - x.double()).norm() / x.double().norm())
+
+
+@pytest.mark.parametrize("block", ["1d", "2d"])
+def test_nvfp4_tiny_tensors_keep_their_accuracy(block):
+    # (1 / s_g) / s_b overflowed fp32 for amax below ~7.9e-36 (relative error ~1.6 here);
+    # the encoder now shifts x and s_g up by 2**96 first (formats module docstring).
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    err_1 = _rel_err(nvfp4_fake_quant(x, block=block), x)  # ~0.09 (1d), ~0.12 (2d)
+    for s in (1e-36, F32_MIN_NORMAL, 1e-40):  # 1e-40 is subnormal: x itself has fewer bits
+        q = nvfp4_quantize(x * s, block=block)
+        deq = nvfp4_dequantize(q)
+        assert torch.isfinite(deq).all() and q.global_scale > 0
+        assert torch.equal(deq, nvfp4_fake_quant(x * s, block=block))
+        assert _rel_err(deq, x * s) <= 1.5 * err_1, s
+    # amax / 2688 underflows to 0 below ~1.9e-42: the scale is floored at 2**-149 instead
+    tiny = x * 1e-44
+    q = nvfp4_quantize(tiny, block=block)
+    assert float(q.global_scale) == F32_TINY
+    assert torch.isfinite(nvfp4_dequantize(q)).all()
+    assert _rel_err(nvfp4_dequantize(q), tiny) <= 1.5 * err_1
+
+
+@pytest.mark.parametrize("block", ["1d", "2d"])
+def test_nvfp4_power_of_two_shifts_are_exact_across_the_rescale(block):
+    # Shifting x by 2**-j keeps codes and block scales and shifts s_g exactly while s_g stays
+    # normal, whether or not the encoder rescales (s_g < NVFP4_RESCALE_BELOW).
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 96, generator=g) * torch.exp2(
+        torch.randint(-6, 6, (32, 1), generator=g).float()
+    )
+    ref = nvfp4_quantize(x, block=block)
+    shifts = (30, 64, 90, 94, 100, 115)
+    s_gs = [float(ref.global_scale) * 2.0**-j for j in shifts]
+    assert min(s_gs) >= F32_MIN_NORMAL
+    assert any(v < NVFP4_RESCALE_BELOW for v in s_gs) and any(v > NVFP4_RESCALE_BELOW for v in s_gs)
+    for j in shifts:
+        q = nvfp4_quantize(x * 2.0**-j, block=block)
+        assert torch.equal(q.packed, ref.packed), j
+        assert torch.equal(q.block_scale.view(torch.uint8), ref.block_scale.view(torch.uint8))
+        assert float(q.global_scale) == float(ref.global_scale) * 2.0**-j
+        # stochastic rounding draws the same uniforms, so it shifts exactly too
+        sr = [
+            nvfp4_quantize(
+                v, block=block, rounding="sr", generator=torch.Generator().manual_seed(3)
+            )
+            for v in (x, x * 2.0**-j)
+        ]
+        assert torch.equal(sr[0].packed, sr[1].packed)
+
+
+def test_nvfp4_matches_the_reciprocal_formula_on_ordinary_scales():
+    # The torchao/TE formula e2m1(x * ((1 / s_g) / s_b)), s_b = e4m3(block_amax / 6 / s_g),
+    # evaluated directly: bit-identical for amaxes where it neither overflows nor underflows.
+    g = torch.Generator().manual_seed(2)
+    for trial in range(40):
+        e = float(torch.randint(-105, 60, (1,), generator=g))  # s_g down to ~2**-110
+        per_block = torch.exp2(torch.randint(-8, 8, (8, 4), generator=g).float())
+        x = torch.randn(8, 64, generator=g) * per_block.repeat_interleave(16, -1) * 2.0**e
+        if trial % 5 == 0:
+            x[:, :16] = 0
+        q = nvfp4_quantize(x)
+        s_g = x.abs().amax() / (6 * 448)
+        blocks = x.reshape(8, 4, 16)
+        s_b = e4m3_round((blocks.abs().amax(-1, keepdim=True) / E2M1_MAX) / s_g)
+        recip = torch.where(s_b > 0, (1.0 / s_g) / s_b, torch.zeros_like(s_b))
+        want = (e2m1_round(blocks * recip) * s_b) * s_g
+        assert float(q.global_scale) == float(s_g)
+        assert torch.equal(q.block_scale.float(), s_b.squeeze(-1))
+        assert torch.equal(nvfp4_dequantize(q), want.reshape(8, 64)), e
+
+
+def test_nvfp4_tiny_and_zero_blocks_give_zeros_without_nan():
+    z = torch.zeros(4, 32)
+    z[0, :16] = torch.randn(16) * 1e-39
+    q = nvfp4_quantize(z)
+    deq = nvfp4_dequantize(q)
+    assert torch.isfinite(deq).all() and torch.equal(deq[1:], z[1:])
+    assert (q.block_scale.float()[1:] == 0).all()
+    for gs in (None, 1e-40, F32_TINY):  # all-zero input, also under tiny explicit scales
+        assert torch.equal(
+            nvfp4_fake_quant(torch.zeros(2, 32), global_scale=gs), torch.zeros(2, 32)
+        )
+    assert float(nvfp4_quantize(torch.zeros(2, 16)).global_scale) == 1.0
+    # an explicit subnormal global scale quantises like the automatic one
+    x = torch.randn(4, 64) * 1e-40
+    q = nvfp4_quantize(x)
+    assert torch.equal(nvfp4_fake_quant(x, global_scale=q.global_scale), nvfp4_dequantize(q))
+
+
+def test_nvfp4_weight_quantiser_handles_tiny_weights():
+    # ptq.nvfp4_quantize_weight shares the rescaled encoding: "max" equals nvfp4_quantize and
+    # "mse" stays no worse than it, also where errors would underflow unshifted.
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)) * 1e-38
+    ref = nvfp4_quantize(w)
+    q_max = nvfp4_quantize_weight(w, global_scale=ref.global_scale, search="max")
+    assert torch.equal(q_max.packed, ref.packed)
+    assert torch.equal(q_max.block_scale.view(torch.uint8), ref.block_scale.view(torch.uint8))
+    q_mse = nvfp4_quantize_weight(w, global_scale=ref.global_scale, search="mse")
+    assert not torch.equal(q_mse.block_scale.view(torch.uint8), ref.block_scale.view(torch.uint8))
+    assert _rel_err(nvfp4_dequantize(q_mse), w) <= _rel_err(nvfp4_dequantize(ref), w)
+
+
 # ----------------------------------------------------------------------------- MXFP8 / FP8
 
 
@@ -281,6 +392,38 @@ def test_fp8_round_trip_and_error_bound(granularity):
     assert ((deq - x).abs() <= torch.maximum(x.abs() * 2**-4, s * 2**-10 + 0 * x)).all()
     if granularity == "block":
         assert torch.equal(q.scale[0, 0], x[:16, :16].abs().max() / 448)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "group", "block"])
+def test_fp8_tiny_tensors(granularity):
+    # FP8 divides by its scale (no reciprocal to overflow); the scale amax / 448 underflowed to
+    # 0 for amax below ~3.1e-43 (0 / 0 = NaN) and is now floored at 2**-149.
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(5))
+    kw = {"granularity": granularity, "block_size": 16}
+    err_1 = _rel_err(fp8_fake_quant(x, **kw), x)  # ~0.027
+    for s in (1e-36, F32_MIN_NORMAL, 1e-40, 1e-44):
+        deq = fp8_dequantize(fp8_quantize(x * s, **kw))
+        assert torch.isfinite(deq).all()
+        if s >= F32_MIN_NORMAL:
+            assert _rel_err(deq, x * s) <= 1.5 * err_1, s
+    # 1e-44 is ~7 units of 2**-149: with that scale the integers mostly round trip exactly
+    deq = fp8_dequantize(fp8_quantize(x * 1e-44, **kw))
+    assert _rel_err(deq, x * 1e-44) <= 2**-4
+    assert torch.equal(fp8_fake_quant(torch.zeros(4, 32), **kw), torch.zeros(4, 32))
+
+
+def test_mxfp8_tiny_tensors():
+    # No reciprocal either; E8M0 stops at 2**-127, so below ~2**-127 * 2**-6 elements become
+    # E4M3 subnormals and below 2**-137 they flush to zero, a limit of the format.
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(6))
+    for mode in ("floor", "rceil"):
+        err_1 = _rel_err(mxfp8_fake_quant(x, scale_mode=mode), x)  # ~0.03
+        for s in (1e-36, F32_MIN_NORMAL, 1e-40):
+            deq = mxfp8_dequantize(mxfp8_quantize(x * s, scale_mode=mode))
+            assert torch.isfinite(deq).all()
+            if s >= F32_MIN_NORMAL:
+                assert _rel_err(deq, x * s) <= 1.5 * err_1, (mode, s)
+        assert torch.equal(mxfp8_fake_quant(x * 2.0**-140, scale_mode=mode), torch.zeros(4, 64))
 
 
 def test_fp8_rejects_bad_granularity():

@@ -29,6 +29,18 @@ Conventions (documented once, tested in tests/test_precision_formats.py):
   ~2**-10 / 448 of the tensor amax) is flushed to zero; torchao instead clamps block scales up
   to 2**-6, so the two agree bit for bit whenever no block scale is below 2**-6.
   Negative zero is kept as FP4 code 8.
+* Tiny tensors: per-tensor fp32 scales (NVFP4 amax / 2688, FP8 amax / 448) are floored at the
+  smallest fp32 subnormal 2**-149, so a nonzero amax never gets a zero scale (which would give
+  0 / 0 = NaN). NVFP4 multiplies by the reciprocal (1 / s_g) / s_b, which overflows fp32 once
+  s_g < ~2**-119 (E4M3 block scales reach 2**-9); below `NVFP4_RESCALE_BELOW` the encoder
+  therefore works on x * 2**96 and s_g * 2**96, both exact power-of-two products, so codes and
+  block scales are those of an fp32 with unbounded exponent range (bit-identical to the
+  unscaled path wherever that one neither overflows nor meets subnormals). Below an amax of
+  ~3.2e-35 the stored s_g is itself subnormal and keeps only log2(s_g / 2**-149) significant
+  bits; block scales are computed against the stored s_g, so encode and decode agree, and the
+  largest block can saturate by at most that rounding (~0.6% at amax 3e-40).
+  MXFP8 has no reciprocal: its E8M0 scale bottoms out at 2**-127, so elements at or below
+  2**-137 (half the smallest MXFP8 value, 2**-136) flush to zero, a limit of the format.
 * Packing: two FP4 codes per byte, the even element in the low nibble (as torchao `pack_uint4`
   and vLLM's `break_fp4_bytes`, which load ModelOpt NVFP4 checkpoints).
 """
@@ -49,6 +61,13 @@ E4M3_EMAX = 8  # 448 = 1.75 * 2**8
 E8M0_BIAS = 127
 NVFP4_BLOCK = 16
 MXFP8_BLOCK = 32
+F32_TINY = 2.0**-149  # smallest positive fp32 (subnormal): the floor for per-tensor scales
+# NVFP4 encodes with the reciprocal (1 / s_g) / s_b, and s_b >= 2**-9 (E4M3's smallest
+# subnormal), so it stays below fp32's 2**128 only for s_g > 2**-119; below this threshold
+# (amax < ~3.4e-26, 23 binades of margin) the encoder shifts x and s_g up by NVFP4_RESCALE
+# (exact for powers of two) first, which maps s_g in [2**-149, 2**-96) to [2**-53, 1).
+NVFP4_RESCALE_BELOW = 2.0**-96
+NVFP4_RESCALE = 2.0**96
 
 # The 8 E2M1 magnitudes in code order (code = 2 exponent bits, 1 mantissa bit; bit 3 = sign).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -226,12 +245,28 @@ class NVFP4Tensor:
     block: Literal["1d", "2d"]
 
 
+def nvfp4_scale_from_amax(amax: Tensor) -> Tensor:
+    """amax / (6 * 448) (ModelOpt `weight_scale_2`), floored at `F32_TINY` for a nonzero amax
+    whose quotient underflows (amax < ~1.9e-42); 1 for a zero amax."""
+    s = (amax / (E2M1_MAX * E4M3_MAX)).clamp(min=F32_TINY)
+    return torch.where(amax > 0, s, torch.ones_like(amax))
+
+
 def nvfp4_global_scale(x: Tensor) -> Tensor:
     """Per-tensor decode scale amax / (6 * 448) so the largest block scale lands on E4M3's max
     (ModelOpt `weight_scale_2`); 1 for an all-zero tensor."""
     amax = x.detach().abs().amax().float()
     _check_finite_amax(amax, "nvfp4")
-    return torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+    return nvfp4_scale_from_amax(amax)
+
+
+def nvfp4_encode_domain(x: Tensor, s_g: Tensor) -> tuple[Tensor, Tensor]:
+    """(x, s_g) to encode with: both times `NVFP4_RESCALE` when s_g < `NVFP4_RESCALE_BELOW`, so
+    that (1 / s_g) / s_b stays finite; elements and block scales are invariant to the shift
+    (the decode scale stays the caller's s_g). Larger s_g are returned as they are."""
+    if bool(s_g < NVFP4_RESCALE_BELOW):
+        return x * NVFP4_RESCALE, s_g * NVFP4_RESCALE
+    return x, s_g
 
 
 def _nvfp4_blocks(x: Tensor, block: str) -> Tensor:
@@ -264,12 +299,12 @@ def _nvfp4_core(
         _check_finite_amax(x32.abs().amax(), "nvfp4")
         if not bool(s_g > 0):
             raise ValueError(f"nvfp4 global_scale must be positive, got {float(s_g)}")
-    blocks = _nvfp4_blocks(x32, block)
+    blocks, s_q = nvfp4_encode_domain(_nvfp4_blocks(x32, block), s_g)
     elem_dims = (-1,) if block == "1d" else (-2, -1)
     amax_b = blocks.abs().amax(dim=elem_dims, keepdim=True)
     # Block decode scale = e4m3(block_amax / 6 / s_g), Nemotron 3 Super §2.2 / NVFP4 recipe.
-    s_b = e4m3_round((amax_b / E2M1_MAX) / s_g)
-    recip = torch.where(s_b > 0, (1.0 / s_g) / s_b, torch.zeros_like(s_b))
+    s_b = e4m3_round((amax_b / E2M1_MAX) / s_q)
+    recip = torch.where(s_b > 0, (1.0 / s_q) / s_b, torch.zeros_like(s_b))
     elems = e2m1_round(blocks * recip, rounding=rounding, generator=generator)
     return elems, s_b, s_g
 
@@ -423,8 +458,11 @@ class FP8Tensor:
     block_size: int = 128
 
 
-def _fp8_scale(amax: Tensor) -> Tensor:
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+def fp8_scale_from_amax(amax: Tensor) -> Tensor:
+    """Decode scale amax / 448 (ModelOpt FP8 `weight_scale`), floored at `F32_TINY` for a
+    nonzero amax whose quotient underflows (amax < ~3.1e-43; a zero scale gives 0 / 0 = NaN);
+    1 for a zero amax."""
+    return torch.where(amax > 0, (amax / E4M3_MAX).clamp(min=F32_TINY), torch.ones_like(amax))
 
 
 def _fp8_core(x: Tensor, granularity: str, block_size: int, rounding: Rounding, generator):
@@ -453,7 +491,7 @@ def _fp8_core(x: Tensor, granularity: str, block_size: int, rounding: Rounding, 
             f"granularity must be 'tensor', 'channel', 'group' or 'block', got {granularity!r}"
         )
     _check_finite_amax(amax, "fp8")
-    scale = _fp8_scale(amax)
+    scale = fp8_scale_from_amax(amax)
     data = e4m3_round(view / scale, rounding=rounding, generator=generator)
     return data, scale
 

@@ -49,13 +49,15 @@ from ..model.mlp import relu2
 from ..model.moe import Experts, MoE
 from .formats import (
     E2M1_MAX,
-    E4M3_MAX,
     NVFP4Tensor,
     e4m3_round,
     fp4_e2m1_decode,
     fp4_e2m1_encode,
+    fp8_scale_from_amax,
     nvfp4_dequantize,
+    nvfp4_encode_domain,
     nvfp4_fake_quant,
+    nvfp4_scale_from_amax,
     pack_fp4,
 )
 
@@ -89,8 +91,7 @@ def check_format(fmt: str) -> str:
 # ============================================================================ weight quantisers
 def nvfp4_weight_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
     """ModelOpt `weight_scale_2` = amax / (6 * 448); 1 for an all-zero tensor."""
-    a = torch.as_tensor(amax, dtype=torch.float32)
-    return torch.where(a > 0, a / (E2M1_MAX * E4M3_MAX), torch.ones_like(a))
+    return nvfp4_scale_from_amax(torch.as_tensor(amax, dtype=torch.float32))
 
 
 def _mse_multipliers() -> list[float]:
@@ -119,13 +120,15 @@ def nvfp4_quantize_weight(
         raise ValueError(f"search must be 'mse' or 'max', got {search!r}")
     s_g = torch.as_tensor(global_scale, dtype=torch.float32).reshape(())
     N, K = w_NK.shape
-    w_NGB = w_NK.float().reshape(N, K // NVFP4_GROUP, NVFP4_GROUP)
-    s_amax_NG1 = (w_NGB.abs().amax(-1, keepdim=True) / E2M1_MAX) / s_g  # exact amax scale
+    # Tiny s_g: encode (and compare errors) on w and s_g shifted up by a power of two, as
+    # formats.nvfp4_quantize does, so (1 / s_g) / s_b stays finite and errors do not underflow.
+    w_NGB, s_q = nvfp4_encode_domain(w_NK.float().reshape(N, K // NVFP4_GROUP, NVFP4_GROUP), s_g)
+    s_amax_NG1 = (w_NGB.abs().amax(-1, keepdim=True) / E2M1_MAX) / s_q  # exact amax scale
 
     def trial(s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        recip = torch.where(s_b > 0, (1.0 / s_g) / s_b, torch.zeros_like(s_b))
+        recip = torch.where(s_b > 0, (1.0 / s_q) / s_b, torch.zeros_like(s_b))
         codes = fp4_e2m1_encode(w_NGB * recip)
-        err = ((fp4_e2m1_decode(codes) * s_b) * s_g - w_NGB).square().sum(-1, keepdim=True)
+        err = ((fp4_e2m1_decode(codes) * s_b) * s_q - w_NGB).square().sum(-1, keepdim=True)
         return codes, err
 
     best_s = e4m3_round(s_amax_NG1)
@@ -149,8 +152,7 @@ def nvfp4_quantize_weight(
 
 def fp8_weight_scale(amax: torch.Tensor | float) -> torch.Tensor:
     """ModelOpt FP8 `weight_scale` / `input_scale` = amax / 448; 1 for zero."""
-    a = torch.as_tensor(amax, dtype=torch.float32)
-    return torch.where(a > 0, a / E4M3_MAX, torch.ones_like(a))
+    return fp8_scale_from_amax(torch.as_tensor(amax, dtype=torch.float32))
 
 
 def fp8_quantize_weight(w: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
