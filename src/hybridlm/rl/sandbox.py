@@ -699,6 +699,14 @@ class Sandbox:
             judge.stderr.fileno(): bytearray(),
         }
         truncated = dict.fromkeys(streams, False)
+
+        def keep(fd: int, chunk: bytes) -> None:  # bounded: the rest is drained and dropped
+            room = cap - len(streams[fd])
+            if room > 0:
+                streams[fd] += chunk[:room]
+            if len(chunk) > room:
+                truncated[fd] = True
+
         verdict = bytearray()
         sel = selectors.DefaultSelector()
         for fd in (*streams, ver_r):
@@ -724,11 +732,7 @@ class Sandbox:
                         if len(verdict) < 1 << 22:
                             verdict += chunk
                         continue
-                    room = cap - len(streams[fd])
-                    if room > 0:
-                        streams[fd] += chunk[:room]
-                    if len(chunk) > room:
-                        truncated[fd] = True
+                    keep(fd, chunk)
             rc = None
             if not timed_out:
                 try:  # the program process ends when the judge says exit (or it died already)
@@ -749,11 +753,7 @@ class Sandbox:
                         break
                     if not chunk:
                         break
-                    room = cap - len(streams[fd])
-                    if room > 0:
-                        streams[fd] += chunk[:room]
-                    if len(chunk) > room:
-                        truncated[fd] = True
+                    keep(fd, chunk)
             for proc in (judge, prog):
                 for f in (proc.stdout, proc.stderr):
                     f.close()
