@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             out, steps=args.steps, low_precision=lp, seq_len=args.seq, batch=args.batch
         )
         cfg.train.progress = not args.no_progress
-        run_pretrain(cfg)
+        run_pretrain(cfg, overwrite=True)  # the study's own directories: a rerun replaces them
     res = summarize(out, cfg)
     png = plot_study(out, cfg, out / "nvfp4_training.png")
     b, q = res["fp32"], res["nvfp4"]

@@ -50,7 +50,7 @@ def find_checkpoint(args) -> Path:
     run.train.checkpoint_interval = args.train_steps
     run.train.eval_interval = args.train_steps
     print(f"no runs/quickstart checkpoint: pretraining {args.train_steps} steps", flush=True)
-    run_pretrain(run)
+    run_pretrain(run, overwrite=True)  # the benchmark's own run: a rerun replaces it
     return latest_checkpoint(run.train.out_dir)
 
 

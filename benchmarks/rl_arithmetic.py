@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"verifier reward": out / "grpo", "random reward (control)": out / "control"}
     for (label, run), reward in zip(runs.items(), ("verifier", "random"), strict=True):
         if args.rerun or not (run / "metrics.jsonl").is_file():
-            run_rl(config(args.sft, run, reward, args), progress=True)
+            run_rl(config(args.sft, run, reward, args), progress=True, overwrite=True)
         s = summary(run)
         ev = " ".join(f"{step}:{v:.3f}" for step, v in s["eval"])
         print(

@@ -94,6 +94,81 @@ def test_pretrain_runs_samples_and_exports(tmp_path, capsys):
     assert main(["pretrain", "--config", str(tmp_path / "missing.yaml")]) == 2
 
 
+def _error_line(err: str) -> str:
+    """The one line a failed command prints: no traceback, nothing after it."""
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and err.splitlines()[-1] == lines[0], err
+    return lines[0]
+
+
+def test_pretrain_rerun_needs_resume_or_overwrite_and_resume_skips_damage(tmp_path, capsys):
+    from _tiny import tiny_run
+    from hybridlm.train.checkpoint import list_checkpoints
+    from hybridlm.train.plot import read_metrics
+    from hybridlm.train.trainer import run_pretrain
+
+    cfg = tiny_run(tmp_path, "run", max_steps=4, checkpoint_interval=2, eval_interval=0)
+    cfg.save(tmp_path / "run.yaml")
+    out = tmp_path / "run"
+    argv = ["pretrain", "--config", str(tmp_path / "run.yaml"), "--sample-tokens", "2"]
+    run_pretrain(cfg, until_step=3)  # a run that died after step 3 (checkpoint at 2)
+    metrics = out / "metrics.jsonl"
+    before = metrics.read_bytes()
+    capsys.readouterr()
+    assert main(argv) == 2  # neither --resume nor --overwrite: the earlier run is kept
+    line = _error_line(capsys.readouterr().err)
+    assert "already holds a run (metrics.jsonl, checkpoints/)" in line and "--overwrite" in line
+    assert metrics.read_bytes() == before and len(list_checkpoints(out)) == 1
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "--resume", "--overwrite"])
+    assert main([*argv, "--resume"]) == 0  # rows up to step 2 kept, 3 and 4 appended
+    assert "resumed from" in capsys.readouterr().out
+    assert metrics.read_bytes().startswith(before.splitlines(keepends=True)[0])
+    steps = [r["step"] for r in read_metrics(metrics) if r["kind"] == "train"]
+    assert steps == [1, 2, 3, 4]
+    assert main([*argv, "--overwrite"]) == 0
+    assert f"overwrite: removed metrics.jsonl, checkpoints/ of the earlier run in {out}" in (
+        capsys.readouterr().out
+    )
+    assert [r["step"] for r in read_metrics(metrics) if r["kind"] == "train"] == [1, 2, 3, 4]
+    # every checkpoint damaged: resuming fails in one line naming each
+    ckpts = list_checkpoints(out)
+    for ckpt in ckpts:
+        weights = ckpt / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-100])
+    assert main([*argv, "--resume"]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert line.startswith("hybridlm pretrain: error: no intact checkpoint under")
+    assert all(f"{c.name}: model.safetensors has" in line for c in ckpts) and len(ckpts) == 2
+    assert main(["merge", "--run", str(out), "--windows", "2"]) == 2
+    assert "model.safetensors cannot be read" in _error_line(capsys.readouterr().err)
+
+
+def test_io_errors_and_corrupt_files_are_one_line(tmp_path, capsys):
+    import gzip
+    import zipfile
+
+    from safetensors import SafetensorError
+
+    from hybridlm.cli import _exit_status, _one_line
+
+    (tmp_path / "file").write_text("")
+    argv = ["quantize", str(tmp_path), str(tmp_path / "file" / "out"), "--device", "cpu"]
+    assert main(argv) == 1
+    assert "Not a directory" in _error_line(capsys.readouterr().err)
+    # what readers of corrupt files raise: status 1, one line naming the kind of failure
+    for err in (
+        SafetensorError("Error while deserializing header:\ninvalid header length"),
+        zipfile.BadZipFile("File is not a zip file"),
+        gzip.BadGzipFile("Not a gzipped file"),
+        EOFError("Compressed file ended before the end-of-stream marker was reached"),
+    ):
+        assert _exit_status(err) == 1 and "\n" not in _one_line(err)
+    assert _one_line(SafetensorError("a\nb")) == "SafetensorError: a b"
+    assert _exit_status(ValueError("bad")) == 2 and _exit_status(RuntimeError("bug")) is None
+
+
 def _sub_commands() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices

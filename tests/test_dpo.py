@@ -68,11 +68,16 @@ def test_read_pairs_counts_bad_rows_and_masks_only_the_completion(tmp_path):
         json.dumps(arithmetic_pairs(1)[0]),
     ]
     path = tmp_path / "pairs.jsonl"
-    path.write_text("\n".join(rows) + "\n")
+    bad_utf8 = b'{"prompt": "Hi\xff?", "chosen": "Hello.", "rejected": "No."}'
+    path.write_bytes("\n".join(rows).encode() + b"\n" + bad_utf8 + b"\n")
     report = ReadReport()
     pairs = read_pairs(path, report=report)
-    assert len(pairs) == 2 and report.rows == 5
-    assert report.skipped == {"invalid preference row": 2, "invalid JSON line": 1}
+    assert len(pairs) == 2 and report.rows == 6
+    assert report.skipped == {
+        "invalid preference row": 2,
+        "invalid JSON line": 1,
+        "invalid UTF-8": 1,
+    }
     tp = tokenize_pair(pairs[0], TOK)
     for ex, text in ((tp.chosen, "Hello."), (tp.rejected, "Go away.")):
         ((a, b),) = ex.spans

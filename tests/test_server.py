@@ -173,7 +173,7 @@ BAD_REQUESTS = [
     ("/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("/completions", {"prompt": "x" * MAX_LEN}, 400, "prompt"),
     ("/completions", {"prompt": "x", "max_tokens": MAX_LEN}, 400, "max_tokens"),
-    ("/completions", {"prompt": [100000]}, 400, None),  # refused by the engine itself
+    ("/completions", {"prompt": [100000]}, 400, "prompt"),  # beyond the vocabulary
     ("/completions", {"prompt": []}, 400, "prompt"),
     ("/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/completions", {"prompt": 3}, 400, "prompt"),

@@ -115,6 +115,35 @@ def test_exact_resume(tmp_path):
     assert full["step"] == resumed["step"] == 8
 
 
+def test_bad_rows_of_a_chat_file_are_skipped_and_counted(tmp_path, capsys):
+    convs = arithmetic_conversations(40, seed=3, digits=1)
+    lines = [json.dumps({"messages": c}).encode() for c in convs]
+    lines[5] = lines[5].replace(b'"user"', b'"us\xffer"')  # one invalid UTF-8 byte
+    lines[9] = lines[9][:-3]  # a cut line: not JSON
+    (tmp_path / "chat.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    cfg = tiny_sft(tmp_path / "run", steps=4)
+    cfg.data.sources = [ChatSource(kind="file", path=str(tmp_path / "chat.jsonl"))]
+    result = run_sft(cfg)
+    read = result["data"]["read"]
+    assert read.startswith("38/40 rows kept")
+    assert "1 skipped: invalid UTF-8 (first at row 5)" in read
+    assert "1 skipped: invalid JSON line (first at row 9)" in read
+    data = result["data"]
+    assert data["train_conversations"] + data["held_out"] <= 38 and result["step"] == 4
+    # the same run again: an error, the log kept; --resume / --overwrite go on
+    log = (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    with pytest.raises(ValueError, match="already holds a run"):
+        run_sft(cfg)
+    assert (tmp_path / "run" / "metrics.jsonl").read_bytes() == log
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000004"
+    (ckpt / "optimizer.pt").write_bytes(b"")  # damaged, and the only checkpoint
+    with pytest.raises(ValueError, match="no intact checkpoint .*optimizer.pt has 0 bytes"):
+        run_sft(cfg, resume=True)
+    capsys.readouterr()
+    assert run_sft(cfg, overwrite=True)["step"] == 4
+    assert "overwrite: removed metrics.jsonl, checkpoints/" in capsys.readouterr().out
+
+
 def test_init_from_checkpoint_and_errors(tmp_path):
     run_sft(tiny_sft(tmp_path / "a", steps=4))
     ckpt = tmp_path / "a" / "checkpoints" / "step_00000004"

@@ -154,6 +154,35 @@ def test_readers_count_and_skip_bad_rows(tmp_path):
         list(read_conversations(tmp_path / "missing.jsonl"))
 
 
+def test_a_bad_byte_or_line_skips_one_row_not_the_file(tmp_path):
+    import gzip
+
+    good = json.dumps({"messages": CONVO[:3]}, ensure_ascii=False).encode()
+    bad_utf8 = good.replace(b"Add them.", b"Add \xff them.")  # one invalid byte
+    surrogate = json.dumps({"messages": [CONVO[1], {"role": "assistant", "content": "\ud800"}]})
+    lines = [good, bad_utf8, b"{not json", surrogate.encode(), b"\xef\xbb\xbf" + good]
+    body = b"\n".join(lines) + b"\n"
+    for name, data in (("chat.jsonl", body), ("chat.jsonl.gz", gzip.compress(body))):
+        (tmp_path / name).write_bytes(data)
+        report = ReadReport()
+        convs = list(read_conversations(tmp_path / name, report=report))
+        assert convs == [CONVO[:3]] * 2  # the rows before and after the bad ones are used
+        assert report.rows == 5 and report.kept == 2
+        assert report.skipped == {
+            "invalid UTF-8": 1,
+            "invalid JSON line": 1,
+            "invalid messages": 1,
+        }
+        summary = report.summary()
+        assert "1 skipped: invalid UTF-8 (first at row 1)" in summary
+        assert "messages[1]: text is not valid UTF-8 (a lone surrogate" in summary
+    # a truncated .gz: the rows before the damage are used, the rest counted as unreadable
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(body)[:-30])
+    report = ReadReport()
+    assert len(list(read_conversations(tmp_path / "cut.jsonl.gz", report=report))) >= 1
+    assert report.skipped["unreadable rest of file (truncated or corrupt gzip)"] == 1
+
+
 def test_read_saved_hf_dataset(tmp_path):
     datasets = pytest.importorskip("datasets")
     good = {"messages": CONVO[:3]}

@@ -1,4 +1,5 @@
-"""Checkpoints: atomic writes, keep-last-N, latest discovery, exact state restore, merging."""
+"""Checkpoints: atomic writes, keep-last-N, latest discovery, exact state restore, merging,
+recorded sizes and checksums, resume past damaged checkpoints, run directories kept."""
 
 import json
 import random
@@ -11,15 +12,20 @@ from safetensors.torch import save_file
 from hybridlm.model.model import HybridLM
 from hybridlm.presets import get_preset
 from hybridlm.train.checkpoint import (
+    CheckpointError,
     checkpoint_dir,
+    file_sha256,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     merge_checkpoints,
     merge_state_dicts,
     merge_weights,
+    prepare_run_dir,
     read_meta,
+    resume_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
 )
 
 
@@ -148,3 +154,109 @@ def test_checkpoint_and_run_dirs_load_as_models_with_their_tokenizer(tmp_path):
         tokenizer_for(tmp_path)
     with pytest.raises(ValueError, match="neither a transformers directory"):
         HybridLM.from_pretrained(tmp_path / "checkpoints" / "nothing")
+
+
+def _flip_byte(path, offset=-1):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_sizes_and_checksums_are_recorded_and_verified(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    path = save_checkpoint(tmp_path, step=1, model=model, optimizer=opt, meta={})
+    files = read_meta(path)["files"]
+    assert sorted(files) == ["model.safetensors", "optimizer.pt"]
+    for name, rec in files.items():
+        assert rec == {"bytes": (path / name).stat().st_size, "sha256": file_sha256(path / name)}
+    assert verify_checkpoint(path)["step"] == 1
+    _flip_byte(path / "optimizer.pt")  # same size: only the checksum tells
+    with pytest.raises(CheckpointError, match="optimizer.pt does not match its SHA-256"):
+        verify_checkpoint(path)
+    verify_checkpoint(path, checksums=False)
+    (path / "optimizer.pt").unlink()
+    with pytest.raises(CheckpointError, match="optimizer.pt is missing"):
+        verify_checkpoint(path)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="model.safetensors has .* bytes"):
+        verify_checkpoint(path)
+    (path / "meta.json").write_text('{"step": 1')
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        verify_checkpoint(path)
+
+
+def test_checkpoints_without_recorded_checksums_still_load_and_verify(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    path = save_checkpoint(tmp_path, step=1, model=model, optimizer=opt, meta={})
+    meta = read_meta(path)
+    del meta["files"]  # as saved before sizes and checksums were recorded
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert verify_checkpoint(path)["step"] == 1
+    load_checkpoint(path, _model(), torch.optim.AdamW(_model().parameters()))
+    opt_bytes = (path / "optimizer.pt").read_bytes()
+    (path / "optimizer.pt").write_bytes(opt_bytes[: len(opt_bytes) // 2])
+    with pytest.raises(CheckpointError, match="optimizer.pt is not a complete archive"):
+        verify_checkpoint(path)
+    (path / "optimizer.pt").write_bytes(opt_bytes)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])  # the header no longer covers the file
+    with pytest.raises(CheckpointError, match="model.safetensors: .*incomplete metadata"):
+        verify_checkpoint(path)
+    with pytest.raises(CheckpointError, match="model.safetensors cannot be read"):
+        load_checkpoint(path, _model())
+
+
+def test_resume_skips_damaged_checkpoints_and_moves_them_aside(tmp_path):
+    model = _model()
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step=step, model=model, optimizer=None, meta={})
+    root = checkpoint_dir(tmp_path)
+    newest = root / "step_00000003" / "model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated
+    _flip_byte(root / "step_00000002" / "model.safetensors")  # same size, other bytes
+    lines = []
+    found = resume_checkpoint(tmp_path, log=lines.append)
+    assert found == root / "step_00000001"
+    assert len(lines) == 2
+    assert "step_00000003" in lines[0] and "bytes" in lines[0] and "damaged-" in lines[0]
+    assert "step_00000002" in lines[1] and "SHA-256" in lines[1]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]
+    assert (root / "damaged-step_00000003").is_dir() and (root / "damaged-step_00000002").is_dir()
+    # every checkpoint damaged: one error naming each, nothing moved (a retry says the same)
+    _flip_byte(root / "step_00000001" / "model.safetensors")
+    for _ in range(2):
+        with pytest.raises(CheckpointError, match="no intact checkpoint .*step_00000001"):
+            resume_checkpoint(tmp_path, log=lines.append)
+    assert len(lines) == 2 and [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001"]
+    assert resume_checkpoint(tmp_path / "empty") is None
+
+
+def test_run_dir_keeps_an_earlier_run_unless_resumed_or_overwritten(tmp_path):
+    out = tmp_path / "run"
+    assert prepare_run_dir(out) == out and out.is_dir()
+    (out / "metrics.jsonl").write_text("")  # empty: nothing to lose
+    (out / "checkpoints" / ".tmp-step_00000001-1").mkdir(parents=True)  # a crashed save only
+    prepare_run_dir(out)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    save_checkpoint(out, step=1, model=_model(), optimizer=None, meta={})
+    with pytest.raises(ValueError, match="already holds a run .*--resume.*--overwrite"):
+        prepare_run_dir(out)
+    with pytest.raises(ValueError, match="exclude each other"):
+        prepare_run_dir(out, resume=True, overwrite=True)
+    prepare_run_dir(out, resume=True)
+    assert (out / "metrics.jsonl").read_text() and list_checkpoints(out)
+    prepare_run_dir(out, overwrite=True, remove=False)  # another rank: checks only
+    assert list_checkpoints(out)
+    # a stage without checkpoints owns only its metrics, and offers no --resume
+    with pytest.raises(ValueError, match=r"\(metrics.jsonl\); replace it with --overwrite, or"):
+        prepare_run_dir(out, outputs=("metrics.jsonl",))
+    lines = []
+    prepare_run_dir(out, overwrite=True, log=lines.append)
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    assert lines == [f"overwrite: removed metrics.jsonl, checkpoints/ of the earlier run in {out}"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        prepare_run_dir(tmp_path / "file")

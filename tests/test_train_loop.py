@@ -1,5 +1,6 @@
-"""The pretraining loop: exact resume (in-process and after SIGKILL), NaN guard, accumulation
-equivalence, eval bits per byte, and a tiny tinyshakespeare run whose loss falls."""
+"""The pretraining loop: exact resume (in-process and after SIGKILL, past damaged checkpoints),
+an earlier run kept unless resumed or overwritten, NaN guard, accumulation equivalence, eval bits
+per byte, and a tiny tinyshakespeare run whose loss falls."""
 
 import json
 import math
@@ -46,6 +47,49 @@ def test_exact_resume_in_process(tmp_path):
     # keep_last_n=3 (default) over saves at 3, 6, 8
     names = [p.name for p in list_checkpoints(cfg.train.out_dir)]
     assert names == ["step_00000003", "step_00000006", "step_00000008"]
+
+
+def test_resume_falls_back_past_damaged_checkpoints(tmp_path, capsys):
+    cfg = tiny_run(tmp_path, "run", checkpoint_interval=2, eval_interval=0)
+    run_pretrain(cfg, until_step=7)  # checkpoints at 2, 4, 6; step 7 logged, never saved
+    ckpts = list_checkpoints(cfg.train.out_dir)
+    assert [p.name for p in ckpts] == ["step_00000002", "step_00000004", "step_00000006"]
+    weights = ckpts[2] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # the newest truncated (a full disk)
+    capsys.readouterr()
+    trainer = Trainer(cfg, resume=True)
+    assert trainer.step == 4 and trainer.resumed_from == ckpts[1]
+    printed = capsys.readouterr().out.splitlines()
+    skipped = [line for line in printed if "skipped damaged checkpoint" in line]
+    assert len(skipped) == 1 and str(ckpts[2]) in skipped[0] and "bytes" in skipped[0]
+    assert f"resumed from {ckpts[1]} at step 4" in printed[-1]
+    assert max(r[1] for r in losses(cfg.train.out_dir)) == 4  # rows after step 4 dropped
+    # a checkpoint whose bytes changed at the same size: only its checksum tells
+    opt = ckpts[1] / "optimizer.pt"
+    data = bytearray(opt.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    opt.write_bytes(bytes(data))
+    trainer = Trainer(cfg, resume=True)
+    assert trainer.step == 2 and trainer.resumed_from == ckpts[0]
+    assert "optimizer.pt does not match its SHA-256" in capsys.readouterr().out
+    trainer.train()  # and the run goes on to its end from there
+    assert [p.name for p in list_checkpoints(cfg.train.out_dir)][-1] == "step_00000008"
+    assert [r[1] for r in losses(cfg.train.out_dir) if r[0] == "train"] == list(range(1, 9))
+
+
+def test_a_new_run_keeps_an_earlier_one_unless_resumed_or_overwritten(tmp_path):
+    cfg = tiny_run(tmp_path, "run", max_steps=4, eval_interval=0)
+    run_pretrain(cfg, until_step=3)
+    metrics = Path(cfg.train.out_dir) / "metrics.jsonl"
+    before = metrics.read_bytes()
+    with pytest.raises(ValueError, match="already holds a run"):
+        run_pretrain(cfg)
+    assert metrics.read_bytes() == before and latest_checkpoint(cfg.train.out_dir) is not None
+    run_pretrain(cfg, resume=True)  # from the checkpoint at 3: rows up to 3 kept, 4 appended
+    assert metrics.read_bytes().startswith(before)
+    assert [r[1] for r in losses(cfg.train.out_dir) if r[0] == "train"] == [1, 2, 3, 4]
+    run_pretrain(cfg, overwrite=True)
+    assert [r[1] for r in losses(cfg.train.out_dir) if r[0] == "train"] == [1, 2, 3, 4]
 
 
 def test_nan_gradient_step_is_skipped_and_reported(tmp_path):

@@ -615,8 +615,10 @@ class Speedrun:
         if model.vocab_size != vocab:
             run = dataclasses.replace(run, model=dataclasses.replace(model, vocab_size=vocab))
         out = self.stage_dir("pretrain")
+        # `Speedrun.run` removed the stage dir unless an interrupted attempt with the same settings
+        # left it: continue from its checkpoints, or replace what it logged before the first one
         resume = latest_checkpoint(out) is not None
-        result = run_pretrain(run, resume=resume)
+        result = run_pretrain(run, resume=resume, overwrite=not resume)
         return {"model": str(out), **_scalars(result)}
 
     def stage_sft(self) -> dict[str, Any]:
@@ -625,14 +627,16 @@ class Speedrun:
 
         cfg = SFTRunConfig.from_dict(self.settings("sft"))
         out = self.stage_dir("sft")
-        result = run_sft(cfg, resume=latest_checkpoint(out) is not None)
+        resume = latest_checkpoint(out) is not None  # as in stage_pretrain
+        result = run_sft(cfg, resume=resume, overwrite=not resume)
         return {"model": str(out), **_scalars(result)}
 
     def stage_rl(self) -> dict[str, Any]:
         from .rl.learner import run_rl
 
         cfg = RLConfig.from_dict(self.settings("rl"))
-        result = run_rl(cfg, progress=self.progress)
+        # not resumable: an interrupted attempt's outputs in the stage dir are replaced
+        result = run_rl(cfg, progress=self.progress, overwrite=True)
         from .eval.report import reward_ends
 
         rewards = [r["reward_mean"] for r in result["train"]]
@@ -652,7 +656,7 @@ class Speedrun:
         cfg = self.cfg.mtp_heal
         src = self._model_path("mtp_heal")
         out = self.stage_dir("mtp_heal")
-        result = boost_checkpoint(src, cfg, out, progress=self.progress)
+        result = boost_checkpoint(src, cfg, out, progress=self.progress, overwrite=True)
         al = {
             f"T{r['temperature']:g}": [r["acceptance_length"], a["acceptance_length"]]
             for r, a in zip(result["before"], result["after"], strict=True)
@@ -687,7 +691,8 @@ class Speedrun:
                 exclude=DEFAULT_EXCLUDE + tuple(s["exclude"]),
                 progress=self.progress,
             )
-            summary = run_quantize(qcfg)  # the checkpoint carries its model's tokenizer
+            # the checkpoint carries its model's tokenizer; an interrupted attempt is replaced
+            summary = run_quantize(qcfg, overwrite=True)
             models[recipe] = str(out)
             results[recipe] = {
                 k: summary[k] for k in ("unquantized", "quantized", "delta", "calibration")

@@ -13,6 +13,13 @@ NemotronH / Olmo3 directory), with `--set a.b=value` overrides for the first two
 One module per stage group (model, speedrun, train, rl, eval, precision, data) defines its
 sub-commands' arguments and handlers; a handler imports the library when it runs, so building the
 parser imports no torch and `hybridlm --help` or a mistyped flag answers at once.
+
+Expected failures end a command with one line `hybridlm <command>: error: ...` on stderr instead
+of a traceback: a `ValueError` (bad config, input or file contents, including JSON and UTF-8
+decode errors and an unusable checkpoint) exits with 2; an I/O error (`OSError`: a missing or
+unreadable file, a full disk), a corrupt file caught by its reader (safetensors, zip, gzip) or
+a machine where the code sandbox cannot isolate (`SandboxUnavailable`) exits with 1. Anything
+else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import zipfile
 
 # stage groups, in the order `hybridlm --help` lists their commands
 _GROUPS = ("model", "speedrun", "train", "rl", "eval", "precision", "data")
@@ -58,6 +66,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _exit_status(err: Exception) -> int | None:
+    """The exit status of an expected failure (module docstring), None for anything else."""
+    if isinstance(err, ValueError):
+        return 2
+    if isinstance(err, (OSError, EOFError, zipfile.BadZipFile)):
+        return 1
+    safetensors = sys.modules.get("safetensors")  # not imported: not its error
+    if safetensors is not None and isinstance(err, safetensors.SafetensorError):
+        return 1
+    sandbox = sys.modules.get("hybridlm.rl.sandbox")
+    if sandbox is not None and isinstance(err, sandbox.SandboxUnavailable):
+        return 1  # this machine cannot isolate code rewards: says how to opt in
+    return None
+
+
+def _one_line(err: Exception) -> str:
+    text = " ".join(part.strip() for part in str(err).splitlines() if part.strip())
+    if isinstance(err, (ValueError, OSError)) and text:
+        return text
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -71,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             args.threads_info = configure_threads(args.threads)
             print(f"hybridlm {args.command}: {describe(args.threads_info)}", file=sys.stderr)
         args.fn(args)
-    except ValueError as err:
-        print(f"hybridlm {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except Exception as err:
+        status = _exit_status(err)
+        if status is None:
+            raise
+        print(f"hybridlm {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        return status
     return 0

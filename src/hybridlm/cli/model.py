@@ -110,6 +110,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the model id clients send (default: the preset/checkpoint name)",
     )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="largest request body accepted; bigger ones get a 413 (default: 4 MiB)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(fn=cmd_serve)
 
@@ -316,13 +322,16 @@ def _model_name(args: argparse.Namespace) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     try:
-        from ..infer.server import serve
+        from ..infer.server import DEFAULT_MAX_BODY_BYTES, serve
     except ImportError as err:
         raise ValueError(
             f"`hybridlm serve` needs FastAPI and uvicorn: pip install 'hybridlm[serve]' ({err})"
         ) from None
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    max_body = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
+    if max_body < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {max_body}")
     engine = _engine(args, max_batch_size=args.max_batch_size)
     name = _model_name(args)
     print(
@@ -330,7 +339,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
         f"{engine.max_model_len}) at http://{args.host}:{args.port}/v1",
         file=sys.stderr,
     )
-    serve(engine, name, host=args.host, port=args.port, log_level=args.log_level)
+    serve(
+        engine,
+        name,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        max_body_bytes=max_body,
+    )
 
 
 def cmd_chat(args: argparse.Namespace) -> None:

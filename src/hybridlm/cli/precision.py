@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..choices import PTQ_DEFAULT_EXCLUDE, PTQ_RECIPES
+from .train import add_overwrite_arg
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", help="training checkpoint, run directory or transformers dir")
     p.add_argument("out", help="output directory (quantised checkpoint + reports)")
+    add_overwrite_arg(p)
     p.add_argument("--recipe", choices=PTQ_RECIPES, default="nvfp4")
     p.add_argument(
         "--budget", type=float, default=4.75, help="autoquant: average effective bits per weight"
@@ -110,5 +112,6 @@ def cmd_quantize(args: argparse.Namespace) -> None:
             device=args.device,
             data=args.data,
             calib_data=args.calib_data,
-        )
+        ),
+        overwrite=args.overwrite,
     )

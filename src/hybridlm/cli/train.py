@@ -9,11 +9,34 @@ from typing import Any
 from ..config import add_overrides_arg
 
 
+def add_resume_args(p: argparse.ArgumentParser) -> None:
+    """`--resume | --overwrite`: what to do with an earlier run in the output directory (without
+    either, finding one is an error)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest intact checkpoint (a damaged newer one is skipped)",
+    )
+    add_overwrite_arg(g)
+
+
+def add_overwrite_arg(p: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
+    """`--overwrite` of the commands that write a run's metrics.jsonl (prepare_run_dir)."""
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier run in the output directory: its metrics.jsonl (and "
+        "checkpoints) are removed first; without it, finding one is an error",
+    )
+
+
 def add_run_args(p: argparse.ArgumentParser, default_config: str) -> None:
-    """`--config RUN.yaml`, `--set` and `--resume`: the flags of a post-training stage."""
+    """`--config RUN.yaml`, `--set` and `--resume | --overwrite`: the flags of a post-training
+    stage."""
     p.add_argument("--config", default=default_config, help="run config YAML")
     add_overrides_arg(p, "train.max_steps=100")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    add_resume_args(p)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pretrain", help="pretrain from a run YAML (default: the quickstart)")
     p.add_argument("--config", default="configs/quickstart.yaml", help="a run YAML")
     add_overrides_arg(p, "train.max_steps=200")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    add_resume_args(p)
     p.add_argument("--prompt", default="def ", help="prompt of the closing sample")
     p.add_argument("--sample-tokens", type=int, default=200)
     p.set_defaults(fn=cmd_pretrain)
@@ -57,6 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--checkpoint", required=True, help="run, training checkpoint or HF directory")
     p.add_argument("--out", default="", help="output directory (default: <checkpoint>-mtp-boost)")
+    add_overwrite_arg(p)
     add_overrides_arg(p, "steps=300 --set mix_true=0.5")
     p.set_defaults(fn=cmd_mtp_boost)
 
@@ -79,7 +103,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
             f"run config {path} not found (run from the repository root, or pass --config)"
         )
     run = apply_run_overrides(RunConfig.load(path), args.overrides)
-    trainer = Trainer(run, resume=args.resume)
+    trainer = Trainer(run, resume=args.resume, overwrite=args.overwrite)
     trainer.run.save(Path(trainer.run.train.out_dir) / "run.yaml")
     result = trainer.train()
     if not parallel.is_main():  # under torchrun only rank 0 samples, exports and reports
@@ -134,14 +158,15 @@ def _post_training(load: Any, run: Any, args: argparse.Namespace, keys: tuple[st
     cfg = load(args.config)
     if args.overrides:
         cfg = apply_run_overrides(cfg, args.overrides)
-    result = run(cfg, resume=args.resume)
+    result = run(cfg, resume=args.resume, overwrite=args.overwrite)
     print(json.dumps({k: result[k] for k in keys}, indent=1))
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
     from ..train.sft import SFTRunConfig, run_sft
 
-    _post_training(SFTRunConfig.load, run_sft, args, ("step", "eval", "checkpoint", "plot"))
+    keys = ("step", "eval", "checkpoint", "plot", "data")  # data: rows read, kept, skipped
+    _post_training(SFTRunConfig.load, run_sft, args, keys)
 
 
 def cmd_dpo(args: argparse.Namespace) -> None:
@@ -166,7 +191,7 @@ def cmd_mtp_boost(args: argparse.Namespace) -> None:
 
     cfg = apply_overrides(MTPBoostConfig(), args.overrides).validate()
     out = Path(args.out or str(Path(args.checkpoint).resolve()) + "-mtp-boost")
-    res = boost_checkpoint(args.checkpoint, cfg, out)
+    res = boost_checkpoint(args.checkpoint, cfg, out, overwrite=args.overwrite)
     print(
         f"[mtp-boost] {res['sequences']} self-generated sequences ({res['generation_s']:.0f} s),"
         f" {cfg.steps} steps ({res['train_s']:.0f} s): loss {res['first']['loss']:.3f} ->"

@@ -114,6 +114,18 @@ def assistant_body(
     return "\n".join(parts)
 
 
+def _utf8(body: str, where: str) -> str:
+    """`body`, which must encode as UTF-8: JSON's `\\ud800` escapes decode to lone surrogates,
+    which no tokenizer can encode."""
+    try:
+        body.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{where}: text is not valid UTF-8 (a lone surrogate at character {err.start})"
+        ) from None
+    return body
+
+
 def validate(messages: Sequence[Message]) -> list[Turn]:
     """Check roles and contents; returns the turns with their rendered bodies."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
@@ -139,7 +151,7 @@ def validate(messages: Sequence[Message]) -> list[Turn]:
                 raise ValueError(f"{where}: only assistant messages can have tool_calls")
             if content is None:
                 raise ValueError(f"{where}: a {role} message needs 'content'")
-            turns.append(Turn(role, _text(content, where)))
+            turns.append(Turn(role, _utf8(_text(content, where), where)))
             continue
         if content is None and not tool_calls:
             raise ValueError(f"{where}: an assistant message needs 'content' or 'tool_calls'")
@@ -152,7 +164,7 @@ def validate(messages: Sequence[Message]) -> list[Turn]:
             body = assistant_body(text, reasoning, tool_calls)
         except ValueError as err:
             raise ValueError(str(err).replace("assistant", where, 1)) from None
-        turns.append(Turn(role, body))
+        turns.append(Turn(role, _utf8(body, where)))
     return turns
 
 

@@ -39,6 +39,7 @@ closed by `</think>` and followed by the answer, as in the budget-control SFT st
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import random
@@ -185,14 +186,24 @@ def _raw_rows(path: str, kind: str, split: str) -> Iterator[tuple[Any, str]]:
     if kind == "jsonl":
         if not p.is_file():
             raise ValueError(f"chat data file not found: {path}")
-        with builtin.open_text(p) as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                try:
-                    yield json.loads(line), ""
-                except json.JSONDecodeError:
-                    yield None, "invalid JSON line"
+        # bytes, decoded line by line: one bad line is one skipped row, not a failed file
+        opener = gzip.open if p.name.endswith(".gz") else open
+        try:
+            with opener(p, "rb") as f:
+                for raw in f:
+                    if not raw.strip():
+                        continue
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError:
+                        yield None, "invalid UTF-8"
+                        continue
+                    try:
+                        yield json.loads(line.removeprefix("\ufeff")), ""
+                    except json.JSONDecodeError:
+                        yield None, "invalid JSON line"
+        except (OSError, EOFError):  # a truncated or corrupt .gz: the rows before it count
+            yield None, "unreadable rest of file (truncated or corrupt gzip)"
     elif kind == "parquet":
         if not p.is_file():
             raise ValueError(f"chat data file not found: {path}")

@@ -19,7 +19,26 @@ streamed as separate deltas (`data.chat.AssistantStream`).
 Fields this server cannot honour (logprobs,
 penalties, logit_bias, tools, best_of != n, suffix, JSON mode) are rejected with a 400 rather
 than silently ignored; unknown fields are ignored. Every error is OpenAI-shaped JSON,
-`{"error": {"message", "type", "param", "code"}}`.
+`{"error": {"message", "type", "param", "code"}}`, with `param` naming the offending field.
+
+Untrusted input: no request body can make the server answer 5xx.
+- Size: at most `max_body_bytes` (default 4 MiB, `hybridlm serve --max-body-bytes`); a larger
+  Content-Length is a 413 before anything is read, a chunked body is counted as it arrives (413),
+  a POST with neither Content-Length nor chunked encoding is a 411. (A Content-Length that is not
+  a number never reaches the app: uvicorn answers its own plain-text 400.)
+- Encoding: the body must be UTF-8 (RFC 8259 §8.1), else 400 `invalid_json`. A string anywhere in
+  it (prompt, messages, stop, any field, even an ignored one, or a key) that holds a lone UTF-16
+  surrogate such as the escape `"\\ud800"` cannot be encoded as UTF-8 text: it is rejected with a
+  400 `invalid_unicode` naming the field, never silently replaced.
+- Shape: arrays and objects nest at most `MAX_JSON_DEPTH` deep, checked on the raw bytes in
+  linear time before parsing (so the decoder never recurses deeply); NaN / Infinity literals are
+  not JSON (400 `invalid_json`); the top level must be an object.
+- Types are strict: `"5"` is not an integer and `1` is not a boolean (400 naming the field); a
+  null field is an absent one. Ranges: `seed` is an int64 (-2**63 <= seed < 2**63, as vLLM;
+  choice j uses seed + j, which torch's generator still takes), at most `MAX_STOP` stop strings,
+  `n` (times the number of prompts) at most `MAX_CHOICES`, `max_tokens` within the context.
+- A bug is still an OpenAI-shaped 500 (mid-stream: an `{"error": ...}` event ending the stream),
+  and the keep-alive connection stays usable for the client's next request.
 
 Threading: the `Engine` is not thread-safe, so exactly one background thread (`EngineWorker`)
 owns it. Request handlers put commands on a thread-safe queue; the worker drains the queue,
@@ -36,6 +55,7 @@ import dataclasses
 import json
 import logging
 import queue
+import re
 import socket
 import threading
 import time
@@ -45,11 +65,13 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from ..data import chat as chat_template
@@ -62,6 +84,12 @@ log = logging.getLogger("hybridlm.server")
 
 SPEC_HEADER = "X-Speculative-Draft-Length"
 MAX_CHOICES = 128  # OpenAI's limit on n; also bounds prompts x n for list prompts
+# 4 MiB holds a 1M-token context of text (about 4 bytes a token), the longest these models
+# take; a bigger body is refused before it is read, so it costs no memory
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+MAX_JSON_DEPTH = 64  # a chat request nests about 6 deep (tool-call arguments a few more)
+MAX_STOP = 16  # OpenAI takes 4; each one is searched for after every token
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 
 
 # ---------------------------------------------------------------------- errors
@@ -116,11 +144,151 @@ def _schema_error(errors: list[dict[str, Any]]) -> APIError:
     return _bad("invalid request: " + "; ".join(msgs), param=first or None)
 
 
+def _short(value: Any, limit: int = 80) -> str:
+    """repr(value) cut to `limit` characters, for echoing client input in a message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---------------------------------------------------------------------- request bodies
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, at most `limit` bytes: a larger Content-Length is refused before reading, a
+    chunked body as soon as it has sent too much (uvicorn discards the rest and keeps the
+    connection)."""
+    declared = request.headers.get("content-length")
+    if declared is None:
+        if "chunked" not in request.headers.get("transfer-encoding", "").lower():
+            raise APIError(
+                411,
+                "a Content-Length header (or chunked encoding) is required",
+                code="length_required",
+            )
+    elif not (declared.isascii() and declared.isdigit()):
+        raise _bad(f"Content-Length must be a non-negative integer, got {_short(declared)}")
+    elif len(declared) > 18 or int(declared) > limit:  # (int() refuses 4300+ digits)
+        raise _too_large(limit)
+    size, chunks = 0, []
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(499, "client closed the request") from None
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"the request body is larger than this server's limit of {limit} bytes",
+        code="request_too_large",
+    )
+
+
+_BRACKET_STEPS = np.zeros(256, np.int8)  # byte -> change of nesting depth
+_BRACKET_STEPS[list(b"[{")], _BRACKET_STEPS[list(b"]}")] = 1, -1
+
+
+def json_depth(body: bytes) -> int:
+    """How deep arrays and objects nest in a JSON text (0: a scalar), from its bytes in linear
+    time and without recursion. The escapes that could hide a quote (`\\\\`, then `\\"`) are cut
+    out; a bracket then counts when an even number of quotes precede it (outside strings), and
+    the depth is the largest prefix sum of +1 / -1 over those brackets. Numpy, 1 MiB at a time,
+    so a 4 MiB body costs milliseconds and a few MB of scratch."""
+    text = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    depth = peak = quotes = 0
+    block = 1 << 20
+    for start in range(0, len(text), block):
+        part = np.frombuffer(text, np.uint8, count=min(block, len(text) - start), offset=start)
+        quoted = np.cumsum(part == ord('"'), dtype=np.int64) + quotes
+        steps = np.where(quoted % 2 == 0, _BRACKET_STEPS[part], 0)
+        running = np.cumsum(steps, dtype=np.int64) + depth
+        peak, depth = max(peak, int(running.max())), int(running[-1])
+        quotes = int(quoted[-1]) % 2
+    return peak
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how one gets into a UTF-8 body
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _lone_surrogate(data: Any) -> tuple[str | None, str] | None:
+    """(top-level field, path) of the first key or string value anywhere in `data` that holds a
+    lone surrogate, or None. Iterative: the depth is bounded, but so is the stack here."""
+    stack: list[tuple[Any, str, str | None]] = [(data, "", None)]
+    while stack:
+        obj, path, top = stack.pop()
+        for key, value in obj.items() if isinstance(obj, dict) else enumerate(obj):
+            if isinstance(key, int):
+                where = f"{path}[{key}]"
+            else:
+                safe = key.encode("utf-8", "backslashreplace").decode()
+                where = f"{path}.{safe}" if path else safe
+            field = top if path else (None if _SURROGATE.search(key) else key)
+            if (isinstance(key, str) and _SURROGATE.search(key)) or (
+                isinstance(value, str) and _SURROGATE.search(value)
+            ):
+                return field, where
+            if isinstance(value, (dict, list)):
+                stack.append((value, where, field))
+    return None
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    """A request body as a JSON object, or a 400 saying what is wrong with it (see the module
+    docstring: UTF-8, nesting depth, no NaN, no lone surrogates)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _bad(
+            f"the request body is not valid UTF-8 (byte 0x{body[err.start]:02x} at offset "
+            f"{err.start}); send JSON encoded as UTF-8",
+            code="invalid_json",
+        ) from None
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        raise _bad(
+            f"the request body nests arrays/objects {depth} deep; at most {MAX_JSON_DEPTH} "
+            "levels are accepted",
+            code="invalid_json",
+        )
+    try:
+        data = json.loads(text, parse_constant=_no_constant)
+    except ValueError as err:  # JSONDecodeError, NaN, or an integer of more than 4300 digits
+        raise _bad(f"the request body is not valid JSON ({err})", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise _bad("the request body must be a JSON object", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(body):
+        found = _lone_surrogate(data)
+        if found is not None:
+            field, where = found
+            raise _bad(
+                f"{where}: a string holds a lone UTF-16 surrogate (an escape like \\ud800 "
+                "without its pair), which is not text; send valid Unicode",
+                param=field,
+                code="invalid_unicode",
+            )
+    return data
+
+
 # ---------------------------------------------------------------------- request schemas
 class _Request(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are ignored (as vLLM does)."""
+    """Fields shared by both endpoints. Unknown fields are ignored (as vLLM does); types are
+    strict (as OpenAI's: `"5"` is not an integer, `1` not a boolean) and null means absent."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        # clients send `"n": null` / `"stream": null` for "the default"
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     model: str | None = None
     max_tokens: int | None = None
@@ -368,8 +536,9 @@ def _engine_error(err: Any) -> APIError:
 
 # ---------------------------------------------------------------------- request -> params
 def _check_unsupported(req: _Request) -> None:
-    if req.presence_penalty or req.frequency_penalty:
-        raise _bad("presence_penalty / frequency_penalty are not supported; leave them at 0")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise _bad(f"{name} is not supported; leave it at 0", param=name)
     if req.logit_bias:
         raise _bad("logit_bias is not supported", param="logit_bias")
     if isinstance(req, CompletionRequest):
@@ -380,14 +549,16 @@ def _check_unsupported(req: _Request) -> None:
         if req.suffix:
             raise _bad("suffix (insertion) is not supported", param="suffix")
     if isinstance(req, ChatCompletionRequest):
-        if req.logprobs or req.top_logprobs:
-            raise _bad("logprobs are not supported", param="logprobs")
-        if req.tools or req.functions:
-            raise _bad(
-                "tool definitions are not supported; describe tools in the system message "
-                "(tool_calls and tool messages in the history are rendered)",
-                param="tools",
-            )
+        for name in ("logprobs", "top_logprobs"):
+            if getattr(req, name):
+                raise _bad("logprobs are not supported", param=name)
+        for name in ("tools", "functions"):
+            if getattr(req, name):
+                raise _bad(
+                    "tool definitions are not supported; describe tools in the system message "
+                    "(tool_calls and tool messages in the history are rendered)",
+                    param=name,
+                )
         if req.response_format and req.response_format.get("type", "text") != "text":
             raise _bad("only response_format {'type': 'text'} is supported", "response_format")
 
@@ -418,10 +589,11 @@ def _params(
     default_max_tokens: int | None,
     extra_stop: list[str],
     speculative: int,
+    max_tokens_param: str = "max_tokens",
 ) -> SamplingParams:
     """Validate the sampling fields (400 naming the field) and build `SamplingParams`."""
     if max_tokens is not None and max_tokens < 0:
-        raise _bad(f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
+        raise _bad(f"{max_tokens_param} must be >= 0, got {max_tokens}", max_tokens_param)
     temperature = 1.0 if req.temperature is None else req.temperature
     if not 0.0 <= temperature <= 2.0:
         raise _bad(f"temperature must be in [0, 2], got {temperature}", "temperature")
@@ -432,8 +604,12 @@ def _params(
     if top_k is not None and top_k < 1:
         raise _bad(f"top_k must be >= 1 (or -1 / unset for no limit), got {top_k}", "top_k")
     if not 1 <= req.n <= MAX_CHOICES:
-        raise _bad(f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
+        raise _bad(f"n must be in [1, {MAX_CHOICES}], got {_short(req.n)}", "n")
+    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
+        raise _bad(f"seed must be an int64, in [-2**63, 2**63 - 1], got {_short(req.seed)}", "seed")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP:
+        raise _bad(f"at most {MAX_STOP} stop strings are supported, got {len(stop)}", "stop")
     if any(not s for s in stop):
         raise _bad("stop strings must be non-empty", "stop")
     room = max_model_len - prompt_len
@@ -442,9 +618,9 @@ def _params(
     elif max_tokens > room:
         raise _bad(
             f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{prompt_len} and max_tokens asks for {max_tokens} more. Reduce the prompt or "
-            f"max_tokens (at most {room} here).",
-            "max_tokens",
+            f"{prompt_len} and {max_tokens_param} asks for {_short(max_tokens)} more. Reduce the "
+            f"prompt or {max_tokens_param} (at most {room} here).",
+            max_tokens_param,
             "context_length_exceeded",
         )
     params = SamplingParams(
@@ -527,13 +703,25 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _dumps(obj: Any) -> bytes:
+    """Compact UTF-8 JSON that always encodes: a lone surrogate in a string (refused in requests,
+    but an exception message may carry one) becomes "?" rather than an exception."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return text.encode("utf-8", "replace")
+
+
 def _sse(obj: dict[str, Any] | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
+    data = obj.encode() if isinstance(obj, str) else _dumps(obj)
+    return b"data: " + data + b"\n\n"
+
+
+class _JSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return _dumps(content)
 
 
 def _json(status: int, body: dict[str, Any]) -> Response:
-    return JSONResponse(body, status_code=status)
+    return _JSONResponse(body, status_code=status)
 
 
 def _error_response(err: APIError) -> Response:
@@ -553,16 +741,54 @@ class _Job:
     echo: list[str]  # per choice: text to prefix (completions with echo)
 
 
+class _Guard:
+    """ASGI middleware (inside Starlette's ServerErrorMiddleware) that turns an exception raised
+    before the response started into an OpenAI-shaped 500 and does not re-raise it: uvicorn closes
+    the connection of an app that raises, so the client's next request would fail too. An
+    exception after the response started is re-raised, as only closing can end that response."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched_send(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as err:
+            if started:
+                raise
+            log.exception("unhandled error")
+            message = f"internal error: {type(err).__name__}: {str(err)[:500]}"
+            await _error_response(APIError(500, message))(scope, receive, send)
+
+
 # ---------------------------------------------------------------------- the app
-def create_app(engine: Engine, model_name: str) -> FastAPI:
-    """The FastAPI app serving `engine` under the model id `model_name`. The engine thread
-    starts with the first request and stops when the app shuts down."""
+def create_app(
+    engine: Engine, model_name: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
+    """The FastAPI app serving `engine` under the model id `model_name`; request bodies over
+    `max_body_bytes` are refused (413). The engine thread starts with the first request and
+    stops when the app shuts down."""
     if not model_name:
         raise ValueError("model_name must be a non-empty string (the id clients send as model)")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
+        raise TypeError(f"max_body_bytes must be an int, got {type(max_body_bytes).__name__}")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     worker = EngineWorker(engine)
     created = int(time.time())
     tokenizer = engine.tokenizer
     max_model_len = int(engine.max_model_len)
+    vocab_size = int(engine.model.config.vocab_size)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -571,6 +797,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         worker.stop()
 
     app = FastAPI(title="hybridlm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(_Guard)
     app.state.worker = worker
     app.state.model_name = model_name
 
@@ -586,11 +813,6 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     async def _http_error(request: Request, err: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
         return _error_response(APIError(err.status_code, str(err.detail), code=code))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, err: Exception) -> Response:
-        log.exception("unhandled error")
-        return _error_response(APIError(500, f"internal error: {type(err).__name__}: {err}"))
 
     def model_card() -> dict[str, Any]:
         return {
@@ -618,19 +840,13 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
     def _unknown_model(name: str) -> APIError:
         return APIError(
             404,
-            f"the model {name!r} does not exist; this server serves {model_name!r}",
+            f"the model {_short(name)} does not exist; this server serves {model_name!r}",
             param="model",
             code="model_not_found",
         )
 
     async def parse(request: Request, schema: type[_Request]) -> _Request:
-        body = await request.body()
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise _bad(f"the request body is not valid JSON ({err})", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise _bad("the request body must be a JSON object", code="invalid_json")
+        data = parse_body(await _read_body(request, max_body_bytes))
         try:
             req = schema.model_validate(data)
         except ValidationError as err:
@@ -646,6 +862,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             prompts = [tokenizer.encode(p)]
         elif not p:
             raise _bad("prompt must not be empty", "prompt")
+        elif isinstance(p[0], (str, list)) and len(p) > MAX_CHOICES:  # before tokenising them
+            raise _bad(f"at most {MAX_CHOICES} prompts are accepted, got {len(p)}", "prompt")
         elif isinstance(p[0], str):
             prompts = [tokenizer.encode(s) for s in p]
         elif isinstance(p[0], int):
@@ -655,6 +873,8 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         for ids in prompts:
             if not ids:
                 raise _bad("a prompt of token ids must not be empty", "prompt")
+            if min(ids) < 0 or max(ids) >= vocab_size:
+                raise _bad(f"prompt token ids must be in [0, {vocab_size})", "prompt")
             _check_prompt(ids, max_model_len, "prompt")
         return _job("completion", req, headers, prompts, req.max_tokens, 16, [], req.echo)
 
@@ -663,10 +883,16 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
             text = chat_template.render(req.messages, add_generation_prompt=True)
         except ValueError as err:
             raise _bad(str(err), "messages") from None
+        except RecursionError:  # tool-call arguments: a JSON string nested too deep to decode
+            raise _bad("messages: tool call arguments nest too deep to parse", "messages") from None
         ids = tokenizer.encode(text)
         _check_prompt(ids, max_model_len, "messages")
-        max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
-        return _job("chat", req, headers, [ids], max_tokens, None, [chat_template.STOP], False)
+        if req.max_tokens is None:
+            max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+        else:
+            max_tokens, param = req.max_tokens, "max_tokens"
+        stop = [chat_template.STOP]
+        return _job("chat", req, headers, [ids], max_tokens, None, stop, False, param)
 
     def _job(
         kind: Literal["completion", "chat"],
@@ -677,6 +903,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
         default_max_tokens: int | None,
         extra_stop: list[str],
         echo: bool,
+        max_tokens_param: str = "max_tokens",
     ) -> _Job:
         if len(prompts) * req.n > MAX_CHOICES:
             raise _bad(f"prompts x n must be <= {MAX_CHOICES}, got {len(prompts) * req.n}", "n")
@@ -691,6 +918,7 @@ def create_app(engine: Engine, model_name: str) -> FastAPI:
                 default_max_tokens=default_max_tokens,
                 extra_stop=extra_stop,
                 speculative=spec,
+                max_tokens_param=max_tokens_param,
             )
             for j in range(req.n):
                 requests.append((ids, _seeded(params, j)))
@@ -891,6 +1119,9 @@ async def _stream(job: _Job, gen: _Generation) -> AsyncIterator[bytes]:
         yield _sse("[DONE]")
     except APIError as err:
         yield _sse(err.body())
+    except Exception as err:  # a bug: end the stream with an error event, not a cut connection
+        log.exception("streaming failed")
+        yield _sse(APIError(500, f"internal error: {type(err).__name__}: {str(err)[:500]}").body())
     finally:
         gen.abort()
 
@@ -911,12 +1142,14 @@ def serve(
     port: int = 8000,
     *,
     log_level: str = "info",
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> None:
     """Serve until interrupted (Ctrl-C). Binds to localhost unless told otherwise."""
     import uvicorn
 
     _warn_if_public(host)
-    uvicorn.run(create_app(engine, model_name), host=host, port=port, log_level=log_level)
+    app = create_app(engine, model_name, max_body_bytes=max_body_bytes)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
 @contextmanager
@@ -928,6 +1161,7 @@ def serve_in_background(
     *,
     log_level: str = "warning",
     startup_timeout: float = 30.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Iterator[str]:
     """Run the server in a thread for the duration of a `with` block; yields its base URL
     (`http://host:port/v1`). `port=0` picks a free port (bound before the server starts, so
@@ -935,10 +1169,14 @@ def serve_in_background(
     import uvicorn
 
     _warn_if_public(host)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    app = create_app(engine, model_name, max_body_bytes=max_body_bytes)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and
+    # without it Nagle holds each response's body behind its headers for a delayed ACK (~40 ms)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    config = uvicorn.Config(create_app(engine, model_name), log_level=log_level)
+    config = uvicorn.Config(app, log_level=log_level)
     server = uvicorn.Server(config)
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="hybridlm-server", daemon=True

@@ -8,7 +8,8 @@ newest checkpoint), or a transformers directory (data: that of `../run.yaml` whe
 export, else the embedded Python-stdlib corpus with the byte tokenizer, sharded under
 OUT/shards). OUT receives the quantised checkpoint (config.json, hf_quant_config.json,
 model.safetensors: what vLLM loads), `metrics.jsonl` (one row per evaluated model and per
-decision group) and `quantize.json` (settings, plan, sensitivities, results).
+decision group) and `quantize.json` (settings, plan, sensitivities, results). An OUT that holds an
+earlier run's `metrics.jsonl` is an error unless `--overwrite` (then it is removed first).
 """
 
 from __future__ import annotations
@@ -153,22 +154,20 @@ def load_checkpoint_and_data(ckpt: str | Path, out: Path):
 
 
 # ============================================================================ run
-def run_quantize(cfg: QuantizeConfig) -> dict[str, Any]:
-    """The whole flow; returns the summary also written to OUT/quantize.json."""
+def run_quantize(cfg: QuantizeConfig, *, overwrite: bool = False) -> dict[str, Any]:
+    """The whole flow; returns the summary also written to OUT/quantize.json. `overwrite`:
+    replace an earlier run's metrics.jsonl in OUT (without it, one is an error)."""
     from rich.console import Console
 
     from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
     from ..interop.modelopt import export_modelopt
-    from ..train.checkpoint import tokenizer_for
+    from ..train.checkpoint import METRICS, prepare_run_dir, tokenizer_for
     from ..train.trainer import token_byte_lengths
     from .autoquant import autoquantize, measure_sensitivities, print_table
 
     cfg.validate()
     console = Console(quiet=not cfg.progress)
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_run_dir(cfg.out, overwrite=overwrite, outputs=(METRICS,))
     t0 = time.time()
     model, data, what = load_checkpoint_and_data(cfg.checkpoint, out)
     if cfg.data:
@@ -290,7 +289,7 @@ def run_quantize(cfg: QuantizeConfig) -> dict[str, Any]:
             "exact": aq.exact,
         }
     (out / "quantize.json").write_text(json.dumps(summary, indent=2))
-    with open(out / "metrics.jsonl", "w") as f:
+    with open(out / METRICS, "w") as f:  # prepare_run_dir kept no earlier run's rows
         f.write(json.dumps({"stage": "quantize", "model": "unquantized", **base}) + "\n")
         f.write(
             json.dumps({"stage": "quantize", "model": cfg.recipe, "effective_bits": bits, **quant})

@@ -353,19 +353,20 @@ def run_rl(
     env: MixtureEnvironment | None = None,
     eval_env: MixtureEnvironment | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Train the policy of `cfg.checkpoint` with GRPO; returns a summary (metrics path, plot,
     per-step rows, eval results). `env` / `eval_env` replace the configured environments (any
-    `Environment`s, e.g. a custom verifier, wrapped in a `MixtureEnvironment`)."""
-    from ..train.checkpoint import tokenizer_for
+    `Environment`s, e.g. a custom verifier, wrapped in a `MixtureEnvironment`). An earlier run's
+    metrics in `cfg.out_dir` are an error unless `overwrite=True` (then they are removed)."""
+    from ..train.checkpoint import METRICS, prepare_run_dir, tokenizer_for
 
     cfg.validate()
     torch.manual_seed(cfg.seed)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_run_dir(cfg.out_dir, overwrite=overwrite, outputs=(METRICS,))
     cfg.save(out / "rl.yaml")
-    metrics_path = out / "metrics.jsonl"
-    metrics_path.write_text("")
+    metrics_path = out / METRICS
+    metrics_path.touch()
 
     def log(row: dict) -> None:
         with open(metrics_path, "a") as f:

@@ -10,6 +10,19 @@ A checkpoint is written into `<out>/checkpoints/.tmp-step_...` and renamed into 
 `os.replace`, so a directory named `step_*` is always complete; a crash leaves at most a `.tmp-*`
 directory, which `latest_checkpoint` ignores and the next save removes.
 
+meta.json records the size and SHA-256 of every other file of the checkpoint (`files`), so a file
+truncated or changed after the save (a full disk, a bad copy) is found before it is loaded. On
+resume `resume_checkpoint` verifies the newest checkpoint (files present, sizes, the safetensors
+header, checksums); a damaged one is moved aside to `checkpoints/damaged-step_*` with one line
+saying why, and the newest intact one is used (none intact: an error, nothing moved).
+Checkpoints saved before checksums were recorded get the checks that need none. Cost, measured
+on one core with SHA-NI: SHA-256 streams at 1-1.8 GB/s (blake2b ~0.9, zlib crc32 ~3.2), so
+~2 ms for the tiny test models and ~0.7 s for 600 MB (50M fp32 parameters + AdamW state, whose
+save takes ~2.2 s without it): 0.5-1 s per GB of checkpoint, once per save and once per resume.
+
+A run directory holds one run: `prepare_run_dir` refuses to start a new run where an earlier
+one left `metrics.jsonl` or checkpoints unless it is resumed or explicitly overwritten.
+
 Merging (Nemotron 3 Super §2.5; WSM, Tian et al. 2025): `merge_checkpoints(paths, "minus_sqrt")`
 averages a window of checkpoints with weights that emulate a minus-sqrt LR decay over it.
 """
@@ -17,17 +30,21 @@ averages a window of checkpoints with weights that emulate a minus-sqrt LR decay
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 
@@ -35,6 +52,15 @@ FORMAT = "hybridlm-train-checkpoint"
 FORMAT_VERSION = 1
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
+DAMAGED_PREFIX = "damaged-"
+METRICS = "metrics.jsonl"
+RUN_OUTPUTS = (METRICS, "checkpoints")  # what a training run writes that a new run must not lose
+_CHUNK = 1 << 20  # checksum reads
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: unreadable meta.json, a missing or truncated file, a
+    checksum mismatch, a corrupt safetensors header or optimizer archive."""
 
 
 # ---------------------------------------------------------------------- RNG
@@ -110,6 +136,11 @@ def save_checkpoint(
     save_model(model, str(tmp / "model.safetensors"))  # drops tied duplicates
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    files = {}
+    for file in sorted(tmp.iterdir()):
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+        files[file.name] = {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
     full = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -117,15 +148,12 @@ def save_checkpoint(
         "step": step,
         "saved_at": time.time(),
         "rng": rng_state(),
+        "files": files,  # written last: the checksums of the files as they are on disk
     }
     with open(tmp / "meta.json", "w") as f:
         json.dump(full, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    for file in tmp.iterdir():
-        if file.name != "meta.json":
-            with open(file, "rb") as f:
-                os.fsync(f.fileno())
     final = root / name
     if final.exists():  # re-saving a step (e.g. a resumed run reaching it again)
         shutil.rmtree(final)
@@ -160,10 +188,15 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     meta_file = path / "meta.json"
     if not meta_file.is_file():
-        raise ValueError(f"{path} is not a checkpoint directory (no meta.json)")
-    meta = json.loads(meta_file.read_text())
+        raise CheckpointError(f"{path} is not a checkpoint directory (no meta.json)")
+    try:
+        meta = json.loads(meta_file.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{meta_file} is not valid JSON ({err})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_file} is not a JSON object")
     if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
+        raise CheckpointError(
             f"{meta_file}: format {meta.get('format')!r} v{meta.get('format_version')} is not "
             f"{FORMAT} v{FORMAT_VERSION}"
         )
@@ -180,7 +213,11 @@ def load_checkpoint(
     """Load weights (and optimizer state, RNG states) from a checkpoint; returns its meta."""
     path = Path(path)
     meta = read_meta(path)
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    weights = path / "model.safetensors"
+    try:
+        missing, unexpected = load_model(model, str(weights), strict=False)
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"{weights} cannot be read ({err})") from None
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {path} does not match the model: missing {sorted(missing)[:5]}, "
@@ -191,7 +228,12 @@ def load_checkpoint(
         if not opt_file.is_file():
             raise ValueError(f"checkpoint {path} has no optimizer.pt; cannot resume training")
         device = next(model.parameters()).device
-        optimizer.load_state_dict(torch.load(opt_file, map_location=device, weights_only=True))
+        try:
+            state = torch.load(opt_file, map_location=device, weights_only=True)
+        except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as err:
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CheckpointError(f"{opt_file} cannot be read ({reason})") from None
+        optimizer.load_state_dict(state)
     if restore_rng:
         set_rng_state(meta["rng"])
     return meta
@@ -247,6 +289,159 @@ def tokenizer_for(path: str | Path) -> Any:
     return load_tokenizer("byte")
 
 
+# ---------------------------------------------------------------------- verify / resume
+def file_sha256(path: str | Path) -> str:
+    """SHA-256 of a file, streamed in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_checkpoint(path: str | Path, *, checksums: bool = True) -> dict[str, Any]:
+    """Check that a checkpoint can be loaded; returns its meta, raises `CheckpointError` naming
+    the first problem. Checked: meta.json (JSON, format), every file meta.json records (present,
+    size, SHA-256 unless `checksums=False`), model.safetensors present with a header that parses
+    and covers the file, optimizer.pt (when present) a complete zip archive. A checkpoint saved
+    before sizes and checksums were recorded gets the last two checks only."""
+    path = Path(path)
+    meta = read_meta(path)
+    files = meta.get("files") or {}
+    for name, rec in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{name} is missing")
+        size = file.stat().st_size
+        if size != rec.get("bytes", size):
+            raise CheckpointError(f"{name} has {size} bytes, {rec['bytes']} were saved")
+        if checksums and "sha256" in rec and file_sha256(file) != rec["sha256"]:
+            raise CheckpointError(f"{name} does not match its SHA-256 in meta.json")
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError("model.safetensors is missing")
+    try:
+        with safe_open(str(weights), "pt") as f:
+            f.keys()
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"model.safetensors: {err}") from None
+    opt = path / "optimizer.pt"
+    if opt.exists() and "optimizer.pt" not in files and not zipfile.is_zipfile(opt):
+        raise CheckpointError("optimizer.pt is not a complete archive")
+    return meta
+
+
+def resume_checkpoint(
+    out_dir: str | Path,
+    *,
+    checksums: bool = True,
+    move_aside: bool = True,
+    log: Callable[[str], None] = print,
+) -> Path | None:
+    """The newest intact checkpoint of a run (`verify_checkpoint`), or None when it has none.
+
+    Each damaged newer checkpoint is skipped with one line to `log` saying why and (`move_aside`)
+    renamed to `checkpoints/damaged-step_*`: kept for inspection, but out of the run's sequence
+    (keep-last-N, merging, the next resume). When every checkpoint is damaged nothing is moved
+    and a `CheckpointError` names each problem."""
+    found = list_checkpoints(out_dir)
+    damaged: list[tuple[Path, str]] = []
+    for path in reversed(found):
+        try:
+            verify_checkpoint(path, checksums=checksums)
+        except (CheckpointError, OSError) as err:
+            damaged.append((path, str(err)))
+            continue
+        for bad, reason in damaged:
+            where = ""
+            if move_aside:
+                aside = bad.with_name(DAMAGED_PREFIX + bad.name)
+                n = 1
+                while aside.exists():
+                    n += 1
+                    aside = bad.with_name(f"{DAMAGED_PREFIX}{bad.name}.{n}")
+                bad.rename(aside)
+                where = f"; moved to {aside}"
+            log(f"resume: skipped damaged checkpoint {bad} ({reason}){where}")
+        return path
+    if damaged:
+        raise CheckpointError(
+            f"no intact checkpoint under {checkpoint_dir(out_dir)} to resume from ("
+            + "; ".join(f"{p.name}: {reason}" for p, reason in damaged)
+            + "); start again with --overwrite"
+        )
+    return None
+
+
+# ---------------------------------------------------------------------- run directories
+def _holds_output(path: Path) -> bool:
+    if path.is_dir():  # a checkpoints/ with more than leftovers of a crashed save
+        return any(not p.name.startswith(TMP_PREFIX) for p in path.iterdir())
+    return path.is_file() and path.stat().st_size > 0
+
+
+def prepare_run_dir(
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    outputs: Sequence[str] = RUN_OUTPUTS,
+    remove: bool = True,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Create the output directory of a run that writes `outputs` (names in it) there, without
+    losing an earlier run's.
+
+    When an earlier run left any of `outputs` (a non-empty file, a non-empty directory): with
+    `resume` they are kept (the caller continues the run); with `overwrite` they are removed,
+    with one line to `log` (`remove=False`, e.g. on non-main ranks, only checks); with neither,
+    a `ValueError` asks for one of them. `resume` is only offered when the run writes
+    checkpoints."""
+    out = Path(out_dir)
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other: continue the run or replace it")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output directory {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    found = [out / name for name in outputs if _holds_output(out / name)]
+    if resume or not found:
+        return out
+    names = ", ".join(p.name + ("/" if p.is_dir() else "") for p in found)
+    if not overwrite:
+        how = "replace it with --overwrite"
+        if "checkpoints" in outputs:
+            how = "continue it with --resume, " + how
+        raise ValueError(
+            f"{out} already holds a run ({names}); {how}, or choose another output directory"
+        )
+    if remove:
+        for p in found:
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        log(f"overwrite: removed {names} of the earlier run in {out}")
+    return out
+
+
+def truncate_metrics(path: str | Path, step: int | None) -> None:
+    """On resume from the checkpoint at `step`: drop the rows the interrupted run logged after it
+    (they are logged again); `step=None` (resuming found no checkpoint) drops every row. Written
+    to a temporary file and renamed, so a crash leaves the old log or the new one."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if step is None:
+        path.unlink()
+        return
+    from .plot import read_metrics
+
+    keep = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    tmp.replace(path)
+
+
 # ---------------------------------------------------------------------- merging
 def merge_weights(n: int, kind: str = "uniform") -> list[float]:
     """Weights for averaging `n` checkpoints, oldest first; they sum to 1.
@@ -297,5 +492,10 @@ def merge_checkpoints(
     `model.load_state_dict(merged, strict=False)` (tied weights are stored once)."""
     paths = [Path(p) for p in paths]
     w = merge_weights(len(paths), weights) if isinstance(weights, str) else list(weights)
-    states = [load_file(str(p / "model.safetensors")) for p in paths]
+    states = []
+    for p in paths:
+        try:
+            states.append(load_file(str(p / "model.safetensors")))
+        except (OSError, SafetensorError) as err:
+            raise CheckpointError(f"{p / 'model.safetensors'} cannot be read ({err})") from None
     return merge_state_dicts(states, w)

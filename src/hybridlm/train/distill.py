@@ -61,7 +61,7 @@ from ..data import builtin
 from ..data.chat import STOP, render
 from ..data.sft import Conversation, ReadReport, SFTLoader
 from ..model.model import HybridLM
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .objectives import (
     IGNORE_INDEX,
@@ -89,7 +89,6 @@ from .sft import (
     load_source,
     prompt_and_answer,
     prompt_key,
-    truncate_metrics,
 )
 
 Mode = Literal["offline", "on_policy"]
@@ -284,7 +283,9 @@ class OfflineDistiller(SFTTrainer):
     def progress_info(self, m: dict[str, Any]) -> str:
         return " ".join(f"{k} {m[k]:.4f}" for k in ("loss", "kl", "ce") if k in m)
 
-    def __init__(self, run: DistillRunConfig, *, resume: bool = False) -> None:
+    def __init__(
+        self, run: DistillRunConfig, *, resume: bool = False, overwrite: bool = False
+    ) -> None:
         dc = run.distill
         sft_run = SFTRunConfig(
             model=run.model,
@@ -300,7 +301,7 @@ class OfflineDistiller(SFTTrainer):
             ),
         )
         self.distill_run, self.dcfg = run, dc
-        super().__init__(sft_run, resume=resume)
+        super().__init__(sft_run, resume=resume, overwrite=overwrite)
         self.teacher = load_teacher(dc.teacher, device=self.device, tokenizer=self.tokenizer)
         check_vocab(self.model, self.teacher, dc.teacher)
 
@@ -422,12 +423,14 @@ class OnPolicyDistiller(PostTrainingLoop):
     def plot_train(self) -> tuple[str, ...]:  # type: ignore[override]
         return tuple(f"kl/{n}" for n in self.teachers)
 
-    def __init__(self, run: DistillRunConfig, *, resume: bool = False) -> None:
+    def __init__(
+        self, run: DistillRunConfig, *, resume: bool = False, overwrite: bool = False
+    ) -> None:
         from ..rl.rollout import RolloutPool
 
         self.run, self.tc, self.dc, self.cfg = run, run.train, run.data, run.distill
         tc, dc, cfg = self.tc, self.dc, self.cfg
-        self.prepare_run(tc, dc.tokenizer)
+        self.prepare_run(tc, dc.tokenizer, resume=resume, overwrite=overwrite)
 
         # prompts: per domain, a held-out split (prompts with reference answers) and the rest
         self.read_report = ReadReport()
@@ -489,14 +492,12 @@ class OnPolicyDistiller(PostTrainingLoop):
         self.tokens_per_step = cfg.prompts_per_step * cfg.samples_per_prompt * dc.seq_len
         self.total_steps = tc.num_steps(self.tokens_per_step)
         self.step = 0
-        self.resumed_from: Path | None = None
-        if resume and (path := latest_checkpoint(self.out)) is not None:
-            meta = load_checkpoint(path, self.model, self.optimizer, restore_rng=True)
-            self.step = meta["step"]
-            self.resumed_from = path
-            truncate_metrics(self.metrics_path, self.step)
-        elif self.metrics_path.exists():
-            self.metrics_path.unlink()
+        if resume:
+
+            def restore(meta: dict[str, Any]) -> None:
+                self.step = meta["step"]
+
+            self.resume_run(restore)
         self.pool = RolloutPool(
             self.model.config,
             self.tokenizer,
@@ -691,16 +692,21 @@ class OnPolicyDistiller(PostTrainingLoop):
 
 # ---------------------------------------------------------------------------- entry points
 def run_distill(
-    cfg: DistillRunConfig, *, resume: bool = False, until_step: int | None = None
+    cfg: DistillRunConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    until_step: int | None = None,
 ) -> dict[str, Any]:
     """Run offline or on-policy distillation from a config; returns the final metrics,
-    checkpoint and plot paths. `resume=True` continues from the newest checkpoint."""
+    checkpoint and plot paths. `resume=True` continues from the newest intact checkpoint;
+    `overwrite=True` replaces an earlier run in `train.out_dir`."""
     cfg = copy.deepcopy(cfg)
     cfg.distill.check()
     trainer: OfflineDistiller | OnPolicyDistiller
     if cfg.distill.mode == "offline":
-        trainer = OfflineDistiller(cfg, resume=resume)
+        trainer = OfflineDistiller(cfg, resume=resume, overwrite=overwrite)
     else:
-        trainer = OnPolicyDistiller(cfg, resume=resume)
+        trainer = OnPolicyDistiller(cfg, resume=resume, overwrite=overwrite)
     cfg.save(Path(cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)

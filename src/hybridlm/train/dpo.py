@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import pickle
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ import torch
 from ..data.chat import parse_assistant, render_with_spans, validate
 from ..data.sft import ChatExample, Conversation, ReadReport, _raw_rows, encode_chat
 from ..model.model import IGNORE_INDEX, HybridLM
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .objectives import dpo_loss, sequence_logps
 from .optim import build_optimizer
@@ -59,7 +60,6 @@ from .sft import (
     progress_bar,
     prompt_and_answer,
     prompt_key,
-    truncate_metrics,
 )
 
 DEFAULT_BETA = {"dpo": 0.1, "dpo_norm": 5.0}
@@ -302,8 +302,12 @@ def reference_logps(
     key = hashlib.sha256((pairs_hash(pairs) + _state_hash(ref_model)).encode()).hexdigest()[:24]
     file = Path(cache_dir) / f"ref_logps-{key}.pt" if cache_dir is not None else None
     if file is not None and file.is_file():
-        data = torch.load(file, weights_only=True)
-        return data["chosen"], data["rejected"], True
+        try:
+            data = torch.load(file, weights_only=True)
+            return data["chosen"], data["rejected"], True
+        except (RuntimeError, OSError, EOFError, KeyError, pickle.UnpicklingError) as err:
+            # a cache is only a shortcut: a damaged one is computed again and replaced
+            print(f"reference cache {file} is unreadable ({type(err).__name__}); recomputing")
     device = next(ref_model.parameters()).device
     was_training = ref_model.training
     ref_model.eval()
@@ -420,13 +424,13 @@ class DPOTrainer(PostTrainingLoop):
     def progress_info(self, m: dict[str, Any]) -> str:
         return f"loss {m['loss']:.4f} acc {m['reward_accuracy']:.2f}"
 
-    def __init__(self, run: DPORunConfig, *, resume: bool = False) -> None:
+    def __init__(self, run: DPORunConfig, *, resume: bool = False, overwrite: bool = False) -> None:
 
         self.run = run
         tc, dc, pc = run.train, run.data, run.dpo
         self.tc, self.dc, self.pc = tc, dc, pc
         self.beta = pc.effective_beta
-        self.prepare_run(tc, dc.tokenizer)
+        self.prepare_run(tc, dc.tokenizer, resume=resume, overwrite=overwrite)
         self.pad_id = pad_id_of(self.tokenizer)
         self.model = load_model(pc.init_from, None, seed=tc.seed, device=self.device)
         self.report = ReadReport()
@@ -480,14 +484,12 @@ class DPOTrainer(PostTrainingLoop):
         self.optimizer = build_optimizer(self.model, tc)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.step, self.cursor, self.epoch = 0, 0, 0
-        self.resumed_from: Path | None = None
-        if resume and (path := latest_checkpoint(self.out)) is not None:
-            meta = load_checkpoint(path, self.model, self.optimizer, restore_rng=True)
-            self.step, self.cursor, self.epoch = meta["step"], meta["cursor"], meta["epoch"]
-            self.resumed_from = path
-            truncate_metrics(self.metrics_path, self.step)
-        elif self.metrics_path.exists():
-            self.metrics_path.unlink()
+        if resume:
+
+            def restore(meta: dict[str, Any]) -> None:
+                self.step, self.cursor, self.epoch = meta["step"], meta["cursor"], meta["epoch"]
+
+            self.resume_run(restore)
 
     def _pairs(self) -> list[PreferencePair]:
         dc = self.dc
@@ -658,9 +660,14 @@ class DPOTrainer(PostTrainingLoop):
 
 
 def run_dpo(
-    cfg: DPORunConfig, *, resume: bool = False, until_step: int | None = None
+    cfg: DPORunConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    until_step: int | None = None,
 ) -> dict[str, Any]:
-    """Run DPO from a config; returns final metrics, checkpoint and plot paths."""
-    trainer = DPOTrainer(cfg, resume=resume)
+    """Run DPO from a config; returns final metrics, checkpoint and plot paths. `resume` /
+    `overwrite`: continue or replace an earlier run in `train.out_dir` (as `run_sft`)."""
+    trainer = DPOTrainer(cfg, resume=resume, overwrite=overwrite)
     cfg.save(Path(cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)

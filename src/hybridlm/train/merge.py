@@ -62,8 +62,8 @@ class Evaluator:
     def __init__(self, run: RunConfig, scratch: str | Path) -> None:
         from .trainer import Trainer
 
-        # A fresh Trainer deletes `<out_dir>/metrics.jsonl`: point it at a scratch dir so the
-        # run's own log is left alone.
+        # A Trainer claims its out_dir for a new run (and refuses one holding a run): point it at
+        # an empty scratch dir so the run's own directory is only read.
         run = dataclasses.replace(
             run, train=dataclasses.replace(run.train, out_dir=str(scratch), progress=False)
         )

@@ -238,18 +238,21 @@ def run_mtp_boost(
     out_dir: str | Path,
     *,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Boost the MTP head of `model` in place; writes `metrics.jsonl`, `acceptance.png` and the
-    boosted model (`model/`, a transformers directory) under `out_dir`. Returns the summary."""
+    boosted model (`model/`, a transformers directory) under `out_dir`, which may hold an earlier
+    boost's metrics only with `overwrite=True` (they are removed). Returns the summary."""
+    from .checkpoint import METRICS, prepare_run_dir
+
     cfg.validate()
     if model.mtp is None:
         raise ValueError("the model has no MTP head (mtp.pattern is empty): nothing to boost")
     if not train_prompts or not eval_prompts:
         raise ValueError("need at least one training prompt and one evaluation prompt")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.jsonl"
-    metrics_path.write_text("")
+    out = prepare_run_dir(out_dir, overwrite=overwrite, outputs=(METRICS,))
+    metrics_path = out / METRICS
+    metrics_path.touch()
     (out / "boost.json").write_text(json.dumps(asdict(cfg), indent=1))
 
     def log(row: dict) -> None:
@@ -432,11 +435,16 @@ def prompts_from_environment(
 
 
 def boost_checkpoint(
-    checkpoint: str | Path, cfg: MTPBoostConfig, out: str | Path, *, progress: bool = True
+    checkpoint: str | Path,
+    cfg: MTPBoostConfig,
+    out: str | Path,
+    *,
+    progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Boost the MTP head of a checkpoint (run, training checkpoint or transformers directory)
     with its own tokenizer, on prompts from its training data or from an RL environment
-    (`cfg.prompts`); writes under `out` as `run_mtp_boost` does."""
+    (`cfg.prompts`); writes under `out` as `run_mtp_boost` does (`overwrite` as there)."""
     from .checkpoint import tokenizer_for
 
     cfg.validate()
@@ -456,5 +464,5 @@ def boost_checkpoint(
         train, held = prompts_from_environment(
             cfg.prompts, tok, n_train=cfg.num_sequences, n_eval=cfg.eval_prompts, seed=cfg.seed
         )
-    res = run_mtp_boost(model, tok, train, held, cfg, out, progress=progress)
+    res = run_mtp_boost(model, tok, train, held, cfg, out, progress=progress, overwrite=overwrite)
     return {**res, "eval_prompts": len(held)}

@@ -40,7 +40,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -64,7 +64,13 @@ from ..data.sft import (
 )
 from ..model.model import HybridLM
 from ..presets import PRESETS, get_preset
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    load_checkpoint,
+    prepare_run_dir,
+    resume_checkpoint,
+    save_checkpoint,
+    truncate_metrics,
+)
 from .config import TrainConfig, run_from_dict
 from .objectives import sft_token_weights, shift_targets_float, token_nll
 from .optim import build_optimizer
@@ -395,15 +401,6 @@ def progress_bar(label: str, enabled: bool):
     )
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop the rows a killed run logged after its last checkpoint (they are replayed)."""
-    from .plot import read_metrics
-
-    if path.exists():
-        keep = [r for r in read_metrics(path) if r.get("step", 0) <= step]
-        path.write_text("".join(json.dumps(r) + "\n" for r in keep))
-
-
 # ---------------------------------------------------------------------------- the trainer
 @dataclass(kw_only=True)
 class ChatData:
@@ -473,7 +470,8 @@ class PostTrainingLoop:
     """The step / log / eval / checkpoint / plot loop shared by the SFT, DPO and distillation
     trainers. A subclass sets `stage`, `plot_train` / `plot_eval` (metric keys of the PNG) and
     `rate_key` / `units_per_step` (throughput), calls `prepare_run` (`out`, `metrics_path`,
-    `device`, `tokenizer`), has `tc`, `step`, `total_steps`, `resumed_from`, and implements
+    `device`, `tokenizer`) first and, with `resume`, `resume_run` once its model and optimizer
+    exist; has `tc`, `step`, `total_steps`, `resumed_from`, and implements
     `train_step()`, `evaluate()` (an empty dict: nothing to evaluate), `save()` and
     `data_summary()`; `start_rows()`, `progress_info()` and `close()` are optional hooks."""
 
@@ -483,16 +481,35 @@ class PostTrainingLoop:
     rate_key = "steps_per_s"
     units_per_step = 1
 
-    def prepare_run(self, tc: TrainConfig, tokenizer: str) -> None:
-        """The run's output directory and metrics file, device, seeds and tokenizer."""
+    def prepare_run(
+        self, tc: TrainConfig, tokenizer: str, *, resume: bool = False, overwrite: bool = False
+    ) -> None:
+        """The run's output directory (an earlier run in it needs `resume` or `overwrite`:
+        `checkpoint.prepare_run_dir`) and metrics file, device, seeds and tokenizer."""
         from ..data.bpe import load_tokenizer
 
-        self.out = Path(tc.out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
+        self.out = prepare_run_dir(tc.out_dir, resume=resume, overwrite=overwrite)
+        self.resumed_from: Path | None = None
         self.metrics_path = self.out / "metrics.jsonl"
         self.device = resolve_device(tc.device)
         seed_all(tc.seed)
         self.tokenizer = load_tokenizer(tokenizer)
+
+    def resume_run(self, restore: Callable[[dict[str, Any]], None]) -> None:
+        """Continue from the newest intact checkpoint (a damaged newer one is skipped, saying
+        why): load weights, optimizer and RNG, `restore(meta)` the stage's counters and data
+        position, and drop the metrics rows logged after the checkpoint. Without a checkpoint
+        the run starts from scratch with an empty log."""
+        path = resume_checkpoint(self.out)
+        if path is None:
+            print(f"{self.stage}: no checkpoint under {self.out} to resume; starting from scratch")
+            truncate_metrics(self.metrics_path, None)
+            return
+        meta = load_checkpoint(path, self.model, self.optimizer, restore_rng=True)
+        restore(meta)
+        self.resumed_from = path
+        truncate_metrics(self.metrics_path, self.step)
+        print(f"{self.stage}: resumed from {path} at step {self.step}")
 
     def start_rows(self) -> list[dict[str, Any]]:
         """Rows logged once before the first step (after the data row)."""
@@ -606,12 +623,12 @@ class SFTTrainer(PostTrainingLoop):
     def progress_info(self, m: dict[str, Any]) -> str:
         return f"{m['norm']} loss {m['loss']:.3f} nll/tok {m['nll_token']:.3f}"
 
-    def __init__(self, run: SFTRunConfig, *, resume: bool = False) -> None:
+    def __init__(self, run: SFTRunConfig, *, resume: bool = False, overwrite: bool = False) -> None:
 
         self.run = run
         tc, dc, sc = run.train, run.data, run.sft
         self.tc, self.dc, self.sc = tc, dc, sc
-        self.prepare_run(tc, dc.tokenizer)
+        self.prepare_run(tc, dc.tokenizer, resume=resume, overwrite=overwrite)
 
         # data: read, hold out, transform, tokenise
         data = prepare_chat_data(dc, self.tokenizer)
@@ -643,15 +660,13 @@ class SFTTrainer(PostTrainingLoop):
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.step = 0
         self.skipped_steps = 0
-        self.resumed_from: Path | None = None
-        if resume and (path := latest_checkpoint(self.out)) is not None:
-            meta = load_checkpoint(path, self.model, self.optimizer, restore_rng=True)
-            self.step, self.skipped_steps = meta["step"], meta.get("skipped_steps", 0)
-            self.loader.load_state_dict(meta["loader"])
-            self.resumed_from = path
-            truncate_metrics(self.metrics_path, self.step)
-        elif self.metrics_path.exists():
-            self.metrics_path.unlink()
+        if resume:
+
+            def restore(meta: dict[str, Any]) -> None:
+                self.step, self.skipped_steps = meta["step"], meta.get("skipped_steps", 0)
+                self.loader.load_state_dict(meta["loader"])
+
+            self.resume_run(restore)
 
     # ------------------------------------------------------------------ loss of one micro-batch
     def micro_loss(
@@ -814,10 +829,15 @@ class SFTTrainer(PostTrainingLoop):
 
 
 def run_sft(
-    cfg: SFTRunConfig, *, resume: bool = False, until_step: int | None = None
+    cfg: SFTRunConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    until_step: int | None = None,
 ) -> dict[str, Any]:
     """Run SFT from a config; returns the final metrics, checkpoint and plot paths.
-    `resume=True` continues exactly from the newest checkpoint under `train.out_dir`."""
-    trainer = SFTTrainer(cfg, resume=resume)
+    `resume=True` continues exactly from the newest intact checkpoint under `train.out_dir`;
+    `overwrite=True` replaces an earlier run there (without either, one is an error)."""
+    trainer = SFTTrainer(cfg, resume=resume, overwrite=overwrite)
     cfg.save(Path(cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)

@@ -26,8 +26,11 @@ mtp, mtp_k, moe_aux, z_loss, lr, grad_norm, tokens/s, MFU, tokens, skipped_steps
 `eval_interval` steps one of kind "eval" (held-out CE and bits per byte). MFU is
 `flops_per_token(seq_len, training=True) * tokens/s / peak`, the peak measured once with a matmul
 (or `train.peak_flops`). Checkpoints (train.checkpoint) are written every `checkpoint_interval`
-steps and at the end; `resume=True` continues from the newest one exactly (weights, optimizer,
-loader position, RNG). The loss curve `<out>/loss.png` is rendered from metrics.jsonl at the end.
+steps and at the end; `resume=True` continues from the newest intact one exactly (weights,
+optimizer, loader position, RNG; a damaged newer one is skipped with a line saying why). A new run
+in a directory that holds an earlier run's metrics.jsonl or checkpoints needs `resume=True` or
+`overwrite=True` (checkpoint.prepare_run_dir). The loss curve `<out>/loss.png` is rendered from
+metrics.jsonl at the end.
 
 Bits per byte (held-out): sum of CE nats / (ln 2 * bytes of the target text). Byte tokenizer:
 a target's bytes are 1 for ids < 256, 0 for BOS/EOS. Byte-level BPE: the bytes of each token's
@@ -51,7 +54,14 @@ import torch
 
 from ..data.tokenizer import byte_level_chars
 from ..model.model import IGNORE_INDEX, HybridLM
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    prepare_run_dir,
+    resume_checkpoint,
+    save_checkpoint,
+    truncate_metrics,
+)
 from .config import RunConfig
 from .optim import build_optimizer
 from .parallel import (
@@ -147,19 +157,22 @@ def _seed_all(seed: int) -> None:
 # ---------------------------------------------------------------------- trainer
 class Trainer:
     """Holds model, optimizer, loaders and counters; `train()` runs the loop to the end (or to
-    `until_step`). Construct with `resume=True` to continue from the newest checkpoint."""
+    `until_step`). Construct with `resume=True` to continue from the newest intact checkpoint,
+    `overwrite=True` to replace an earlier run in `train.out_dir`."""
 
-    def __init__(self, run: RunConfig, *, resume: bool = False) -> None:
+    def __init__(self, run: RunConfig, *, resume: bool = False, overwrite: bool = False) -> None:
         from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
 
         self.run = run.resolved()
         tc, dc = self.run.train, self.run.data
         self.cfg = tc
         self.model_cfg = self.run.model
-        self.out = Path(tc.out_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.out / "metrics.jsonl"
         self.rank, self.world_size, dist_device = init_distributed(tc.device)
+        # before any work: refuse to start over an earlier run unless resumed or overwritten
+        self.out = prepare_run_dir(
+            tc.out_dir, resume=resume, overwrite=overwrite, remove=is_main(), log=self._print
+        )
+        self.metrics_path = self.out / "metrics.jsonl"
         self.parallel = tc.parallel if self.world_size > 1 else "none"
         if self.world_size > 1 and self.parallel == "none":
             raise ValueError(
@@ -234,19 +247,27 @@ class Trainer:
         self.resumed_from: Path | None = None
         if resume:
             self._resume()
-        elif self.metrics_path.exists() and is_main():
-            self.metrics_path.unlink()  # a fresh run starts a fresh log
         barrier()
         self._peak_flops = tc.peak_flops or None
         self.flops_per_token = self.model_cfg.flops_per_token(dc.seq_len, training=True)
 
     # ------------------------------------------------------------------ resume
+    @staticmethod
+    def _print(text: str) -> None:
+        if is_main():
+            print(text)
+
     def _resume(self) -> None:
-        path = latest_checkpoint(self.out)
+        # rank 0 verifies and moves damaged checkpoints aside; the others then take the newest
+        if is_main():
+            path = resume_checkpoint(self.out, log=self._print)
+        barrier()
+        if not is_main():
+            path = latest_checkpoint(self.out)
         if path is None:
-            print(f"resume: no checkpoint under {self.out}; starting from scratch")
-            if self.metrics_path.exists() and is_main():
-                self.metrics_path.unlink()
+            self._print(f"resume: no checkpoint under {self.out}; starting from scratch")
+            if is_main():
+                truncate_metrics(self.metrics_path, None)
             return
         if self.parallel == "fsdp":
             from safetensors.torch import load_file
@@ -271,13 +292,8 @@ class Trainer:
         self.train_loader.load_state_dict(meta["loader"])
         self.resumed_from = path
         # Rows logged after the checkpoint (by the killed run) are replayed: drop them.
-        if self.metrics_path.exists() and is_main():
-            from .plot import read_metrics
-
-            keep = [r for r in read_metrics(self.metrics_path) if r.get("step", 0) <= self.step]
-            tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-            tmp.replace(self.metrics_path)
+        if is_main():
+            truncate_metrics(self.metrics_path, self.step)
         barrier()
         if is_main():
             print(f"resumed from {path} at step {self.step} ({self.tokens_seen} tokens)")
@@ -609,14 +625,19 @@ def _z_loss(logits_BLV: torch.Tensor, labels_BL: torch.Tensor, denom: int) -> to
 
 
 def run_pretrain(
-    run_cfg: RunConfig, *, resume: bool = False, until_step: int | None = None
+    run_cfg: RunConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    until_step: int | None = None,
 ) -> dict[str, Any]:
     """Pretrain from a `RunConfig`; returns final metrics and the last checkpoint's path.
 
-    `resume=True` continues from the newest checkpoint under `train.out_dir` (exactly: the loss
-    sequence equals that of an uninterrupted run). `until_step` stops early (the schedule still
-    spans the whole run), e.g. to test resumption."""
-    trainer = Trainer(run_cfg, resume=resume)
+    `resume=True` continues from the newest intact checkpoint under `train.out_dir` (exactly: the
+    loss sequence equals that of an uninterrupted run); `overwrite=True` replaces an earlier run
+    there (without either, one is an error). `until_step` stops early (the schedule still spans
+    the whole run), e.g. to test resumption."""
+    trainer = Trainer(run_cfg, resume=resume, overwrite=overwrite)
     if is_main():
         trainer.run.save(Path(run_cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)

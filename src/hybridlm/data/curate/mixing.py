@@ -234,7 +234,8 @@ class TrainerProxy:
         from ..pipeline import build_tokenizer
 
         run_cfg = self.run_config(weights, run)
-        result = self.last_result = run_pretrain(run_cfg)
+        # a proxy run's directory belongs to this swarm: a rerun of the swarm replaces it
+        result = self.last_result = run_pretrain(run_cfg, overwrite=True)
         model_cfg = run_cfg.model_config()
         model = build_model(model_cfg, seed=self.seed, device=torch.device("cpu"))
         load_checkpoint(result["checkpoint"], model, restore_rng=False)
