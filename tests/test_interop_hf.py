@@ -58,6 +58,8 @@ NEMOTRON_CASES = {
         hybrid_override_pattern="M*", num_key_value_heads=4, n_groups=1, chunk_size=16
     ),
     "mamba-no-conv-bias": dict(hybrid_override_pattern="MMM", use_conv_bias=False, n_groups=4),
+    # a dt clamp that binds on both sides (time_step_limit; mamba-ssm's dt_limit)
+    "dt-limit": dict(hybrid_override_pattern="M*M", time_step_limit=(0.05, 0.3)),
 }
 
 OLMO_BASE = dict(

@@ -42,11 +42,13 @@ class MambaConfig:
     conv_kernel: int = 4
     conv_bias: bool = True
     chunk_size: int = 64  # SSD chunk length for training / prefill
-    # dt = softplus(dt_raw + dt_bias), clamped to [dt_min, dt_clamp_max]. transformers' NemotronH
-    # clamps its chunked path at time_step_min; every path here does, so prefill == decode.
-    dt_min: float = 1e-3
+    # dt = softplus(dt_raw + dt_bias), clamped to [dt_clamp_min, dt_clamp_max] on every path
+    # (prefill == decode): mamba-ssm's `dt_limit`, NemotronH's `time_step_limit`, (0, inf) by
+    # default. dt_min / dt_max / dt_init_floor only set the dt_bias init (Mamba-2 §A).
+    dt_min: float = 1e-3  # lower end of the dt init range
     dt_max: float = 0.1  # upper end of the dt init range
     dt_init_floor: float = 1e-4
+    dt_clamp_min: float = 0.0
     dt_clamp_max: float | None = None
 
     @property
@@ -167,6 +169,13 @@ class ModelConfig:
             if not 0 < m.dt_min <= m.dt_max:
                 raise ValueError(
                     f"need 0 < mamba.dt_min <= mamba.dt_max, got {m.dt_min}, {m.dt_max}"
+                )
+            if m.dt_clamp_min < 0 or (
+                m.dt_clamp_max is not None and not m.dt_clamp_min < m.dt_clamp_max
+            ):
+                raise ValueError(
+                    "need 0 <= mamba.dt_clamp_min < mamba.dt_clamp_max, got "
+                    f"{m.dt_clamp_min}, {m.dt_clamp_max}"
                 )
         if "*" in letters:
             a = self.attention

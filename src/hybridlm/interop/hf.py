@@ -41,6 +41,7 @@ Olmo3: one transformers decoder layer i is our blocks 2i (attention) and 2i+1 (S
 from __future__ import annotations
 
 import json
+import math
 import re
 import tempfile
 from pathlib import Path
@@ -105,10 +106,6 @@ def _nemotron_config(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
         raise _unsupported("NemotronH dense MLPs are relu2", "NemotronH")
     if "E" in letters and e.shared_expert_hidden == 0:
         raise _unsupported("transformers' NemotronHMoE always has a shared expert", "NemotronH")
-    if m.dt_clamp_max is not None:
-        raise _unsupported(
-            "transformers clamps dt below only (mamba.dt_clamp_max must be None)", "NemotronH"
-        )
     if cfg.mtp.pattern and set(cfg.mtp.pattern) - {"*", "E"}:
         raise _unsupported(
             "vLLM's NemotronH MTP layers are attention and MoE blocks only", "NemotronH"
@@ -168,6 +165,11 @@ def _nemotron_config(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
     if cfg.mtp.pattern:
         out["mtp_hybrid_override_pattern"] = cfg.mtp.pattern
         out["mtp_layers_block_type"] = [NEMOTRON_LETTERS[c] for c in cfg.mtp.pattern]
+    if m.dt_clamp_min != 0.0 or m.dt_clamp_max is not None:
+        # the dt clamp, read by transformers >= 5.25 and mamba-ssm (older transformers clamped
+        # at time_step_min); the default (0, inf) is left out, which keeps config.json plain JSON
+        hi = m.dt_clamp_max if m.dt_clamp_max is not None else torch.finfo(torch.float32).max
+        out["time_step_limit"] = [m.dt_clamp_min, hi]
     return out
 
 
@@ -245,6 +247,14 @@ def _pattern_from(value: Any, key: str) -> str:
         raise ValueError(f"config.json {key} has an unknown layer type: {value!r}") from None
 
 
+def _json_float(value: Any) -> float:
+    """A float from config.json: a number, "inf" / "Infinity", or transformers' (>= 5.25)
+    `{"__float__": "Infinity"}` encoding of the non-JSON floats."""
+    if isinstance(value, dict) and "__float__" in value:
+        value = value["__float__"]
+    return float(value)
+
+
 def _from_nemotron(hf: dict[str, Any], has_mtp: bool | None) -> ModelConfig:
     if hf.get("layers_block_type") is not None:
         pattern = _pattern_from(hf["layers_block_type"], "layers_block_type")
@@ -263,7 +273,9 @@ def _from_nemotron(hf: dict[str, Any], has_mtp: bool | None) -> ModelConfig:
         raw = hf.get("mtp_layers_block_type") or hf.get("mtp_hybrid_override_pattern") or "*E"
         mtp_pattern = _pattern_from(raw, "mtp_layers_block_type")
     extra = hf.get("hybridlm", {})
-    # time_step_limit is not read: transformers' NemotronH clamps dt at [time_step_min, inf)
+    lo, hi = (
+        _json_float(v) for v in hf.get("time_step_limit", hf.get("mamba_dt_limit", (0, "inf")))
+    )
     return ModelConfig(
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
@@ -283,6 +295,8 @@ def _from_nemotron(hf: dict[str, Any], has_mtp: bool | None) -> ModelConfig:
             dt_min=hf.get("time_step_min", 1e-3),
             dt_max=hf.get("time_step_max", 0.1),
             dt_init_floor=hf.get("time_step_floor", 1e-4),
+            dt_clamp_min=float(lo),
+            dt_clamp_max=None if math.isinf(hi) else float(hi),
         ),
         attention=AttentionConfig(
             num_heads=hf.get("num_attention_heads", 32),

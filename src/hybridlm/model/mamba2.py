@@ -39,8 +39,8 @@ def mamba2_decode_step(
     head_dim: int,
     groups: int,
     state_size: int,
-    dt_min: float,
-    dt_max: float,
+    dt_clamp_min: float,
+    dt_clamp_max: float | None,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode step of the mixer as a single pure function of tensors (same math as
@@ -56,7 +56,7 @@ def mamba2_decode_step(
         xbc_BX = xbc_BX + conv_b_X
     xs_BI, B_BG, C_BG = F.silu(xbc_BX).split([I, GN, GN], dim=-1)
     ct = torch.promote_types(x_BD.dtype, torch.float32)
-    dt_BH = F.softplus(dt_BH.to(ct) + dt_bias_H.to(ct)).clamp(min=dt_min, max=dt_max)
+    dt_BH = F.softplus(dt_BH.to(ct) + dt_bias_H.to(ct)).clamp(min=dt_clamp_min, max=dt_clamp_max)
     y_BHP, state_BHPN = ssd_step(
         ssm_BHPN,
         xs_BI.view(Bsz, heads, head_dim),
@@ -157,7 +157,7 @@ class Mamba2Mixer(nn.Module):
 
         ct = torch.promote_types(x_BLD.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
         dt_BLH = F.softplus(dt_BLH.to(ct) + self.dt_bias.to(ct))
-        dt_BLH = dt_BLH.clamp(min=m.dt_min, max=m.dt_clamp_max)
+        dt_BLH = dt_BLH.clamp(min=m.dt_clamp_min, max=m.dt_clamp_max)
         if token_mask_BL is not None:
             dt_BLH = dt_BLH * token_mask_BL[..., None]
         A_H = -torch.exp(self.A_log.to(ct))
@@ -203,8 +203,8 @@ class Mamba2Mixer(nn.Module):
             head_dim=m.head_dim,
             groups=m.n_groups,
             state_size=m.state_size,
-            dt_min=m.dt_min,
-            dt_max=m.dt_clamp_max,
+            dt_clamp_min=m.dt_clamp_min,
+            dt_clamp_max=m.dt_clamp_max,
             eps=self.eps,
         )
         return y_BD[:, None]
