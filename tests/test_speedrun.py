@@ -236,3 +236,24 @@ def test_report_of_a_partial_run(tmp_path):
     assert "Stages finished: 0 of 8" in md and "The rl stage did not run." in md
     assert out["plots"] == []
     assert "<html>" in Path(out["report_html"]).read_text()
+
+
+def test_a_stage_whose_checkpoints_are_all_damaged_says_how_to_start_it_again(tmp_path):
+    from hybridlm.train.checkpoint import CheckpointError
+
+    cfg = load_config(str(CONFIG), [], out=str(tmp_path))
+    flow = Speedrun(cfg, only=["pretrain"], progress=False)
+    ckpt = flow.stage_dir("pretrain") / "checkpoints" / "step_00000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text("{not json")
+    seen = []
+
+    def run(**kw):
+        seen.append(kw)
+        raise CheckpointError(
+            "no intact checkpoint (step_00000010: bad); start again with --overwrite"
+        )
+
+    with pytest.raises(CheckpointError, match=r"hybridlm speedrun --force pretrain"):
+        flow._continue_or_start("pretrain", run)
+    assert seen == [{"resume": True, "overwrite": False}]

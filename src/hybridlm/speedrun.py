@@ -605,8 +605,21 @@ class Speedrun:
             "sha256": tok.sha256,
         }
 
+    def _continue_or_start(self, stage: str, run: Any) -> Any:
+        """`run(resume=, overwrite=)` for a checkpointed stage. `Speedrun.run` removed the stage
+        dir unless an interrupted attempt with the same settings left it: continue from its
+        checkpoints, or replace what it logged before the first one. When none of them is
+        intact, the error says how to start the stage again here (`--force`)."""
+        from .train.checkpoint import CheckpointError, latest_checkpoint
+
+        resume = latest_checkpoint(self.stage_dir(stage)) is not None
+        try:
+            return run(resume=resume, overwrite=not resume)
+        except CheckpointError as err:
+            how = f"start the stage again with `hybridlm speedrun --force {stage}`"
+            raise CheckpointError(str(err).replace("start again with --overwrite", how)) from None
+
     def stage_pretrain(self) -> dict[str, Any]:
-        from .train.checkpoint import latest_checkpoint
         from .train.trainer import run_pretrain
 
         run = RunConfig.from_dict(self._pretrain_dict())
@@ -615,20 +628,15 @@ class Speedrun:
         if model.vocab_size != vocab:
             run = dataclasses.replace(run, model=dataclasses.replace(model, vocab_size=vocab))
         out = self.stage_dir("pretrain")
-        # `Speedrun.run` removed the stage dir unless an interrupted attempt with the same settings
-        # left it: continue from its checkpoints, or replace what it logged before the first one
-        resume = latest_checkpoint(out) is not None
-        result = run_pretrain(run, resume=resume, overwrite=not resume)
+        result = self._continue_or_start("pretrain", lambda **kw: run_pretrain(run, **kw))
         return {"model": str(out), **_scalars(result)}
 
     def stage_sft(self) -> dict[str, Any]:
-        from .train.checkpoint import latest_checkpoint
         from .train.sft import run_sft
 
         cfg = SFTRunConfig.from_dict(self.settings("sft"))
         out = self.stage_dir("sft")
-        resume = latest_checkpoint(out) is not None  # as in stage_pretrain
-        result = run_sft(cfg, resume=resume, overwrite=not resume)
+        result = self._continue_or_start("sft", lambda **kw: run_sft(cfg, **kw))
         return {"model": str(out), **_scalars(result)}
 
     def stage_rl(self) -> dict[str, Any]:
