@@ -444,10 +444,7 @@ def humaneval(sb_mod, sandbox) -> dict:
     with gzip.open(HUMANEVAL, "rt") as f:
         recs = [json.loads(line) for line in f if line.strip()]
 
-    def test(rec):
-        m = re.search(rf"^def\s+{re.escape(rec['entry_point'])}\s*\(", rec["prompt"], flags=re.M)
-        return sb_mod.FunctionTest(code=f"{rec['test']}\ncheck({rec['entry_point']})\n",
-                                   setup=rec["prompt"][: m.start()] if m else "")  # fmt: skip
+    test = sb_mod.humaneval_test
 
     wrong_bodies = {
         "return_none": "    return None\n",

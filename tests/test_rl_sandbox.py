@@ -14,13 +14,13 @@ import pytest
 
 import hybridlm.rl.sandbox as sandbox_mod
 from hybridlm.data import builtin
-from hybridlm.rl.environments import humaneval_test
 from hybridlm.rl.sandbox import (
     FunctionTest,
     Sandbox,
     SandboxConfig,
     SandboxUnavailable,
     StdioTest,
+    humaneval_test,
     namespace_support,
 )
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from hybridlm.data.builtin import read_jsonl
 from hybridlm.data.chat import render
-from hybridlm.rl.sandbox import FunctionTest
+from hybridlm.rl.sandbox import humaneval_test
 from hybridlm.rl.verifiers import (
     CodeVerifier,
     GSM8KVerifier,
@@ -263,18 +263,6 @@ CODE_INSTRUCTION = (
     "Complete the following Python function. Reply with the whole function in one "
     "```python code block.\n\n```python\n{prompt}```"
 )
-
-
-def humaneval_test(rec: Mapping[str, Any]) -> FunctionTest:
-    """A HumanEval record's test for the sandbox's judge: `check(<entry_point>)`, with the
-    prompt's preamble (imports and given helpers such as HumanEval/32's `poly`) as trusted setup,
-    so the checks use the dataset's helpers, never ones the program redefines."""
-    m = re.search(rf"^def\s+{re.escape(rec['entry_point'])}\s*\(", rec["prompt"], flags=re.M)
-    return FunctionTest(
-        code=f"{rec['test']}\ncheck({rec['entry_point']})\n",
-        setup=rec["prompt"][: m.start()] if m else "",
-        name=str(rec.get("task_id", "")),
-    )
 
 
 class CodeEnvironment(DatasetEnvironment):

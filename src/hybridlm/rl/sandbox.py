@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import selectors
 import shutil
@@ -139,6 +140,18 @@ class FunctionTest:
 
 
 Test = str | FunctionTest | StdioTest  # a str is FunctionTest(code=str)
+
+
+def humaneval_test(rec: dict) -> FunctionTest:
+    """A HumanEval record's test for the judge: `check(<entry_point>)`, with the prompt's
+    preamble (imports and given helpers such as HumanEval/32's `poly`) as trusted setup, so the
+    checks use the dataset's helpers, never ones the program redefines."""
+    m = re.search(rf"^def\s+{re.escape(rec['entry_point'])}\s*\(", rec["prompt"], flags=re.M)
+    return FunctionTest(
+        code=f"{rec['test']}\ncheck({rec['entry_point']})\n",
+        setup=rec["prompt"][: m.start()] if m else "",
+        name=str(rec.get("task_id", "")),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
