@@ -21,6 +21,7 @@ from __future__ import annotations
 import builtins
 import json
 import os
+import re
 import struct
 import sys
 from typing import Any
@@ -294,6 +295,9 @@ _BLOCKED_EVENTS = frozenset(
 )  # fmt: skip
 
 
+_PROC_SECRET = re.compile(r"^/proc/[^/]+/(task/\d+/)?(environ|mem|root|cwd|fd|map_files)(/|$)")
+
+
 def install_audit_hook(root: str) -> None:
     """PEP 578 hook refusing sockets, process creation, ctypes calls and writes outside `root`.
     Defence in depth only: code in the same interpreter can get around it (the kernel layers and
@@ -318,6 +322,11 @@ def install_audit_hook(root: str) -> None:
                 raise PermissionError(f"sandbox: {event} is not allowed")
             if event == "open":
                 path, mode, flags = args
+                # another process's environment or memory (weak mode shares the host's /proc)
+                if isinstance(path, (str, bytes)) and _PROC_SECRET.match(
+                    os.path.realpath(os.fsdecode(path))
+                ):
+                    raise PermissionError(f"sandbox: reading {path!r} is not allowed")
                 writing = bool(flags & write_flags) or (
                     isinstance(mode, str) and any(c in mode for c in "wax+")
                 )
@@ -657,24 +666,28 @@ class _Conn:
             raise ProtocolError(self.dead)
         return resp
 
-    def ask(self, msg: dict) -> Any:
-        resp = self.request(msg)
+    @staticmethod
+    def _ok(resp: dict, *, stop: bool = False) -> Any:
+        """A response's encoded value; the program's exception raised, and with `stop` (only
+        for "next") the end of iteration. A StopIteration anywhere else could end a judge-side
+        `map` or generator early, so there it is a protocol error."""
         if "exc" in resp:
             raise _exception(resp["exc"])
-        if resp.get("stop") is True:
+        if stop and resp.get("stop") is True:
             raise StopIteration
         if "ok" not in resp:
             raise ProtocolError("malformed response")
-        return decode(resp["ok"], self.handle)
+        return resp["ok"]
+
+    def ask(self, msg: dict) -> Any:
+        resp = self.request(msg)
+        return decode(self._ok(resp, stop=msg.get("op") == "next"), self.handle)
 
     def call(self, target: Remote, args: tuple, kwargs: dict) -> Any:
         msg = {"op": "call", "h": target._id, "args": self.arg(list(args)),
                "kwargs": self.arg(dict(kwargs))}  # fmt: skip
         resp = self.request(msg)
-        if "exc" in resp:
-            raise _exception(resp["exc"])
-        if "ok" not in resp:
-            raise ProtocolError("malformed response")
+        value = self._ok(resp)
         after = resp.get("args")
         if type(after) is list and len(after) == len(args):
             for mine, theirs in zip(args, after, strict=True):  # copy-out of in-place changes
@@ -688,7 +701,7 @@ class _Conn:
                 else:
                     mine.clear()
                     mine.update(new)
-        return decode(resp["ok"], self.handle)
+        return decode(value, self.handle)
 
 
 class _ProgramFailure(BaseException):
