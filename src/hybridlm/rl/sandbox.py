@@ -478,8 +478,8 @@ class Sandbox:
             for k in ("user", "net", "pid", "mount"):
                 if k in self._ns:
                     self._unshare += _UNSHARE_FLAGS[k]
-        # a fresh uid needs files other users can read (the private root makes the directories
-        # above them traversable); without the private root, the host path must be too
+        # a fresh uid only inside the private root (which makes the directories above the bound
+        # files traversable) and only when those files are readable by other users
         readable = (self._plan or {}).get("readable", False)
         self._drop = cfg.drop_privileges and root and readable
         # every capability goes (bounding, effective, permitted, inheritable) with
@@ -603,9 +603,7 @@ class Sandbox:
                 os.mkdir(cgroup)
                 with open(os.path.join(cgroup, "pids.max"), "w") as f:
                     f.write(str(cfg.max_processes))
-            if uid >= 0 and self._plan is None:
-                os.chown(base, uid, uid)
-            os.chmod(base, 0o700)
+            os.chmod(base, 0o700)  # a fresh uid implies the private root: base is a mount point
             root = None
             if self._plan is not None:
                 root = {**self._plan, "base": base, "disk_mb": cfg.disk_mb, "inodes": 4096}
