@@ -54,3 +54,23 @@ def tiny_run(
         plot=False,
     )
     return RunConfig(model=tiny_train_model(), data=data, train=TrainConfig(**{**base, **train}))
+
+
+def reference_greedy(model, prompt, n, *, rep=1.0, freq=0.0, pres=0.0, bias=None) -> list[int]:
+    """Greedy decoding with logit_bias and the penalties applied by hand, one full forward per
+    token (vLLM's order: bias, then repetition over prompt + generated, then frequency /
+    presence over the generated tokens): the reference the engine's batched processors match."""
+    import torch
+
+    out: list[int] = []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].float().clone()
+        for tid, b in (bias or {}).items():
+            logits[tid] += b
+        for j in set(prompt + out):
+            logits[j] = logits[j] / rep if logits[j] > 0 else logits[j] * rep
+        for j in set(out):
+            logits[j] -= out.count(j) * freq + pres
+        out.append(int(logits.argmax()))
+    return out

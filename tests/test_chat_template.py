@@ -6,12 +6,15 @@ import random
 import pytest
 
 from hybridlm.data.chat import (
+    CHAT_TEMPLATE,
     STOP,
     AssistantStream,
     parse_assistant,
     render,
     render_with_spans,
+    tools_section,
 )
+from hybridlm.data.tokenizer import ByteTokenizer
 
 CONVO = [
     {"role": "system", "content": "Be brief."},
@@ -160,3 +163,92 @@ def test_stream_parser_agrees_with_parse_assistant_at_every_split():
 def test_errors_are_actionable(messages, match):
     with pytest.raises(ValueError, match=match):
         render(messages)
+
+
+# ------------------------------------------------------------------------- tools
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "Forecast for a city — in °C",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}},
+]
+
+
+def test_render_offers_tools_in_the_system_message():
+    section = tools_section(TOOLS)
+    assert section.startswith("# Tools\n\nYou may call one or more functions")
+    lines = section.split("\n")
+    start = lines.index("<tools>")
+    assert [json.loads(x) for x in lines[start + 1 : start + 3]] == TOOLS
+    assert lines[start + 3] == "</tools>"
+    assert section.endswith(
+        '<tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call>'
+    )
+    # appended to the leading system message, or in a system turn of its own
+    text = render(CONVO, tools=TOOLS)
+    assert text.startswith(
+        f"<|im_start|>system\nBe brief.\n\n{section}<|im_end|>\n<|im_start|>user"
+    )
+    assert text.endswith(render(CONVO)[len("<|im_start|>system\nBe brief.<|im_end|>\n") :])
+    no_system = render(CONVO[1:2], tools=TOOLS)
+    assert no_system == f"<|im_start|>system\n{section}<|im_end|>\n" + render(CONVO[1:2])
+    empty_system = [{"role": "developer", "content": ""}, CONVO[1]]
+    assert render(empty_system, tools=TOOLS) == no_system
+    # spans still cover exactly the assistant bodies
+    text, spans = render_with_spans(CONVO, tools=TOOLS)
+    assert [text[s:e] for s, e in spans][2] == "Cold: −3 °C." + STOP
+    assert render(CONVO, tools=[]) == render(CONVO, tools=None) == render(CONVO)
+    for bad, match in (
+        ({"type": "function"}, "tools must be a list"),
+        (["weather"], r"tools\[0\]: a tool needs"),
+        ([{"type": "function", "function": {"description": "x"}}], r"tools\[0\]"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            render(CONVO, tools=bad)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(tmp_path_factory):
+    """transformers' view of a saved tokenizer: the chat template as exported checkpoints ship
+    it."""
+    transformers = pytest.importorskip("transformers")
+    path = ByteTokenizer().save(tmp_path_factory.mktemp("byte"))
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def test_chat_template_renders_tools_as_render_does(hf_tokenizer):
+    """`apply_chat_template(messages, tools=tools)` == bos + `render(messages, tools=tools)`, for
+    tool definitions with tool calls and tool results in the conversation."""
+    hf = hf_tokenizer
+    assert hf.chat_template == CHAT_TEMPLATE
+    convs = [CONVO, CONVO[1:], [{"role": "developer", "content": ""}, *CONVO[1:3]]]
+    convs.append([{"role": "system", "content": [{"type": "text", "text": "A"}]}, *CONVO[1:]])
+    for conv in convs:
+        for tools in (TOOLS, TOOLS[:1], None, []):
+            for gp in (False, True):
+                ours = render(conv, add_generation_prompt=gp, tools=tools)
+                theirs = hf.apply_chat_template(
+                    conv, tools=tools, add_generation_prompt=gp, tokenize=False
+                )
+                assert theirs == hf.bos_token + ours, (conv, tools, gp)
+
+
+def test_chat_template_rejects_the_tools_render_rejects(hf_tokenizer):
+    from jinja2.exceptions import TemplateError
+
+    # (transformers itself refuses a tool that is not a dict)
+    flat = {"type": "function", "name": "weather"}  # the Responses API's form, not Chat's
+    for bad in ([flat], [{"type": "function", "function": {"description": "x"}}]):
+        with pytest.raises(ValueError, match=r"tools\[0\]"):
+            render(CONVO, tools=bad)
+        with pytest.raises(TemplateError, match=r"tools\[0\]"):
+            hf_tokenizer.apply_chat_template(CONVO, tools=bad, tokenize=False)

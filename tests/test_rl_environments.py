@@ -108,8 +108,8 @@ def test_instruction_following_environment():
         ]
     )
     p = env[0]
-    assert env.score(p, "a small cat sleeps").value == 1.0
-    r = env.score(p, "A small cat, asleep")
+    assert env.score(p, "a small cat sleeps on the warm mat near the window").value == 1.0
+    r = env.score(p, "A small cat, asleep on the warm mat near the window")
     assert r.value == 0.0 and r.metrics["constraints_passed"] == 0.0
     gen = InstructionFollowingEnvironment.generated(num_problems=40, max_constraints=3, seed=2)
     same = InstructionFollowingEnvironment.generated(num_problems=40, max_constraints=3, seed=2)

@@ -1,5 +1,6 @@
 """Verifiers: math equivalence (Math-Verify and the SymPy path), GSM8K final numbers on real
-GSM8K answers, code through the sandbox, and every instruction-following checker true and false."""
+GSM8K answers, code through the sandbox, and every instruction-following checker true and false
+(IFEval's reference semantics; tests/test_ifeval_conformance.py compares with the reference)."""
 
 import pytest
 
@@ -17,6 +18,7 @@ from hybridlm.rl.verifiers import (
     extract_code,
     extract_gsm8k_answer,
     extract_math_answer,
+    follow_instructions,
     gsm8k_reference,
     math_equal,
     parse_number,
@@ -160,11 +162,11 @@ IF_CASES = [
         "one two three four five",
         "one two three",
     ),
-    (
+    (  # words are \w+ runs (IFEval's count_words): "it's a well-known fact" is six
         "length_constraints:number_words",
         {"num_words": 5, "relation": "less than"},
+        "a well-known fact",
         "it's a well-known fact",
-        "one two three four five",
     ),
     (
         "length_constraints:number_sentences",
@@ -255,7 +257,12 @@ IF_CASES = [
     ),
     ("startend:quotation", {}, '"all quoted"', 'not "quoted"'),
     ("change_case:english_lowercase", {}, "all lower case here.", "Not all lower."),
-    ("change_case:english_capital", {}, "ALL CAPS, 42!", "ALL CAPS but one"),
+    (  # upper case *and* English by langdetect
+        "change_case:english_capital",
+        {},
+        "THIS IS WRITTEN ENTIRELY IN CAPITAL LETTERS.",
+        "ALL CAPS but one",
+    ),
     (
         "change_case:capital_word_frequency",
         {"capital_frequency": 2, "capital_relation": "at least"},
@@ -276,14 +283,103 @@ def test_every_instruction_is_tested_true_and_false():
         assert check_instruction(name, bad, kwargs) is False, (name, bad)
 
 
+# IFEval reference behaviours that differ from a naive reading of the instructions
+IF_QUIRKS = [
+    (
+        "length_constraints:number_words",
+        {"num_words": 2, "relation": "at least"},
+        "well-known",
+        True,
+    ),
+    (
+        "keywords:frequency",
+        {"keyword": "cat", "frequency": 2, "relation": "at least"},
+        "cat category",
+        True,
+    ),  # noqa: E501
+    ("keywords:forbidden_words", {"forbidden_words": ["very"]}, "every day", True),
+    ("change_case:english_lowercase", {}, "bonjour, je voudrais un café, s'il vous plaît.", False),
+    (
+        "change_case:capital_word_frequency",
+        {"capital_frequency": 2, "capital_relation": "at least"},
+        "I saw A dog",
+        True,
+    ),  # noqa: E501
+    (
+        "change_case:capital_word_frequency",
+        {"capital_frequency": 2, "capital_relation": "at least"},
+        "DON'T",
+        True,
+    ),  # noqa: E501
+    ("length_constraints:number_paragraphs", {"num_paragraphs": 2}, "***\na\n***\nb\n***", True),
+    ("length_constraints:number_paragraphs", {"num_paragraphs": 2}, "a\n***\n***\nb", False),
+    ("detectable_format:number_bullet_lists", {"num_bullets": 2}, "*a\n*b", True),
+    ("detectable_format:number_bullet_lists", {"num_bullets": 1}, "**bold**\n- item", True),
+    ("detectable_content:number_placeholders", {"num_placeholders": 2}, "[] and [name]", True),
+    (
+        "length_constraints:number_sentences",
+        {"num_sentences": 2, "relation": "at least"},
+        "Use tools, e.g. hammers.",
+        True,
+    ),  # noqa: E501
+    (
+        "length_constraints:number_sentences",
+        {"num_sentences": 2, "relation": "less than"},
+        "Title line\nwith no period",
+        True,
+    ),  # noqa: E501
+    ("punctuation:no_comma", {}, "full-width\uff0ccomma", True),
+    ("startend:end_checker", {"end_phrase": "Bye."}, '"Hello. Bye."', True),
+    ("language:response_language", {"language": "fr"}, "12345", True),  # undetectable: passes
+]
+
+
+def test_ifeval_reference_quirks():
+    for name, kwargs, response, expected in IF_QUIRKS:
+        assert check_instruction(name, response, kwargs) is expected, (name, response)
+
+
+def test_language_fallback_and_builtin_sentences(monkeypatch):
+    """Without langdetect, py3langid; without NLTK's Punkt data, the built-in Punkt splitter."""
+    from hybridlm.rl import ifeval_text
+
+    pytest.importorskip("py3langid")
+    monkeypatch.setattr(ifeval_text, "_langdetect", lambda: None)
+    monkeypatch.setattr(ifeval_text, "_nltk_punkt", lambda: None)
+    assert ifeval_text.language_backend() == "py3langid"
+    assert ifeval_text.detect_language("Bonjour, je voudrais un café, s'il vous plaît.") == "fr"
+    assert ifeval_text.detect_language("12345 !!!") is None
+    assert ifeval_text.sentence_backend() == "builtin-punkt"
+    split = ifeval_text.split_sentences
+    assert split("Dr. Smith came home. He slept.") == ["Dr. Smith came home.", "He slept."]
+    assert split("Tools, e.g. hammers.") == ["Tools, e.g.", "hammers."]  # Punkt breaks there
+    assert split("A title\nwithout a period") == ["A title\nwithout a period"]
+    assert split('He said "Stop." Then left.') == ['He said "Stop."', "Then left."]
+    assert split("") == [] and split("  \n") == []
+    assert ifeval_text.word_tokenize("I DON'T. Ok") == ["I", "DO", "N'T", ".", "Ok"]
+
+
+def test_strict_and_loose_following():
+    ids = ["detectable_format:title", "startend:end_checker"]
+    kw = [None, {"end_phrase": "Is there anything else?"}]
+    reply = "Sure!\n<<Tea>>\n*Tea* is a drink. Is there anything else?\n**Hope this helps**"
+    assert follow_instructions(reply, ids, kw) == [True, False]
+    assert follow_instructions(reply, ids, kw, loose=True) == [True, True]  # last line dropped
+    assert follow_instructions("   ", ["punctuation:no_comma"]) == [False]  # blank: nothing
+    assert follow_instructions("", ["punctuation:no_comma"], loose=True) == [False]
+    assert InstructionVerifier(loose=True)(reply, ids, kw).value == 1.0
+    assert InstructionVerifier()(reply, ids, kw).value == 0.0
+
+
 def test_instruction_verifier_all_or_nothing_and_errors():
     ids = ["punctuation:no_comma", "change_case:english_lowercase", "keywords:existence"]
     kw = [None, None, {"keywords": ["cat"]}]
     v, vp = InstructionVerifier(), InstructionVerifier(partial_credit=True)
-    assert v("<think>\nHmm, OK.\n</think>\nthe cat sat", ids, kw).value == 1.0
-    r = v("The cat sat", ids, kw)
+    assert v("<think>\nHmm, OK.\n</think>\nthe cat sat on the mat", ids, kw).value == 1.0
+    r = v("The cat sat on the mat", ids, kw)
     assert r.value == 0.0 and "english_lowercase" in r.reason
-    assert vp("The cat sat", ids, kw).value == pytest.approx(2 / 3)
+    assert vp("The cat sat on the mat", ids, kw).value == pytest.approx(2 / 3)
+    assert v("<think>\nnever closed", ids, kw).value == 0.0  # no answer follows nothing
     with pytest.raises(ValueError, match="unknown instruction"):
         check_instruction("no:such", "x")
     with pytest.raises(ValueError, match="bad kwargs"):

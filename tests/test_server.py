@@ -181,7 +181,7 @@ BAD_REQUESTS = [
     ("/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("/completions", {"prompt": "x", "speculative": 99}, 400, "speculative"),
-    ("/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/completions", {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
     ("/completions", ["not", "an", "object"], 400, None),
     ("/chat/completions", {"model": "gpt-4", "messages": []}, 404, "model"),
     ("/chat/completions", {"max_tokens": 2}, 400, "messages"),

@@ -89,6 +89,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "embedding: code functions with cosine >= 0.8 to a HumanEval function",
     )
     p.add_argument("--embedding-backend", choices=["hashed", "minilm"], default="hashed")
+    p.add_argument(
+        "--embedding-model",
+        default=None,
+        help="the minilm backend's sentence-transformers model: a Hub id already in the local "
+        "cache (fetch once: hf download ID) or a directory; never downloaded (default "
+        "sentence-transformers/all-MiniLM-L6-v2)",
+    )
     p.add_argument("--embedding-threshold", type=float, default=0.8)
     p.add_argument("--report", default="decon_report.json")
     p.add_argument("--clean-out", help="write the clean documents here (JSONL)")
@@ -144,6 +151,7 @@ def add_decon_code_eval_args(p: argparse.ArgumentParser) -> None:
         help="folder with humaneval/HumanEval.jsonl.gz (default: the packaged copy)",
     )
     p.add_argument("--backend", action="append", choices=["hashed", "minilm"], default=None)
+    p.add_argument("--embedding-model", default=None, help="the minilm backend's model (see decon)")
     p.add_argument(
         "--normalize", action="append", choices=["none", "format", "canonical"], default=None
     )
@@ -299,11 +307,15 @@ def cmd_decon(args: argparse.Namespace) -> None:
     elif args.method == "overlap":
         det = NgramOverlapDetector(reg)
     else:
-        from ..data.curate.embed import CodeEmbeddingDetector, EmbedDeconConfig
+        from ..data.curate.embed import MINILM_MODEL, CodeEmbeddingDetector, EmbedDeconConfig
 
         det = CodeEmbeddingDetector(
             reg,
-            EmbedDeconConfig(backend=args.embedding_backend, threshold=args.embedding_threshold),
+            EmbedDeconConfig(
+                backend=args.embedding_backend,
+                threshold=args.embedding_threshold,
+                model=args.embedding_model or MINILM_MODEL,
+            ),
         )
     from ..data.sources import JsonlSource
 
@@ -329,6 +341,7 @@ def cmd_decon_code_eval(args: argparse.Namespace) -> None:
 
     from ..data.curate.decon import BenchmarkRegistry
     from ..data.curate.embed import (
+        MINILM_MODEL,
         CodeEmbeddingDetector,
         EmbedDeconConfig,
         measure_code_decon,
@@ -344,6 +357,7 @@ def cmd_decon_code_eval(args: argparse.Namespace) -> None:
                 threshold=args.threshold,
                 normalize=norm,
                 min_tokens=args.min_tokens,
+                model=args.embedding_model or MINILM_MODEL,
             )
             det = CodeEmbeddingDetector(reg, cfg)
             res = measure_code_decon(det, reg, negatives=negatives, progress=True)

@@ -12,7 +12,9 @@ from ..presets import PRESETS
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add `hybridlm eval` to the CLI's sub-command parsers."""
-    p = sub.add_parser("eval", help="evaluate a model: bpb, multiple choice, GSM8K, pass@k, RULER")
+    p = sub.add_parser(
+        "eval", help="evaluate a model: bpb, multiple choice, GSM8K, pass@k, RULER, IFEval"
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="training checkpoint, run directory or HF directory")
     src.add_argument("--preset", choices=sorted(PRESETS), help="a randomly initialised preset")
@@ -28,13 +30,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--tokenizer", help="'byte' or a tokenizer.json / directory (override)")
     p.add_argument("--max-len", type=int, help="context limit (default: the model's)")
-    p.add_argument("--max-new-tokens", type=int, help="GSM8K / HumanEval generation budget")
     p.add_argument(
-        "--prompt-format", choices=("base", "chat"), help="GSM8K / HumanEval prompt style"
+        "--max-new-tokens", type=int, help="GSM8K / HumanEval / IFEval generation budget"
+    )
+    p.add_argument(
+        "--prompt-format", choices=("base", "chat"), help="GSM8K / HumanEval / IFEval prompt style"
     )
     p.add_argument("--gsm8k-fewshot", type=int, help="solved examples before each GSM8K question")
     p.add_argument("--humaneval-samples", type=int, help="n completions per HumanEval problem")
     p.add_argument("--ruler-lengths", help="comma-separated context lengths in tokens")
+    p.add_argument(
+        "--ifeval-data",
+        help="IFEval prompts: a JSONL file (key, prompt, instruction_id_list, kwargs) or a Hugging "
+        "Face dataset id such as google/IFEval (default: <data-dir>/ifeval/input_data.jsonl, "
+        "else seeded synthetic prompts)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(fn=cmd_eval)
 
@@ -57,6 +67,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         ("max_new_tokens", "max_new_tokens"),
         ("prompt_format", "prompt_format"),
         ("gsm8k_fewshot", "gsm8k_fewshot"),
+        ("ifeval_data", "ifeval_data"),
     ):
         if getattr(args, flag, None) is not None:
             updates[key] = getattr(args, flag)

@@ -17,14 +17,20 @@ each optional: a reasoning block `<think>\\n...\\n</think>` (from `reasoning_con
 content, and one `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` line per tool call
 (OpenAI `tool_calls`). A turn ends with `STOP` (`<|im_end|>`), the stop string for generation.
 
+Tools (OpenAI `tools`, rendered as Qwen2.5 / Hermes do): `render(..., tools=tools)` appends
+`tools_section(tools)` to the first system message (or opens the conversation with a system
+turn holding it): a `<tools>` block with one JSON tool definition per line, and how to call
+them, in this same `<tool_call>` line format.
+
 `render_with_spans` also returns the character spans of every assistant body (plus its `STOP`
 by default): the tokens a post-training loss is computed on. Spans are in *characters* of the
 returned text; a byte tokenizer needs `len(text[:i].encode())` to turn them into token offsets.
 
 `CHAT_TEMPLATE` is the same rendering as a Jinja chat template, for transformers'
 `tokenizer.apply_chat_template` (and the servers that use it); every saved tokenizer carries it.
-It renders `bos_token + render(messages)`, so `apply_chat_template(messages, tokenize=True)`
-equals `tokenizer.encode(render(messages))` token for token (tests/test_hf_checkpoint.py).
+It renders `bos_token + render(messages, tools=tools)`, so
+`apply_chat_template(messages, tokenize=True)` equals `tokenizer.encode(render(messages))` token
+for token (tests/test_hf_checkpoint.py; tools: tests/test_chat_template.py).
 """
 
 from __future__ import annotations
@@ -126,6 +132,45 @@ def _utf8(body: str, where: str) -> str:
     return body
 
 
+TOOLS_INTRO = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_OUTRO = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags, one call per line:\n"
+    '<tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call>'
+)
+
+
+def tools_section(tools: Sequence[Any]) -> str:
+    """The system-message text that offers `tools` (OpenAI `[{"type": "function", "function":
+    {"name", "description", "parameters"}}]`), each definition as `json.dumps` writes it (the
+    chat template's `tojson`); Qwen2.5's wording, with this format's one-line calls."""
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise ValueError("tools must be a list of tool definitions")
+    lines = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(
+                f'tools[{i}]: a tool needs {{"type": "function", "function": {{"name": ...}}}}'
+            )
+        lines.append("\n" + json.dumps(tool, ensure_ascii=False))
+    return TOOLS_INTRO + "".join(lines) + TOOLS_OUTRO
+
+
+def _with_tools(turns: list[Turn], tools: Sequence[Any] | None) -> list[Turn]:
+    """`turns` with the tools section appended to the leading system turn (or in a new one)."""
+    if not tools:
+        return turns
+    section = tools_section(tools)
+    if turns[0].role == "system":
+        first = turns[0].body
+        return [Turn("system", f"{first}\n\n{section}" if first else section), *turns[1:]]
+    return [Turn("system", section), *turns]
+
+
 def validate(messages: Sequence[Message]) -> list[Turn]:
     """Check roles and contents; returns the turns with their rendered bodies."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
@@ -169,17 +214,22 @@ def validate(messages: Sequence[Message]) -> list[Turn]:
 
 
 def render_with_spans(
-    messages: Sequence[Message], *, add_generation_prompt: bool = False, include_stop: bool = True
+    messages: Sequence[Message],
+    *,
+    add_generation_prompt: bool = False,
+    include_stop: bool = True,
+    tools: Sequence[Any] | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the `(start, end)` character span of every assistant body, in order.
 
     With `include_stop` (default) each span also covers the turn's `STOP`, so a loss mask over
     the spans teaches the model to end its turn; without it a span is exactly the body.
+    `tools` (OpenAI tool definitions) are offered in the system message (`tools_section`).
     """
     out: list[str] = []
     spans: list[tuple[int, int]] = []
     pos = 0
-    for turn in validate(messages):
+    for turn in _with_tools(validate(messages), tools):
         header = f"{IM_START}{turn.role}\n"
         out.append(header + turn.body + IM_END + "\n")
         start = pos + len(header)
@@ -192,10 +242,15 @@ def render_with_spans(
     return "".join(out), spans
 
 
-def render(messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+def render(
+    messages: Sequence[Message],
+    add_generation_prompt: bool = True,
+    *,
+    tools: Sequence[Any] | None = None,
+) -> str:
     """The conversation as text; with `add_generation_prompt` it ends with the assistant header,
-    ready for the model to continue until `STOP`."""
-    return render_with_spans(messages, add_generation_prompt=add_generation_prompt)[0]
+    ready for the model to continue until `STOP`. `tools`: see `render_with_spans`."""
+    return render_with_spans(messages, add_generation_prompt=add_generation_prompt, tools=tools)[0]
 
 
 def generation_prompt() -> str:
@@ -203,7 +258,7 @@ def generation_prompt() -> str:
     return f"{IM_START}assistant\n"
 
 
-# `render` as a Jinja chat template (transformers' `apply_chat_template`: `messages`,
+# `render` as a Jinja chat template (transformers' `apply_chat_template`: `messages`, `tools`,
 # `add_generation_prompt`, `bos_token`, `raise_exception`, `tojson` without HTML escaping).
 # Every tag trims the template's own whitespace, so the output does not depend on the
 # environment's trim_blocks / lstrip_blocks. Jinja cannot parse JSON: a tool call whose
@@ -230,6 +285,25 @@ CHAT_TEMPLATE = """\
   {%- endif -%}
 {%- endmacro -%}
 {{- bos_token if bos_token else '' -}}
+{%- set tools_text = '' -%}
+{%- if tools is defined and tools -%}
+  {%- if tools is string or tools is mapping or tools is not iterable -%}
+    {{- raise_exception('tools must be a list of tool definitions') -}}
+  {%- endif -%}
+  {%- set tns = namespace(text='') -%}
+  {%- for tool in tools -%}
+    {%- if tool is not mapping or tool['function'] is not mapping
+      or tool['function']['name'] is not string or not tool['function']['name'] -%}
+      {{- raise_exception('tools[' ~ loop.index0 ~ ']: a tool needs {"type": "function", '
+        ~ '"function": {"name": ...}}') -}}
+    {%- endif -%}
+    {%- set tns.text = tns.text ~ '\\n' ~ (tool | tojson) -%}
+  {%- endfor -%}
+  {%- set tools_text = @TOOLS_INTRO@ ~ tns.text ~ @TOOLS_OUTRO@ -%}
+  {%- if not messages or messages[0]['role'] not in ['system', 'developer'] -%}
+    {{- '<|im_start|>system\\n' ~ tools_text ~ '<|im_end|>\\n' -}}
+  {%- endif -%}
+{%- endif -%}
 {%- for message in messages -%}
   {%- set where = 'messages[' ~ loop.index0 ~ ']' -%}
   {%- set role = 'system' if message['role'] == 'developer' else message['role'] -%}
@@ -243,7 +317,11 @@ CHAT_TEMPLATE = """\
     {%- if message['content'] is not defined -%}
       {{- raise_exception(where ~ ': a ' ~ role ~ " message needs 'content'") -}}
     {%- endif -%}
-    {{- '<|im_start|>' ~ role ~ '\\n' ~ render_text(message['content'], where) ~ '<|im_end|>\\n' -}}
+    {%- set text = render_text(message['content'], where) -%}
+    {%- if loop.first and tools_text and role == 'system' -%}
+      {%- set text = (text ~ '\\n\\n' if text else '') ~ tools_text -%}
+    {%- endif -%}
+    {{- '<|im_start|>' ~ role ~ '\\n' ~ text ~ '<|im_end|>\\n' -}}
   {%- else -%}
     {%- set calls = message['tool_calls'] if message['tool_calls'] else [] -%}
     {%- if message['content'] is not defined and not calls -%}
@@ -295,6 +373,11 @@ CHAT_TEMPLATE = """\
   {{- '<|im_start|>assistant\\n' -}}
 {%- endif -%}
 """
+# one source for the tools wording: the Python constants as Jinja string literals (ASCII, so
+# JSON's escapes are Jinja's)
+CHAT_TEMPLATE = CHAT_TEMPLATE.replace("@TOOLS_INTRO@", json.dumps(TOOLS_INTRO)).replace(
+    "@TOOLS_OUTRO@", json.dumps(TOOLS_OUTRO)
+)
 
 
 # An unclosed reasoning block (generation stopped mid-thought, e.g. at max_tokens) is all

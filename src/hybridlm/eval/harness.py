@@ -58,6 +58,7 @@ class EvalConfig:
     humaneval_samples: int = 1  # n per problem (greedy when 1); pass@k for k in 1, 10, 100 <= n
     ruler_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     ruler_samples: int = 20
+    ifeval_data: str = ""  # IFEval JSONL or HF dataset id; "": data_dir/ifeval/, else generated
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -153,6 +154,7 @@ def task_options(cfg: EvalConfig) -> dict[str, Any]:
         "gsm8k_fewshot": cfg.gsm8k_fewshot,
         "ruler_lengths": tuple(cfg.ruler_lengths),
         "ruler_samples": cfg.ruler_samples,
+        "ifeval_data": cfg.ifeval_data,
         "seed": cfg.seed,
     }
 

@@ -19,9 +19,32 @@ this module, which registers the backend and then runs lm-eval's own CLI:
 
 (`run` is lm-eval's sub-command; every lm-eval flag works). From Python, importing this module
 is enough: `lm_eval.simple_evaluate(model="hybridlm", model_args="path=DIR", tasks=[...])`.
+Importing it leaves lm-eval's own backends (`hf`, `vllm`, `local-completions`, ...) available.
 `model_args`: `path` (training checkpoint, run directory or HF directory) or `preset` (random
 init), `dtype`, `tokenizer`, `max_length`, `max_batch_tokens`, `batch_size` (generation
 concurrency), `max_gen_toks`, `seed`, `device`.
+
+Offline standard tasks: lm-eval's task YAMLs name Hugging Face hub datasets. The group in
+`examples/lm_eval/gsm8k_local.yaml` reruns the built-in `gsm8k` task (its 5-shot prompt, stop
+strings, strict / flexible answer filters and exact_match) with only the dataset replaced by the
+packaged GSM8K files (`dataset_path: json`, `dataset_kwargs.data_files`); from the repository
+root, with nothing downloaded:
+
+    HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m hybridlm.eval.lm_eval_adapter run \\
+        --model hybridlm --model_args path=runs/speedrun/rl/model \\
+        --include_path examples/lm_eval --tasks gsm8k_local --limit 50
+
+and the same items through lm-eval's `hf` backend on the transformers directory (a run's
+`model/`, or `hybridlm export-hf --checkpoint DIR --out hf/`), which gives the same generations
+and log-likelihoods to fp32 rounding (tests/test_eval_lm_eval.py; its rolling log-likelihoods
+also score a second BOS, EleutherAI/lm-evaluation-harness#3333):
+
+    HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 lm_eval run \\
+        --model hf --model_args pretrained=runs/speedrun/rl/model,dtype=float32 \\
+        --include_path examples/lm_eval --tasks gsm8k_local --limit 50
+
+Point `data_files` at other JSONL files, or write the same kind of group for another built-in
+task (`- task: arc_easy` with its fields, `hellaswag`, ...), to run it offline on local data.
 """
 
 from __future__ import annotations
@@ -29,6 +52,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (before `register_model`: see the note below)
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
@@ -37,6 +61,13 @@ from ..data.chat import IM_START, STOP
 from ..infer.sampling import SamplingParams
 from .harness import load_model
 from .tasks import EvalRunner
+
+# lm-eval fills its model registry with the built-in backends (`hf`, `vllm`, `local-completions`,
+# ... as lazy "module:Class" placeholders) by importing `lm_eval.models`, and `get_model` does
+# that import only while the registry is empty (`get_model` in lm_eval/api/registry.py, 0.4.13).
+# Registering `hybridlm` into an empty registry would hide every built-in backend in this
+# process, so the import above comes first; when `lm_eval.models` was imported earlier it is a
+# no-op (its `_register_all_models` skips names already registered).
 
 
 @register_model("hybridlm")

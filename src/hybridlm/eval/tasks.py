@@ -19,6 +19,8 @@ Kinds (OLMES, Gu et al. 2024; Olmo 3 §6.1):
 - **code pass@k** (HumanEval): n samples per problem, run against the tests in `rl.sandbox`,
   unbiased pass@k (`passk.py`).
 - **RULER** (`ruler.py`): synthetic long-context tasks at several lengths.
+- **IFEval** (`ifeval.py`): instruction following, prompt- and instruction-level accuracy, strict
+  and loose, by the shared RL checkers (`rl.ifeval`, which follow IFEval's reference code).
 
 GSM8K, HumanEval and tinyshakespeare are the copies packaged in `hybridlm.data.builtin`, or read
 from `data_dir` when one is given (`gsm8k/test.jsonl`, `humaneval/HumanEval.jsonl.gz`,
@@ -803,4 +805,5 @@ def get_task(name: str, *, data_dir: str | Path | None = None, **options: Any) -
 
 
 GROUPS["speculative"] = ("spec_bench",)
+from . import ifeval as _ifeval  # noqa: E402, F401  (registers ifeval)
 from . import speculative as _speculative  # noqa: E402, F401  (registers spec_bench)

@@ -9,10 +9,13 @@ Each `step()`:
    its own (batch 1, chunked, extracting the Mamba state at the end of the prompt), its first
    token sampled, and its cache joined to the running batch with `HybridCache.cat` (the batch is
    right-aligned, so requests of any length share one decode step);
-2. runs one decode step for every running request: one [B, 1] forward, then per-row sampling
-   with each request's own temperature / top-k / top-p and seeded generator;
-3. retires finished requests (EOS, stop token, stop string, max_tokens, max_model_len) and
-   drops their rows with `HybridCache.select`.
+2. runs one decode step for every running request: one [B, 1] forward, then the logits
+   processors of the rows that need them (logit bias, min_tokens, repetition / frequency /
+   presence penalties, a structured-output `TokenConstraint` mask; `infer.sampling` gives the
+   order, which is vLLM's), one argmax for the greedy rows and per-row sampling with each
+   request's own temperature / min-p / top-k / top-p and seeded generator;
+3. retires finished requests (EOS, stop token, stop string, max_tokens, max_model_len, a
+   finished constraint) and drops their rows with `HybridCache.select`.
 
 Requests with `params.speculative = k > 0` decode on their own with the MTP drafter
 (`infer.speculative`), one draft-and-verify round per step, interleaved with the batch.
@@ -24,6 +27,26 @@ copy; the Mamba conv and SSM states at the boundary, which are immutable tensors
 prefix forks that cache and prefills only the rest; the result is exactly that of a full prefill
 (tested). Mamba state cannot be recovered at arbitrary positions without a snapshot, which is why
 boundaries are block-aligned (as vLLM's prefix caching does for Mamba layers).
+
+Penalties keep per-request state only for the requests that use them: a [V] count of the
+generated tokens and a [V] mask of the tokens seen (prompt and generated), updated as tokens are
+appended; the processors run batched over the rows that need them, never over the vocabulary in
+Python. `min_tokens` masks EOS and `stop_token_ids` until that many tokens were generated, and a
+stop string counts only if it ends in text generated after them (vLLM's rule).
+
+For the API's log-probs, `SamplingParams(top_logprobs=k)` returns each generated token's
+log-prob under the raw model distribution (log_softmax of the logits before any processing, as
+vLLM by default) with the k most likely tokens (`RequestOutput.top_logprobs`), and
+`prompt_logprobs=k` the same for every prompt token after the first (`RequestOutput.
+prompt_logprobs`, for completions' `echo`): the prefill then skips the prefix cache and scores
+each prefill segment's logits as it goes (the engine's own prefill, so the numbers are those of
+the decode that follows; they equal `eval.loglik`'s up to float rounding). With `max_tokens=0`
+such a request only runs the prefill.
+
+A constraint (`SamplingParams.constraint`, a factory called once per sequence) masks each step's
+logits; it is advanced with every appended token and ends the request with "stop" when it is
+finished. A constraint that allows nothing ends its request with "stop"; one that raises ends
+only its request (finish reason "abort", `RequestOutput.error` set).
 
 For RL rollouts: `SamplingParams(logprobs=True)` returns each sampled token's log-prob under
 softmax(logits / T) (what the trainer recomputes; `sampled_logprobs`), including that of the EOS /
@@ -37,6 +60,7 @@ a stop string that may still complete.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
@@ -44,8 +68,18 @@ import torch
 
 from ..model.model import HybridLM
 from .cache import HybridCache
-from .sampling import SamplingParams, sample_next, sampled_logprobs
+from .sampling import (
+    SamplingParams,
+    TokenConstraint,
+    TokenLogprob,
+    apply_penalties,
+    sample_next,
+    sampled_logprobs,
+    top_logprobs,
+)
 from .state_precision import check_precision
+
+log = logging.getLogger("hybridlm.engine")
 
 
 @dataclass
@@ -66,6 +100,11 @@ class RequestOutput:
     # the EOS / stop token that ended the request (not in token_ids) and its log-prob
     stop_token_id: int | None = None
     stop_token_logprob: float | None = None
+    # with params.top_logprobs: each token of token_ids with its raw log-prob and top-k
+    top_logprobs: list[TokenLogprob] | None = None
+    # with params.prompt_logprobs: the same for the prompt (None for its first token)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # set when the request's constraint failed (finish reason "abort")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -89,6 +128,14 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)  # aligned with tokens (params.logprobs)
     versions: list[int] = field(default_factory=list)  # aligned with tokens
     stop_token: tuple[int, float | None] | None = None
+    api_logprobs: list[TokenLogprob] = field(default_factory=list)  # params.top_logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    constraint: TokenConstraint | None = None
+    counts: torch.Tensor | None = None  # [V] generated-token counts (penalties)
+    seen: torch.Tensor | None = None  # [V] bool: in the prompt or generated (repetition)
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, values) of logit_bias
+    stop_from: int | None = None  # stop strings must end after this character (min_tokens)
+    error: str | None = None
 
 
 class Engine:
@@ -154,12 +201,29 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {V})")
         if params.speculative and self.model.mtp is None:
             raise ValueError("speculative decoding needs a model with an MTP head")
+        if params.logit_bias and max(params.logit_bias) >= V:
+            raise ValueError(f"logit_bias token ids must be in [0, {V})")
+        if any(not 0 <= t < V for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {V})")
         rid = request_id or f"req-{next(self._ids)}"
         gen = None
         if not params.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
-        self._waiting.append(_Request(rid, prompt, params, gen))
+        req = _Request(rid, prompt, params, gen)
+        if params.counts_tokens:
+            req.counts = torch.zeros(V, dtype=torch.float32, device=self.device)
+            req.seen = torch.zeros(V, dtype=torch.bool, device=self.device)
+            req.seen[torch.tensor(prompt, device=self.device)] = True
+        if params.logit_bias:
+            ids, vals = zip(*sorted(params.logit_bias.items()), strict=True)
+            req.bias = (
+                torch.tensor(ids, dtype=torch.long, device=self.device),
+                torch.tensor(vals, dtype=torch.float32, device=self.device),
+            )
+        if params.constraint is not None:
+            req.constraint = params.constraint()  # one per sequence
+        self._waiting.append(req)
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -202,6 +266,8 @@ class Engine:
                 outputs.append(self._output(req))
                 continue
             if req.params.max_tokens == 0:
+                if req.params.prompt_logprobs is not None:  # completions' echo: score only
+                    req.prompt_logprobs = self._prefill(req.prompt, req.params.prompt_logprobs)[2]
                 self._finish(req, "length")
                 outputs.append(self._output(req))
             elif req.params.speculative:
@@ -232,21 +298,31 @@ class Engine:
 
     # ------------------------------------------------------------------ prefill
     def _admit(self, req: _Request, outputs: list[RequestOutput]) -> None:
-        cache, logits = self._prefill(req.prompt)
-        toks, lps = self._sample(logits[None], [req])
+        cache, logits, req.prompt_logprobs = self._prefill(req.prompt, req.params.prompt_logprobs)
+        toks, lps, api = self._sample(logits[None], [req])
+        if req.finished:  # its constraint allowed nothing, or failed
+            outputs.append(self._output(req))
+            return
         tok = int(toks[0])
-        outputs.extend(self._append(req, [tok], lps))
+        outputs.extend(self._append(req, [tok], lps, api))
         if req.finished:
             return
         req.next_token = tok
         self._running.append(req)
         self._cache = cache if self._cache is None else HybridCache.cat([self._cache, cache])
 
-    def _prefill(self, prompt: list[int]) -> tuple[HybridCache, torch.Tensor]:
-        """Batch-1 prefill with prefix reuse; returns (cache, logits of the last position)."""
+    def _prefill(
+        self, prompt: list[int], prompt_logprobs: int | None = None
+    ) -> tuple[HybridCache, torch.Tensor, list[TokenLogprob | None] | None]:
+        """Batch-1 prefill with prefix reuse; returns (cache, logits of the last position, and
+        with `prompt_logprobs=k` every prompt token's `TokenLogprob` with its top k, None for the
+        first: then every position is computed, so the prefix cache is not read)."""
         blk = self.prefix_block
         start, cache, logits = 0, None, None
-        for b in range((len(prompt) // blk) * blk, 0, -blk):
+        scored: list[TokenLogprob | None] | None = None
+        if prompt_logprobs is not None:
+            scored = [None]
+        for b in range((len(prompt) // blk) * blk if scored is None else 0, 0, -blk):
             hit = self._prefixes.get(tuple(prompt[:b]))
             if hit is not None:
                 self._prefixes.move_to_end(tuple(prompt[:b]))
@@ -263,14 +339,18 @@ class Engine:
             bounds.append(len(prompt))
         for end in bounds:
             ids = torch.tensor([prompt[start:end]], device=self.device)
-            logits = self.model(ids, cache=cache).logits[0, -1]
+            logits_TV = self.model(ids, cache=cache).logits[0]
+            logits = logits_TV[-1]
+            if scored is not None:  # position t predicts prompt[t + 1]
+                targets = torch.tensor(prompt[start + 1 : end + 1], device=self.device)
+                scored += top_logprobs(logits_TV[: len(targets)], targets, prompt_logprobs)
             self.stats["prefill_tokens"] += end - start
             if end % blk == 0 and self.prefix_cache_size > 0:
                 self._prefixes[tuple(prompt[:end])] = (cache.prefix_view(), logits)
                 while len(self._prefixes) > self.prefix_cache_size:
                     self._prefixes.popitem(last=False)
             start = end
-        return cache, logits
+        return cache, logits, scored
 
     # ------------------------------------------------------------------ decode
     def _decode(self, outputs: list[RequestOutput]) -> None:
@@ -278,36 +358,136 @@ class Engine:
         x_B1 = torch.tensor([[r.next_token] for r in reqs], device=self.device)
         logits_BV = self.model(x_B1, cache=self._cache).logits[:, -1]
         self.stats["decode_steps"] += 1
-        toks, lps = self._sample(logits_BV, reqs)
+        toks, lps, api = self._sample(logits_BV, reqs)
         for i, (r, t) in enumerate(zip(reqs, toks.tolist(), strict=True)):
-            if r.finished:  # aborted while running
+            if r.finished:  # its constraint allowed nothing, or failed, in `_sample`
+                outputs.append(self._output(r))
                 continue
-            outputs.extend(self._append(r, [t], lps[i : i + 1] if lps is not None else None))
+            outputs.extend(
+                self._append(
+                    r,
+                    [t],
+                    lps[i : i + 1] if lps is not None else None,
+                    api[i : i + 1] if api is not None else None,
+                )
+            )
             r.next_token = t
         self._retire_finished()
 
     def _sample(
         self, logits_BV: torch.Tensor, reqs: list[_Request]
-    ) -> tuple[torch.Tensor, list[float] | None]:
-        """Greedy rows by one argmax; sampled rows each with their own settings and generator.
-        Returns the tokens and, when any row asks for them, every row's log-probs."""
-        out = logits_BV.argmax(-1)
+    ) -> tuple[torch.Tensor, list[float] | None, list[TokenLogprob | None] | None]:
+        """Logits processors on the rows that need them, then greedy rows by one argmax and
+        sampled rows each with their own settings and generator. Returns the tokens and, when
+        any row asks for them, every row's RL log-prob (raw logits / T) and API `TokenLogprob`
+        (raw logits; None for rows that did not ask)."""
+        logits = self._process(logits_BV, reqs)
+        out = logits.argmax(-1)
         for i, r in enumerate(reqs):
             p = r.params
-            if not p.greedy:
+            if not p.greedy and not r.finished:
                 out[i] = sample_next(
-                    logits_BV[i : i + 1],
+                    logits[i : i + 1],
                     temperature=p.temperature,
                     top_k=p.top_k,
                     top_p=p.top_p,
+                    min_p=p.min_p,
                     generator=r.generator,
                 )[0]
-        if not any(r.params.logprobs for r in reqs):
-            return out, None
-        temps = torch.tensor([r.params.temperature for r in reqs], device=logits_BV.device)
-        temps = torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
-        lps = sampled_logprobs(logits_BV / temps, out, temperature=1.0)
-        return out, lps.tolist()
+        lps = None
+        if any(r.params.logprobs for r in reqs):
+            temps = torch.tensor([r.params.temperature for r in reqs], device=logits_BV.device)
+            temps = torch.where(temps > 0, temps, torch.ones_like(temps))[:, None]
+            lps = sampled_logprobs(logits_BV / temps, out, temperature=1.0).tolist()
+        api = None
+        rows = [i for i, r in enumerate(reqs) if r.params.top_logprobs is not None]
+        if rows:
+            api = [None] * len(reqs)
+            k = max(reqs[i].params.top_logprobs for i in rows)
+            idx = torch.tensor(rows, device=logits_BV.device)
+            for i, tl in zip(rows, top_logprobs(logits_BV[idx], out[idx], k), strict=True):
+                keep = reqs[i].params.top_logprobs
+                api[i] = TokenLogprob(tl.token_id, tl.logprob, tl.top[:keep])
+        return out, lps, api
+
+    def _process(self, logits_BV: torch.Tensor, reqs: list[_Request]) -> torch.Tensor:
+        """The logits processors, in vLLM's order (see `infer.sampling`), batched over the rows
+        that need each: logit_bias, min_tokens' mask of EOS / stop_token_ids, the penalties,
+        the constraint's mask. Returns `logits_BV` itself when no row needs any."""
+        bias = [i for i, r in enumerate(reqs) if r.bias is not None]
+        early = [i for i, r in enumerate(reqs) if len(r.tokens) < r.params.min_tokens]
+        pen = [i for i, r in enumerate(reqs) if r.counts is not None]
+        masks = self._constraint_masks(reqs)
+        if not (bias or early or pen or masks):
+            return logits_BV
+        device = logits_BV.device
+        logits = logits_BV.double() if logits_BV.dtype == torch.float64 else logits_BV.float()
+        logits = logits.clone()
+        if bias:
+            rows = torch.cat([torch.full_like(reqs[i].bias[0], i) for i in bias])
+            cols = torch.cat([reqs[i].bias[0] for i in bias])
+            vals = torch.cat([reqs[i].bias[1] for i in bias]).to(logits.dtype)
+            logits.index_put_((rows, cols), vals, accumulate=True)
+        if early:
+            rows, cols = [], []
+            for i in early:
+                p = reqs[i].params
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else [self.tokenizer.eos_id])
+                rows += [i] * len(banned)
+                cols += banned
+            if cols:
+                logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = (
+                    float("-inf")
+                )
+        if pen:
+            idx = torch.tensor(pen, device=device)
+            logits[idx] = apply_penalties(
+                logits[idx],
+                torch.stack([reqs[i].counts for i in pen]),
+                torch.stack([reqs[i].seen for i in pen]),
+                repetition_B=torch.tensor([reqs[i].params.repetition_penalty for i in pen]),
+                frequency_B=torch.tensor([reqs[i].params.frequency_penalty for i in pen]),
+                presence_B=torch.tensor([reqs[i].params.presence_penalty for i in pen]),
+            ).to(device)
+        if masks:
+            rows = list(masks)
+            idx = torch.tensor(rows, device=device)
+            allowed = torch.stack([masks[i] for i in rows])
+            logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+            for i in rows:
+                if reqs[i].finished:  # nothing allowed: no NaN from an all -inf row
+                    logits[i] = 0.0
+        return logits
+
+    def _constraint_masks(self, reqs: list[_Request]) -> dict[int, torch.Tensor]:
+        """Row -> bool [V] mask of the rows whose constraint restricts this step. A request whose
+        constraint allows nothing finishes ("stop"; `_process` zeroes its row, so that nothing
+        samples from all -inf), one whose constraint raises finishes too ("abort", with the
+        error); the token sampled for either is dropped."""
+        V = self.model.config.vocab_size
+        out: dict[int, torch.Tensor] = {}
+        for i, r in enumerate(reqs):
+            if r.constraint is None or r.finished:
+                continue
+            try:
+                m = r.constraint.allowed()
+            except Exception as err:
+                self._constraint_failed(r, err)
+                continue
+            if m is None:
+                continue
+            m = m.to(device=self.device, dtype=torch.bool).reshape(-1)
+            if m.numel() != V:  # ids past the mask's end are not allowed
+                m = torch.nn.functional.pad(m[:V], (0, max(0, V - m.numel())), value=False)
+            if not bool(m.any()):
+                self._finish(r, "stop")
+            out[i] = m
+        return out
+
+    def _constraint_failed(self, req: _Request, err: Exception) -> None:
+        log.exception("the constraint of request %s failed", req.id)
+        req.error = f"the structured-output constraint failed: {type(err).__name__}: {err}"
+        self._finish(req, "abort")
 
     def _drop_aborted(self, outputs: list[RequestOutput]) -> None:
         for r in self._spec:
@@ -352,10 +532,14 @@ class Engine:
 
     # ------------------------------------------------------------------ bookkeeping
     def _append(
-        self, req: _Request, toks: list[int], logprobs: list[float] | None = None
+        self,
+        req: _Request,
+        toks: list[int],
+        logprobs: list[float] | None = None,
+        api: list[TokenLogprob | None] | None = None,
     ) -> list[RequestOutput]:
-        """Add sampled tokens (and their log-probs), apply the stop conditions; returns the
-        request's output."""
+        """Add sampled tokens (and their log-probs), advance the penalty counts and the
+        constraint, apply the stop conditions; returns the request's output."""
         p = req.params
         eos = self.tokenizer.eos_id
         for j, t in enumerate(toks):
@@ -368,21 +552,45 @@ class Engine:
             req.versions.append(self.weight_version)
             if lp is not None:
                 req.logprobs.append(lp)
+            if api is not None and api[j] is not None:
+                req.api_logprobs.append(api[j])
+            if req.counts is not None:
+                req.counts[t] += 1
+                req.seen[t] = True
+            if req.constraint is not None:
+                try:
+                    req.constraint.accept(t)
+                    done = req.constraint.finished()
+                except Exception as err:
+                    self._constraint_failed(req, err)
+                    break
+                if done:
+                    self._finish(req, "stop")
+                    break
             if len(req.tokens) >= p.max_tokens or len(req.prompt) + len(req.tokens) >= (
                 self.max_model_len
             ):
                 self._finish(req, "length")
                 break
         text = self.tokenizer.decode(req.tokens)
-        if p.stop:
-            hits = [(i, len(s)) for i, s in ((text.find(s), s) for s in p.stop) if i >= 0]
+        if p.stop and len(req.tokens) > p.min_tokens:  # vLLM: none within the first min_tokens
+            if req.stop_from is None:
+                head = self.tokenizer.decode(req.tokens[: p.min_tokens]) if p.min_tokens else ""
+                req.stop_from = len(head.rstrip("\ufffd"))
+            hits = []
+            for s in p.stop:  # a stop string must end after the first min_tokens tokens' text
+                at = text.find(s, max(0, req.stop_from - len(s) + 1))
+                if at >= 0:
+                    hits.append((at, len(s)))
             if hits:
                 at, n = min(hits)
                 text = text[: at + n] if p.include_stop_str_in_output else text[:at]
                 req.tokens = self._tokens_covering(req.tokens, len(text))
-                del req.versions[len(req.tokens) :], req.logprobs[len(req.tokens) :]
+                n_tok = len(req.tokens)
+                del req.versions[n_tok:], req.logprobs[n_tok:], req.api_logprobs[n_tok:]
                 req.stop_token = None
-                self._finish(req, "stop", keep_reason=False)
+                if req.finish_reason != "abort":
+                    self._finish(req, "stop", keep_reason=False)
         req.text = text
         return [self._output(req)]
 
@@ -434,4 +642,7 @@ class Engine:
             token_versions=list(req.versions),
             stop_token_id=req.stop_token[0] if req.stop_token else None,
             stop_token_logprob=req.stop_token[1] if req.stop_token else None,
+            top_logprobs=(list(req.api_logprobs) if req.params.top_logprobs is not None else None),
+            prompt_logprobs=req.prompt_logprobs,
+            error=req.error,
         )

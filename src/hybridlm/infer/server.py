@@ -4,22 +4,57 @@
     OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x").completions.create(...)
 
 Endpoints: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions`,
-`POST /v1/chat/completions` (both with SSE streaming and `stream_options.include_usage`), and
-`GET /health`. Requests take the OpenAI fields `model`, `prompt` / `messages`, `max_tokens`
-(`max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop`, `n`, `stream`, `echo`
-(completions), plus `top_k`, `ignore_eos` and `speculative` (MTP draft length, 0 = off; also the
-header `X-Speculative-Draft-Length`). Responses carry `usage`, and with speculation a top-level
-`speculative` field with the acceptance statistics. `max_tokens` defaults to 16 for completions
-(as OpenAI's) and to the rest of the context for chat; a prompt that leaves no room, or an explicit
-`max_tokens` beyond `max_model_len`, is a 400 `context_length_exceeded`. `n` (up to 128) and lists
-of prompts fan out to one engine request per choice (choice j samples with `seed + j`).
+`POST /v1/chat/completions` (both with SSE streaming and `stream_options.include_usage`),
+`GET /health`, and vLLM's `POST /tokenize` ({prompt | messages (+ tools), add_special_tokens,
+add_generation_prompt, return_token_strs} -> {count, max_model_len, tokens, token_strs}) and
+`POST /detokenize` ({tokens} -> {prompt}).
+
+Request fields (vLLM's OpenAI server is the reference; its extras go in the openai client's
+`extra_body`):
+- both endpoints: `model`, `max_tokens`, `temperature`, `top_p`, `seed`, `stop`, `n`, `stream`,
+  `stream_options`, `user`, `presence_penalty` / `frequency_penalty` ([-2, 2], OpenAI's
+  definition over the generated tokens), `logit_bias` ({"token id": [-100, 100]}, ids below the
+  vocabulary size), `response_format` (`text`, `json_object`, `json_schema`); vLLM's `top_k`,
+  `min_p`, `repetition_penalty` (> 0, over prompt and generated tokens), `min_tokens` (EOS,
+  `stop_token_ids` and stop strings held off), `stop_token_ids` (finish reason "stop"),
+  `ignore_eos`, `include_stop_str_in_output`, `return_tokens_as_token_ids` ("token_id:N" in
+  log-probs), `structured_outputs` (exactly one of `json`, `regex`, `choice`, `grammar` (Lark,
+  llguidance's dialect), `json_object`); and `speculative` (MTP draft length, 0 = off; also the
+  header `X-Speculative-Draft-Length`), which refuses what the drafter cannot honour (log-probs,
+  penalties, bias, min-p, min_tokens, structured outputs) with a 400 naming the field.
+- completions: `prompt` (text, token ids, or lists of either), `echo`, `logprobs` (0-5: each
+  token's log-prob, a {token: log-prob} dict of the k most likely plus the token itself, and
+  `text_offset`, the token's character offset in the choice's text; with `echo` the prompt's
+  tokens come first, the first one's log-prob None, also with `max_tokens` 0: lm-eval's
+  `local-completions` log-likelihood requests). `logprobs` with `max_tokens` 0 needs `echo`.
+- chat: `messages`, `max_completion_tokens`, `logprobs` + `top_logprobs` (0-20):
+  `logprobs.content` = [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}];
+  `tools` (rendered in the system message by `data.chat`), `tool_choice` ("auto", "none",
+  "required" or a named function: the last two force valid calls with an `infer.tools` grammar),
+  `parallel_tool_calls` (false: at most one forced call).
+
+Log-probs are those of the raw model distribution, log_softmax of the logits before
+temperature, penalties, bias and masks (vLLM's default `logprobs_mode`), -inf written as -9999.
+A token's `token` string is its text, `"bytes:\\xNN..."` when it is part of a UTF-8 character,
+or a special token's name; `bytes` are its raw UTF-8 bytes (`infer.token_text`). Streamed
+chunks carry the log-probs of the tokens whose text they release; concatenated, they equal the
+non-streamed ones.
+
+Responses carry `usage`, and with speculation a top-level `speculative` field with the
+acceptance statistics. `max_tokens` defaults to 16 for completions (as OpenAI's) and to the rest
+of the context for chat; a prompt that leaves no room, or an explicit `max_tokens` beyond
+`max_model_len`, is a 400 `context_length_exceeded`. `n` (up to 128) and lists of prompts fan
+out to one engine request per choice (choice j samples with `seed + j`; a structured-output
+constraint is built once and instantiated per choice).
 Chat replies are parsed back with the chat template: a `<think>` block becomes
 `reasoning_content` and `<tool_call>` lines become `tool_calls` (finish reason "tool_calls"),
-streamed as separate deltas (`data.chat.AssistantStream`).
-Fields this server cannot honour (logprobs,
-penalties, logit_bias, tools, best_of != n, suffix, JSON mode) are rejected with a 400 rather
-than silently ignored; unknown fields are ignored. Every error is OpenAI-shaped JSON,
-`{"error": {"message", "type", "param", "code"}}`, with `param` naming the offending field.
+streamed as separate deltas. With `tools`, only calls to the offered tools are parsed
+(`infer.tools`: ids `call_...`, `content` None when the reply is only calls; `tool_choice`
+"none" leaves the text as it is); without, any `<tool_call>` line is (`data.chat`).
+Fields this server cannot honour (`best_of` != n, `suffix`, the deprecated `functions` /
+`function_call`) are rejected with a 400 rather than silently ignored; unknown fields are
+ignored. Every error is OpenAI-shaped JSON, `{"error": {"message", "type", "param", "code"}}`,
+with `param` naming the offending field.
 
 Untrusted input: no request body can make the server answer 5xx.
 - Size: at most `max_body_bytes` (default 4 MiB, `hybridlm serve --max-body-bytes`); a larger
@@ -75,7 +110,10 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from ..data import chat as chat_template
-from .sampling import SamplingParams
+from . import grammar
+from . import tools as tool_mod
+from .sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+from .token_text import Offsets, TokenText
 
 if TYPE_CHECKING:
     from .engine import Engine, RequestOutput
@@ -90,6 +128,8 @@ DEFAULT_MAX_BODY_BYTES = 4 << 20
 MAX_JSON_DEPTH = 64  # a chat request nests about 6 deep (tool-call arguments a few more)
 MAX_STOP = 16  # OpenAI takes 4; each one is searched for after every token
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on completions' logprobs
+MIN_LOGPROB = -9999.0  # what -inf becomes in JSON (OpenAI's and vLLM's)
 
 
 # ---------------------------------------------------------------------- errors
@@ -278,9 +318,9 @@ def parse_body(body: bytes) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- request schemas
-class _Request(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are ignored (as vLLM does); types are
-    strict (as OpenAI's: `"5"` is not an integer, `1` not a boolean) and null means absent."""
+class _Body(BaseModel):
+    """A request body. Unknown fields are ignored (as vLLM does); types are strict (as OpenAI's:
+    `"5"` is not an integer, `1` not a boolean) and null means absent."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -291,6 +331,11 @@ class _Request(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     model: str | None = None
+
+
+class _Request(_Body):
+    """Fields shared by both generation endpoints."""
+
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -306,6 +351,16 @@ class _Request(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields (the openai client sends them with `extra_body`)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Request):
@@ -321,9 +376,28 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    """vLLM's `/tokenize`: a completions `prompt` or chat `messages`."""
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's `/detokenize`."""
+
+    tokens: list[int]
 
 
 # ---------------------------------------------------------------------- the engine thread
@@ -505,9 +579,12 @@ class _Generation:
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) as they come, until every choice finished."""
-        for item in self._early:
-            yield item
-        self._early = []
+        early, self._early = self._early, []
+        for idx, payload in early:
+            if payload.error:
+                self.abort()
+                raise APIError(500, payload.error)
+            yield idx, payload
         while self.open:
             kind, idx, payload = await self.queue.get()
             if kind == "error":
@@ -517,6 +594,9 @@ class _Generation:
             if kind == "output":
                 if payload.finished:
                     self.open.discard(idx)
+                if payload.error:  # its constraint failed: this request only
+                    self.abort()
+                    raise APIError(500, payload.error)
                 yield idx, payload
 
     def abort(self) -> None:
@@ -536,31 +616,49 @@ def _engine_error(err: Any) -> APIError:
 
 # ---------------------------------------------------------------------- request -> params
 def _check_unsupported(req: _Request) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise _bad(f"{name} is not supported; leave it at 0", param=name)
-    if req.logit_bias:
-        raise _bad("logit_bias is not supported", param="logit_bias")
     if isinstance(req, CompletionRequest):
-        if req.logprobs is not None:
-            raise _bad("logprobs are not supported", param="logprobs")
         if req.best_of not in (None, req.n):
             raise _bad("best_of must equal n (best-of ranking is not supported)", param="best_of")
         if req.suffix:
             raise _bad("suffix (insertion) is not supported", param="suffix")
     if isinstance(req, ChatCompletionRequest):
-        for name in ("logprobs", "top_logprobs"):
-            if getattr(req, name):
-                raise _bad("logprobs are not supported", param=name)
-        for name in ("tools", "functions"):
+        for name in ("functions", "function_call"):
             if getattr(req, name):
                 raise _bad(
-                    "tool definitions are not supported; describe tools in the system message "
-                    "(tool_calls and tool messages in the history are rendered)",
+                    f"{name} (the deprecated function-calling API) is not supported; use tools "
+                    "and tool_choice",
                     param=name,
                 )
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise _bad("only response_format {'type': 'text'} is supported", "response_format")
+
+
+_NO_SCHEMA = object()
+
+
+def _response_format(fmt: dict[str, Any] | None) -> Any:
+    """OpenAI `response_format` -> the JSON schema to constrain to (None: any JSON object), or
+    `_NO_SCHEMA` for plain text; a 400 naming `response_format` for anything else."""
+    if fmt is None:
+        return _NO_SCHEMA
+    kind = fmt.get("type")
+    if kind == "text":
+        return _NO_SCHEMA
+    if kind == "json_object":
+        return None
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _bad(
+                "response_format json_schema needs 'json_schema': {'name': ..., 'schema': {...}}",
+                "response_format",
+            )
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise _bad("response_format json_schema.schema must be an object", "response_format")
+        return schema
+    raise _bad(
+        f"response_format type must be 'text', 'json_object' or 'json_schema', got {_short(kind)}",
+        "response_format",
+    )
 
 
 def _speculative(req: _Request, headers: Any) -> int:
@@ -580,6 +678,70 @@ def _speculative(req: _Request, headers: Any) -> int:
     return k
 
 
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """OpenAI's `logit_bias` ({"token id": bias}) as {id: bias}, or a 400 naming it."""
+    out: dict[int, float] = {}
+    for key, bias in (raw or {}).items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 18 or int(key) >= vocab_size:
+            raise _bad(
+                f"logit_bias keys must be token ids in [0, {vocab_size}) written as strings, "
+                f"got {_short(key)}",
+                "logit_bias",
+            )
+        if not -100.0 <= bias <= 100.0:
+            raise _bad(
+                f"logit_bias values must be in [-100, 100], got {_short(bias)}", "logit_bias"
+            )
+        out[int(key)] = float(bias)
+    return out
+
+
+def _sampling_extras(req: _Request, vocab_size: int) -> dict[str, Any]:
+    """The penalty / bias / min-p / min_tokens / stop_token_ids fields, validated (400 naming
+    the field) as SamplingParams keyword arguments."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise _bad(f"{name} must be in [-2, 2], got {_short(value)}", name)
+    rep = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    if not 0.0 < rep < float("inf"):
+        raise _bad(
+            f"repetition_penalty must be > 0 (1 = off), got {_short(rep)}", "repetition_penalty"
+        )
+    min_p = 0.0 if req.min_p is None else req.min_p
+    if not 0.0 <= min_p <= 1.0:
+        raise _bad(f"min_p must be in [0, 1], got {_short(min_p)}", "min_p")
+    min_tokens = req.min_tokens or 0
+    if min_tokens < 0:
+        raise _bad(f"min_tokens must be >= 0, got {_short(min_tokens)}", "min_tokens")
+    stop_ids = list(req.stop_token_ids or [])
+    if len(stop_ids) > MAX_STOP:
+        raise _bad(
+            f"at most {MAX_STOP} stop_token_ids are supported, got {len(stop_ids)}",
+            "stop_token_ids",
+        )
+    if any(not 0 <= t < vocab_size for t in stop_ids):
+        raise _bad(f"stop_token_ids must be token ids in [0, {vocab_size})", "stop_token_ids")
+    return {
+        "presence_penalty": req.presence_penalty or 0.0,
+        "frequency_penalty": req.frequency_penalty or 0.0,
+        "repetition_penalty": rep,
+        "min_p": min_p,
+        "min_tokens": min_tokens,
+        "stop_token_ids": stop_ids,
+        "logit_bias": _logit_bias(req.logit_bias, vocab_size),
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+    }
+
+
+# a SamplingParams field that speculation cannot honour -> the request field that set it
+_SPEC_FIELDS = {
+    "top_logprobs": "logprobs",
+    "prompt_logprobs": "logprobs",
+    "constraint (structured output)": "response_format",
+}
+
+
 def _params(
     req: _Request,
     *,
@@ -589,7 +751,12 @@ def _params(
     default_max_tokens: int | None,
     extra_stop: list[str],
     speculative: int,
+    vocab_size: int,
     max_tokens_param: str = "max_tokens",
+    top_logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    constraint: Any = None,
+    constraint_param: str = "response_format",
 ) -> SamplingParams:
     """Validate the sampling fields (400 naming the field) and build `SamplingParams`."""
     if max_tokens is not None and max_tokens < 0:
@@ -623,6 +790,12 @@ def _params(
             max_tokens_param,
             "context_length_exceeded",
         )
+    extras = _sampling_extras(req, vocab_size)
+    if extras["min_tokens"] > max_tokens:
+        raise _bad(
+            f"min_tokens ({extras['min_tokens']}) must be <= {max_tokens_param} ({max_tokens})",
+            "min_tokens",
+        )
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -632,7 +805,22 @@ def _params(
         stop=stop + extra_stop,
         ignore_eos=req.ignore_eos,
         speculative=speculative,
+        top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
+        constraint=constraint,
+        **extras,
     )
+    if speculative:
+        off = params.speculative_conflicts()
+        if off:
+            field = _SPEC_FIELDS.get(off[0], off[0])
+            if field == "response_format":
+                field = constraint_param
+            raise _bad(
+                f"{field} cannot be used with speculative decoding (the MTP drafter samples "
+                "with temperature / top-k / top-p only); set speculative to 0",
+                field,
+            )
     try:
         return params.validate()
     except ValueError as err:
@@ -739,6 +927,60 @@ class _Job:
     prompts: list[list[int]]  # distinct prompts
     requests: list[tuple[list[int], SamplingParams]]  # one per choice (prompt-major)
     echo: list[str]  # per choice: text to prefix (completions with echo)
+    logprobs: int | None = None  # the API's logprobs: None off, else the top-k asked for
+    token_ids_as_strings: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N"
+    texts: TokenText | None = None
+    # chat: the offered tools, whose calls are parsed; [] with tool_choice "none" (the text is
+    # the answer); None when no tools were offered (`data.chat.parse_assistant`'s reading)
+    tools: list[dict[str, Any]] | None = None
+
+    def token(self, tid: int) -> str:
+        return f"token_id:{tid}" if self.token_ids_as_strings else self.texts.token(tid)
+
+    def token_bytes(self, tid: int) -> list[int]:
+        if self.token_ids_as_strings:
+            return list(self.token(tid).encode())
+        return self.texts.token_bytes(tid)
+
+    def completion_logprobs(
+        self, ids: list[int], entries: list[TokenLogprob | None], offsets: list[int]
+    ) -> dict[str, list]:
+        """OpenAI's completions `logprobs` of tokens `ids`: their strings, log-probs, a dict of
+        the token and the k most likely per position (vLLM's: up to k + 1 entries), and each
+        token's character offset in the choice's text."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+        for tid, e in zip(ids, entries, strict=True):
+            out["tokens"].append(self.token(tid))
+            if e is None:  # the prompt's first token
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(max(e.logprob, MIN_LOGPROB))
+            top = {self.token(tid): max(e.logprob, MIN_LOGPROB)}
+            for t, v in e.top:
+                top.setdefault(self.token(t), max(v, MIN_LOGPROB))
+            out["top_logprobs"].append(top)
+        out["text_offset"] = list(offsets)
+        return out
+
+    def chat_logprobs(self, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+        """OpenAI's chat `logprobs.content` entries."""
+        return [
+            {
+                "token": self.token(e.token_id),
+                "logprob": max(e.logprob, MIN_LOGPROB),
+                "bytes": self.token_bytes(e.token_id),
+                "top_logprobs": [
+                    {
+                        "token": self.token(t),
+                        "logprob": max(v, MIN_LOGPROB),
+                        "bytes": self.token_bytes(t),
+                    }
+                    for t, v in e.top
+                ],
+            }
+            for e in entries
+        ]
 
 
 class _Guard:
@@ -787,6 +1029,7 @@ def create_app(
     worker = EngineWorker(engine)
     created = int(time.time())
     tokenizer = engine.tokenizer
+    texts = TokenText(tokenizer)
     max_model_len = int(engine.max_model_len)
     vocab_size = int(engine.model.config.vocab_size)
 
@@ -845,7 +1088,7 @@ def create_app(
             code="model_not_found",
         )
 
-    async def parse(request: Request, schema: type[_Request]) -> _Request:
+    async def parse(request: Request, schema: type[_Body]) -> Any:
         data = parse_body(await _read_body(request, max_body_bytes))
         try:
             req = schema.model_validate(data)
@@ -876,23 +1119,192 @@ def create_app(
             if min(ids) < 0 or max(ids) >= vocab_size:
                 raise _bad(f"prompt token ids must be in [0, {vocab_size})", "prompt")
             _check_prompt(ids, max_model_len, "prompt")
-        return _job("completion", req, headers, prompts, req.max_tokens, 16, [], req.echo)
+        k = req.logprobs
+        if k is not None:
+            if not 0 <= k <= MAX_COMPLETION_LOGPROBS:
+                raise _bad(
+                    f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {_short(k)}",
+                    "logprobs",
+                )
+            if req.max_tokens == 0 and not req.echo:
+                raise _bad(
+                    "logprobs with max_tokens 0 return nothing; set echo to true to score the "
+                    "prompt, or ask for tokens",
+                    "logprobs",
+                )
+        _sampling_extras(req, vocab_size)  # stop_token_ids are checked before they end grammars
+        constraint, constraint_param = structured(req)
+        return _job(
+            "completion",
+            req,
+            headers,
+            prompts,
+            req.max_tokens,
+            16,
+            [],
+            req.echo,
+            logprobs=k,
+            prompt_logprobs=k if req.echo else None,
+            constraint=constraint,
+            constraint_param=constraint_param,
+        )
 
-    def chat_job(req: ChatCompletionRequest, headers: Any) -> _Job:
+    def render_chat(
+        messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kw: Any
+    ) -> list[int]:
+        """The token ids of a conversation, as the chat endpoint feeds them to the model."""
         try:
-            text = chat_template.render(req.messages, add_generation_prompt=True)
+            text = chat_template.render(messages, add_generation_prompt=add_generation_prompt, **kw)
         except ValueError as err:
             raise _bad(str(err), "messages") from None
         except RecursionError:  # tool-call arguments: a JSON string nested too deep to decode
             raise _bad("messages: tool call arguments nest too deep to parse", "messages") from None
-        ids = tokenizer.encode(text)
-        _check_prompt(ids, max_model_len, "messages")
+        return tokenizer.encode(text)
+
+    def chat_job(req: ChatCompletionRequest, headers: Any) -> _Job:
         if req.max_tokens is None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, param = req.max_tokens, "max_tokens"
+        k = None
+        if req.top_logprobs is not None:
+            if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise _bad(
+                    f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                    f"{_short(req.top_logprobs)}",
+                    "top_logprobs",
+                )
+            if not req.logprobs:
+                raise _bad("top_logprobs needs logprobs set to true", "top_logprobs")
+        if req.logprobs:
+            k = req.top_logprobs or 0
+        _sampling_extras(req, vocab_size)  # stop_token_ids are checked before they end grammars
+        tools = None
+        if req.tools:
+            try:
+                tool_mod.tool_parameters(req.tools)
+            except ValueError as err:
+                raise _bad(str(err), "tools") from None
+            tools = req.tools
+        names = list(tool_mod.tool_parameters(tools)) if tools else []
+        if req.tool_choice is not None and not tools and req.tool_choice not in ("none", "auto"):
+            raise _bad("tool_choice needs tools", "tool_choice")
+        try:
+            choice = tool_mod.tool_choice_name(req.tool_choice, names)
+        except ValueError as err:
+            raise _bad(str(err), "tool_choice") from None
+        ids = render_chat(req.messages, tools=tools)
+        _check_prompt(ids, max_model_len, "messages")
+        forced = bool(tools) and choice not in ("auto", "none")
+        constraint, constraint_param = structured(req)
+        if forced:
+            if constraint is not None:
+                raise _bad(
+                    f"{constraint_param} and a forced tool_choice cannot both constrain the reply",
+                    constraint_param,
+                )
+            constraint, constraint_param = (
+                compile_constraint(
+                    "tools",
+                    lambda: tool_mod.tool_call_constraint(
+                        tokenizer,
+                        tools,
+                        req.tool_choice,
+                        vocab_size=vocab_size,
+                        parallel_tool_calls=req.parallel_tool_calls is not False,
+                        stop_token_ids=req.stop_token_ids,
+                    ),
+                ),
+                "tool_choice",
+            )
         stop = [chat_template.STOP]
-        return _job("chat", req, headers, [ids], max_tokens, None, stop, False, param)
+        return _job(
+            "chat",
+            req,
+            headers,
+            [ids],
+            max_tokens,
+            None,
+            stop,
+            False,
+            param,
+            logprobs=k,
+            constraint=constraint,
+            constraint_param=constraint_param,
+            tools=([] if choice == "none" else tools) if tools else None,
+        )
+
+    def structured(req: CompletionRequest | ChatCompletionRequest) -> tuple[Any, str]:
+        """The constraint factory of `response_format` (json_object / json_schema) or vLLM's
+        `structured_outputs` ({json | regex | choice | grammar | json_object}), and the field
+        it came from; (None, "response_format") for free text."""
+        schema = _response_format(req.response_format)
+        spec = req.structured_outputs
+        if schema is not _NO_SCHEMA and spec:
+            raise _bad("give response_format or structured_outputs, not both", "structured_outputs")
+        stops = req.stop_token_ids
+        if schema is not _NO_SCHEMA:
+            return compile_constraint(
+                "response_format",
+                lambda: grammar.json_constraint(
+                    tokenizer, schema, vocab_size=vocab_size, stop_token_ids=stops
+                ),
+            ), "response_format"
+        if not spec:
+            return None, "response_format"
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if spec.get(k)]
+        if len(kinds) != 1:
+            raise _bad(
+                "structured_outputs takes exactly one of json, regex, choice, grammar and "
+                f"json_object, got {kinds or 'none'}",
+                "structured_outputs",
+            )
+        kind, value = kinds[0], spec[kinds[0]]
+        if kind in ("json", "json_object"):
+            if kind == "json_object":
+                value = None
+            elif isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise _bad(
+                        "structured_outputs.json is not JSON", "structured_outputs"
+                    ) from None
+
+            def build() -> Any:
+                return grammar.json_constraint(
+                    tokenizer, value, vocab_size=vocab_size, stop_token_ids=stops
+                )
+        else:
+            if kind == "choice":
+                if not isinstance(value, list) or not all(isinstance(c, str) and c for c in value):
+                    raise _bad(
+                        "structured_outputs.choice must be a list of non-empty strings",
+                        "structured_outputs",
+                    )
+                value = "start: " + " | ".join(json.dumps(c) for c in value)
+            elif not isinstance(value, str):
+                raise _bad(f"structured_outputs.{kind} must be a string", "structured_outputs")
+            syntax = "regex" if kind == "regex" else "lark"
+
+            def build() -> Any:
+                return grammar.grammar_constraint(
+                    tokenizer, value, vocab_size=vocab_size, syntax=syntax, stop_token_ids=stops
+                )
+
+        return compile_constraint("structured_outputs", build), "structured_outputs"
+
+    def compile_constraint(param: str, build: Any) -> Any:
+        """A constraint factory from `infer.grammar` / `infer.tools`, or a 400 naming `param`
+        (an invalid or unsupported schema, or no llguidance on this server)."""
+        try:
+            return build()
+        except ImportError as err:
+            raise _bad(
+                f"structured outputs are not available on this server: {err}", param
+            ) from None
+        except ValueError as err:
+            raise _bad(str(err), param) from None
 
     def _job(
         kind: Literal["completion", "chat"],
@@ -904,6 +1316,12 @@ def create_app(
         extra_stop: list[str],
         echo: bool,
         max_tokens_param: str = "max_tokens",
+        *,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        constraint: Any = None,
+        constraint_param: str = "response_format",
+        tools: list[dict[str, Any]] | None = None,
     ) -> _Job:
         if len(prompts) * req.n > MAX_CHOICES:
             raise _bad(f"prompts x n must be <= {MAX_CHOICES}, got {len(prompts) * req.n}", "n")
@@ -918,13 +1336,30 @@ def create_app(
                 default_max_tokens=default_max_tokens,
                 extra_stop=extra_stop,
                 speculative=spec,
+                vocab_size=vocab_size,
                 max_tokens_param=max_tokens_param,
+                top_logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                constraint=constraint,
+                constraint_param=constraint_param,
             )
             for j in range(req.n):
                 requests.append((ids, _seeded(params, j)))
                 echoes.append(tokenizer.decode(ids) if echo else "")
         include_usage = bool(req.stream_options and req.stream_options.get("include_usage"))
-        return _Job(kind, model_name, req.stream, include_usage, prompts, requests, echoes)
+        return _Job(
+            kind,
+            model_name,
+            req.stream,
+            include_usage,
+            prompts,
+            requests,
+            echoes,
+            logprobs=logprobs,
+            token_ids_as_strings=req.return_tokens_as_token_ids,
+            texts=texts,
+            tools=tools,
+        )
 
     async def run(job: _Job, request: Request) -> Response:
         gen = _Generation(worker, "cmpl" if job.kind == "completion" else "chatcmpl")
@@ -959,6 +1394,45 @@ def create_app(
         try:
             req = await parse(request, ChatCompletionRequest)
             return await run(chat_job(req, request.headers), request)
+        except APIError as err:
+            return _error_response(err)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's `/tokenize`: a `prompt` is encoded as /v1/completions encodes a string prompt
+        (BOS first unless `add_special_tokens` is false); `messages` as /v1/chat/completions
+        renders them (the template starts with BOS; `add_special_tokens` does not apply)."""
+        try:
+            req = await parse(request, TokenizeRequest)
+            if (req.prompt is None) == (req.messages is None):
+                raise _bad("give exactly one of prompt and messages", "prompt")
+            if req.prompt is not None:
+                add_bos = True if req.add_special_tokens is None else req.add_special_tokens
+                ids = tokenizer.encode(req.prompt, add_bos=add_bos)
+            else:
+                if req.tools:
+                    try:
+                        tool_mod.tool_parameters(req.tools)
+                    except ValueError as err:
+                        raise _bad(str(err), "tools") from None
+                ids = render_chat(req.messages, req.add_generation_prompt, tools=req.tools)
+            body: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len}
+            body["tokens"] = ids
+            body["token_strs"] = (
+                [texts.vocab_token(t) for t in ids] if req.return_token_strs else None
+            )
+            return _json(200, body)
+        except APIError as err:
+            return _error_response(err)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        """vLLM's `/detokenize`: the text of token ids, as completions decode them."""
+        try:
+            req = await parse(request, DetokenizeRequest)
+            if any(not 0 <= t < vocab_size for t in req.tokens):
+                raise _bad(f"tokens must be token ids in [0, {vocab_size})", "tokens")
+            return _json(200, {"prompt": tokenizer.decode(req.tokens)})
         except APIError as err:
             return _error_response(err)
 
@@ -1016,21 +1490,27 @@ def _final_body(job: _Job, gen: _Generation, final: dict[int, RequestOutput]) ->
     choices = []
     for i, out in enumerate(outs):
         if job.kind == "completion":
+            logprobs = None
+            if job.logprobs is not None:
+                logprobs = _completion_choice_logprobs(job, i, out)
             choices.append(
                 {
                     "index": i,
                     "text": job.echo[i] + out.text,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": out.finish_reason,
                 }
             )
         else:
-            message = chat_template.parse_assistant(out.text)
+            message = _assistant_message(out.text, job.tools)
+            logprobs = None
+            if job.logprobs is not None:
+                logprobs = {"content": job.chat_logprobs(out.top_logprobs or [])}
             choices.append(
                 {
                     "index": i,
                     "message": message,
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": _chat_finish(out.finish_reason, message),
                 }
             )
@@ -1048,6 +1528,118 @@ def _final_body(job: _Job, gen: _Generation, final: dict[int, RequestOutput]) ->
     return body
 
 
+def _after_think(text: str, final: bool) -> str:
+    """The assistant text after its reasoning block (`data.chat`'s `<think>` format); while
+    streaming, "" as long as the text may still be (or is) inside one."""
+    text = text.split(chat_template.STOP, 1)[0]
+    m = chat_template._THINK_RE.match(text)
+    if m is None:
+        head = text.lstrip()
+        maybe = len(head) < len(chat_template.THINK_OPEN) and chat_template.THINK_OPEN.startswith(
+            head
+        )
+        return "" if maybe and not final else text
+    if not final and chat_template.THINK_CLOSE not in text:
+        return ""
+    return text[m.end() :]
+
+
+def _assistant_message(text: str, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The OpenAI message of generated assistant text. With tools offered, calls to them are
+    parsed by `infer.tools` (ids `call_` + 24 hex digits; content None when there is nothing
+    but the calls); with tool_choice "none" (`tools == []`) the text after any reasoning is the
+    content; without tools, `data.chat.parse_assistant`'s reading."""
+    message = chat_template.parse_assistant(text)
+    if tools is None:
+        return message
+    message.pop("tool_calls", None)
+    if not tools:
+        message["content"] = _after_think(text, True)
+        return message
+    content, calls = tool_mod.parse_tool_calls(_after_think(text, True), tools)
+    message["content"] = content
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+class _ToolChatStream:
+    """The streamed deltas of a chat reply with tools: reasoning as `data.chat.AssistantStream`
+    releases it, then content and tool calls as `infer.tools.ToolCallStream` does (each call
+    whole, with its index). Concatenated they equal `_assistant_message`'s fields."""
+
+    def __init__(self, tools: list[dict[str, Any]]) -> None:
+        self._think = chat_template.AssistantStream()
+        self._calls = tool_mod.ToolCallStream(tools) if tools else None  # None: "none"
+        self._fed = ""
+
+    def update(self, text: str, final: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        reasoning = self._think.update(text, final=final).get("reasoning_content")
+        if reasoning:
+            out["reasoning_content"] = reasoning
+        after = _after_think(text, final)
+        if after.startswith(self._fed):  # (always: released text only grows)
+            new = after[len(self._fed) :]
+            if self._calls is None:
+                if new:
+                    out["content"] = new
+            else:
+                out.update(self._calls.feed(new))
+            self._fed = after
+        if final and self._calls is not None:
+            rest = self._calls.finish()
+            if "content" in rest:
+                out["content"] = out.get("content", "") + rest["content"]
+            if "tool_calls" in rest:
+                out["tool_calls"] = out.get("tool_calls", []) + rest["tool_calls"]
+        return out
+
+
+def _completion_choice_logprobs(job: _Job, i: int, out: RequestOutput) -> dict[str, list]:
+    """A completions choice's `logprobs`: the echoed prompt's tokens (first one None), then
+    the generated ones, with offsets into the choice's text."""
+    ids: list[int] = []
+    entries: list[TokenLogprob | None] = []
+    offsets: list[int] = []
+    if job.requests[i][1].prompt_logprobs is not None:  # echo
+        prompt = job.requests[i][0]
+        ids += prompt
+        entries += out.prompt_logprobs or [None] * len(prompt)
+        offsets += job.texts.offsets(prompt)
+    ids += out.token_ids
+    entries += out.top_logprobs or []
+    offsets += job.texts.offsets(out.token_ids, len(job.echo[i]))
+    return job.completion_logprobs(ids, entries, offsets)
+
+
+class _StreamedLogprobs:
+    """Which generated tokens' log-probs a stream can send: those whose text was released (the
+    engine holds back a possible stop string, which may still trim tokens), all of them once the
+    choice finished. Concatenated, the chunks' log-probs equal the non-streamed ones."""
+
+    def __init__(self, job: _Job, start: int) -> None:
+        self.offsets = Offsets(job.texts, start)
+        self.sent = 0
+
+    def release(self, out: RequestOutput, released_chars: int) -> tuple[int, int]:
+        """(first, end) indices into `out.token_ids` to send now."""
+        ids = out.token_ids
+        if len(self.offsets) < len(ids):
+            self.offsets.extend(ids[len(self.offsets) :])
+        first = n = self.sent
+        if out.finished:
+            n = len(ids)
+        else:
+            while n < len(ids):
+                touched = self.offsets.touched(n + 1)
+                if touched is None or touched > released_chars:
+                    break
+                n += 1
+        self.sent = max(n, first)
+        return first, n
+
+
 async def _stream(job: _Job, gen: _Generation) -> AsyncIterator[bytes]:
     """SSE chunks: deltas per choice, a finish chunk per choice, an optional usage chunk, and
     `data: [DONE]`. An engine failure mid-stream becomes an `{"error": ...}` event."""
@@ -1063,45 +1655,81 @@ async def _stream(job: _Job, gen: _Generation) -> AsyncIterator[bytes]:
         body.update(extra)
         return _sse(body)
 
-    def delta(i: int, text: str, finish: str | None = None) -> dict:
-        return {"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+    def delta(i: int, text: str, finish: str | None = None, logprobs: Any = None) -> dict:
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    def chat_delta(i: int, d: dict[str, Any], finish: str | None = None) -> dict:
-        if "tool_calls" in d:  # streamed tool calls carry their position in the list
+    def chat_delta(
+        i: int, d: dict[str, Any], finish: str | None = None, logprobs: Any = None
+    ) -> dict:
+        if "tool_calls" in d and "index" not in d["tool_calls"][0]:
+            # streamed tool calls carry their position in the list
             d = {**d, "tool_calls": [{"index": k, **c} for k, c in enumerate(d["tool_calls"])]}
-        return {"index": i, "delta": d, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "delta": d, "logprobs": logprobs, "finish_reason": finish}
+
+    def new_logprobs(i: int, out: RequestOutput, released: int) -> Any:
+        """The log-probs of the tokens released by this output (None: none, or not asked)."""
+        if job.logprobs is None:
+            return None
+        first, end = streamed[i].release(out, released)
+        if first == end:
+            return None
+        entries = (out.top_logprobs or [])[first:end]
+        if chat:
+            return {"content": job.chat_logprobs(entries)}
+        offsets = [streamed[i].offsets.offset(t) for t in range(first, end)]
+        return job.completion_logprobs(out.token_ids[first:end], entries, offsets)
 
     sent = [0] * len(job.requests)
+    streamed = [_StreamedLogprobs(job, len(job.echo[i])) for i in range(len(job.requests))]
+    started = [False] * len(job.requests)
     # chat: reasoning, content and tool calls are separated as the text arrives
-    parsers = [chat_template.AssistantStream() for _ in job.requests]
+    parsers = [
+        chat_template.AssistantStream() if job.tools is None else _ToolChatStream(job.tools)
+        for _ in job.requests
+    ]
+    called = [False] * len(job.requests)  # a tool call was streamed
     final: dict[int, RequestOutput] = {}
     try:
         for i in range(len(job.requests)):
             if chat:
                 yield chunk(chat_delta(i, {"role": "assistant", "content": ""}))
-            elif job.echo[i]:
+            elif job.echo[i] and job.logprobs is None:
                 yield chunk(delta(i, job.echo[i]))
+                started[i] = True
         async for i, out in gen.outputs():
+            if not started[i] and not chat:  # echo with log-probs: they come with the output
+                started[i] = True
+                if job.requests[i][1].prompt_logprobs is not None:
+                    prompt = job.requests[i][0]
+                    lp = job.completion_logprobs(
+                        prompt,
+                        out.prompt_logprobs or [None] * len(prompt),
+                        job.texts.offsets(prompt),
+                    )
+                    yield chunk(delta(i, job.echo[i], logprobs=lp))
             if out.finished:
                 final[i] = out
             if chat:
                 d = parsers[i].update(out.text, final=out.finished)
-                if d and not out.finished:
-                    yield chunk(chat_delta(i, d))
+                called[i] = called[i] or bool(d.get("tool_calls"))
+                lp = new_logprobs(i, out, len(out.text))
+                if (d or lp) and not out.finished:
+                    yield chunk(chat_delta(i, d, logprobs=lp))
             else:
                 # deltas from the stable text, so the stream concatenates to the final text
                 text = out.text[sent[i] :] if len(out.text) >= sent[i] else out.delta_text
                 sent[i] = max(sent[i], len(out.text))
-                if text:
-                    yield chunk(delta(i, text))
+                lp = new_logprobs(i, out, sent[i])
+                if text or lp:
+                    yield chunk(delta(i, text, logprobs=lp))
             if out.finished:
                 extra = {}
                 if out.spec_stats is not None:
                     extra["speculative"] = spec_stats_dict(out.spec_stats)
                 if chat:
-                    if d:
-                        yield chunk(chat_delta(i, d))
-                    reason = _chat_finish(out.finish_reason, {"tool_calls": d.get("tool_calls")})
+                    if d or lp:
+                        yield chunk(chat_delta(i, d, logprobs=lp))
+                    reason = _chat_finish(out.finish_reason, {"tool_calls": called[i]})
                     yield chunk(chat_delta(i, {}, finish=reason), **extra)
                 else:
                     yield chunk(delta(i, "", finish=out.finish_reason), **extra)

@@ -1,9 +1,10 @@
 """Verifiable rewards: math answer equivalence, GSM8K final numbers, code tests in the sandbox,
-and IFEval-style instruction-following constraint checkers.
+and IFEval's instruction-following checkers (`ifeval.py`, re-exported here).
 
 The reward table of OlmoRL (Olmo 3 §4.4.1, Figure 16): math is rule-based (normalise, compare
 with SymPy; 1 or 0), code runs test cases (fraction passed, or 1 only when all pass; open-instruct
-thresholds the pass rate at 0.99), instruction following is 1 when *all* constraints pass.
+thresholds the pass rate at 0.99), instruction following is 1 when *all* constraints pass
+(IFEval's strict rule, by checkers that follow IFEval's reference code).
 Nemotron 3 Super scores math with Math-Verify (§3.2.1, §5); this module uses `math_verify` when
 it imports and a SymPy path otherwise.
 
@@ -14,16 +15,21 @@ dropped first, and a completion whose reasoning never closed has no answer (rewa
 
 from __future__ import annotations
 
-import inspect
-import json
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
 from hybridlm.data.chat import STOP, THINK_CLOSE, THINK_OPEN, parse_assistant
+from hybridlm.rl.ifeval import (  # noqa: F401 - re-exported: the IFEval registry lives there
+    INSTRUCTIONS,
+    Checker,
+    check_instruction,
+    follow_instructions,
+    register_instruction,
+)
 
 
 @dataclass(frozen=True)
@@ -434,228 +440,23 @@ class CodeVerifier:
         return [self.reward(r) for r in self.sandbox.run_many(jobs)]
 
 
-# -- instruction following (IFEval-style constraint registry) ---------------------------------
-
-Checker = Callable[..., bool]
-INSTRUCTIONS: dict[str, Checker] = {}
-_RELATIONS = ("less than", "at least")
-
-
-def register_instruction(name: str) -> Callable[[Checker], Checker]:
-    """Add a checker `(response, **kwargs) -> bool` under an IFEval instruction id."""
-
-    def deco(fn: Checker) -> Checker:
-        if name in INSTRUCTIONS:
-            raise ValueError(f"instruction {name!r} is already registered")
-        INSTRUCTIONS[name] = fn
-        return fn
-
-    return deco
-
-
-def _compare(count: int, relation: str, target: int) -> bool:
-    if relation not in _RELATIONS:
-        raise ValueError(f"relation must be one of {_RELATIONS}, got {relation!r}")
-    return count < target if relation == "less than" else count >= target
-
-
-def _words(text: str) -> list[str]:
-    return re.findall(r"\b\w+(?:['’-]\w+)*\b", text)
-
-
-def _sentences(text: str) -> list[str]:
-    text = re.sub(r"\b(?:Mr|Mrs|Ms|Dr|Prof|Sr|Jr|St|vs|etc|e\.g|i\.e)\.", "<abbr>", text)
-    return [s for s in re.split(r"(?<=[.!?])\s+|\n+", text) if re.search(r"\w", s)]
-
-
-@register_instruction("length_constraints:number_words")
-def _number_words(response: str, *, num_words: int, relation: str) -> bool:
-    return _compare(len(_words(response)), relation, num_words)
-
-
-@register_instruction("length_constraints:number_sentences")
-def _number_sentences(response: str, *, num_sentences: int, relation: str) -> bool:
-    return _compare(len(_sentences(response)), relation, num_sentences)
-
-
-@register_instruction("length_constraints:number_paragraphs")
-def _number_paragraphs(response: str, *, num_paragraphs: int) -> bool:
-    """Paragraphs separated by the markdown divider `***` (IFEval); none may be empty."""
-    parts = [p.strip() for p in re.split(r"\s?\*\*\*\s?", response.strip())]
-    return all(parts) and len(parts) == num_paragraphs
-
-
-@register_instruction("length_constraints:nth_paragraph_first_word")
-def _nth_paragraph_first_word(
-    response: str, *, num_paragraphs: int, nth_paragraph: int, first_word: str
-) -> bool:
-    """Paragraphs separated by blank lines; paragraph `nth_paragraph` (1-based) starts with
-    `first_word` (case-insensitive, punctuation ignored)."""
-    parts = [p.strip() for p in re.split(r"\n\s*\n", response.strip()) if p.strip()]
-    if len(parts) != num_paragraphs or not 1 <= nth_paragraph <= len(parts):
-        return False
-    words = _words(parts[nth_paragraph - 1])
-    return bool(words) and words[0].lower() == first_word.lower()
-
-
-@register_instruction("keywords:existence")
-def _keywords_existence(response: str, *, keywords: Sequence[str]) -> bool:
-    return all(re.search(re.escape(k), response, flags=re.I) for k in keywords)
-
-
-@register_instruction("keywords:forbidden_words")
-def _forbidden_words(response: str, *, forbidden_words: Sequence[str]) -> bool:
-    return not any(
-        re.search(r"\b" + re.escape(w) + r"\b", response, flags=re.I) for w in forbidden_words
-    )
-
-
-@register_instruction("keywords:frequency")
-def _keyword_frequency(response: str, *, keyword: str, frequency: int, relation: str) -> bool:
-    count = len(re.findall(r"\b" + re.escape(keyword) + r"\b", response, flags=re.I))
-    return _compare(count, relation, frequency)
-
-
-@register_instruction("keywords:letter_frequency")
-def _letter_frequency(response: str, *, letter: str, let_frequency: int, let_relation: str) -> bool:
-    if len(letter) != 1:
-        raise ValueError(f"letter must be a single character, got {letter!r}")
-    return _compare(response.lower().count(letter.lower()), let_relation, let_frequency)
-
-
-@register_instruction("language:response_language")
-def _response_language(response: str, *, language: str) -> bool:
-    """ISO 639-1 code of the response's language, by py3langid."""
-    import py3langid
-
-    return py3langid.classify(response)[0] == language
-
-
-@register_instruction("detectable_format:json_format")
-def _json_format(response: str) -> bool:
-    """The whole response is JSON (a ```json fence around it is allowed)."""
-    text = response.strip()
-    m = re.fullmatch(r"```(?:json|JSON|Json)?\s*\n?(.*?)\n?```", text, flags=re.S)
-    try:
-        json.loads(m.group(1) if m else text)
-    except ValueError:
-        return False
-    return True
-
-
-@register_instruction("detectable_format:number_bullet_lists")
-def _bullets(response: str, *, num_bullets: int) -> bool:
-    """Exactly `num_bullets` markdown bullets (`* ` or `- ` at the start of a line)."""
-    return len(re.findall(r"^\s*[*-]\s+\S", response, flags=re.M)) == num_bullets
-
-
-@register_instruction("detectable_format:number_highlighted_sections")
-def _highlights(response: str, *, num_highlights: int) -> bool:
-    """At least `num_highlights` sections highlighted as `*text*` (or `**text**`)."""
-    single = [h for h in re.findall(r"(?<!\*)\*([^\n*]+)\*(?!\*)", response) if h.strip()]
-    double = [h for h in re.findall(r"\*\*([^\n*]+)\*\*", response) if h.strip()]
-    return len(single) + len(double) >= num_highlights
-
-
-@register_instruction("detectable_format:title")
-def _title(response: str) -> bool:
-    """A title in double angular brackets, `<<like this>>`."""
-    return any(t.strip() for t in re.findall(r"<<([^\n]+?)>>", response))
-
-
-@register_instruction("detectable_format:multiple_sections")
-def _sections(response: str, *, section_spliter: str, num_sections: int) -> bool:
-    """At least `num_sections` sections headed `<section_spliter> <n>` (e.g. "Section 1")."""
-    parts = re.split(r"\s?" + re.escape(section_spliter) + r"\s?\d+\s?", response)
-    return len(parts) - 1 >= num_sections
-
-
-@register_instruction("detectable_format:constrained_response")
-def _constrained(response: str) -> bool:
-    """One of the fixed answers IFEval offers."""
-    options = ("My answer is yes.", "My answer is no.", "My answer is maybe.")
-    return any(o in response.strip() for o in options)
-
-
-@register_instruction("detectable_content:number_placeholders")
-def _placeholders(response: str, *, num_placeholders: int) -> bool:
-    """At least `num_placeholders` square-bracket placeholders like `[address]`."""
-    return len(re.findall(r"\[[^\[\]\n]+\]", response)) >= num_placeholders
-
-
-@register_instruction("detectable_content:postscript")
-def _postscript(response: str, *, postscript_marker: str) -> bool:
-    """A postscript starting with the marker (`P.S.`, `P.P.S`) on its own line."""
-    marker = re.escape(postscript_marker.strip()).replace(r"\.", r"\.?")
-    return re.search(r"(?:^|\n)\s*" + marker, response, flags=re.I) is not None
-
-
-@register_instruction("startend:end_checker")
-def _end_checker(response: str, *, end_phrase: str) -> bool:
-    return response.strip().lower().endswith(end_phrase.strip().lower())
-
-
-@register_instruction("startend:quotation")
-def _quotation(response: str) -> bool:
-    text = response.strip()
-    return len(text) > 1 and text[0] == '"' and text[-1] == '"'
-
-
-@register_instruction("change_case:english_lowercase")
-def _lowercase(response: str) -> bool:
-    return response == response.lower() and any(c.isalpha() for c in response)
-
-
-@register_instruction("change_case:english_capital")
-def _uppercase(response: str) -> bool:
-    return response == response.upper() and any(c.isalpha() for c in response)
-
-
-@register_instruction("change_case:capital_word_frequency")
-def _capital_words(response: str, *, capital_frequency: int, capital_relation: str) -> bool:
-    """Words written entirely in capitals (at least two letters)."""
-    count = sum(1 for w in _words(response) if len(w) > 1 and w.isupper())
-    return _compare(count, capital_relation, capital_frequency)
-
-
-@register_instruction("punctuation:no_comma")
-def _no_comma(response: str) -> bool:
-    return "," not in response and "，" not in response
-
-
-@register_instruction("combination:repeat_prompt")
-def _repeat_prompt(response: str, *, prompt_to_repeat: str) -> bool:
-    return response.strip().lower().startswith(prompt_to_repeat.strip().lower())
-
-
-@register_instruction("combination:two_responses")
-def _two_responses(response: str) -> bool:
-    """Two different responses separated by six asterisks `******`."""
-    parts = [p.strip() for p in response.split("******")]
-    return len(parts) == 2 and all(parts) and parts[0] != parts[1]
-
-
-def check_instruction(name: str, response: str, kwargs: Mapping[str, Any] | None = None) -> bool:
-    """Run one registered checker; unknown ids and wrong kwargs raise `ValueError`."""
-    if name not in INSTRUCTIONS:
-        raise ValueError(f"unknown instruction {name!r}; known: {sorted(INSTRUCTIONS)}")
-    fn = INSTRUCTIONS[name]
-    kw = {k: v for k, v in (kwargs or {}).items() if v is not None}
-    try:
-        inspect.signature(fn).bind(response, **kw)
-    except TypeError as err:
-        raise ValueError(f"instruction {name!r}: bad kwargs {sorted(kw)} ({err})") from None
-    return bool(fn(response, **kw))
+# -- instruction following (IFEval) ------------------------------------------------------------
+# The checkers, their registry and strict / loose scoring follow IFEval's reference code; they
+# live in `ifeval.py` (text measurements in `ifeval_text.py`) and are re-exported here.
 
 
 class InstructionVerifier:
-    """Checks every constraint of a prompt; reward 1 when all pass (OlmoRL), or the fraction that
-    pass with `partial_credit`."""
+    """Checks every IFEval constraint of a prompt on the completion's answer: reward 1 when all
+    are followed (OlmoRL), or the fraction followed with `partial_credit`. Strict by default
+    (IFEval's `test_instruction_following_strict`: a blank answer follows nothing); `loose`
+    also accepts the answer without its first / last line or without `*`
+    (`test_instruction_following_loose`)."""
 
     name = "ifeval"
 
-    def __init__(self, *, partial_credit: bool = False) -> None:
+    def __init__(self, *, partial_credit: bool = False, loose: bool = False) -> None:
         self.partial_credit = partial_credit
+        self.loose = loose
 
     def __call__(
         self,
@@ -665,16 +466,10 @@ class InstructionVerifier:
     ) -> Reward:
         if not instruction_ids:
             raise ValueError("instruction_ids must name at least one constraint")
-        kwargs = list(kwargs) if kwargs is not None else [None] * len(instruction_ids)
-        if len(kwargs) != len(instruction_ids):
-            raise ValueError("kwargs must have one entry per instruction id")
         response = answer_text(completion)
-        results = {
-            name: check_instruction(name, response, kw)
-            for name, kw in zip(instruction_ids, kwargs, strict=True)
-        }
-        frac = sum(results.values()) / len(results)
+        followed = follow_instructions(response, instruction_ids, kwargs, loose=self.loose)
+        frac = sum(followed) / len(followed)
         value = frac if self.partial_credit else float(frac == 1.0)
-        failed = [k for k, ok in results.items() if not ok]
+        failed = [k for k, ok in zip(instruction_ids, followed, strict=True) if not ok]
         reason = "all constraints pass" if not failed else "failed: " + ", ".join(failed)
         return Reward(value, reason, {"constraints_passed": frac})

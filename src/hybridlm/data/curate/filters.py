@@ -6,22 +6,25 @@
                     "symbol-ratio and alphabetic-ratio filters"; the 0.2 digit ceiling is the olmOCR
                     rule of notes §2.3; the alpha floor is chosen here)
     gopher_quality  Rae et al. 2021 (Gopher), App. A.1.1 "quality filters": 50..100,000 words, mean
-                    word length 3..10, '#' and ellipsis to word ratio <= 0.1, <= 90% of lines
-                    starting with a bullet, <= 30% of lines ending with an ellipsis, >= 80% of words
-                    with an alphabetic character, >= 2 of the stop words
+                    word length 3..10, '#' to word and ellipsis to word ratios each <= 0.1, <= 90%
+                    of lines starting with a bullet, <= 30% of lines ending with an ellipsis, >= 80%
+                    of words with an alphabetic character, >= 2 distinct stop words of
                     {the, be, to, of, and, that, have, with}
     gopher_repetition  Rae et al. 2021, Table A1 (thresholds are the maximum allowed fraction):
                     duplicate lines 0.30 and paragraphs 0.30 (by count), characters in duplicate
                     lines 0.20 and paragraphs 0.20; characters in the most frequent 2/3/4-gram
                     0.20/0.18/0.16; characters in duplicated 5..10-grams 0.15, 0.14, 0.13, 0.12,
                     0.11, 0.10
-    c4              Raffel et al. 2020 (T5), §2.2 "C4": keep only lines ending in terminal
-                    punctuation with >= 3 words; drop lines containing "javascript" or a cookie /
-                    privacy-policy notice; drop pages with < 5 sentences, "lorem ipsum" or a curly
-                    bracket; remove Wikipedia-style citation markers; drop lines with a word longer
-                    than 1000 characters (datatrove's `C4QualityFilter`). The bad-words list rule is
-                    not embedded (it is a separate word list).
-    fineweb         Penedo et al. 2024 (FineWeb), §3.3 custom filters: drop when <= 12% of lines
+    c4              Raffel et al. 2020 (T5), §2.2 "C4", as the code that built C4 applies them
+                    (TFDS `tensorflow_datasets/text/c4_utils.py`, `clean_page`; datatrove's
+                    `C4QualityFilter` mirrors it): per line, drop it when a word is longer than
+                    1000 characters, remove Wikipedia-style citation markers, drop it unless it
+                    ends in terminal punctuation (not an ellipsis) and has enough words, drop it
+                    when it mentions "javascript" or a cookie / privacy-policy notice; drop the page
+                    when a kept line has "lorem ipsum" or a curly bracket, or when the kept lines
+                    hold too few sentences. The bad-words list rule is not embedded (a separate
+                    word list).
+    fineweb         Penedo et al. 2024 (FineWeb), §3.6 custom filters: drop when <= 12% of lines
                     end in punctuation, when >= 10% of characters are in duplicated lines, or when
                     >= 67% of lines are shorter than 30 characters
     url_blocklist   domains from a user file (one per line, '#' comments) plus a tiny embedded
@@ -39,6 +42,11 @@ of the words covered by the repeated occurrences of n-grams (each occurrence aft
 first, as datatrove's `GopherRepetitionFilter` does), again without double counting overlaps
 ("taking care not to count characters that occur in overlapping n-grams more than once").
 Denominators are the characters of all words (whitespace excluded).
+
+Conformance: each Gopher / C4 / FineWeb filter's docstring lists where it differs from datatrove
+(HuggingFace's reference implementations, `datatrove.pipeline.filters`) and which wording it
+follows instead; `tests/test_curate_conformance.py` measures the agreement of the keep/drop
+verdicts on a seeded 1,600-document corpus and holds it above the figures quoted there.
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ _PARA_RE = re.compile(r"\n\s*\n")
 _BULLETS = ("•", "●", "○", "▪", "◦", "‣", "⁃", "-", "*", "·", "–", "—")
 _ELLIPSES = ("...", "…")
 _STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
+# punctuation stripped from a word's ends before the stop-word match ("(the", "and,", "“of")
+_WORD_PUNCT = "".join(chr(c) for c in range(33, 127) if not chr(c).isalnum()) + "“”‘’«»…–—"
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -222,13 +232,30 @@ _PUNCT = frozenset(".,;:!?'\"()-–—’‘“”")
 @register_stage("gopher_quality")
 @dataclass(kw_only=True)
 class GopherQualityFilter(Filter):
-    """Gopher quality rules (Rae et al. 2021, App. A.1.1); defaults are the paper's."""
+    """Gopher quality rules (Rae et al. 2021, App. A.1.1); defaults are the paper's.
+
+    Deliberate differences from datatrove's `GopherQualityFilter`, which tokenises words with
+    spaCy (punctuation marks become words of their own):
+      - words are whitespace-separated ("x, y." is two words, not four): the paper's "80% of
+        words ... contain at least one alphabetic character" would otherwise count every comma
+        and full stop as a word without letters; datatrove does, so prose rich in punctuation
+        (dialogue, citations, maths, code) falls under its 80% floor and is kept here. The same
+        words give the word count, the mean word length (attached punctuation included) and the
+        denominators of the '#' and ellipsis ratios.
+      - stop words are matched case-insensitively and with surrounding punctuation stripped
+        ("The", "(of", "and,"): the paper lists words, not spellings; datatrove matches lowercase
+        tokens exactly, so a page whose only "the" is capitalised fails there.
+      - a bullet is any of `_BULLETS` (•, ●, ○, ▪, ◦, ‣, ⁃, -, *, ·, –, —), the paper's "bullet
+        point"; datatrove counts only "•" and "-".
+      - the bullet and ellipsis line fractions are over non-blank lines; datatrove divides by all
+        lines, blank ones included.
+    """
 
     min_words: int = 50
     max_words: int = 100_000
     min_mean_word_length: float = 3.0
     max_mean_word_length: float = 10.0
-    max_symbol_word_ratio: float = 0.1  # '#' and ellipses per word
+    max_symbol_word_ratio: float = 0.1  # for '#' and for ellipses, each on its own
     max_bullet_lines: float = 0.9
     max_ellipsis_lines: float = 0.3
     min_alpha_words: float = 0.8
@@ -251,9 +278,16 @@ class GopherQualityFilter(Filter):
         mean_len = sum(len(w) for w in words) / n
         if not self.min_mean_word_length <= mean_len <= self.max_mean_word_length:
             return Decision.drop("gopher_quality:mean_word_length", mean=round(mean_len, 3))
-        symbols = text.count("#") + text.count("...") + text.count("…")
-        if symbols / n > self.max_symbol_word_ratio:
-            return Decision.drop("gopher_quality:symbol_ratio", ratio=round(symbols / n, 4))
+        # "a symbol-to-word ratio greater than 0.1 for either the hash symbol or the ellipsis"
+        # (App. A.1.1): two ratios, each against the limit
+        for symbol, count in (
+            ("#", text.count("#")),
+            ("ellipsis", text.count("...") + text.count("…")),
+        ):
+            if count / n > self.max_symbol_word_ratio:
+                return Decision.drop(
+                    "gopher_quality:symbol_ratio", symbol=symbol, ratio=round(count / n, 4)
+                )
         lines = [ln.strip() for ln in text.split("\n") if ln.strip()]
         if lines:
             bullets = sum(ln.startswith(_BULLETS) for ln in lines) / len(lines)
@@ -265,16 +299,36 @@ class GopherQualityFilter(Filter):
         alpha = sum(any(c.isalpha() for c in w) for w in words) / n
         if alpha < self.min_alpha_words:
             return Decision.drop("gopher_quality:alpha_words", frac=round(alpha, 4))
-        stop = sum(w.lower().strip(".,;:!?\"'()") in _STOP_WORDS for w in words)
+        # "at least two of the following English words" (App. A.1.1): distinct words, so a page
+        # that repeats "the" but has none of the others fails
+        stop = len(_STOP_WORDS.intersection(w.lower().strip(_WORD_PUNCT) for w in words))
         if stop < self.min_stop_words:
             return Decision.drop("gopher_quality:stop_words", count=stop)
-        return Decision.ok(words=n, mean_word_length=round(mean_len, 3))
+        return Decision.ok(words=n, mean_word_length=round(mean_len, 3), stop_words=stop)
 
 
 @register_stage("gopher_repetition")
 @dataclass(kw_only=True)
 class GopherRepetitionFilter(Filter):
-    """Gopher repetition rules, Rae et al. 2021 Table A1 (definitions in the module docstring)."""
+    """Gopher repetition rules, Rae et al. 2021 Table A1 (definitions in the module docstring).
+
+    Deliberate differences from datatrove's `GopherRepetitionFilter`:
+      - the top n-gram fraction is 0 unless the n-gram occurs at least twice: the paper scores
+        repetition, and a single occurrence repeats nothing; datatrove scores the most common
+        n-gram even when every n-gram occurs once, so a page of a few dozen words can fail its
+        top 2/3/4-gram rule without repeating anything.
+      - characters covered by overlapping occurrences count once ("taking care not to count
+        characters that occur in overlapping n-grams more than once", App. A.1.1); datatrove
+        multiplies the top n-gram's length by its count, and for duplicated 5..10-grams skips
+        ahead n words after each repeat, which misses repeats that overlap or start inside one.
+      - n-gram characters are word characters over the characters of all words; datatrove
+        divides by the length of the whole text (whitespace included), which makes every n-gram
+        fraction smaller there, so this filter is the stricter of the two on repeated spans.
+      - words are whitespace-separated (datatrove: spaCy tokens, punctuation separate); lines are
+        the non-blank lines and paragraphs are split on lines holding only whitespace, with the
+        line / paragraph character fractions taken over the lines' / paragraphs' characters
+        (datatrove: `\\n+` / `\\n{2,}` splits over the length of the whole text).
+    """
 
     max_dup_line_frac: float = 0.30
     max_dup_para_frac: float = 0.30
@@ -317,8 +371,14 @@ class GopherRepetitionFilter(Filter):
         return Decision.ok(dup_line_frac=round(line_n, 4), dup_para_frac=round(para_n, 4))
 
 
+# "a period, exclamation mark, question mark, or end quotation mark" (Raffel et al. 2020 §2.2);
+# TFDS `_END_MARKS` is (".", "?", "!", '"'), datatrove adds "'"; the curly closing quotes are
+# end quotation marks too
 _TERMINAL = (".", "!", "?", '"', "'", "”", "’")
-_CITATION_RE = re.compile(r"\[\d+\]|\[citation needed\]|\[edit\]", re.IGNORECASE)
+_ELLIPSIS = "..."  # TFDS `_ELLIPSIS`: a line ending in "..." has no terminal punctuation
+# TFDS `clean_page`'s citation regex (datatrove `CITATION_REGEX`): [1], [], [edit],
+# [citation needed]
+_CITATION_RE = re.compile(r"\[\d*\]|\[edit\]|\[citation needed\]")
 _POLICY = (
     "terms of use",
     "privacy policy",
@@ -328,13 +388,64 @@ _POLICY = (
     "use cookies",
 )
 _SPACES_RE = re.compile(r"[ \t]{2,}")
-_SENTENCE_RE = re.compile(r"[^.!?]+[.!?]+")
+# closing quotes / brackets a sentence may end with after its terminal mark
+_CLOSERS = "\"'”’)]"
+# abbreviations the English sentence tokenizers (punkt, which TFDS uses; spaCy, which datatrove
+# uses) do not end a sentence at
+_ABBREVIATIONS = frozenset(
+    "mr mrs ms dr st jr sr prof inc ltd co corp vs e.g i.e jan feb mar apr jun jul aug sep sept "
+    "oct nov dec mt gen gov sen rep rev".split()
+)
+
+
+def _ends_sentence(word: str) -> bool:
+    """Whether a sentence may end after `word` (see `count_sentences`)."""
+    w = word.rstrip(_CLOSERS)
+    if w.endswith(_ELLIPSIS):  # "wait... then" goes on; "why?... then" does not
+        return w.rstrip(".").endswith(("!", "?"))
+    if not w.endswith((".", "!", "?")):
+        return False
+    stem = w.rstrip(".!?").lower()
+    return not (w.endswith(".") and (len(stem) == 1 and stem.isalpha() or stem in _ABBREVIATIONS))
+
+
+def count_sentences(line: str) -> int:
+    """Sentences in one non-empty line: one, plus one per terminal mark (. ! ?, closing quotes
+    allowed after it) that more words with a letter or digit follow, except after an ellipsis
+    ("wait... then"; "why?... then" does end a sentence), an initial ("J.") or a common
+    abbreviation ("Mr.", "e.g."). A rule-based stand-in for the tokenizers the references count
+    C4's sentences with (TFDS: NLTK punkt; datatrove: spaCy's sentencizer), which also make
+    every non-empty line at least one sentence."""
+    n, ended = 0, True
+    for word in line.split():
+        if n == 0 or (ended and any(c.isalnum() for c in word)):
+            n, ended = n + 1, False  # a new sentence starts ("end. . ." is one sentence)
+        ended = ended or _ends_sentence(word)
+    return n
 
 
 @register_stage("c4")
 @dataclass(kw_only=True)
 class C4Filter(DocStage):
-    """C4 rules (Raffel et al. 2020 §2.2); rewrites the document to its kept lines."""
+    """C4 rules (Raffel et al. 2020 §2.2) in the order of TFDS `c4_utils.clean_page`, the code
+    that built C4; rewrites the document to its kept lines.
+
+    Defaults: 3 words per line and 5 sentences per page are datatrove's `C4QualityFilter`
+    defaults, which the FineWeb recipe ran (with `filter_no_terminal_punct=False`); the paper and
+    TFDS (`_MIN_WORDS_PER_LINE = 5`, `_MIN_NUM_SENTENCES = 3`) use 5 words and 3 sentences: set
+    `min_words_per_line=5, min_sentences=3` for the original C4.
+
+    Deliberate differences from datatrove's `C4QualityFilter` (which mirrors TFDS):
+      - lines ending in a curly closing quote (” or ’) count as ending in terminal punctuation,
+        the paper's "end quotation mark"; TFDS accepts only '"' and datatrove '"' and "'".
+      - sentences are counted by `count_sentences`, a rule-based stand-in for datatrove's spaCy
+        sentencizer (TFDS: NLTK punkt); they differ on abbreviations and unusual spacing.
+      - words are counted after the citation markers are removed, as TFDS does (datatrove counts
+        them before, so "See [1] it." has 3 words there and 2 here).
+      - kept lines keep their indentation, and blank lines are kept as (single) paragraph breaks
+        so later paragraph rules still see paragraphs; TFDS and datatrove strip every line and
+        drop blank ones. Keep/drop decisions are unaffected.
+    """
 
     filter_no_terminal_punct: bool = True  # FineWeb sets this to False
     min_words_per_line: int = 3
@@ -347,47 +458,76 @@ class C4Filter(DocStage):
     drop_curly_bracket: bool = True
 
     def process(self, doc: CurateDoc) -> Decision:
-        text = doc.text
-        lower = text.lower()
-        if self.drop_lorem_ipsum and "lorem ipsum" in lower:
-            return Decision.drop("c4:lorem_ipsum")
-        if self.drop_curly_bracket and "{" in text:
-            return Decision.drop("c4:curly_bracket")
         kept: list[str] = []
-        removed = 0
-        for raw in text.split("\n"):
-            line = raw
-            if self.remove_citations and "[" in line:
-                line = _SPACES_RE.sub(" ", _CITATION_RE.sub("", line))
-            line = line.rstrip()
+        removed = sentences = 0
+        for raw in doc.text.split("\n"):
+            line = raw.rstrip()
             if not line.strip():  # paragraph breaks are kept (one blank line)
                 if kept and kept[-1]:
                     kept.append("")
                 continue
-            words = line.split()
-            low = line.lower()
-            if (
-                (self.filter_no_terminal_punct and not line.strip().endswith(_TERMINAL))
-                or len(words) < self.min_words_per_line
-                or max(len(w) for w in words) > self.max_word_length
-                or (self.drop_javascript_lines and "javascript" in low)
-                or (self.drop_policy_lines and any(p in low for p in _POLICY))
+            # TFDS `clean_page` order: long word, citations, end mark, words, lorem ipsum,
+            # javascript, curly bracket, policy; the page rules see only lines that got this far
+            if any(len(w) > self.max_word_length for w in line.split()):
+                removed += 1
+                continue
+            if self.remove_citations and "[" in line:
+                body = line.lstrip()
+                cleaned = _CITATION_RE.sub("", body)
+                if cleaned != body:  # "See [1] it." -> "See it.", indentation kept
+                    line = line[: len(line) - len(body)] + _SPACES_RE.sub(" ", cleaned).rstrip()
+            stripped = line.strip()
+            if self.filter_no_terminal_punct and (
+                not stripped.endswith(_TERMINAL) or stripped.endswith(_ELLIPSIS)
             ):
                 removed += 1
                 continue
+            if len(stripped.split()) < self.min_words_per_line:
+                removed += 1
+                continue
+            low = stripped.lower()
+            if self.drop_lorem_ipsum and "lorem ipsum" in low:
+                return Decision.drop("c4:lorem_ipsum")
+            if self.drop_javascript_lines and "javascript" in low:
+                removed += 1
+                continue
+            # "{" marks code (§2.2); a line already dropped above does not drop the page (TFDS)
+            if self.drop_curly_bracket and "{" in stripped:
+                return Decision.drop("c4:curly_bracket")
+            if self.drop_policy_lines and any(p in low for p in _POLICY):
+                removed += 1
+                continue
+            sentences += count_sentences(stripped)  # over kept lines only (TFDS, datatrove)
             kept.append(line)
-        new_text = "\n".join(kept).strip("\n")
-        sentences = len(_SENTENCE_RE.findall(new_text))
         if sentences < self.min_sentences:
             return Decision.drop("c4:too_few_sentences", sentences=sentences)
-        doc.text = new_text
+        doc.text = "\n".join(kept).strip("\n")
         return Decision.ok(lines_removed=removed, sentences=sentences)
 
 
 @register_stage("fineweb")
 @dataclass(kw_only=True)
 class FineWebFilter(Filter):
-    """FineWeb custom filters (Penedo et al. 2024 §3.3)."""
+    """FineWeb custom filters (Penedo et al. 2024 §3.6); thresholds are the paper's.
+
+    Deliberate differences from datatrove's `FineWebQualityFilter` (FineWeb was built with
+    datatrove, `examples/fineweb.py`, with the filter's defaults):
+      - duplicated-line characters: drop at >= 0.10, §3.6's threshold ("≥ 0.1", MassiveText's
+        0.2 halved); datatrove's default `char_duplicates_ratio` is 0.01.
+      - no "list ratio" rule (newlines / words > 0.3 in datatrove today, > 0.1 in its first
+        FineWeb filter `fw_quality_filter.py`): not among the paper's three filters.
+      - a line ends in punctuation when it ends in one of `_TERMINAL`, C4's terminal marks with
+        closing quotes (a sentence ending '."' ends in punctuation, as '"' and "'" did in
+        `fw_quality_filter.py`); datatrove's set is now the sentence-final marks of many
+        scripts (. ! ? । 。 ...) without quotes.
+      - the comparisons are the paper's (and `fw_quality_filter.py`'s): drop when the punctuated-
+        line fraction is <= 0.12 (datatrove: < 0.12), when the duplicated-character fraction is
+        >= 0.10 (datatrove: >), and when the fraction of lines "shorter than 30 characters"
+        (< 30; datatrove: <= 30) is >= 0.67 (datatrove: >).
+      - lines are stripped before the end and length tests, and the duplicated-character fraction
+        is over the characters of the stripped non-blank lines; datatrove tests lines as they are
+        (trailing spaces end a line without punctuation) over the text's characters less "\\n".
+    """
 
     min_line_punct_frac: float = 0.12
     max_dup_line_char_frac: float = 0.10
