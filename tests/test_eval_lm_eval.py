@@ -69,7 +69,8 @@ def runner():
     return EvalRunner(model=model, tokenizer=ByteTokenizer(), max_len=96, max_batch_tokens=4096)
 
 
-def _write_tasks(tmp_path, items, docs):
+def write_mc_task(tmp_path, items, yaml: str = MC_YAML) -> None:
+    """The multiple-choice items as a local JSONL file and the task YAML that reads it."""
     mc = tmp_path / "mc.jsonl"
     mc.write_text(
         "".join(
@@ -78,9 +79,13 @@ def _write_tasks(tmp_path, items, docs):
             for it in items
         )
     )
+    (tmp_path / "mc.yaml").write_text(yaml.format(path=mc))
+
+
+def _write_tasks(tmp_path, items, docs):
+    write_mc_task(tmp_path, items)
     ppl = tmp_path / "ppl.jsonl"
     ppl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    (tmp_path / "mc.yaml").write_text(MC_YAML.format(path=mc))
     (tmp_path / "ppl.yaml").write_text(PPL_YAML.format(path=ppl))
 
 

@@ -56,19 +56,10 @@ metric_list:
 
 
 def _tasks(tmp_path):
-    items = copycolors_items(10, seed=5)
-    mc = tmp_path / "mc.jsonl"
-    mc.write_text(
-        "".join(
-            json.dumps({"question": it.question, "choices": list(it.choices), "answer": it.answer})
-            + "\n"
-            for it in items
-        )
-    )
+    lm_local.write_mc_task(tmp_path, copycolors_items(10, seed=5), MC_YAML)
     gen = tmp_path / "gen.jsonl"
     qa = [(f"What is {a} plus {b}?", str(a + b)) for a, b in [(1, 2), (3, 4), (10, 5), (7, 7)]]
     gen.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in qa))
-    (tmp_path / "mc.yaml").write_text(MC_YAML.format(path=mc))
     (tmp_path / "gen.yaml").write_text(GEN_YAML.format(path=gen))
 
 

@@ -1385,7 +1385,9 @@ def create_app(
     async def completions(request: Request) -> Response:
         try:
             req = await parse(request, CompletionRequest)
-            return await run(completion_job(req, request.headers), request)
+            # tokenising and compiling a grammar off the event loop: other streams keep flowing
+            job = await asyncio.to_thread(completion_job, req, request.headers)
+            return await run(job, request)
         except APIError as err:
             return _error_response(err)
 
@@ -1393,7 +1395,8 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         try:
             req = await parse(request, ChatCompletionRequest)
-            return await run(chat_job(req, request.headers), request)
+            job = await asyncio.to_thread(chat_job, req, request.headers)
+            return await run(job, request)
         except APIError as err:
             return _error_response(err)
 
