@@ -1,0 +1,59 @@
+"""Golden runs (as torchtitan's golden-loss tests): every training stage replays its short,
+seeded fp32 run recorded in `tests/golden/<stage>.json` and must reproduce every recorded number
+(the loss and its logged parts at every step, and the stage's other rows) to a relative 1e-6
+(absolute 1e-7 near zero; `golden/stages.py` says why), or 1e-4 on a CPU whose kernel family
+(AVX2 / AVX512) differs from the recording's. They pin the behaviour of the training
+code so that a refactor can show it changed nothing; `python tests/golden/record.py` re-records
+them after an intended change. ~15 s on 2 cores for all six."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from golden.stages import (
+    OTHER_KERNELS_RTOL,
+    RTOL,
+    STAGES,
+    mismatches,
+    run_stage,
+    settings_diff,
+    split_rows,
+)
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_stage_replays_its_golden_run(stage, tmp_path):
+    path = GOLDEN / f"{stage}.json"
+    golden = json.loads(path.read_text())
+    settings, rows = run_stage(stage, tmp_path)
+    steps, other = split_rows(rows)
+    assert steps, f"{stage} logged no per-step rows"
+    recorded_on = golden["recorded_with"].get("cpu_capability")
+    here = torch.backends.cpu.get_cpu_capability()
+    rtol = RTOL if recorded_on == here else OTHER_KERNELS_RTOL
+    bad = mismatches("steps", golden["steps"], steps, rtol)
+    bad += mismatches("other_rows", golden["other_rows"], other, rtol)
+    if bad:
+        changed = settings_diff(golden["settings"], settings)
+        hint = (
+            f"\nthe run's settings differ from the recorded ones at: {', '.join(changed)}"
+            if changed
+            else "\nthe run's settings are the recorded ones"
+        )
+        if recorded_on != here:
+            hint += (
+                f"\nrecorded on {recorded_on} CPU kernels, replayed on {here}: compared at a "
+                f"relative {OTHER_KERNELS_RTOL:g} (softmax-family kernels round differently per "
+                "vector width); compare on a machine of the recorded kind for 1e-6"
+            )
+        pytest.fail(
+            f"{stage} does not replay {path.name} (recorded with "
+            f"{golden['recorded_with']}): {len(bad)} value(s) differ, the first:\n  "
+            + "\n  ".join(bad[:5])
+            + hint,
+            pytrace=False,
+        )
