@@ -46,7 +46,6 @@ Teacher logits are recomputed every step (no on-disk cache of the top-k).
 from __future__ import annotations
 
 import copy
-import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +72,6 @@ from .objectives import (
     topk_forward_kl,
 )
 from .optim import build_optimizer
-from .schedule import lr_for
 from .sft import (
     ChatSource,
     PostTrainingLoop,
@@ -596,16 +594,8 @@ class OnPolicyDistiller(PostTrainingLoop):
             loss = loss + aux
             parts["moe_aux"] = float(aux.detach())
         loss.backward()
-        max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        lr = lr_for(tc, self.step, self.total_steps)
-        finite = math.isfinite(float(loss.detach())) and math.isfinite(grad_norm)
-        if finite:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            self.model.update_moe_bias()
-        self.optimizer.zero_grad(set_to_none=True)
+        done = self.optimizer_step(float(loss.detach()))
+        finite, grad_norm, lr = done.finite, done.grad_norm, done.lr
         self.step += 1
         with torch.no_grad():
             gap = float(((logq_BL - engine_lp_BL).abs() * mask_BL).sum()) / max(1, n_tok)

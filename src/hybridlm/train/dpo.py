@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import pickle
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +45,6 @@ from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .objectives import dpo_loss, sequence_logps
 from .optim import build_optimizer
-from .schedule import lr_for
 from .sft import (
     ChatSource,
     PostTrainingLoop,
@@ -580,16 +578,8 @@ class DPOTrainer(PostTrainingLoop):
             loss.backward()
             total += float(loss.detach())
             parts.update(p)
-        max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        lr = lr_for(tc, self.step, self.total_steps)
-        finite = math.isfinite(total) and math.isfinite(grad_norm)
-        if finite:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            self.model.update_moe_bias()
-        self.optimizer.zero_grad(set_to_none=True)
+        done = self.optimizer_step(total)
+        finite, grad_norm, lr = done.finite, done.grad_norm, done.lr
         self.step += 1
         return {
             "step": self.step,

@@ -1,4 +1,5 @@
-"""AdamW with decay / no-decay parameter groups (Nemotron 3 Super §2.4: beta 0.9/0.95, wd 0.1).
+"""AdamW with decay / no-decay parameter groups (Nemotron 3 Super §2.4: beta 0.9/0.95, wd 0.1),
+and `optimizer_step`, the one update every training stage takes.
 
 No weight decay on parameters whose name has a dotted component matching one of the
 `no_decay` globs (default: norms, biases, Mamba's A_log / D / dt_bias, the embedding table) and,
@@ -8,12 +9,16 @@ with `no_decay_1d`, on every parameter with fewer than 2 dimensions. Tied weight
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from .config import TrainConfig
+from .schedule import lr_for
 
 
 def is_no_decay(name: str, param: torch.Tensor, patterns: Sequence[str], no_decay_1d: bool) -> bool:
@@ -52,3 +57,64 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True
     )
+
+
+def clip_gradients(params: Iterable[torch.Tensor], grad_clip: float) -> float:
+    """Clip the global gradient norm to `grad_clip` (0: no clipping) and return the norm before
+    clipping (inf / nan when a gradient is not finite; FSDP2's DTensor norm made whole)."""
+    max_norm = grad_clip if grad_clip > 0 else math.inf
+    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What `optimizer_step` did: `finite` (False: skipped, nothing changed), the gradient norm
+    before clipping and the learning rate of the step."""
+
+    finite: bool
+    grad_norm: float
+    lr: float
+
+
+def optimizer_step(
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    params: Iterable[torch.Tensor],
+    *,
+    loss: float,
+    tc: TrainConfig,
+    step: int,
+    total_steps: int,
+    grad_norm: float | None = None,
+    reduce_load: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> StepOutcome:
+    """One update after the backward passes of a step, the same for every training stage:
+
+    1. clip the gradients to `tc.grad_clip` (`grad_norm` given: the caller clipped already);
+    2. the schedule's learning rate for `step` (`lr_for`);
+    3. if the step's `loss` and gradient norm are finite: set the rate, `optimizer.step()`, and
+       the MoE aux-loss-free bias update from this step's expert load (Nemotron 3 Super §2.1.1;
+       `reduce_load` sums the load over data-parallel ranks); otherwise nothing changes and the
+       step's routing counts are dropped, so that they do not reach the next bias update;
+    4. zero the gradients."""
+    if grad_norm is None:
+        grad_norm = clip_gradients(params, tc.grad_clip)
+    lr = lr_for(tc, step, total_steps)
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)
+    moe = model.moe_layers()
+    if finite:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        if reduce_load is not None and moe:
+            model.update_moe_bias(reduce_load(model.expert_load()))
+        else:
+            model.update_moe_bias()
+    else:
+        for m in moe:  # this step's routing counts are not applied
+            m.load_E.zero_()
+    optimizer.zero_grad(set_to_none=True)
+    return StepOutcome(finite, grad_norm, lr)

@@ -36,7 +36,6 @@ import contextlib
 import copy
 import dataclasses
 import json
-import math
 import random
 import time
 from collections import Counter
@@ -73,8 +72,7 @@ from .checkpoint import (
 )
 from .config import TrainConfig, run_from_dict
 from .objectives import sft_token_weights, shift_targets_float, token_nll
-from .optim import build_optimizer
-from .schedule import lr_for
+from .optim import StepOutcome, build_optimizer, optimizer_step
 
 LossNorm = Literal["token", "sample", "two_stage"]
 
@@ -473,13 +471,26 @@ class PostTrainingLoop:
     `device`, `tokenizer`) first and, with `resume`, `resume_run` once its model and optimizer
     exist; has `tc`, `step`, `total_steps`, `resumed_from`, and implements
     `train_step()`, `evaluate()` (an empty dict: nothing to evaluate), `save()` and
-    `data_summary()`; `start_rows()`, `progress_info()` and `close()` are optional hooks."""
+    `data_summary()`; `start_rows()`, `progress_info()` and `close()` are optional hooks.
+    `train_step` ends its update with `optimizer_step` (`model`, `optimizer`, `params`)."""
 
     stage = "train"
     plot_train: tuple[str, ...] = ("loss",)
     plot_eval: tuple[str, ...] | None = None
     rate_key = "steps_per_s"
     units_per_step = 1
+
+    def optimizer_step(self, loss: float) -> StepOutcome:
+        """The shared update (`optim.optimizer_step`) at this loop's step and schedule."""
+        return optimizer_step(
+            self.model,
+            self.optimizer,
+            self.params,
+            loss=loss,
+            tc=self.tc,
+            step=self.step,
+            total_steps=self.total_steps,
+        )
 
     def prepare_run(
         self, tc: TrainConfig, tokenizer: str, *, resume: bool = False, overwrite: bool = False
@@ -727,20 +738,10 @@ class SFTTrainer(PostTrainingLoop):
             loss.backward()
             total += float(loss.detach())
             parts.update(p)
-        max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        lr = lr_for(tc, self.step, self.total_steps)
-        finite = math.isfinite(total) and math.isfinite(grad_norm)
-        if finite:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            self.model.update_moe_bias()
-        else:
+        done = self.optimizer_step(total)
+        finite, grad_norm, lr = done.finite, done.grad_norm, done.lr
+        if not finite:
             self.skipped_steps += 1
-            for m in self.model.moe_layers():
-                m.load_E.zero_()
-        self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return {
             "step": self.step,

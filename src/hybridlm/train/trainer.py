@@ -63,7 +63,7 @@ from .checkpoint import (
     truncate_metrics,
 )
 from .config import RunConfig
-from .optim import build_optimizer
+from .optim import build_optimizer, clip_gradients, optimizer_step
 from .parallel import (
     all_reduce_sum,
     apply_ddp,
@@ -74,7 +74,6 @@ from .parallel import (
     is_main,
     load_full_state_dicts,
 )
-from .schedule import lr_for
 
 
 # ---------------------------------------------------------------------- helpers
@@ -361,29 +360,25 @@ class Trainer:
             total = all_reduce_sum(total - aux_total) + all_reduce_sum(aux_total) / W
             for k in list(parts):
                 parts[k] = all_reduce_sum(parts[k]) / (W if k == "moe_aux" else 1)
-        max_norm = tc.grad_clip if tc.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
-            norm = norm.full_tensor()
-        grad_norm = float(norm)
-        lp_metrics = self.lp_monitor.collect() if monitor_now else {}
-        lr = lr_for(tc, self.step, self.total_steps)
-        finite = math.isfinite(total) and math.isfinite(grad_norm)
+        grad_norm = clip_gradients(self.params, tc.grad_clip)
+        lp_metrics = self.lp_monitor.collect() if monitor_now else {}  # of the clipped grads
+        done = optimizer_step(
+            self.model,
+            self.optimizer,
+            self.params,
+            loss=total,
+            tc=tc,
+            step=self.step,
+            total_steps=self.total_steps,
+            grad_norm=grad_norm,
+            reduce_load=all_reduce_sum if W > 1 else None,
+        )
+        finite, lr = done.finite, done.lr
         if finite:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
-            if W > 1 and self.model.moe_layers():
-                self.model.update_moe_bias(all_reduce_sum(self.model.expert_load()))
-            else:
-                self.model.update_moe_bias()
             self._consecutive_skips = 0
         else:
             self.skipped_steps += 1
             self._consecutive_skips += 1
-            for m in self.model.moe_layers():  # this step's routing counts are not applied
-                m.load_E.zero_()
-        self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         return {
