@@ -74,3 +74,36 @@ def reference_greedy(model, prompt, n, *, rep=1.0, freq=0.0, pres=0.0, bias=None
             logits[j] -= out.count(j) * freq + pres
         out.append(int(logits.argmax()))
     return out
+
+
+def arithmetic_pairs(n: int, seed: int = 0) -> list[dict]:
+    """DPO pairs on one-digit arithmetic chats. Chosen: the answer; rejected: a refusal (a
+    preference a tiny model learns quickly)."""
+    from hybridlm.data.sft import arithmetic_conversations
+
+    return [
+        {
+            "prompt": conv[:-1],
+            "chosen": {"role": "assistant", "content": conv[-1]["content"]},
+            "rejected": {"role": "assistant", "content": "I do not know."},
+        }
+        for conv in arithmetic_conversations(n, seed=seed, digits=1)
+    ]
+
+
+def lowercase_first_env(n: int = 64, name: str = "lower"):
+    """An RL environment rewarding a reply that starts with a lowercase ASCII letter: a random
+    byte model does so ~10% of the time, so most groups of 8 have reward variance."""
+    from hybridlm.rl.environments import DatasetEnvironment, Problem
+    from hybridlm.rl.verifiers import Reward
+
+    class LowercaseFirst(DatasetEnvironment):
+        def score(self, problem: Problem, completion: str) -> Reward:
+            ok = completion[:1].isascii() and completion[:1].islower()
+            return Reward(float(ok), "lowercase first" if ok else "other")
+
+    problems = [
+        Problem(id=f"{name}/{i}", messages=({"role": "user", "content": f"Say {i}."},), answer="")
+        for i in range(n)
+    ]
+    return LowercaseFirst(problems, name=name)

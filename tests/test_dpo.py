@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from _tiny import tiny_train_model
+from _tiny import arithmetic_pairs, tiny_train_model
 from hybridlm.cli.train import register
 from hybridlm.data.chat import STOP
 from hybridlm.data.sft import ReadReport, arithmetic_conversations
@@ -40,21 +40,6 @@ TOK = ByteTokenizer()
 
 def tiny_model(seed=0):
     return build_model(tiny_train_model(), seed=seed, device=torch.device("cpu"))
-
-
-def arithmetic_pairs(n, seed=0):
-    """Chosen: the answer; rejected: a refusal (a preference a tiny model learns quickly)."""
-    pairs = []
-    for conv in arithmetic_conversations(n, seed=seed, digits=1):
-        right = int(conv[-1]["content"])
-        pairs.append(
-            {
-                "prompt": conv[:-1],
-                "chosen": {"role": "assistant", "content": str(right)},
-                "rejected": {"role": "assistant", "content": "I do not know."},
-            }
-        )
-    return pairs
 
 
 def test_read_pairs_counts_bad_rows_and_masks_only_the_completion(tmp_path):

@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 
+from _tiny import lowercase_first_env
 from hybridlm import HybridLM
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.presets import get_preset
-from hybridlm.rl.environments import DatasetEnvironment, MixtureEnvironment, Problem
+from hybridlm.rl.environments import MixtureEnvironment
 from hybridlm.rl.learner import RLConfig, completion_logprobs, run_rl
 from hybridlm.rl.rollout import RolloutPool, RolloutRequest
-from hybridlm.rl.verifiers import Reward
 
 
 def _checkpoint(tmp_path, seed: int = 0) -> str:
@@ -27,24 +27,6 @@ def _checkpoint(tmp_path, seed: int = 0) -> str:
     path = tmp_path / "policy"
     HybridLM(cfg, seed=seed).save_pretrained(path)
     return str(path)
-
-
-class LowercaseFirst(DatasetEnvironment):
-    """Reward 1 when the reply starts with a lowercase ASCII letter: a preference a random byte
-    model shows ~10% of the time, so most groups of 8 have reward variance."""
-
-    def __init__(self, n: int = 64, name: str = "lower") -> None:
-        problems = [
-            Problem(
-                id=f"{name}/{i}", messages=({"role": "user", "content": f"Say {i}."},), answer=""
-            )
-            for i in range(n)
-        ]
-        super().__init__(problems, name=name)
-
-    def score(self, problem: Problem, completion: str) -> Reward:
-        ok = completion[:1].isascii() and completion[:1].islower()
-        return Reward(float(ok), "lowercase first" if ok else "other")
 
 
 def test_trainer_logprobs_equal_the_engines(tmp_path, one_thread):
@@ -82,7 +64,9 @@ def _cfg(tmp_path, **kw) -> RLConfig:
 
 
 def _envs():
-    return MixtureEnvironment([LowercaseFirst()]), MixtureEnvironment([LowercaseFirst(name="held")])
+    return MixtureEnvironment([lowercase_first_env()]), MixtureEnvironment(
+        [lowercase_first_env(name="held")]
+    )
 
 
 def test_grpo_learns_a_verifiable_preference(tmp_path, one_thread):

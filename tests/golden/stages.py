@@ -29,13 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from _tiny import tiny_run, tiny_train_model
+from _tiny import arithmetic_pairs, lowercase_first_env, tiny_run, tiny_train_model
 from hybridlm.config import ModelConfig
-from hybridlm.data.sft import arithmetic_conversations
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.model.model import HybridLM
-from hybridlm.rl.environments import DatasetEnvironment, MixtureEnvironment, Problem
-from hybridlm.rl.verifiers import Reward
+from hybridlm.rl.environments import MixtureEnvironment
 from hybridlm.train.checkpoint import save_checkpoint
 from hybridlm.train.config import TrainConfig
 from hybridlm.train.plot import read_metrics
@@ -193,18 +191,6 @@ def sft(tmp: Path) -> Result:
 
 
 # ---------------------------------------------------------------------------- 3. DPO
-def arithmetic_pairs(n: int, *, seed: int) -> list[dict[str, Any]]:
-    """Chosen: the answer; rejected: a refusal (tests/test_dpo.py's pairs)."""
-    return [
-        {
-            "prompt": conv[:-1],
-            "chosen": {"role": "assistant", "content": conv[-1]["content"]},
-            "rejected": {"role": "assistant", "content": "I do not know."},
-        }
-        for conv in arithmetic_conversations(n, seed=seed, digits=1)
-    ]
-
-
 def dpo(tmp: Path) -> Result:
     """`run_dpo` (length-normalised `dpo_norm`, beta 5) of `tiny_train_model` with its own
     initial weights as the reference, on generated preference pairs, two micro-batches of 2
@@ -261,24 +247,6 @@ def distill(tmp: Path) -> Result:
 
 
 # ---------------------------------------------------------------------------- 5. RL
-class LowercaseFirst(DatasetEnvironment):
-    """Reward 1 when the reply starts with a lowercase ASCII letter (tests/test_rl_learner.py):
-    a random byte model does so ~10% of the time, so most groups have reward variance."""
-
-    def __init__(self, n: int = 64, name: str = "lower") -> None:
-        problems = [
-            Problem(
-                id=f"{name}/{i}", messages=({"role": "user", "content": f"Say {i}."},), answer=""
-            )
-            for i in range(n)
-        ]
-        super().__init__(problems, name=name)
-
-    def score(self, problem: Problem, completion: str) -> Reward:
-        ok = completion[:1].isascii() and completion[:1].islower()
-        return Reward(float(ok), "lowercase first" if ok else "other")
-
-
 def rl(tmp: Path) -> Result:
     """`run_rl`: GRPO with the inline rollout executor (the engine in this process, no Ray) from
     a fresh `tiny_train_model` without MTP; 4 groups of 8 four-token samples per step, active
@@ -304,8 +272,8 @@ def rl(tmp: Path) -> Result:
     )
     run_rl(
         cfg,
-        env=MixtureEnvironment([LowercaseFirst()]),
-        eval_env=MixtureEnvironment([LowercaseFirst(name="held")]),
+        env=MixtureEnvironment([lowercase_first_env()]),
+        eval_env=MixtureEnvironment([lowercase_first_env(name="held")]),
         progress=False,
     )
     settings = plain(cfg.to_dict(), tmp)
