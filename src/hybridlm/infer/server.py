@@ -1161,6 +1161,13 @@ def create_app(
             raise _bad("messages: tool call arguments nest too deep to parse", "messages") from None
         return tokenizer.encode(text)
 
+    def tool_schemas(tools: Any) -> dict[str, dict[str, Any]]:
+        """The offered tools' parameter schemas by name (`infer.tools`), or a 400 on `tools`."""
+        try:
+            return tool_mod.tool_parameters(tools)
+        except ValueError as err:
+            raise _bad(str(err), "tools") from None
+
     def chat_job(req: ChatCompletionRequest, headers: Any) -> _Job:
         if req.max_tokens is None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
@@ -1179,14 +1186,8 @@ def create_app(
         if req.logprobs:
             k = req.top_logprobs or 0
         _sampling_extras(req, vocab_size)  # stop_token_ids are checked before they end grammars
-        tools = None
-        if req.tools:
-            try:
-                tool_mod.tool_parameters(req.tools)
-            except ValueError as err:
-                raise _bad(str(err), "tools") from None
-            tools = req.tools
-        names = list(tool_mod.tool_parameters(tools)) if tools else []
+        tools = req.tools or None
+        names = list(tool_schemas(tools)) if tools else []
         if req.tool_choice is not None and not tools and req.tool_choice not in ("none", "auto"):
             raise _bad("tool_choice needs tools", "tool_choice")
         try:
@@ -1414,10 +1415,7 @@ def create_app(
                 ids = tokenizer.encode(req.prompt, add_bos=add_bos)
             else:
                 if req.tools:
-                    try:
-                        tool_mod.tool_parameters(req.tools)
-                    except ValueError as err:
-                        raise _bad(str(err), "tools") from None
+                    tool_schemas(req.tools)
                 ids = render_chat(req.messages, req.add_generation_prompt, tools=req.tools)
             body: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len}
             body["tokens"] = ids
