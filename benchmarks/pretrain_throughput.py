@@ -67,7 +67,7 @@ def build_trainer(cfg, tmp: Path, *, batch: int, seq: int, device: str):
     """A real `Trainer` (byte data written to `tmp`) with its loader replaced by one batch."""
     from hybridlm.data.config import DataConfig, SourceConfig
     from hybridlm.train.config import RunConfig, TrainConfig
-    from hybridlm.train.trainer import Trainer
+    from hybridlm.train.pretrain import pretrain_trainer
 
     txt = tmp / "txt"
     txt.mkdir()
@@ -91,7 +91,7 @@ def build_trainer(cfg, tmp: Path, *, batch: int, seq: int, device: str):
         progress=False,
         plot=False,
     )
-    return Trainer(RunConfig(model=cfg, data=data, train=train))
+    return pretrain_trainer(RunConfig(model=cfg, data=data, train=train))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_valid_tokens": torch.tensor(args.batch * (args.seq - 1)),
         "doc_ids": torch.zeros_like(x.cpu()),
     }
-    trainer.train_loader = itertools.repeat(batch)
+    trainer.module.train_loader = itertools.repeat(batch)
     tc = trainer.cfg
     opt = torch.optim.AdamW(
         theirs.parameters(), lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, foreach=True

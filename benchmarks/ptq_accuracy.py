@@ -41,7 +41,7 @@ def find_checkpoint(args) -> Path:
     if found is not None:
         return found
     from hybridlm.train.config import RunConfig
-    from hybridlm.train.trainer import run_pretrain
+    from hybridlm.train.pretrain import run_pretrain
 
     run = RunConfig.load("configs/quickstart.yaml")
     run.train.out_dir = str(Path(args.out) / "train")
@@ -94,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    from hybridlm.data.bpb import token_byte_lengths
     from hybridlm.data.pipeline import build_loaders, build_tokenizer, prepare_shards
     from hybridlm.interop.modelopt import export_modelopt, load_modelopt
     from hybridlm.precision import ptq
     from hybridlm.precision.autoquant import autoquantize, measure_sensitivities
     from hybridlm.precision.quantize import load_checkpoint_and_data
-    from hybridlm.train.trainer import token_byte_lengths
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -13,20 +13,20 @@ import torch.nn.functional as F
 
 from _tiny import tiny_train_model
 from hybridlm.cli.train import register
+from hybridlm.model.model import build_model
 from hybridlm.train.checkpoint import save_checkpoint
 from hybridlm.train.config import TrainConfig, apply_run_overrides
 from hybridlm.train.distill import (
     DistillConfig,
     DistillRunConfig,
-    OnPolicyDistiller,
     PromptSource,
+    distill_trainer,
     offline_distill_loss,
     run_distill,
 )
 from hybridlm.train.objectives import distill_loss, skew_reverse_kl
 from hybridlm.train.plot import read_metrics
 from hybridlm.train.sft import ChatSource, SFTDataConfig
-from hybridlm.train.trainer import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -170,27 +170,27 @@ def test_on_policy_routes_each_prompt_to_its_teacher(tmp_path):
     twin = save_teacher(tmp_path, "twin", cfg, seed=0)
     other = save_teacher(tmp_path, "other", cfg, seed=9)
     run = on_policy_run(tmp_path, {"twin": twin, "other": other}, {"add": "twin", "more": "other"})
-    trainer = OnPolicyDistiller(copy.deepcopy(run))
-    items = trainer.draw(0)
+    trainer = distill_trainer(copy.deepcopy(run))
+    items = trainer.module.draw(0)
     assert [it.domain for it in items] == ["add", "more", "add", "more"]  # even over domains
-    assert [trainer.route(it) for it in items] == ["twin", "other", "twin", "other"]
+    assert [trainer.module.route(it) for it in items] == ["twin", "other", "twin", "other"]
     m = trainer.train_step()
     assert m["kl/twin"] == pytest.approx(0.0, abs=1e-6)
     assert m["kl/other"] > 0.01
     assert m["tokens/twin"] + m["tokens/other"] == m["sampled_tokens"] > 0
     # the learner's log-probs of the sampled tokens are the engine's: the samples are on-policy
     assert m["logprob_gap"] < 1e-4
-    trainer.pool.shutdown()
+    trainer.module.close()
     # routing both domains to "other" scores every sample with it
     run2 = on_policy_run(
         tmp_path, {"twin": twin, "other": other}, {"add": "other", "more": "other"}
     )
-    trainer2 = OnPolicyDistiller(run2)
-    assert set(trainer2.teachers) == {"other"}  # unrouted teachers are not loaded
+    trainer2 = distill_trainer(run2)
+    assert set(trainer2.module.teachers) == {"other"}  # unrouted teachers are not loaded
     m2 = trainer2.train_step()
     assert "kl/twin" not in m2 and m2["tokens/other"] == m2["sampled_tokens"]
     assert m2["kl/other"] > 0.01 and math.isfinite(m2["loss"])
-    trainer2.pool.shutdown()
+    trainer2.module.close()
 
 
 def test_on_policy_run_lowers_the_reverse_kl(tmp_path):

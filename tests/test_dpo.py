@@ -14,15 +14,16 @@ from hybridlm.cli.train import register
 from hybridlm.data.chat import STOP
 from hybridlm.data.sft import ReadReport, arithmetic_conversations
 from hybridlm.data.tokenizer import ByteTokenizer
+from hybridlm.model.model import build_model
 from hybridlm.train.config import TrainConfig
 from hybridlm.train.dpo import (
     DPOConfig,
     DPODataConfig,
     DPORunConfig,
-    DPOTrainer,
     PreferencePair,
     build_delta_pairs,
     collate_pairs,
+    dpo_trainer,
     filter_pairs,
     model_generator,
     policy_logps,
@@ -32,7 +33,6 @@ from hybridlm.train.dpo import (
     tokenize_pair,
     write_pairs,
 )
-from hybridlm.train.trainer import build_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOK = ByteTokenizer()
@@ -198,7 +198,8 @@ def test_accumulation_equals_big_batch(tmp_path):
     ]
     for cfg in cfgs:
         cfg.dpo.ref_cache_dir = str(tmp_path / "cache")
-    big, acc = DPOTrainer(cfgs[0]), DPOTrainer(cfgs[1])
+    big_trainer, acc_trainer = dpo_trainer(cfgs[0]), dpo_trainer(cfgs[1])
+    big, acc = big_trainer.module, acc_trainer.module
     assert not big.ref_cached and acc.ref_cached  # same pairs and reference weights
     assert acc._next_indices() + acc._next_indices() == big._next_indices()  # same pairs
     idx = big._epoch_order(0)[:4].tolist()
@@ -224,7 +225,7 @@ def test_accumulation_equals_big_batch(tmp_path):
         torch.testing.assert_close(g_acc[name], g_big[name], rtol=1e-4, atol=1e-4 * scale)
     # and a full step of each trainer reports the same loss and reward accuracy
     acc.cursor = big.cursor = 0
-    mb, ma = big.train_step(), acc.train_step()
+    mb, ma = big_trainer.train_step(), acc_trainer.train_step()
     assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-5)
     assert ma["reward_accuracy"] == pytest.approx(mb["reward_accuracy"])
 
@@ -251,7 +252,7 @@ def test_tiny_dpo_run_prefers_the_chosen(tmp_path, loss):
     # a second run over the same pairs and reference reads the cached reference log-probs
     cfg2 = _dpo_run(tmp_path, "run2", steps=1, loss=loss)
     cfg2.dpo.ref_cache_dir = str(tmp_path / "run" / "ref_cache")
-    assert DPOTrainer(cfg2).ref_cached
+    assert dpo_trainer(cfg2).module.ref_cached
 
 
 def test_exact_resume(tmp_path):

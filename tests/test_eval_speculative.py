@@ -306,7 +306,7 @@ def test_the_trained_quickstart_head_drafts_far_better_than_random_init():
     from pathlib import Path
 
     from hybridlm.eval.harness import load_model
-    from hybridlm.train.trainer import build_model
+    from hybridlm.model.model import build_model
 
     ckpt = Path(__file__).resolve().parents[1] / "runs/quickstart/checkpoints/step_00001200"
     if not ckpt.is_dir():

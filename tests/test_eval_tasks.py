@@ -210,7 +210,7 @@ def test_quickstart_checkpoint_beats_random_init(tmp_path, one_thread):
     architecture at random init."""
     if not QUICKSTART.is_dir():
         pytest.skip("runs/quickstart checkpoint not present")
-    from hybridlm.train.trainer import build_model
+    from hybridlm.model.model import build_model
 
     trained = load_model(QUICKSTART)
     random_model = build_model(trained.model.config, seed=0, device=torch.device("cpu"))

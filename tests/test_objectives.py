@@ -312,7 +312,8 @@ def test_sft_micro_batches_give_the_big_batch_gradient(mode, tmp_path):
     from _tiny import tiny_train_model
     from hybridlm.data.sft import collate_rows
     from hybridlm.train.config import TrainConfig
-    from hybridlm.train.sft import ChatSource, SFTDataConfig, SFTRunConfig, SFTTrainer
+    from hybridlm.train.sft import ChatSource, SFTDataConfig, SFTRunConfig, sft_trainer
+    from hybridlm.train.trainer import Step
 
     run = SFTRunConfig(
         model=tiny_train_model(),
@@ -324,7 +325,7 @@ def test_sft_micro_batches_give_the_big_batch_gradient(mode, tmp_path):
         ),
         train=TrainConfig(max_steps=1, out_dir=str(tmp_path), progress=False, plot=False),
     )
-    tr = SFTTrainer(run)
+    tr = sft_trainer(run).module
     ex = tr.loader.examples
     rows = tr.loader._epoch_rows(0)[:4]
     full = collate_rows(ex, rows, 192)
@@ -337,7 +338,9 @@ def test_sft_micro_batches_give_the_big_batch_gradient(mode, tmp_path):
         tr.tc.grad_accum = len(batches)
         total = 0.0
         for b in batches:
-            loss, _ = tr.micro_loss(b, norm=mode, num_tokens=n_tok, num_convs=n_conv)
+            ctx = {"norm": mode, "num_tokens": n_tok, "num_convs": n_conv}
+            out = tr.loss(b, Step(batches, ctx=ctx))
+            loss = out.value if out.mean is None else out.value + out.mean / len(batches)
             loss.backward()
             total += float(loss.detach())
         return total, {

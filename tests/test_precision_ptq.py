@@ -332,8 +332,8 @@ def test_cli_quantize_end_to_end(tmp_path: Path):
     assert "layers.2.mixer.qkv_proj" in groups and "layers.1.mixer.experts" in groups
     assert all("loss_delta" in r for r in summary["groups"])
     loaded = load_modelopt(out)
+    from hybridlm.data.bpb import token_byte_lengths
     from hybridlm.data.pipeline import build_loaders, prepare_shards
-    from hybridlm.train.trainer import token_byte_lengths
 
     held = ptq.take(build_loaders(data, prepare_shards(data))[1], 2)
     got = ptq.evaluate(loaded, held, token_byte_lengths(None, 258))

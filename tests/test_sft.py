@@ -19,12 +19,13 @@ from hybridlm.train.sft import (
     SFTConfig,
     SFTDataConfig,
     SFTRunConfig,
-    SFTTrainer,
     load_model,
     prompt_key,
     run_sft,
+    sft_trainer,
     split_held_out,
 )
+from hybridlm.train.trainer import Step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,14 +60,15 @@ def test_packed_sample_loss_equals_unpacked_per_conversation_mean(tmp_path):
     """The per-conversation mean over a packed row equals, conversation by conversation, the
     losses of unpacked forwards: packing leaks nothing across conversations (attention, Mamba
     state, MTP targets), and the sample normalisation is (1/|C|) sum_c mean_t l_t."""
-    tr = SFTTrainer(tiny_sft(tmp_path))
+    tr = sft_trainer(tiny_sft(tmp_path)).module
     tr.model.eval()
     ex = tr.loader.examples
     rows = [r for r in tr.loader._epoch_rows(0) if len(r) >= 2][:2]
     batch = collate_rows(ex, rows, 256)
     n_tok, n_conv = int(batch["num_loss_tokens"]), int(batch["num_conversations"])
     with torch.no_grad():
-        _, packed = tr.micro_loss(batch, norm="sample", num_tokens=n_tok, num_convs=n_conv)
+        ctx = {"norm": "sample", "num_tokens": n_tok, "num_convs": n_conv}
+        packed = tr.loss(batch, Step([batch], ctx=ctx)).metrics
         ce_means, mtp_means = [], []
         for i in [i for r in rows for i in r]:
             ids = torch.tensor([ex[i].input_ids])
@@ -148,7 +150,7 @@ def test_init_from_checkpoint_and_errors(tmp_path):
     run_sft(tiny_sft(tmp_path / "a", steps=4))
     ckpt = tmp_path / "a" / "checkpoints" / "step_00000004"
     model = load_model(str(ckpt), None, seed=0, device=torch.device("cpu"))
-    trained = SFTTrainer(tiny_sft(tmp_path / "b", init_from=str(ckpt)))
+    trained = sft_trainer(tiny_sft(tmp_path / "b", init_from=str(ckpt))).module
     for (n, p), (_, q) in zip(
         model.state_dict().items(), trained.model.state_dict().items(), strict=True
     ):
@@ -162,7 +164,7 @@ def test_init_from_checkpoint_and_errors(tmp_path):
     with pytest.raises(ValueError, match="data.sources is empty"):
         cfg = tiny_sft(tmp_path / "c")
         cfg.data.sources = []
-        SFTTrainer(cfg)
+        sft_trainer(cfg)
 
 
 def test_config_round_trip_overrides_and_cli(tmp_path):

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from _tiny import tiny_run
+from hybridlm.data.bpb import token_byte_lengths
 from hybridlm.data.config import DataConfig, SourceConfig
 from hybridlm.train.checkpoint import latest_checkpoint, list_checkpoints
 from hybridlm.train.plot import read_metrics
-from hybridlm.train.trainer import Trainer, run_pretrain, token_byte_lengths
+from hybridlm.train.pretrain import pretrain_trainer, run_pretrain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -57,7 +58,7 @@ def test_resume_falls_back_past_damaged_checkpoints(tmp_path, capsys):
     weights = ckpts[2] / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])  # the newest truncated (a full disk)
     capsys.readouterr()
-    trainer = Trainer(cfg, resume=True)
+    trainer = pretrain_trainer(cfg, resume=True)
     assert trainer.step == 4 and trainer.resumed_from == ckpts[1]
     printed = capsys.readouterr().out.splitlines()
     skipped = [line for line in printed if "skipped damaged checkpoint" in line]
@@ -69,7 +70,7 @@ def test_resume_falls_back_past_damaged_checkpoints(tmp_path, capsys):
     data = bytearray(opt.read_bytes())
     data[len(data) // 2] ^= 0xFF
     opt.write_bytes(bytes(data))
-    trainer = Trainer(cfg, resume=True)
+    trainer = pretrain_trainer(cfg, resume=True)
     assert trainer.step == 2 and trainer.resumed_from == ckpts[0]
     assert "optimizer.pt does not match its SHA-256" in capsys.readouterr().out
     trainer.train()  # and the run goes on to its end from there
@@ -93,7 +94,7 @@ def test_a_new_run_keeps_an_earlier_one_unless_resumed_or_overwritten(tmp_path):
 
 
 def test_nan_gradient_step_is_skipped_and_reported(tmp_path):
-    trainer = Trainer(tiny_run(tmp_path, "nan", max_steps=4, eval_interval=0))
+    trainer = pretrain_trainer(tiny_run(tmp_path, "nan", max_steps=4, eval_interval=0))
     w = trainer.model.lm_head.weight
 
     def poison(grad):
@@ -111,7 +112,7 @@ def test_nan_gradient_step_is_skipped_and_reported(tmp_path):
     handle.remove()
     assert not trainer.train_step()["skipped"]
     # through the loop: the skip is reported in metrics.jsonl
-    trainer2 = Trainer(tiny_run(tmp_path, "nan2", max_steps=3, eval_interval=0))
+    trainer2 = pretrain_trainer(tiny_run(tmp_path, "nan2", max_steps=3, eval_interval=0))
     h = trainer2.model.lm_head.weight.register_hook(
         lambda g: g * math.nan if trainer2.step == 1 else g
     )
@@ -129,7 +130,7 @@ def test_accumulation_matches_a_larger_batch(tmp_path):
     def one_step(batch_size, accum):
         cfg = tiny_run(tmp_path, f"acc{batch_size}", grad_accum=accum, grad_clip=0.0)
         cfg.data.batch_size = batch_size
-        trainer = Trainer(cfg)
+        trainer = pretrain_trainer(cfg)
         grads = {}
         step = trainer.optimizer.step
 
@@ -152,7 +153,7 @@ def test_accumulation_matches_a_larger_batch(tmp_path):
 
 def test_z_loss_and_bf16_run(tmp_path):
     cfg = tiny_run(tmp_path, "z", max_steps=2, z_loss=1e-4, precision="bf16", eval_interval=0)
-    trainer = Trainer(cfg)
+    trainer = pretrain_trainer(cfg)
     m = trainer.train_step()
     assert m["z_loss"] > 0 and math.isfinite(m["loss"])
 
@@ -173,8 +174,8 @@ def test_eval_bits_per_byte_byte_tokenizer(tmp_path):
 
     table = token_byte_lengths(ByteTokenizer(), 260)
     assert table[:256].sum() == 256 and table[256:].sum() == 0
-    trainer = Trainer(tiny_run(tmp_path, "eval"))
-    ev = trainer.evaluate()
+    trainer = pretrain_trainer(tiny_run(tmp_path, "eval"))
+    ev = trainer.module.evaluate()
     # byte tokenizer: every target is one byte except EOS, so bpb ~ nats/token / ln 2
     assert ev["eval_bpb"] >= ev["eval_loss"] / math.log(2)
     assert ev["eval_loss"] == pytest.approx(math.log(258), rel=0.1)  # untrained
@@ -214,7 +215,7 @@ SCRIPT = """
 import sys, torch
 torch.set_num_threads(1)
 from hybridlm.train.config import RunConfig
-from hybridlm.train.trainer import run_pretrain
+from hybridlm.train.pretrain import run_pretrain
 run_pretrain(RunConfig.load(sys.argv[1]), resume=sys.argv[2] == "1")
 """
 
@@ -248,8 +249,8 @@ def test_intra_doc_masking_passes_doc_ids(tmp_path):
     for cfg in runs:  # long rows: several documents per row
         cfg.data.seq_len = 256
         cfg.data.shards_dir = str(tmp_path / "shards256")
-    on, off = Trainer(runs[0]), Trainer(runs[1])
-    if not on.accepts_doc_ids:
+    on, off = pretrain_trainer(runs[0]), pretrain_trainer(runs[1])
+    if not on.module.accepts_doc_ids:
         pytest.skip("HybridLM.forward takes no doc_ids yet")
     m_on, m_off = on.train_step(), off.train_step()
     assert math.isfinite(m_on["loss"]) and m_on["valid_tokens"] == m_off["valid_tokens"]

@@ -17,7 +17,7 @@ from hybridlm.model.model import HybridLM
 from hybridlm.train.checkpoint import list_checkpoints, merge_checkpoints
 from hybridlm.train.config import RunConfig, TrainConfig
 from hybridlm.train.merge import merge_run
-from hybridlm.train.trainer import run_pretrain
+from hybridlm.train.pretrain import run_pretrain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

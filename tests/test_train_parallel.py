@@ -15,7 +15,7 @@ import pytest
 from _tiny import tiny_run as _tiny_run
 from hybridlm.train.config import RunConfig
 from hybridlm.train.plot import read_metrics
-from hybridlm.train.trainer import run_pretrain
+from hybridlm.train.pretrain import run_pretrain
 
 REL_TOL = 1e-5  # fp32; only the reduction order of the gradient sums differs
 TIMEOUT_S = 120
@@ -26,7 +26,7 @@ WORKER = textwrap.dedent(
     torch.set_num_threads(1)
     from hybridlm.train.config import RunConfig
     from hybridlm.train.parallel import destroy
-    from hybridlm.train.trainer import run_pretrain
+    from hybridlm.train.pretrain import run_pretrain
     run = RunConfig.load(sys.argv[1])
     until = int(sys.argv[2]) or None
     run_pretrain(run, until_step=until, resume=sys.argv[3] == "1")

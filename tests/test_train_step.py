@@ -11,30 +11,30 @@ import test_distill
 import test_dpo
 import test_sft
 from _tiny import tiny_run, tiny_train_model
-from hybridlm.train.distill import OnPolicyDistiller
-from hybridlm.train.dpo import DPOTrainer
-from hybridlm.train.sft import SFTTrainer
-from hybridlm.train.trainer import Trainer
+from hybridlm.train.distill import distill_trainer
+from hybridlm.train.dpo import dpo_trainer
+from hybridlm.train.pretrain import pretrain_trainer
+from hybridlm.train.sft import sft_trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _pretrain(tmp_path):
-    return Trainer(tiny_run(tmp_path, "pre", max_steps=4, eval_interval=0))
+    return pretrain_trainer(tiny_run(tmp_path, "pre", max_steps=4, eval_interval=0))
 
 
 def _sft(tmp_path):
-    return SFTTrainer(test_sft.tiny_sft(tmp_path / "sft", steps=4))
+    return sft_trainer(test_sft.tiny_sft(tmp_path / "sft", steps=4))
 
 
 def _dpo(tmp_path):
-    return DPOTrainer(test_dpo._dpo_run(tmp_path, "dpo", steps=4))
+    return dpo_trainer(test_dpo._dpo_run(tmp_path, "dpo", steps=4))
 
 
 def _on_policy_distill(tmp_path):
     teacher = test_distill.save_teacher(tmp_path, "t", tiny_train_model(mtp=False), seed=4)
     run = test_distill.on_policy_run(tmp_path, {"t": teacher}, {"add": "t", "more": "t"}, steps=4)
-    return OnPolicyDistiller(run)
+    return distill_trainer(run)
 
 
 @pytest.mark.parametrize(
@@ -67,6 +67,6 @@ def test_a_skipped_step_changes_nothing_and_leaks_no_routing_counts(tmp_path, ma
         assert not trainer.train_step()["skipped"]
     finally:
         handle.remove()
-        pool = getattr(trainer, "pool", None)
+        pool = getattr(trainer.module, "pool", None)
         if pool is not None:
             pool.shutdown()

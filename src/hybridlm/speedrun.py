@@ -620,7 +620,7 @@ class Speedrun:
             raise CheckpointError(str(err).replace("start again with --overwrite", how)) from None
 
     def stage_pretrain(self) -> dict[str, Any]:
-        from .train.trainer import run_pretrain
+        from .train.pretrain import run_pretrain
 
         run = RunConfig.from_dict(self._pretrain_dict())
         vocab = self.tokenizer().vocab_size

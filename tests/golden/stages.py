@@ -137,7 +137,7 @@ def _checkpoint(out: Path, cfg: ModelConfig, *, seed: int, sharpen: float = 1.0)
     """A hybridlm training checkpoint of a freshly initialised `cfg` (as tests/test_dpo.py and
     tests/test_distill.py save them); `sharpen` scales the LM head (a teacher far from
     uniform)."""
-    from hybridlm.train.trainer import build_model
+    from hybridlm.model.model import build_model
 
     model = build_model(cfg, seed=seed, device=torch.device("cpu"))
     with torch.no_grad():
@@ -152,7 +152,7 @@ def pretrain(tmp: Path) -> Result:
     generated text (`tiny_run`): the WSD schedule through warm-up, stable and decay, two
     micro-batches per step (the accumulated MoE balancing loss), the MoE bias step after every
     update, held-out evals at 10 and 20."""
-    from hybridlm.train.trainer import run_pretrain
+    from hybridlm.train.pretrain import run_pretrain
 
     cfg = tiny_run(
         tmp,

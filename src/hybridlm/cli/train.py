@@ -95,7 +95,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     from ..data.pipeline import build_tokenizer
     from ..infer.generate import generate
     from ..train import RunConfig, apply_run_overrides, parallel
-    from ..train.trainer import Trainer
+    from ..train.pretrain import pretrain_trainer
 
     path = Path(args.config)
     if not path.is_file():
@@ -103,17 +103,17 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
             f"run config {path} not found (run from the repository root, or pass --config)"
         )
     run = apply_run_overrides(RunConfig.load(path), args.overrides)
-    trainer = Trainer(run, resume=args.resume, overwrite=args.overwrite)
-    trainer.run.save(Path(trainer.run.train.out_dir) / "run.yaml")
+    trainer = pretrain_trainer(run, resume=args.resume, overwrite=args.overwrite)
+    trainer.module.run.save(Path(trainer.module.run.train.out_dir) / "run.yaml")
     result = trainer.train()
     if not parallel.is_main():  # under torchrun only rank 0 samples, exports and reports
         parallel.destroy()
         return
-    model, tok = trainer.model.eval(), build_tokenizer(trainer.run.data)
+    model, tok = trainer.model.eval(), build_tokenizer(trainer.module.run.data)
     ids = torch.tensor([tok.encode(args.prompt)], device=trainer.device)
     with torch.no_grad():
         out = generate(model, ids, args.sample_tokens, temperature=0.8, top_p=0.95, seed=0)
-    export = Path(trainer.run.train.out_dir) / "hf"
+    export = Path(trainer.module.run.train.out_dir) / "hf"
     model.save_pretrained(export, tokenizer=tok)
     ev = result.get("eval") or {}
     print("--- sample (T=0.8, top-p 0.95) ---")

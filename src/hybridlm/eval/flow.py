@@ -64,7 +64,7 @@ def evaluate_flow(flow: Any, out: Path) -> dict[str, Any]:
     from ..precision.ptq import take
     from ..precision.quantize import run_data
     from ..rl.learner import build_mixture, eval_specs, evaluate_policy
-    from ..train.trainer import token_byte_lengths
+    from ..data.bpb import token_byte_lengths
     from .harness import EvalConfig, LoadedModel
 
     ecfg = flow.cfg.eval

@@ -108,7 +108,7 @@ def load_model(
     """A model and its tokenizer from a training checkpoint / run dir / HF dir, or a preset."""
     from ..data.bpe import load_tokenizer
     from ..train.checkpoint import read_meta, resolve_checkpoint, tokenizer_for
-    from ..train.trainer import build_model
+    from ..model.model import build_model
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")

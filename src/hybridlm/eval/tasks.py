@@ -43,7 +43,7 @@ from ..data import builtin
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
 from ..model.model import HybridLM
-from ..train.trainer import token_byte_lengths
+from ..data.bpb import token_byte_lengths
 from .loglik import LN2, LoglikResult, encode_pair, loglikelihood, loglikelihood_rolling
 from .passk import mean_pass_at_k, pass_at_k
 from .ruler import RULER_TASKS, RulerSample, make_samples, score_prediction

@@ -376,3 +376,13 @@ class HybridLM(nn.Module):
         from ..interop.hf import save_pretrained
 
         return save_pretrained(self, path, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)
+
+
+def build_model(cfg: ModelConfig, *, seed: int, device: torch.device) -> HybridLM:
+    """Build on the meta device, materialise on `device`, initialise once (model.init_weights)."""
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    model.to_empty(device=device)
+    model.init_buffers()
+    model.init_weights(seed=seed)
+    return model

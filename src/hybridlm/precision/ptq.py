@@ -603,7 +603,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Held-out next-token CE (nats/token) and bits per byte, computed as the trainer's
     `Trainer.evaluate` does (sum of nats over the label tokens / bytes they stand for)."""
-    from ..train.trainer import eval_sums
+    from ..data.bpb import eval_sums
 
     was_training = model.training
     model.eval()

@@ -162,7 +162,7 @@ def run_quantize(cfg: QuantizeConfig, *, overwrite: bool = False) -> dict[str, A
     from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
     from ..interop.modelopt import export_modelopt
     from ..train.checkpoint import METRICS, prepare_run_dir, tokenizer_for
-    from ..train.trainer import token_byte_lengths
+    from ..data.bpb import token_byte_lengths
     from .autoquant import autoquantize, measure_sensitivities, print_table
 
     cfg.validate()

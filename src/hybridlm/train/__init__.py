@@ -1,4 +1,5 @@
-"""Pretraining: typed run config, AdamW param groups, LR schedules, checkpoints, the loop.
+"""Training: the one `Trainer` (train.trainer) and its stages (pretrain, sft, dpo, distill,
+mtp_boost), typed run config, AdamW param groups, LR schedules, checkpoints.
 
 from hybridlm.train import RunConfig, run_pretrain
 cfg = RunConfig.load("configs/quickstart.yaml")
@@ -6,6 +7,15 @@ result = run_pretrain(cfg)              # or run_pretrain(cfg, resume=True)
 """
 
 from .config import RunConfig, TrainConfig, apply_run_overrides
-from .trainer import Trainer, run_pretrain
+from .pretrain import pretrain_trainer, run_pretrain
+from .trainer import Trainer, TrainModule
 
-__all__ = ["RunConfig", "TrainConfig", "Trainer", "apply_run_overrides", "run_pretrain"]
+__all__ = [
+    "RunConfig",
+    "TrainConfig",
+    "TrainModule",
+    "Trainer",
+    "apply_run_overrides",
+    "pretrain_trainer",
+    "run_pretrain",
+]

@@ -9,7 +9,7 @@ A run is one YAML file with four sections (`configs/distill.yaml`):
     train: {...}               # hybridlm.train.config.TrainConfig (optimizer, schedule, loop)
     distill: {...}             # DistillConfig: mode, teacher(s), objective, routing
 
-`distill.mode: offline` — the SFT loop (`train.sft.SFTTrainer`: chat data, assistant-only
+`distill.mode: offline` — the SFT stage (`train.sft.SFT`: chat data, assistant-only
 masks, best-fit packing, optimizer, schedule, checkpoints with exact resume, metrics.jsonl,
 held-out NLL and greedy exact match) with the loss of each packed micro-batch replaced by a
 distillation loss against a frozen teacher whose logits are computed on the fly under no_grad:
@@ -60,7 +60,6 @@ from ..data import builtin
 from ..data.chat import STOP, render
 from ..data.sft import Conversation, ReadReport, SFTLoader
 from ..model.model import HybridLM
-from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .objectives import (
     IGNORE_INDEX,
@@ -71,23 +70,23 @@ from .objectives import (
     skew_reverse_kl,
     topk_forward_kl,
 )
-from .optim import build_optimizer
 from .sft import (
+    SFT,
     ChatSource,
-    PostTrainingLoop,
     PostTrainingRunConfig,
     SFTConfig,
     SFTDataConfig,
     SFTRunConfig,
-    SFTTrainer,
     answer_matches,
-    autocast,
+    export_hf,
     generate_replies,
     load_model,
     load_source,
+    moe_balancing,
     prompt_and_answer,
     prompt_key,
 )
+from .trainer import Loss, Runtime, Step, Trainer, TrainModule
 
 Mode = Literal["offline", "on_policy"]
 Objective = Literal["topk_forward_kl", "skew_reverse_kl"]
@@ -270,20 +269,18 @@ def offline_distill_loss(
     return loss, {"kl": float(kl), "ce": float(ce), "nll_token": float(ce)}
 
 
-class OfflineDistiller(SFTTrainer):
-    """The SFT trainer with a teacher: same data, loop, checkpoints and eval; the micro-batch
+class OfflineDistiller(SFT):
+    """The SFT stage with a teacher: same data, loop, checkpoints and eval; the micro-batch
     loss is `offline_distill_loss`, and evals add the held-out top-k forward KL."""
 
     stage = "distill"
     plot_train = ("loss", "kl", "ce")
     plot_eval = ("eval_loss", "eval_accuracy", "eval_kl")
 
-    def progress_info(self, m: dict[str, Any]) -> str:
-        return " ".join(f"{k} {m[k]:.4f}" for k in ("loss", "kl", "ce") if k in m)
+    def progress_info(self, row: dict[str, Any]) -> str:
+        return " ".join(f"{k} {row[k]:.4f}" for k in ("loss", "kl", "ce") if k in row)
 
-    def __init__(
-        self, run: DistillRunConfig, *, resume: bool = False, overwrite: bool = False
-    ) -> None:
+    def __init__(self, run: DistillRunConfig, rt: Runtime) -> None:
         dc = run.distill
         sft_run = SFTRunConfig(
             model=run.model,
@@ -299,28 +296,22 @@ class OfflineDistiller(SFTTrainer):
             ),
         )
         self.distill_run, self.dcfg = run, dc
-        super().__init__(sft_run, resume=resume, overwrite=overwrite)
+        super().__init__(sft_run, rt)
         self.teacher = load_teacher(dc.teacher, device=self.device, tokenizer=self.tokenizer)
         check_vocab(self.model, self.teacher, dc.teacher)
 
-    def micro_loss(
-        self, batch: dict[str, torch.Tensor], *, norm: str, num_tokens: int, num_convs: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, micro: dict[str, torch.Tensor], step: Step) -> Loss:
         dev = self.device
-        ids_BL, labels_BL = batch["input_ids"].to(dev), batch["labels"].to(dev)
-        doc_BL = batch["doc_ids"].to(dev)
-        with autocast(self.tc, dev):
-            out = self.model(ids_BL, doc_ids=doc_BL, mtp_depth=0, return_logits=True)
+        ids_BL, labels_BL = micro["input_ids"].to(dev), micro["labels"].to(dev)
+        doc_BL = micro["doc_ids"].to(dev)
+        with self.rt.autocast():
+            out = self.forward_model(ids_BL, doc_ids=doc_BL, mtp_depth=0, return_logits=True)
             with torch.no_grad():
                 teacher_BLV = self.teacher(ids_BL, doc_ids=doc_BL, mtp_depth=0).logits
-        loss, parts = offline_distill_loss(
-            out.logits, teacher_BLV, labels_BL, self.dcfg, denom=max(1, num_tokens)
+        value, metrics = offline_distill_loss(
+            out.logits, teacher_BLV, labels_BL, self.dcfg, denom=max(1, step.ctx["num_tokens"])
         )
-        aux = out.losses.get("moe_aux")
-        if aux is not None:
-            loss = loss + aux / self.tc.grad_accum
-            parts["moe_aux"] = float(aux.detach()) / self.tc.grad_accum
-        return loss, parts
+        return moe_balancing(value, metrics, out, self.tc.grad_accum)
 
     @torch.no_grad()
     def held_out_kl(self) -> float:
@@ -359,15 +350,15 @@ class OfflineDistiller(SFTTrainer):
         """The teacher's held-out NLL and exact match: what the student moves toward."""
         student, self.model = self.model, self.teacher
         try:
-            row = SFTTrainer.evaluate(self)
+            row = SFT.evaluate(self)
         finally:
             self.model = student
             self.model.train()
             self.teacher.eval()
         return {f"teacher_{k.removeprefix('eval_')}": v for k, v in row.items()}
 
-    def run_dict(self) -> dict[str, Any]:
-        return self.distill_run.to_dict()
+    def run_config(self) -> dict[str, Any]:
+        return {**self.distill_run.to_dict(), "model": self.model_cfg.to_dict()}
 
     def start_rows(self) -> list[dict[str, Any]]:
         """The teacher's own held-out NLL and exact match, the reference the student moves to."""
@@ -412,7 +403,7 @@ def load_prompts(src: PromptSource, report: ReadReport) -> list[PromptItem]:
     return items
 
 
-class OnPolicyDistiller(PostTrainingLoop):
+class OnPolicyDistiller(TrainModule):
     """Student, teachers, prompt pools, rollout pool and counters of one MOPD run."""
 
     stage = "distill"
@@ -421,14 +412,14 @@ class OnPolicyDistiller(PostTrainingLoop):
     def plot_train(self) -> tuple[str, ...]:  # type: ignore[override]
         return tuple(f"kl/{n}" for n in self.teachers)
 
-    def __init__(
-        self, run: DistillRunConfig, *, resume: bool = False, overwrite: bool = False
-    ) -> None:
-        from ..rl.rollout import RolloutPool
+    def __init__(self, run: DistillRunConfig, rt: Runtime) -> None:
+        from ..data.bpe import load_tokenizer
 
+        super().__init__(rt)
         self.run, self.tc, self.dc, self.cfg = run, run.train, run.data, run.distill
         tc, dc, cfg = self.tc, self.dc, self.cfg
-        self.prepare_run(tc, dc.tokenizer, resume=resume, overwrite=overwrite)
+        self.device, self.out = rt.device, rt.out
+        self.tokenizer = load_tokenizer(dc.tokenizer)
 
         # prompts: per domain, a held-out split (prompts with reference answers) and the rest
         self.read_report = ReadReport()
@@ -485,25 +476,9 @@ class OnPolicyDistiller(PostTrainingLoop):
                     path, device=self.device, tokenizer=self.tokenizer
                 )
                 check_vocab(self.model, self.teachers[name], name)
-        self.optimizer = build_optimizer(self.model, tc)
-        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.tokens_per_step = cfg.prompts_per_step * cfg.samples_per_prompt * dc.seq_len
         self.total_steps = tc.num_steps(self.tokens_per_step)
-        self.step = 0
-        if resume:
-
-            def restore(meta: dict[str, Any]) -> None:
-                self.step = meta["step"]
-
-            self.resume_run(restore)
-        self.pool = RolloutPool(
-            self.model.config,
-            self.tokenizer,
-            self.model.state_dict(),
-            executor=cfg.executor,
-            num_workers=cfg.num_workers,
-            seed=tc.seed,
-        )
+        self.pool: Any = None  # started by the first step, after a resume loaded the weights
         self.params_sampling = {
             "max_tokens": cfg.max_new_tokens,
             "temperature": 1.0,  # samples from q_S itself: the reverse KL is taken at T = 1
@@ -528,9 +503,18 @@ class OnPolicyDistiller(PostTrainingLoop):
 
     # ------------------------------------------------------------------ one step
     def sample(self, items: list[PromptItem], step: int) -> list[Any]:
-        from ..rl.rollout import RolloutRequest
+        from ..rl.rollout import RolloutPool, RolloutRequest
 
-        if step > 0:
+        if self.pool is None:
+            self.pool = RolloutPool(
+                self.model.config,
+                self.tokenizer,
+                self.model.state_dict(),
+                executor=self.cfg.executor,
+                num_workers=self.cfg.num_workers,
+                seed=self.tc.seed,
+            )
+        elif step > 0:
             self.pool.set_weights(self.model.state_dict(), version=step)
         reqs = [
             RolloutRequest(key=f"{i}", prompt_ids=it.ids, group_size=self.cfg.samples_per_prompt)
@@ -539,11 +523,11 @@ class OnPolicyDistiller(PostTrainingLoop):
         self.pool.submit(reqs, self.params_sampling)
         return [c for _, comps in self.pool.wait(num=1) for c in comps]
 
-    def train_step(self) -> dict[str, Any]:
-        tc, cfg, dev = self.tc, self.cfg, self.device
-        self.model.train()
-        items = self.draw(self.step)
-        comps = [c for c in self.sample(items, self.step) if c.token_ids]
+    def prepare_step(self, step: int) -> Step:
+        """Draw prompts, sample completions with the current student, batch them."""
+        dev = self.device
+        items = self.draw(step)
+        comps = [c for c in self.sample(items, step) if c.token_ids]
         B = len(comps)
         width = max(len(c.prompt_ids) + len(c.token_ids) for c in comps)
         ids_BL = torch.zeros(B, width, dtype=torch.long)
@@ -555,13 +539,24 @@ class OnPolicyDistiller(PostTrainingLoop):
             P, n = len(c.prompt_ids), len(c.token_ids)
             mask_BL[b, P - 1 : P - 1 + n] = True
             engine_lp_BL[b, P - 1 : P - 1 + n] = torch.tensor(c.logprobs)
-        ids_BL, mask_BL, engine_lp_BL = ids_BL.to(dev), mask_BL.to(dev), engine_lp_BL.to(dev)
-        targets_BL = torch.cat([ids_BL[:, 1:], ids_BL[:, :1]], dim=1)  # right padding: causal
         n_tok = int(mask_BL.sum())
-        teacher_of = [self.route(items[int(c.key)]) for c in comps]
+        batch = {
+            "ids_BL": ids_BL.to(dev),
+            "mask_BL": mask_BL.to(dev),
+            "engine_lp_BL": engine_lp_BL.to(dev),
+            "teacher_of": [self.route(items[int(c.key)]) for c in comps],
+        }
+        info = {"sampled_tokens": n_tok, "mean_completion_len": n_tok / max(1, B)}
+        return Step([batch], ctx={"num_tokens": n_tok}, info=info)
 
-        with autocast(tc, dev):
-            out = self.model(ids_BL, mtp_depth=0, return_logits=True)
+    def loss(self, micro: dict[str, Any], step: Step) -> Loss:
+        """Token-level reverse KL to each sample's routed teacher, over the step's tokens."""
+        cfg, dev = self.cfg, self.device
+        ids_BL, mask_BL = micro["ids_BL"], micro["mask_BL"]
+        teacher_of, n_tok = micro["teacher_of"], step.ctx["num_tokens"]
+        targets_BL = torch.cat([ids_BL[:, 1:], ids_BL[:, :1]], dim=1)  # right padding: causal
+        with self.rt.autocast():
+            out = self.forward_model(ids_BL, mtp_depth=0, return_logits=True)
         logq_BLV = torch.log_softmax(out.logits.float(), dim=-1)
         logq_BL = logq_BLV.gather(-1, targets_BL.unsqueeze(-1)).squeeze(-1)
         loss = out.logits.new_zeros((), dtype=torch.float32)
@@ -571,7 +566,7 @@ class OnPolicyDistiller(PostTrainingLoop):
             if not rows:
                 continue
             rows_t = torch.tensor(rows, device=dev)
-            with torch.no_grad(), autocast(tc, dev):
+            with torch.no_grad(), self.rt.autocast():
                 t_BLV = teacher(ids_BL[rows_t], mtp_depth=0).logits.float()
             m_BL = mask_BL[rows_t]
             s_TV, t_TV = out.logits[rows_t][m_BL], t_BLV[m_BL]
@@ -589,27 +584,10 @@ class OnPolicyDistiller(PostTrainingLoop):
             loss = loss + term
             parts[f"kl/{name}"] = float(kl_exact)
             parts[f"tokens/{name}"] = int(m_BL.sum())
-        aux = out.losses.get("moe_aux")
-        if aux is not None:
-            loss = loss + aux
-            parts["moe_aux"] = float(aux.detach())
-        loss.backward()
-        done = self.optimizer_step(float(loss.detach()))
-        finite, grad_norm, lr = done.finite, done.grad_norm, done.lr
-        self.step += 1
-        with torch.no_grad():
-            gap = float(((logq_BL - engine_lp_BL).abs() * mask_BL).sum()) / max(1, n_tok)
-        return {
-            "step": self.step,
-            "loss": float(loss.detach()),
-            **parts,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "sampled_tokens": n_tok,
-            "mean_completion_len": n_tok / max(1, B),
-            "logprob_gap": gap,
-            "skipped": not finite,
-        }
+        with torch.no_grad():  # the engine's sampling log-probs against the trainer's
+            gap = ((logq_BL - micro["engine_lp_BL"]).abs() * mask_BL).sum()
+        parts["logprob_gap"] = float(gap) / max(1, n_tok)
+        return moe_balancing(loss, parts, out, 1)
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
@@ -650,20 +628,14 @@ class OnPolicyDistiller(PostTrainingLoop):
         }
 
     # ------------------------------------------------------------------ loop
-    def save(self) -> Path:
-        meta = {
-            "run_config": {**self.run.to_dict(), "model": self.model.config.to_dict()},
-            "stage": "distill_on_policy",
-            "total_steps": self.total_steps,
-        }
-        return save_checkpoint(
-            self.out,
-            step=self.step,
-            model=self.model,
-            optimizer=self.optimizer,
-            meta=meta,
-            keep_last_n=self.tc.keep_last_n,
-        )
+    def run_config(self) -> dict[str, Any]:
+        return {**self.run.to_dict(), "model": self.model.config.to_dict()}
+
+    def export(self) -> Path | None:
+        return export_hf(self.model, self.out, self.tokenizer, self.stage)
+
+    def summary(self) -> dict[str, Any]:
+        return {"data": self.data_summary()}
 
     def data_summary(self) -> dict[str, Any]:
         return self.data_info
@@ -673,14 +645,23 @@ class OnPolicyDistiller(PostTrainingLoop):
             return []
         return [{"kind": "teacher", "step": 0, **self.teacher_reference()}]
 
-    def progress_info(self, m: dict[str, Any]) -> str:
-        return " ".join(f"{k} {v:.3f}" for k, v in m.items() if k[:3] == "kl/")
+    def progress_info(self, row: dict[str, Any]) -> str:
+        return " ".join(f"{k} {v:.3f}" for k, v in row.items() if k[:3] == "kl/")
 
     def close(self) -> None:
-        self.pool.shutdown()
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
 # ---------------------------------------------------------------------------- entry points
+def distill_trainer(
+    cfg: DistillRunConfig, *, resume: bool = False, overwrite: bool = False
+) -> Trainer:
+    """The Trainer of a distillation run (offline or on-policy by `distill.mode`)."""
+    stage = OfflineDistiller if cfg.distill.mode == "offline" else OnPolicyDistiller
+    return Trainer(cfg.train, lambda rt: stage(cfg, rt), resume=resume, overwrite=overwrite)
+
+
 def run_distill(
     cfg: DistillRunConfig,
     *,
@@ -693,10 +674,6 @@ def run_distill(
     `overwrite=True` replaces an earlier run in `train.out_dir`."""
     cfg = copy.deepcopy(cfg)
     cfg.distill.check()
-    trainer: OfflineDistiller | OnPolicyDistiller
-    if cfg.distill.mode == "offline":
-        trainer = OfflineDistiller(cfg, resume=resume, overwrite=overwrite)
-    else:
-        trainer = OnPolicyDistiller(cfg, resume=resume, overwrite=overwrite)
+    trainer = distill_trainer(cfg, resume=resume, overwrite=overwrite)
     cfg.save(Path(cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)

@@ -41,16 +41,13 @@ import torch
 from ..data.chat import parse_assistant, render_with_spans, validate
 from ..data.sft import ChatExample, Conversation, ReadReport, _raw_rows, encode_chat
 from ..model.model import IGNORE_INDEX, HybridLM
-from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .objectives import dpo_loss, sequence_logps
-from .optim import build_optimizer
 from .sft import (
     ChatSource,
-    PostTrainingLoop,
     PostTrainingRunConfig,
     answer_matches,
-    autocast,
+    export_hf,
     generate_replies,
     load_model,
     load_source,
@@ -59,6 +56,7 @@ from .sft import (
     prompt_and_answer,
     prompt_key,
 )
+from .trainer import Loss, Runtime, Step, Trainer, TrainModule
 
 DEFAULT_BETA = {"dpo": 0.1, "dpo_norm": 5.0}
 
@@ -407,8 +405,8 @@ class DPORunConfig(PostTrainingRunConfig):
 
 
 # ---------------------------------------------------------------------------- the trainer
-class DPOTrainer(PostTrainingLoop):
-    """Policy, reference log-probs, pairs and optimizer of one DPO run; `train()` runs it."""
+class DPO(TrainModule):
+    """Policy, reference log-probs and pairs of one DPO run."""
 
     stage = "dpo"
     plot_train = ("loss", "reward_accuracy", "reward_margin")
@@ -416,19 +414,22 @@ class DPOTrainer(PostTrainingLoop):
     rate_key = "pairs_per_s"
 
     @property
-    def units_per_step(self) -> int:  # type: ignore[override]
+    def units_per_step(self) -> int:
         return self.pairs_per_step
 
-    def progress_info(self, m: dict[str, Any]) -> str:
-        return f"loss {m['loss']:.4f} acc {m['reward_accuracy']:.2f}"
+    def progress_info(self, row: dict[str, Any]) -> str:
+        return f"loss {row['loss']:.4f} acc {row['reward_accuracy']:.2f}"
 
-    def __init__(self, run: DPORunConfig, *, resume: bool = False, overwrite: bool = False) -> None:
+    def __init__(self, run: DPORunConfig, rt: Runtime) -> None:
+        from ..data.bpe import load_tokenizer
 
+        super().__init__(rt)
         self.run = run
         tc, dc, pc = run.train, run.data, run.dpo
         self.tc, self.dc, self.pc = tc, dc, pc
         self.beta = pc.effective_beta
-        self.prepare_run(tc, dc.tokenizer, resume=resume, overwrite=overwrite)
+        self.device, self.out = rt.device, rt.out
+        self.tokenizer = load_tokenizer(dc.tokenizer)
         self.pad_id = pad_id_of(self.tokenizer)
         self.model = load_model(pc.init_from, None, seed=tc.seed, device=self.device)
         self.report = ReadReport()
@@ -479,15 +480,7 @@ class DPOTrainer(PostTrainingLoop):
 
         self.pairs_per_step = dc.batch_size * tc.grad_accum
         self.total_steps = tc.num_steps(self.pairs_per_step)
-        self.optimizer = build_optimizer(self.model, tc)
-        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.step, self.cursor, self.epoch = 0, 0, 0
-        if resume:
-
-            def restore(meta: dict[str, Any]) -> None:
-                self.step, self.cursor, self.epoch = meta["step"], meta["cursor"], meta["epoch"]
-
-            self.resume_run(restore)
+        self.cursor, self.epoch = 0, 0
 
     def _pairs(self) -> list[PreferencePair]:
         dc = self.dc
@@ -547,8 +540,9 @@ class DPOTrainer(PostTrainingLoop):
         self, idx: Sequence[int], pairs: Sequence[TokenizedPair], ref: tuple, denom: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         batch = collate_pairs([pairs[i] for i in idx], self.pad_id)
-        with autocast(self.tc, self.device):
-            lp, n = policy_logps(self.model, batch, self.device)
+        model = self.forward_model if self.model.training else self.model
+        with self.rt.autocast():
+            lp, n = policy_logps(model, batch, self.device)
         B = len(idx)
         sel = torch.tensor(idx)
         ref_c = ref[0][sel].to(self.device, lp.dtype)
@@ -568,27 +562,12 @@ class DPOTrainer(PostTrainingLoop):
         parts["logp_rejected"] = float(lp[B:].detach().sum()) / denom
         return losses.sum() / denom, parts
 
-    def train_step(self) -> dict[str, Any]:
-        tc = self.tc
-        self.model.train()
-        denom = self.pairs_per_step
-        total, parts = 0.0, Counter()
-        for _ in range(tc.grad_accum):
-            loss, p = self._loss(self._next_indices(), self.train_pairs, self.ref_train, denom)
-            loss.backward()
-            total += float(loss.detach())
-            parts.update(p)
-        done = self.optimizer_step(total)
-        finite, grad_norm, lr = done.finite, done.grad_norm, done.lr
-        self.step += 1
-        return {
-            "step": self.step,
-            "loss": total,
-            **dict(parts),
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "skipped": not finite,
-        }
+    def prepare_step(self, step: int) -> Step:
+        return Step([self._next_indices() for _ in range(self.tc.grad_accum)])
+
+    def loss(self, micro: list[int], step: Step) -> Loss:
+        value, metrics = self._loss(micro, self.train_pairs, self.ref_train, self.pairs_per_step)
+        return Loss(value, metrics)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -619,23 +598,20 @@ class DPOTrainer(PostTrainingLoop):
             self.model.train()
         return row
 
-    def save(self) -> Path:
-        meta = {
-            "run_config": {**self.run.to_dict(), "model": self.model.config.to_dict()},
-            "stage": "dpo",
-            "cursor": self.cursor,
-            "epoch": self.epoch,
-            "total_steps": self.total_steps,
-            "tokens_seen": 0,
-        }
-        return save_checkpoint(
-            self.out,
-            step=self.step,
-            model=self.model,
-            optimizer=self.optimizer,
-            meta=meta,
-            keep_last_n=self.tc.keep_last_n,
-        )
+    def run_config(self) -> dict[str, Any]:
+        return {**self.run.to_dict(), "model": self.model.config.to_dict()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor, "epoch": self.epoch, "tokens_seen": 0}
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
+        self.cursor, self.epoch = meta["cursor"], meta["epoch"]
+
+    def export(self) -> Path | None:
+        return export_hf(self.model, self.out, self.tokenizer, self.stage)
+
+    def summary(self) -> dict[str, Any]:
+        return {"data": self.data_summary()}
 
     def data_summary(self) -> dict[str, Any]:
         return {
@@ -649,6 +625,11 @@ class DPOTrainer(PostTrainingLoop):
         }
 
 
+def dpo_trainer(cfg: DPORunConfig, *, resume: bool = False, overwrite: bool = False) -> Trainer:
+    """The Trainer of a DPO run, ready to `train()`."""
+    return Trainer(cfg.train, lambda rt: DPO(cfg, rt), resume=resume, overwrite=overwrite)
+
+
 def run_dpo(
     cfg: DPORunConfig,
     *,
@@ -658,6 +639,6 @@ def run_dpo(
 ) -> dict[str, Any]:
     """Run DPO from a config; returns final metrics, checkpoint and plot paths. `resume` /
     `overwrite`: continue or replace an earlier run in `train.out_dir` (as `run_sft`)."""
-    trainer = DPOTrainer(cfg, resume=resume, overwrite=overwrite)
+    trainer = dpo_trainer(cfg, resume=resume, overwrite=overwrite)
     cfg.save(Path(cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)

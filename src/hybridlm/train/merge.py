@@ -60,15 +60,15 @@ class Evaluator:
     config (shards reused) whose weights are swapped in before each `evaluate()`."""
 
     def __init__(self, run: RunConfig, scratch: str | Path) -> None:
-        from .trainer import Trainer
+        from .pretrain import pretrain_trainer
 
         # A Trainer claims its out_dir for a new run (and refuses one holding a run): point it at
         # an empty scratch dir so the run's own directory is only read.
         run = dataclasses.replace(
             run, train=dataclasses.replace(run.train, out_dir=str(scratch), progress=False)
         )
-        self.trainer = Trainer(run)
-        if self.trainer.held_loader is None:
+        self.trainer = pretrain_trainer(run)
+        if self.trainer.module.held_loader is None:
             raise ValueError(
                 "the run has no held-out split (data.eval_fraction is 0); nothing to compare "
                 "merges on"
@@ -80,7 +80,7 @@ class Evaluator:
 
     def __call__(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
         load_merged(self.trainer.model, state)
-        return self.trainer.evaluate()
+        return self.trainer.module.evaluate()
 
 
 def parse_list(text: str, kind: type = str) -> list:

@@ -12,11 +12,11 @@ import fnmatch
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
+from ..model.moe import MoE
 from .config import TrainConfig
 from .schedule import lr_for
 
@@ -80,7 +80,7 @@ class StepOutcome:
 
 
 def optimizer_step(
-    model: Any,
+    model: nn.Module,
     optimizer: torch.optim.Optimizer,
     params: Iterable[torch.Tensor],
     *,
@@ -96,23 +96,25 @@ def optimizer_step(
     1. clip the gradients to `tc.grad_clip` (`grad_norm` given: the caller clipped already);
     2. the schedule's learning rate for `step` (`lr_for`);
     3. if the step's `loss` and gradient norm are finite: set the rate, `optimizer.step()`, and
-       the MoE aux-loss-free bias update from this step's expert load (Nemotron 3 Super §2.1.1;
-       `reduce_load` sums the load over data-parallel ranks); otherwise nothing changes and the
-       step's routing counts are dropped, so that they do not reach the next bias update;
+       the MoE aux-loss-free bias update of the MoE layers in `model` (the trained module) from
+       this step's expert load (Nemotron 3 Super §2.1.1; `reduce_load` sums the [layers,
+       experts] load over data-parallel ranks); otherwise nothing changes and the step's routing
+       counts are dropped, so that they do not reach the next bias update;
     4. zero the gradients."""
     if grad_norm is None:
         grad_norm = clip_gradients(params, tc.grad_clip)
     lr = lr_for(tc, step, total_steps)
     finite = math.isfinite(loss) and math.isfinite(grad_norm)
-    moe = model.moe_layers()
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
     if finite:
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
+        load = None
         if reduce_load is not None and moe:
-            model.update_moe_bias(reduce_load(model.expert_load()))
-        else:
-            model.update_moe_bias()
+            load = reduce_load(torch.stack([m.load_E for m in moe]))
+        for i, m in enumerate(moe):
+            m.update_bias(None if load is None else load[i])
     else:
         for m in moe:  # this step's routing counts are not applied
             m.load_E.zero_()

@@ -32,14 +32,10 @@ only needs the counts all-reduced over ranks.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
-import random
-import time
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -63,16 +59,9 @@ from ..data.sft import (
 )
 from ..model.model import HybridLM
 from ..presets import PRESETS, get_preset
-from .checkpoint import (
-    load_checkpoint,
-    prepare_run_dir,
-    resume_checkpoint,
-    save_checkpoint,
-    truncate_metrics,
-)
 from .config import TrainConfig, run_from_dict
 from .objectives import sft_token_weights, shift_targets_float, token_nll
-from .optim import StepOutcome, build_optimizer, optimizer_step
+from .trainer import Loss, Runtime, Step, Trainer, TrainModule
 
 LossNorm = Literal["token", "sample", "two_stage"]
 
@@ -206,31 +195,12 @@ def _to_plain(run: Any) -> dict[str, Any]:
     return out
 
 
-def autocast(tc: TrainConfig, device: torch.device):
-    """bf16 autocast when `train.precision` is bf16 (fp32 master weights), else nothing."""
-    if tc.precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def load_model(
     init_from: str, model: ModelConfig | str | None, *, seed: int, device: torch.device
 ) -> HybridLM:
     """The model a post-training run starts from: a hybridlm training checkpoint or run
     directory, a transformers directory, or (empty `init_from`) a freshly initialised `model`."""
-    from .trainer import build_model
+    from ..model.model import build_model
 
     if not init_from:
         if model is None:
@@ -464,163 +434,22 @@ def chat_batches(dc: SFTDataConfig, num_rows: int) -> list[dict[str, torch.Tenso
     return [next(loader) for _ in range(max(1, -(-num_rows // dc.batch_size)))]
 
 
-class PostTrainingLoop:
-    """The step / log / eval / checkpoint / plot loop shared by the SFT, DPO and distillation
-    trainers. A subclass sets `stage`, `plot_train` / `plot_eval` (metric keys of the PNG) and
-    `rate_key` / `units_per_step` (throughput), calls `prepare_run` (`out`, `metrics_path`,
-    `device`, `tokenizer`) first and, with `resume`, `resume_run` once its model and optimizer
-    exist; has `tc`, `step`, `total_steps`, `resumed_from`, and implements
-    `train_step()`, `evaluate()` (an empty dict: nothing to evaluate), `save()` and
-    `data_summary()`; `start_rows()`, `progress_info()` and `close()` are optional hooks.
-    `train_step` ends its update with `optimizer_step` (`model`, `optimizer`, `params`)."""
+def export_hf(model: HybridLM, out: Path, tokenizer: Any, stage: str) -> Path | None:
+    """`<out>/hf`: the final weights as a transformers directory with the run's tokenizer,
+    chat template and generation config (as `hybridlm pretrain` writes); None, with a note,
+    for a model transformers has no class for."""
+    from ..interop.hf import to_hf_config
 
-    stage = "train"
-    plot_train: tuple[str, ...] = ("loss",)
-    plot_eval: tuple[str, ...] | None = None
-    rate_key = "steps_per_s"
-    units_per_step = 1
-
-    def optimizer_step(self, loss: float) -> StepOutcome:
-        """The shared update (`optim.optimizer_step`) at this loop's step and schedule."""
-        return optimizer_step(
-            self.model,
-            self.optimizer,
-            self.params,
-            loss=loss,
-            tc=self.tc,
-            step=self.step,
-            total_steps=self.total_steps,
-        )
-
-    def prepare_run(
-        self, tc: TrainConfig, tokenizer: str, *, resume: bool = False, overwrite: bool = False
-    ) -> None:
-        """The run's output directory (an earlier run in it needs `resume` or `overwrite`:
-        `checkpoint.prepare_run_dir`) and metrics file, device, seeds and tokenizer."""
-        from ..data.bpe import load_tokenizer
-
-        self.out = prepare_run_dir(tc.out_dir, resume=resume, overwrite=overwrite)
-        self.resumed_from: Path | None = None
-        self.metrics_path = self.out / "metrics.jsonl"
-        self.device = resolve_device(tc.device)
-        seed_all(tc.seed)
-        self.tokenizer = load_tokenizer(tokenizer)
-
-    def resume_run(self, restore: Callable[[dict[str, Any]], None]) -> None:
-        """Continue from the newest intact checkpoint (a damaged newer one is skipped, saying
-        why): load weights, optimizer and RNG, `restore(meta)` the stage's counters and data
-        position, and drop the metrics rows logged after the checkpoint. Without a checkpoint
-        the run starts from scratch with an empty log."""
-        path = resume_checkpoint(self.out)
-        if path is None:
-            print(f"{self.stage}: no checkpoint under {self.out} to resume; starting from scratch")
-            truncate_metrics(self.metrics_path, None)
-            return
-        meta = load_checkpoint(path, self.model, self.optimizer, restore_rng=True)
-        restore(meta)
-        self.resumed_from = path
-        truncate_metrics(self.metrics_path, self.step)
-        print(f"{self.stage}: resumed from {path} at step {self.step}")
-
-    def start_rows(self) -> list[dict[str, Any]]:
-        """Rows logged once before the first step (after the data row)."""
-        return []
-
-    def progress_info(self, m: dict[str, Any]) -> str:
-        return f"loss {m['loss']:.4f}"
-
-    def close(self) -> None:
-        """Release resources (rollout workers) when the loop ends."""
-
-    def _log(self, row: dict[str, Any]) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    def _evaluate_and_log(self, bar: Any = None) -> dict[str, float]:
-        result = self.evaluate()
-        if result:
-            self._log({"kind": "eval", "step": self.step, **result})
-            if bar is not None:
-                text = ", ".join(f"{k} {v:.4f}" for k, v in result.items())
-                bar.console.print(f"step {self.step}: {text}")
-        return result
-
-    def export_hf(self) -> Path | None:
-        """`<out>/hf`: the final weights as a transformers directory with the run's tokenizer,
-        chat template and generation config (as `hybridlm pretrain` writes); None, with a note,
-        for a model transformers has no class for."""
-        from ..interop.hf import to_hf_config
-
-        try:
-            to_hf_config(self.model.config)
-        except ValueError as err:
-            print(f"{self.stage}: no transformers export ({err})")
-            return None
-        return self.model.save_pretrained(self.out / "hf", tokenizer=self.tokenizer)
-
-    def train(self, *, until_step: int | None = None) -> dict[str, Any]:
-        tc = self.tc
-        end = self.total_steps if until_step is None else min(until_step, self.total_steps)
-        last_eval: dict[str, float] = {}
-        if self.step == 0:
-            self._log({"kind": "data", "step": 0, **self.data_summary()})
-            for extra in self.start_rows():
-                self._log(extra)
-            last_eval = self._evaluate_and_log()
-        last_ckpt = self.resumed_from
-        row: dict[str, Any] = {}
-        t0, steps = time.perf_counter(), 0
-        try:
-            with progress_bar(self.stage, tc.progress) as bar:
-                task = bar.add_task("", total=self.total_steps, completed=self.step, info="")
-                while self.step < end:
-                    m = self.train_step()
-                    steps += 1
-                    if m.get("skipped"):
-                        bar.console.print(f"[yellow]step {m['step']}: non-finite loss; skipped")
-                    if self.step % tc.log_interval == 0 or self.step == end:
-                        now = time.perf_counter()
-                        row = {"kind": "train", **{k: v for k, v in m.items() if k != "skipped"}}
-                        row[self.rate_key] = steps * self.units_per_step / max(now - t0, 1e-9)
-                        if hasattr(self, "skipped_steps"):
-                            row["skipped_steps"] = self.skipped_steps
-                        t0, steps = now, 0
-                        self._log(row)
-                        bar.update(task, info=self.progress_info(m))
-                    bar.update(task, completed=self.step)
-                    final = self.step == self.total_steps
-                    if (tc.eval_interval and self.step % tc.eval_interval == 0) or final:
-                        last_eval = self._evaluate_and_log(bar) or last_eval
-                        t0, steps = time.perf_counter(), 0
-                    if (
-                        tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0
-                    ) or final:
-                        last_ckpt = self.save()
-                        t0, steps = time.perf_counter(), 0
-        finally:
-            self.close()
-        plot = hf = None
-        if self.step == self.total_steps:
-            hf = self.export_hf()
-        if tc.plot and self.step == self.total_steps and self.metrics_path.exists():
-            plot = plot_post_training(
-                self.metrics_path, self.out / f"{self.stage}.png", self.plot_train, self.plot_eval
-            )
-        return {
-            "step": self.step,
-            "total_steps": self.total_steps,
-            "last_train": row,
-            "eval": last_eval,
-            "checkpoint": str(last_ckpt) if last_ckpt else None,
-            "hf": str(hf) if hf else None,
-            "metrics": str(self.metrics_path),
-            "plot": str(plot) if plot else None,
-            "data": self.data_summary(),
-        }
+    try:
+        to_hf_config(model.config)
+    except ValueError as err:
+        print(f"{stage}: no transformers export ({err})")
+        return None
+    return model.save_pretrained(out / "hf", tokenizer=tokenizer)
 
 
-class SFTTrainer(PostTrainingLoop):
-    """Model, optimizer, data and counters of one SFT run; `train()` runs it to the end."""
+class SFT(TrainModule):
+    """Chat data, assistant-only CE (+ MTP, MoE balancing), held-out NLL and exact match."""
 
     stage = "sft"
     plot_train = ("loss", "nll_token", "mtp")
@@ -628,18 +457,21 @@ class SFTTrainer(PostTrainingLoop):
     rate_key = "tokens_per_s"
 
     @property
-    def units_per_step(self) -> int:  # type: ignore[override]
+    def units_per_step(self) -> int:
         return self.tokens_per_step
 
-    def progress_info(self, m: dict[str, Any]) -> str:
-        return f"{m['norm']} loss {m['loss']:.3f} nll/tok {m['nll_token']:.3f}"
+    def progress_info(self, row: dict[str, Any]) -> str:
+        return f"{row['norm']} loss {row['loss']:.3f} nll/tok {row['nll_token']:.3f}"
 
-    def __init__(self, run: SFTRunConfig, *, resume: bool = False, overwrite: bool = False) -> None:
+    def __init__(self, run: SFTRunConfig, rt: Runtime) -> None:
+        from ..data.bpe import load_tokenizer
 
+        super().__init__(rt)
         self.run = run
         tc, dc, sc = run.train, run.data, run.sft
         self.tc, self.dc, self.sc = tc, dc, sc
-        self.prepare_run(tc, dc.tokenizer, resume=resume, overwrite=overwrite)
+        self.device = rt.device
+        self.tokenizer = load_tokenizer(dc.tokenizer)
 
         # data: read, hold out, transform, tokenise
         data = prepare_chat_data(dc, self.tokenizer)
@@ -656,7 +488,7 @@ class SFTTrainer(PostTrainingLoop):
         self.tokens_per_step = dc.batch_size * dc.seq_len * tc.grad_accum
         self.total_steps = tc.num_steps(self.tokens_per_step)
 
-        # model + optimizer
+        # model
         self.model = load_model(sc.init_from, run.model, seed=tc.seed, device=self.device)
         self.model_cfg = self.model.config
         if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
@@ -667,47 +499,48 @@ class SFTTrainer(PostTrainingLoop):
         self.mtp_depth = self.model_cfg.mtp.depth if sc.mtp_depth < 0 else sc.mtp_depth
         if self.model.mtp is None:
             self.mtp_depth = 0
-        self.optimizer = build_optimizer(self.model, tc)
-        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.step = 0
-        self.skipped_steps = 0
-        if resume:
+        self.step = 0  # steps whose data was read
 
-            def restore(meta: dict[str, Any]) -> None:
-                self.step, self.skipped_steps = meta["step"], meta.get("skipped_steps", 0)
-                self.loader.load_state_dict(meta["loader"])
+    # ------------------------------------------------------------------ one step
+    def prepare_step(self, step: int) -> Step:
+        norm = self.sc.norm_at(step, self.total_steps)
+        batches = [next(self.loader) for _ in range(self.tc.grad_accum)]
+        self.step = step + 1
+        n_tok = sum(int(b["num_loss_tokens"]) for b in batches)
+        n_conv = sum(int(b["num_conversations"]) for b in batches)
+        return Step(
+            batches,
+            ctx={"norm": norm, "num_tokens": n_tok, "num_convs": n_conv},
+            info={"norm": norm, "loss_tokens": n_tok, "conversations": n_conv},
+        )
 
-            self.resume_run(restore)
-
-    # ------------------------------------------------------------------ loss of one micro-batch
-    def micro_loss(
-        self, batch: dict[str, torch.Tensor], *, norm: str, num_tokens: int, num_convs: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, micro: dict[str, torch.Tensor], step: Step) -> Loss:
         """This micro-batch's share of the step's loss and its parts (module docstring)."""
         dev = self.device
-        ids_BL, labels_BL = batch["input_ids"].to(dev), batch["labels"].to(dev)
-        doc_BL = batch["doc_ids"].to(dev)
-        with autocast(self.tc, dev):
-            out = self.model(
+        norm, num_tokens = step.ctx["norm"], step.ctx["num_tokens"]
+        ids_BL, labels_BL = micro["input_ids"].to(dev), micro["labels"].to(dev)
+        doc_BL = micro["doc_ids"].to(dev)
+        with self.rt.autocast():
+            out = self.forward_model(
                 ids_BL, labels_BL, doc_ids=doc_BL, mtp_depth=self.mtp_depth, return_logits=True
             )
         w_BL = sft_token_weights(
             labels_BL,
-            batch["conv_ids"].to(dev),
+            micro["conv_ids"].to(dev),
             mode=norm,
             num_tokens=num_tokens,
-            num_conversations=num_convs,
+            num_conversations=step.ctx["num_convs"],
         )
         mask_BL = (labels_BL != -100).float()
         nll_BL = token_nll(out.logits, labels_BL, 1)
         ce = (nll_BL * shift_targets_float(w_BL, 1)).sum()
-        parts = {
+        metrics = {
             "ce": float(ce.detach()),
             # the token-mean NLL of the step whatever the normalisation: comparable across stages
             "nll_token": float((nll_BL.detach() * shift_targets_float(mask_BL, 1)).sum())
             / max(1, num_tokens),
         }
-        loss = ce
+        value = ce
         if self.mtp_depth > 0:
             mtp_terms = []
             for k, logits_k in enumerate(out.mtp_logits, start=1):
@@ -717,43 +550,9 @@ class SFTTrainer(PostTrainingLoop):
                 same[:, : -(k + 1)] = doc_BL[:, : -(k + 1)] == doc_BL[:, k + 1 :]
                 mtp_terms.append((nll_k * w_k * same).sum())
             mtp = torch.stack(mtp_terms).mean()
-            loss = loss + self.sc.mtp_weight * mtp
-            parts["mtp"] = float(mtp.detach())
-        aux = out.losses.get("moe_aux")
-        if aux is not None:  # a sequence mean per call: averaged over the micro-batches
-            loss = loss + aux / self.tc.grad_accum
-            parts["moe_aux"] = float(aux.detach()) / self.tc.grad_accum
-        return loss, parts
-
-    def train_step(self) -> dict[str, Any]:
-        tc = self.tc
-        self.model.train()
-        norm = self.sc.norm_at(self.step, self.total_steps)
-        batches = [next(self.loader) for _ in range(tc.grad_accum)]
-        n_tok = sum(int(b["num_loss_tokens"]) for b in batches)
-        n_conv = sum(int(b["num_conversations"]) for b in batches)
-        total, parts = 0.0, Counter()
-        for batch in batches:
-            loss, p = self.micro_loss(batch, norm=norm, num_tokens=n_tok, num_convs=n_conv)
-            loss.backward()
-            total += float(loss.detach())
-            parts.update(p)
-        done = self.optimizer_step(total)
-        finite, grad_norm, lr = done.finite, done.grad_norm, done.lr
-        if not finite:
-            self.skipped_steps += 1
-        self.step += 1
-        return {
-            "step": self.step,
-            "loss": total,
-            **dict(parts),
-            "norm": norm,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "loss_tokens": n_tok,
-            "conversations": n_conv,
-            "skipped": not finite,
-        }
+            value = value + self.sc.mtp_weight * mtp
+            metrics["mtp"] = float(mtp.detach())
+        return moe_balancing(value, metrics, out, self.tc.grad_accum)
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
@@ -796,27 +595,15 @@ class SFTTrainer(PostTrainingLoop):
         return row
 
     # ------------------------------------------------------------------ checkpoints + log
-    def run_dict(self) -> dict[str, Any]:
-        """The run config stored in checkpoints (subclasses with their own config override)."""
-        return self.run.to_dict()
+    def run_config(self) -> dict[str, Any]:
+        return {**self.run.to_dict(), "model": self.model_cfg.to_dict()}
 
-    def save(self) -> Path:
-        meta = {
-            "run_config": {**self.run_dict(), "model": self.model_cfg.to_dict()},
-            "stage": self.stage,
-            "skipped_steps": self.skipped_steps,
-            "total_steps": self.total_steps,
-            "tokens_seen": self.step * self.tokens_per_step,
-            "loader": self.loader.state_dict(),
-        }
-        return save_checkpoint(
-            self.out,
-            step=self.step,
-            model=self.model,
-            optimizer=self.optimizer,
-            meta=meta,
-            keep_last_n=self.tc.keep_last_n,
-        )
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokens_seen": self.step * self.tokens_per_step, "loader": self.loader.state_dict()}
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
+        self.step = meta["step"]
+        self.loader.load_state_dict(meta["loader"])
 
     def data_summary(self) -> dict[str, Any]:
         return {
@@ -827,6 +614,27 @@ class SFTTrainer(PostTrainingLoop):
             "held_out": len(self.held_examples),
             "rows_per_epoch": self.loader.rows_per_epoch,
         }
+
+    def export(self) -> Path | None:
+        return export_hf(self.model, self.rt.out, self.tokenizer, self.stage)
+
+    def summary(self) -> dict[str, Any]:
+        return {"data": self.data_summary()}
+
+
+def moe_balancing(value: torch.Tensor, metrics: dict[str, float], out: Any, n_micro: int) -> Loss:
+    """`Loss` of a micro-batch whose forward `out` may carry the MoE sequence-level balancing
+    loss (Nemotron 3 Super §2.1.1): a mean over the call's sequences, averaged over the step's
+    `n_micro` micro-batches (`Loss.mean`)."""
+    aux = out.losses.get("moe_aux")
+    if aux is not None:
+        metrics["moe_aux"] = float(aux.detach()) / n_micro
+    return Loss(value, metrics, mean=aux)
+
+
+def sft_trainer(cfg: SFTRunConfig, *, resume: bool = False, overwrite: bool = False) -> Trainer:
+    """The Trainer of an SFT run, ready to `train()`."""
+    return Trainer(cfg.train, lambda rt: SFT(cfg, rt), resume=resume, overwrite=overwrite)
 
 
 def run_sft(
@@ -839,6 +647,6 @@ def run_sft(
     """Run SFT from a config; returns the final metrics, checkpoint and plot paths.
     `resume=True` continues exactly from the newest intact checkpoint under `train.out_dir`;
     `overwrite=True` replaces an earlier run there (without either, one is an error)."""
-    trainer = SFTTrainer(cfg, resume=resume, overwrite=overwrite)
+    trainer = sft_trainer(cfg, resume=resume, overwrite=overwrite)
     cfg.save(Path(cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)

@@ -229,8 +229,10 @@ class TrainerProxy:
         return RunConfig(model=copy.deepcopy(self.model), data=data, train=train)
 
     def __call__(self, weights: dict[str, float], run: int = 0) -> dict[str, float]:
+        from ...data.bpb import token_byte_lengths
+        from ...model.model import build_model
         from ...train.checkpoint import load_checkpoint
-        from ...train.trainer import build_model, run_pretrain, token_byte_lengths
+        from ...train.pretrain import run_pretrain
         from ..pipeline import build_tokenizer
 
         run_cfg = self.run_config(weights, run)

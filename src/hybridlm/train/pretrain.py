@@ -1,0 +1,248 @@
+"""Pretraining on the one `Trainer`: `run_pretrain(run_cfg)`, `pretrain_trainer(run_cfg)`.
+
+One optimizer step = `grad_accum` micro-batches from the packed loader. The loss of every
+micro-batch is normalised by the *global* count of valid targets of the step (the sum of the
+loader's `num_valid_tokens` over the micro-batches and ranks; DESIGN habit 13), so accumulation
+and data parallelism give the gradient of the global mean: CE, MTP (Nemotron 3 Super §2.1.3) and
+the Olmo 3 z-loss are such shares; the MoE sequence-level balancing loss is a mean over the
+sequences of one call (`Loss.mean`). The update, the MoE bias step and skipped non-finite steps
+are the Trainer's (`train.loop`).
+
+Data parallelism (`torchrun --nproc_per_node=N`, train.parallel "ddp" or "fsdp"): each rank reads
+its B rows of the global batch of N*B rows; `num_valid_tokens` is already the global count.
+Metrics, progress, plots and checkpoints are written by rank 0 only; under FSDP the full model
+and optimizer state are gathered first, so checkpoints have the single-process layout and resume
+at any world size with the same global batch.
+
+Every `log_interval` steps a row goes to `<out>/metrics.jsonl` (kind "train": step, loss, ce,
+mtp, mtp_k, moe_aux, z_loss, lr, grad_norm, tokens/s, MFU, tokens, skipped_steps); every
+`eval_interval` steps one of kind "eval" (held-out CE and bits per byte). MFU is
+`flops_per_token(seq_len, training=True) * tokens/s / peak`, the peak measured once with a matmul
+(or `train.peak_flops`). The loss curve `<out>/loss.png` is rendered from metrics.jsonl at the
+end.
+
+Bits per byte (held-out): sum of CE nats / (ln 2 * bytes of the target text). Byte tokenizer:
+a target's bytes are 1 for ids < 256, 0 for BOS/EOS. Byte-level BPE: the bytes of each token's
+byte-level string (exact); special tokens count 0 and added text tokens their UTF-8 length.
+
+Warm start (`train.init_from`, e.g. Olmo 3 midtraining §4 or a long-context extension): the
+model is loaded from any loadable path instead of initialised; optimizer and schedule are fresh.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..data.bpb import eval_sums, token_byte_lengths
+from ..model.model import IGNORE_INDEX, build_model
+from .config import RunConfig
+from .parallel import is_main
+from .trainer import Loss, Runtime, Step, Trainer, TrainModule
+
+
+def measure_peak_flops(
+    device: torch.device | str, dtype: torch.dtype = torch.float32, n: int = 1024
+) -> float:
+    """Achieved matmul FLOP/s of an n x n GEMM on `device` (best of 8), the MFU baseline.
+    Measured on a busy machine it is low and MFU reads high; pin `train.peak_flops` to compare
+    runs."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG untouched
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    best = math.inf
+    for _ in range(8):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def z_loss(logits_BLV: torch.Tensor, labels_BL: torch.Tensor, denom: int) -> torch.Tensor:
+    """sum over CE targets of logsumexp(logits)^2 / denom (Olmo 3 z-loss, PaLM §5)."""
+    mask = labels_BL[:, 1:] != IGNORE_INDEX  # target of position t is labels[t + 1]
+    lse = torch.logsumexp(logits_BLV[:, :-1].float(), dim=-1)
+    return (lse.square() * mask).sum() / denom
+
+
+class Pretrain(TrainModule):
+    """Packed documents, next-token CE + MTP + MoE balancing (+ z-loss), held-out CE and bits
+    per byte."""
+
+    stage = "pretrain"
+    rate_key = "tokens_per_s"
+    eval_at_start = False
+
+    def __init__(self, run: RunConfig, rt: Runtime) -> None:
+        # data (tokenising into shards) is a heavy import: only when a run starts
+        from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
+        from .parallel import barrier
+
+        super().__init__(rt)
+        self.run = run
+        tc, dc, model_cfg = run.train, run.data, run.model
+        # rank 0 tokenises and writes the shards; the others wait, then open the same files
+        if rt.rank == 0:
+            sets = prepare_shards(dc)
+        barrier()
+        if rt.rank != 0:
+            sets = prepare_shards(dc)  # finds the manifest and reuses every shard
+        vocab = max(s.vocab_size for s in sets.values())
+        if vocab > model_cfg.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {vocab} ids but model.vocab_size is "
+                f"{model_cfg.vocab_size}; set model.vocab_size >= {vocab}"
+            )
+        self.train_loader, self.held_loader = build_loaders(
+            dc, sets, rank=rt.rank, world_size=rt.world_size
+        )
+        self._held_start = self.held_loader.state_dict() if self.held_loader else None
+        self.token_bytes = token_byte_lengths(build_tokenizer(dc), model_cfg.vocab_size)
+        self.tokens_per_step = self.train_loader.tokens_per_step * tc.grad_accum
+        self.total_steps = tc.num_steps(self.tokens_per_step)
+        self.model = build_model(model_cfg, seed=tc.seed, device=rt.device)
+        self.accepts_doc_ids = "doc_ids" in inspect.signature(self.model.forward).parameters
+        if tc.intra_doc_masking and not self.accepts_doc_ids:
+            print("warning: train.intra_doc_masking is on but HybridLM.forward takes no doc_ids")
+        self._peak_flops = tc.peak_flops or None
+        self.flops_per_token = model_cfg.flops_per_token(dc.seq_len, training=True)
+        self.step = 0  # steps whose data was read (the loader position's step)
+
+    # ------------------------------------------------------------------ steps
+    def _forward(self, batch: dict[str, torch.Tensor], denom: int, **kw: Any):
+        tc, dev = self.rt.tc, self.rt.device
+        extra = {}
+        if tc.intra_doc_masking and self.accepts_doc_ids:
+            extra["doc_ids"] = batch["doc_ids"].to(dev)
+        model = self.forward_model if self.model.training else self.model
+        with self.rt.autocast():
+            return model(
+                batch["input_ids"].to(dev),
+                batch["labels"].to(dev),
+                num_valid_tokens=denom,
+                **extra,
+                **kw,
+            )
+
+    def prepare_step(self, step: int) -> Step:
+        batches = [next(self.train_loader) for _ in range(self.rt.tc.grad_accum)]
+        self.step = step + 1
+        denom = max(1, sum(int(b["num_valid_tokens"]) for b in batches))
+        return Step(batches, ctx={"denom": denom}, info={"valid_tokens": denom})
+
+    def loss(self, micro: dict[str, torch.Tensor], step: Step) -> Loss:
+        tc = self.rt.tc
+        denom = step.ctx["denom"]
+        out = self._forward(micro, denom, return_logits=tc.z_loss > 0)
+        aux = out.losses.get("moe_aux")
+        value = out.loss if aux is None else out.loss - aux
+        metrics = {k: float(v.detach()) for k, v in out.losses.items() if k != "moe_aux"}
+        if aux is not None:
+            metrics["moe_aux"] = float(aux.detach()) / tc.grad_accum
+        if tc.z_loss > 0:
+            z = z_loss(out.logits, micro["labels"].to(self.rt.device), denom)
+            value = value + tc.z_loss * z
+            metrics["z_loss"] = float(z.detach())
+        return Loss(value, metrics, mean=aux)
+
+    def throughput(self, steps: int, seconds: float) -> dict[str, float]:
+        if self._peak_flops is None:
+            self._peak_flops = measure_peak_flops(self.rt.device)
+        tok_s = steps * self.tokens_per_step / max(seconds, 1e-9)
+        return {
+            "tokens": self.step * self.tokens_per_step,
+            "tokens_per_s": tok_s,
+            "mfu": self.flops_per_token * tok_s / self._peak_flops,
+        }
+
+    def progress_info(self, row: dict[str, Any]) -> str:
+        return (
+            f"loss {row['loss']:.3f}  {row['tokens_per_s']:,.0f} tok/s  MFU {100 * row['mfu']:.1f}%"
+        )
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out CE (nats/token) and bits per byte over `eval_batches` batches (0: all)."""
+        if self.held_loader is None:
+            return {}
+        self.held_loader.load_state_dict(self._held_start)
+        self.model.eval()
+        try:
+            nats, n_tok, n_bytes = eval_sums(
+                lambda b: self._forward(b, 1, mtp_depth=0, return_logits=False),
+                self.held_loader,
+                self.token_bytes,
+                max_batches=self.rt.tc.eval_batches,
+            )
+        finally:
+            self.model.train()
+        nats, n_bytes = self.rt.reduce_sum(nats), self.rt.reduce_sum(n_bytes)
+        n_tok = int(round(self.rt.reduce_sum(n_tok)))
+        if n_tok == 0:
+            return {}
+        return {
+            "tokens": self.step * self.tokens_per_step,
+            "eval_loss": nats / n_tok,
+            "eval_bpb": nats / (math.log(2) * n_bytes) if n_bytes else math.nan,
+            "eval_tokens": n_tok,
+        }
+
+    # ------------------------------------------------------------------ checkpoint + end
+    def run_config(self) -> dict[str, Any]:
+        return self.run.to_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "tokens_seen": self.step * self.tokens_per_step,
+            "loader": self.train_loader.state_dict(),
+        }
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
+        self.step = meta["step"]
+        self.train_loader.load_state_dict(meta["loader"])
+
+    def plot(self, metrics_path: Path) -> Path | None:
+        from .plot import plot_loss_curves
+
+        return plot_loss_curves(metrics_path, self.rt.out / "loss.png")
+
+    def summary(self) -> dict[str, Any]:
+        return {"tokens_seen": self.step * self.tokens_per_step}
+
+
+def pretrain_trainer(
+    run_cfg: RunConfig, *, resume: bool = False, overwrite: bool = False
+) -> Trainer:
+    """The Trainer of a pretraining run (`run_cfg.resolved()`), ready to `train()`."""
+    run = run_cfg.resolved()
+    return Trainer(run.train, lambda rt: Pretrain(run, rt), resume=resume, overwrite=overwrite)
+
+
+def run_pretrain(
+    run_cfg: RunConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    until_step: int | None = None,
+) -> dict[str, Any]:
+    """Pretrain from a `RunConfig`; returns final metrics and the last checkpoint's path.
+
+    `resume=True` continues from the newest intact checkpoint under `train.out_dir` (exactly: the
+    loss sequence equals that of an uninterrupted run); `overwrite=True` replaces an earlier run
+    there (without either, one is an error). `until_step` stops early (the schedule still spans
+    the whole run), e.g. to test resumption."""
+    trainer = pretrain_trainer(run_cfg, resume=resume, overwrite=overwrite)
+    if is_main():
+        trainer.module.run.save(Path(run_cfg.train.out_dir) / "run.yaml")
+    return trainer.train(until_step=until_step)
