@@ -22,8 +22,10 @@ import torch
 from hybridlm import HybridLM, ModelConfig
 from hybridlm.data.builtin import read_text
 from hybridlm.data.tokenizer import ByteTokenizer
+from hybridlm.interop.hf import save_pretrained
+from hybridlm.io import load_model
 from hybridlm.presets import get_preset
-from hybridlm.train.plot import save_figure
+from hybridlm.report.plot import save_figure
 
 HELD_OUT_FRACTION = 0.1
 
@@ -152,14 +154,14 @@ def load_or_train(
     saved there. Returns (model, trained_now). Training rows go to `ckpt/metrics.jsonl`."""
     ckpt = Path(ckpt)
     if (ckpt / "config.json").is_file() and not retrain:
-        return HybridLM.from_pretrained(ckpt).eval(), False
+        return load_model(ckpt).eval(), False
     train_ids, held = load_split(data)
     cfg = spec_config(
         mtp_depth=train_kw.pop("mtp_depth", 3), mtp_loss_weight=train_kw.pop("mtp_loss_weight", 1.0)
     )
     ckpt.mkdir(parents=True, exist_ok=True)
     model = train(cfg, train_ids, held, metrics_path=ckpt / "metrics.jsonl", log=log, **train_kw)
-    model.save_pretrained(ckpt, tokenizer=ByteTokenizer())
+    save_pretrained(model, ckpt, tokenizer=ByteTokenizer())
     return model, True
 
 

@@ -124,7 +124,7 @@ def measure(setting: str, condition: str, seconds: float) -> dict:
 
 
 def plot(rows: list[dict], out: Path) -> None:
-    from hybridlm.train.plot import pyplot, save_figure
+    from hybridlm.report.plot import pyplot, save_figure
 
     plt = pyplot()
     settings = list(dict.fromkeys(r["setting"] for r in rows))

@@ -42,19 +42,19 @@ from pathlib import Path
 
 import numpy as np
 
-from hybridlm.data import builtin
-from hybridlm.data.curate.core import CurateDoc, DocStage, GlobalStage, StageStats, run_in_memory
-from hybridlm.data.curate.dedup import ExactDedup, MinHashDedup, SubstringDedup, jaccard
-from hybridlm.data.curate.dedup import shingle_hashes as shingles
-from hybridlm.data.curate.pipeline import (
+from hybridlm.curate.core import CurateDoc, DocStage, GlobalStage, StageStats, run_in_memory
+from hybridlm.curate.dedup import ExactDedup, MinHashDedup, SubstringDedup, jaccard
+from hybridlm.curate.dedup import shingle_hashes as shingles
+from hybridlm.curate.pipeline import (
     CurateConfig,
     CurateInput,
     default_stages,
     iter_output,
     run_curate,
 )
+from hybridlm.data import builtin
 from hybridlm.data.sources import TextFileSource
-from hybridlm.train.plot import save_figure
+from hybridlm.report.plot import save_figure
 
 EDIT_RATES = (0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.10)
 
@@ -70,7 +70,7 @@ def load_corpus(n: int) -> tuple[str, list[CurateDoc]]:
 def stage_throughput(docs: list[CurateDoc]) -> list[dict]:
     rows = []
     for spec in default_stages():
-        from hybridlm.data.curate.core import build_stage
+        from hybridlm.curate.core import build_stage
 
         stage = build_stage(spec)
         stage.setup()
@@ -104,7 +104,7 @@ def stage_throughput(docs: list[CurateDoc]) -> list[dict]:
 def pipeline_ratio(docs: list[CurateDoc], shards: int, workers: int) -> tuple[dict, bool]:
     import ray
 
-    from hybridlm.data.curate.pipeline import write_docs
+    from hybridlm.curate.pipeline import write_docs
 
     tmp = Path(tempfile.mkdtemp(prefix="curate_bench_"))
     per = (len(docs) + shards - 1) // shards
@@ -326,8 +326,8 @@ def plot_dedup(metrics: Path, png: Path, bands: int = 20, rows: int = 5) -> Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from hybridlm.data.curate.dedup import lsh_candidate_probability
-    from hybridlm.train.plot import read_metrics
+    from hybridlm.curate.dedup import lsh_candidate_probability
+    from hybridlm.report.plot import read_metrics
 
     data = [r for r in read_metrics(metrics) if r.get("kind") == "copy"]
     fig, ax = plt.subplots(figsize=(7, 4.2))

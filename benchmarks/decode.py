@@ -51,10 +51,11 @@ from hybridlm import HybridLM, ModelConfig  # noqa: E402
 from hybridlm.data import builtin  # noqa: E402
 from hybridlm.eval.flow import attention_only  # noqa: E402
 from hybridlm.eval.flow import cache_bytes as computed_bytes  # noqa: E402
-from hybridlm.infer.cache import HybridCache, KVState, MambaState  # noqa: E402
 from hybridlm.infer.generate import generate  # noqa: E402
+from hybridlm.interop.hf import save_pretrained  # noqa: E402
+from hybridlm.model.cache import HybridCache, KVState, MambaState  # noqa: E402
 from hybridlm.presets import get_preset  # noqa: E402
-from hybridlm.train.plot import save_figure  # noqa: E402
+from hybridlm.report.plot import save_figure  # noqa: E402
 
 SECTIONS = ("decode", "speculative", "memory")
 REPO = Path(__file__).resolve().parents[1]
@@ -82,7 +83,7 @@ def _pair(cfg: ModelConfig, seed: int):
 
     ours = HybridLM(cfg, seed=seed).eval()
     with tempfile.TemporaryDirectory() as tmp:
-        ours.save_pretrained(tmp)
+        save_pretrained(ours, tmp)
         theirs = AutoModelForCausalLM.from_pretrained(tmp).eval()
     return ours, theirs
 

@@ -4,7 +4,7 @@
 
 Index: GSM8K (train + test) and HumanEval, the packaged copies (`hybridlm.data.builtin`) or
 those in `--data`. Planted documents: a benchmark
-question (optionally followed by its answer) edited by `hybridlm.data.curate.decon.edit_text`
+question (optionally followed by its answer) edited by `hybridlm.curate.decon.edit_text`
 (verbatim, format, word_swap, number, two_edits) and embedded between two Shakespeare passages.
 Clean documents: tinyshakespeare passages and Python standard-library source files, and (near
 domain) GSM8K train problems against an index of the GSM8K test split only. Three
@@ -21,15 +21,15 @@ import sys
 import time
 from pathlib import Path
 
-from hybridlm.data import builtin
-from hybridlm.data.curate.decon import (
+from hybridlm.curate.benchmarks import BenchmarkRegistry
+from hybridlm.curate.decon import (
     EDITS,
-    BenchmarkRegistry,
     NgramOverlapDetector,
     SampledNgramDetector,
     SimpleConfig,
     edit_text,
 )
+from hybridlm.data import builtin
 from hybridlm.data.sources import StdlibSource, tinyshakespeare
 
 

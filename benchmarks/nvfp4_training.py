@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from hybridlm.train.plot import save_figure
+from hybridlm.report.plot import save_figure
 
 
 def study_config(out: Path, *, steps: int, low_precision: str, seq_len: int, batch: int):
@@ -86,7 +86,7 @@ def summarize(out: Path, cfg) -> dict:
     """Figures of the two runs under `out` (read back from their metrics.jsonl)."""
     from hybridlm.model.model import HybridLM
     from hybridlm.precision.policy import PrecisionPolicy, assign_formats
-    from hybridlm.train.plot import read_metrics
+    from hybridlm.report.plot import read_metrics
 
     with torch.device("meta"):
         model = HybridLM(cfg.model)
@@ -125,7 +125,7 @@ def plot_study(out: Path, cfg, png: Path) -> Path:
 
     from hybridlm.model.model import HybridLM
     from hybridlm.precision.policy import PrecisionPolicy, assign_formats
-    from hybridlm.train.plot import read_metrics
+    from hybridlm.report.plot import read_metrics
 
     with torch.device("meta"):
         model = HybridLM(cfg.model)

@@ -108,13 +108,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM
 
+    from hybridlm.interop.hf import save_pretrained
+
     device = torch.device(args.device)
     torch.manual_seed(0)
     cfg = model_config(args.preset, args.tiny)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_trainer(cfg, Path(tmp), batch=args.batch, seq=args.seq, device=args.device)
         ours = trainer.model
-        ours.save_pretrained(Path(tmp) / "hf")
+        save_pretrained(ours, Path(tmp) / "hf")
         theirs = AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", attn_implementation="sdpa")
     theirs = theirs.to(device).train()
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=device)

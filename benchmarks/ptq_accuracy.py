@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from hybridlm.train.plot import save_figure
+from hybridlm.report.plot import save_figure
 
 
 def find_checkpoint(args) -> Path:
-    from hybridlm.train.checkpoint import latest_checkpoint
+    from hybridlm.io.checkpoint import latest_checkpoint
 
     if args.checkpoint:
         return Path(args.checkpoint)
@@ -58,7 +58,7 @@ def plot(metrics: Path, png: Path) -> Path:
     """Relative held-out loss against effective bits, rendered from metrics.jsonl."""
     import matplotlib
 
-    from hybridlm.train.plot import read_metrics
+    from hybridlm.report.plot import read_metrics
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybridlm.interop.modelopt import export_modelopt, load_modelopt
     from hybridlm.precision import ptq
     from hybridlm.precision.autoquant import autoquantize, measure_sensitivities
-    from hybridlm.precision.quantize import load_checkpoint_and_data
+    from hybridlm.train.quantize import load_checkpoint_and_data
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

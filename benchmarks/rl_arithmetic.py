@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from hybridlm.report.plot import save_figure
 from hybridlm.rl.learner import EnvConfig, RLConfig, run_rl
-from hybridlm.train.plot import save_figure
 
 
 def config(sft: str, out: Path, reward: str, args: argparse.Namespace) -> RLConfig:

@@ -4,7 +4,7 @@
     python benchmarks/ssm_state_precision.py --steps 512 --out /tmp/ssm
 
 One Mamba-2 mixer of the tiny-super preset decodes the same input stream token by token with its
-SSM state stored in fp32 and in each low precision (`infer.state_precision`). Every
+SSM state stored in fp32 and in each low precision (`model.state_precision`). Every
 `--every` steps it records, per precision, the relative state error ||s - s_fp32|| / ||s_fp32||
 and the signed bias mean(s - s_fp32) / mean|s_fp32| (drift that does not average out). Rows go
 to `metrics.jsonl`; `drift.png` is rendered from that file afterwards.
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from hybridlm import HybridLM
-from hybridlm.infer.cache import MambaState
-from hybridlm.infer.state_precision import SSM_PRECISIONS
+from hybridlm.model.cache import MambaState
+from hybridlm.model.state_precision import SSM_PRECISIONS
 from hybridlm.presets import get_preset
 
 

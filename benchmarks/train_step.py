@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from hybridlm import HybridLM
+    from hybridlm.interop.hf import save_pretrained
     from hybridlm.presets import get_preset
 
     torch.manual_seed(0)
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.mtp.pattern = ""
     ours = HybridLM(cfg, seed=0).train()
     with tempfile.TemporaryDirectory() as tmp:
-        ours.save_pretrained(tmp)
+        save_pretrained(ours, tmp)
         theirs = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="sdpa").train()
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
     with torch.no_grad():

@@ -104,8 +104,8 @@ def _error_line(err: str) -> str:
 
 def test_pretrain_rerun_needs_resume_or_overwrite_and_resume_skips_damage(tmp_path, capsys):
     from _tiny import tiny_run
-    from hybridlm.train.checkpoint import list_checkpoints
-    from hybridlm.train.plot import read_metrics
+    from hybridlm.io.checkpoint import list_checkpoints
+    from hybridlm.report.plot import read_metrics
     from hybridlm.train.pretrain import run_pretrain
 
     cfg = tiny_run(tmp_path, "run", max_steps=4, checkpoint_interval=2, eval_interval=0)

@@ -22,7 +22,7 @@ reason) less about one point for other versions. Measured:
     c4_fineweb         1.000  the FineWeb recipe's C4 configuration (no end-mark line rule)
 
 The reasons are the deliberate differences listed in each filter's docstring in
-`hybridlm.data.curate.filters` (the paper's wording, or for C4 the TFDS code that built C4, where
+`hybridlm.curate.filters` (the paper's wording, or for C4 the TFDS code that built C4, where
 datatrove reads it otherwise). Before the fixes of the Gopher stop-word rule (distinct words), the
 Gopher '#' / ellipsis ratios (each on its own) and the C4 page rules (ellipsis lines, curly bracket,
 "lorem ipsum" and the sentence count over kept lines only) the same corpus gave 0.848, 0.968,
@@ -51,6 +51,13 @@ from collections.abc import Callable
 
 import pytest
 
+from hybridlm.curate.core import CurateDoc
+from hybridlm.curate.filters import (
+    C4Filter,
+    FineWebFilter,
+    GopherQualityFilter,
+    GopherRepetitionFilter,
+)
 from hybridlm.data.builtin import (
     GSM8K_TRAIN,
     HUMANEVAL,
@@ -58,13 +65,6 @@ from hybridlm.data.builtin import (
     path,
     read_jsonl,
     read_text,
-)
-from hybridlm.data.curate.core import CurateDoc
-from hybridlm.data.curate.filters import (
-    C4Filter,
-    FineWebFilter,
-    GopherQualityFilter,
-    GopherRepetitionFilter,
 )
 
 N_DOCS = 1600

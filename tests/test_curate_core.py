@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from hybridlm.cli.data import register
-from hybridlm.data.config import SourceConfig
-from hybridlm.data.curate.core import (
+from hybridlm.curate.core import (
     STAGES,
     CurateDoc,
     Decision,
@@ -23,14 +22,15 @@ from hybridlm.data.curate.core import (
     load_stage_modules,
     stage_fingerprint,
 )
-from hybridlm.data.curate.filters import GopherRepetitionFilter, LengthFilter
-from hybridlm.data.curate.pipeline import (
+from hybridlm.curate.filters import GopherRepetitionFilter, LengthFilter
+from hybridlm.curate.pipeline import (
     CurateConfig,
     CurateInput,
     iter_output,
     read_docs,
     run_curate,
 )
+from hybridlm.data.config import SourceConfig
 from hybridlm.data.pipeline import build_source
 from hybridlm.data.sources import Document
 

@@ -8,13 +8,11 @@ import random
 import numpy as np
 import pytest
 
-from hybridlm.data import builtin
-from hybridlm.data.curate.core import CurateDoc, StageStats, build_stage
-from hybridlm.data.curate.decon import (
+from hybridlm.curate.benchmarks import BenchmarkRegistry, EvalItem
+from hybridlm.curate.core import CurateDoc, StageStats, build_stage
+from hybridlm.curate.decon import (
     EDITS,
-    BenchmarkRegistry,
     DeconReport,
-    EvalItem,
     NgramOverlapDetector,
     OverlapConfig,
     SampledNgramDetector,
@@ -24,6 +22,7 @@ from hybridlm.data.curate.decon import (
     ngram_hashes,
     tokens,
 )
+from hybridlm.data import builtin
 from hybridlm.data.fim import chat_to_text
 from hybridlm.data.sources import StdlibSource, tinyshakespeare
 

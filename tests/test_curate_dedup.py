@@ -10,8 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from hybridlm.data.curate.core import CurateDoc, run_in_memory
-from hybridlm.data.curate.dedup import (
+from hybridlm.curate.core import CurateDoc, run_in_memory
+from hybridlm.curate.dedup import (
     ExactDedup,
     MinHashDedup,
     SubstringDedup,

@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("py3langid")
 
-from hybridlm.data.curate.core import CurateDoc, build_stage
-from hybridlm.data.curate.extract import HtmlExtract, Normalize, looks_like_html, normalize_text
-from hybridlm.data.curate.filters import (
+from hybridlm.curate.core import CurateDoc, build_stage
+from hybridlm.curate.extract import HtmlExtract, Normalize, looks_like_html, normalize_text
+from hybridlm.curate.filters import (
     C4Filter,
     CharRatioFilter,
     FineWebFilter,
@@ -26,7 +26,7 @@ from hybridlm.data.curate.filters import (
     top_ngram_char_fraction,
     url_host,
 )
-from hybridlm.data.curate.langid import LanguageFilter
+from hybridlm.curate.langid import LanguageFilter
 
 LINES = [
     "The river town grew slowly along the northern bank of the valley.",

@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from hybridlm.data.config import DataConfig, SourceConfig
-from hybridlm.data.curate.core import CurateDoc, StageRecord, run_in_memory
-from hybridlm.data.curate.decon import BenchmarkRegistry, DecontaminateStage, decontaminate
-from hybridlm.data.curate.embed import (
+from hybridlm.curate.benchmarks import BenchmarkRegistry
+from hybridlm.curate.core import CurateDoc, StageRecord, run_in_memory
+from hybridlm.curate.decon import DecontaminateStage, decontaminate
+from hybridlm.curate.embed import (
     CodeEmbeddingDetector,
     EmbedDeconConfig,
     HashedTfidfEmbedder,
@@ -24,8 +24,8 @@ from hybridlm.data.curate.embed import (
     plant_variant,
     stdlib_functions,
 )
-from hybridlm.data.curate.mixing import parse_weights, write_curriculum
-from hybridlm.data.curate.pipeline import (
+from hybridlm.curate.mixing import parse_weights, write_curriculum
+from hybridlm.curate.pipeline import (
     CurateConfig,
     CurateInput,
     expand_repeats,
@@ -33,7 +33,8 @@ from hybridlm.data.curate.pipeline import (
     repeat_copies,
     run_curate,
 )
-from hybridlm.data.curate.upsample import CurveConfig, UpsampleCurve, repeat_count
+from hybridlm.curate.upsample import CurveConfig, UpsampleCurve, repeat_count
+from hybridlm.data.config import DataConfig, SourceConfig
 from hybridlm.data.pipeline import build_loaders, prepare_shards
 
 
@@ -424,7 +425,7 @@ def test_minilm_backend_loads_a_local_sentence_transformers_model(tmp_path, monk
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    from hybridlm.data.curate.embed import MiniLMEmbedder, make_backend
+    from hybridlm.curate.embed import MiniLMEmbedder, make_backend
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert minilm_available(str(st_dir))
@@ -453,7 +454,7 @@ def test_minilm_backend_offline(humaneval, monkeypatch, one_thread):
     if not minilm_available():
         pytest.skip("sentence-transformers/all-MiniLM-L6-v2 is not in the local Hub cache")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from hybridlm.data.curate.embed import MiniLMEmbedder
+    from hybridlm.curate.embed import MiniLMEmbedder
 
     emb = MiniLMEmbedder()
     items = [it for it in humaneval.items if it.benchmark == "humaneval"][:3]

@@ -9,9 +9,7 @@ import pytest
 import torch
 
 from _tiny import tiny_train_model
-from hybridlm.data import builtin
-from hybridlm.data.config import DataConfig, SourceConfig
-from hybridlm.data.curate.mixing import (
+from hybridlm.curate.mixing import (
     BigramProxy,
     MixtureRegression,
     SwarmResult,
@@ -24,6 +22,8 @@ from hybridlm.data.curate.mixing import (
     sample_mixtures,
     write_mixture,
 )
+from hybridlm.data import builtin
+from hybridlm.data.config import DataConfig, SourceConfig
 from hybridlm.data.loader import PackedLoader
 from hybridlm.data.pipeline import build_loaders, prepare_shards
 

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridlm.data import builtin
-from hybridlm.data.curate.core import CurateDoc, StageStats, build_stage
-from hybridlm.data.curate.quality import (
+from hybridlm.curate.core import CurateDoc, StageStats, build_stage
+from hybridlm.curate.quality import (
     BucketThresholds,
     ClassifierConfig,
     FastTextClassifier,
@@ -25,7 +24,7 @@ from hybridlm.data.curate.quality import (
     train_test_split,
     vingtiles,
 )
-from hybridlm.data.curate.upsample import (
+from hybridlm.curate.upsample import (
     CurveConfig,
     UpsampleCurve,
     plan_upsampling,
@@ -33,6 +32,7 @@ from hybridlm.data.curate.upsample import (
     repeat_count,
     write_curves,
 )
+from hybridlm.data import builtin
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from hybridlm.data.curate.pipeline import CurateConfig, CurateInput, iter_output, run_curate
+from hybridlm.curate.pipeline import CurateConfig, CurateInput, iter_output, run_curate
 
 ray = pytest.importorskip("ray")
 

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from _tiny import tiny_train_model
 from hybridlm.cli.train import register
+from hybridlm.io.checkpoint import save_checkpoint
 from hybridlm.model.model import build_model
-from hybridlm.train.checkpoint import save_checkpoint
+from hybridlm.report.plot import read_metrics
 from hybridlm.train.config import TrainConfig, apply_run_overrides
 from hybridlm.train.distill import (
     DistillConfig,
@@ -25,7 +26,6 @@ from hybridlm.train.distill import (
     run_distill,
 )
 from hybridlm.train.objectives import distill_loss, skew_reverse_kl
-from hybridlm.train.plot import read_metrics
 from hybridlm.train.sft import ChatSource, SFTDataConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")

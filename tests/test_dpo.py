@@ -166,7 +166,7 @@ def _dpo_run(tmp_path, out, *, steps, batch_size=4, grad_accum=1, loss="dpo_norm
         path.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_pairs(40, seed=2)))
     init = tmp_path / "init"
     if not (init / "checkpoints").exists():
-        from hybridlm.train.checkpoint import save_checkpoint
+        from hybridlm.io.checkpoint import save_checkpoint
 
         model = tiny_model()
         meta = {"run_config": {"model": model.config.to_dict()}}
@@ -184,10 +184,11 @@ def _dpo_run(tmp_path, out, *, steps, batch_size=4, grad_accum=1, loss="dpo_norm
             log_interval=1,
             checkpoint_interval=0,
             out_dir=str(tmp_path / out),
+            init_from=str(init / "checkpoints" / "step_00000000"),
             progress=False,
             plot=False,
         ),
-        dpo=DPOConfig(init_from=str(init / "checkpoints" / "step_00000000"), loss=loss),
+        dpo=DPOConfig(loss=loss),
     )
 
 
@@ -285,7 +286,7 @@ def test_config_cli_and_errors(tmp_path):
     with pytest.raises(ValueError, match="exactly one of"):
         DPODataConfig()
     with pytest.raises(ValueError, match="dpo.loss"):
-        DPOConfig(init_from="x", loss="ipo")
+        DPOConfig(loss="ipo")
     with pytest.raises(ValueError, match="needs a 'dpo' section"):
         DPORunConfig.from_dict({"data": {"path": "x"}})
 

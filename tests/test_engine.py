@@ -6,10 +6,10 @@ import torch
 
 from hybridlm import HybridLM
 from hybridlm.data.tokenizer import ByteTokenizer
-from hybridlm.infer.cache import HybridCache
 from hybridlm.infer.engine import Engine
 from hybridlm.infer.generate import generate, left_align
 from hybridlm.infer.sampling import SamplingParams, filtered_probs
+from hybridlm.model.cache import HybridCache
 from hybridlm.presets import get_preset
 
 PRESETS = ["tiny-super", "tiny-lightning", "tiny-olmo"]

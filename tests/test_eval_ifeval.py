@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from _tiny import tiny_train_model
+from hybridlm.cli import main
 from hybridlm.data.tokenizer import ByteTokenizer
-from hybridlm.eval.harness import main
 from hybridlm.eval.ifeval import IFEvalTask, load_ifeval_records, score_responses
 from hybridlm.eval.tasks import EvalRunner, get_task, resolve_tasks
+from hybridlm.interop.hf import save_pretrained
 from hybridlm.model.model import HybridLM
 from hybridlm.rl.ifeval import IFEVAL_METRICS
 
@@ -142,10 +143,10 @@ def test_generated_prompts_on_a_tiny_model(tiny_runner, one_thread):
 
 def test_cli_runs_ifeval(tmp_path, one_thread, capsys):
     ckpt = tmp_path / "tiny"
-    HybridLM(tiny_train_model(), seed=0).save_pretrained(ckpt)
+    save_pretrained(HybridLM(tiny_train_model(), seed=0), ckpt)
     data = _write(tmp_path / "ifeval.jsonl", ROWS)
     out = tmp_path / "ev"
-    args = ["--checkpoint", str(ckpt), "--tasks", "ifeval", "--limit", "2"]
+    args = ["eval", "--checkpoint", str(ckpt), "--tasks", "ifeval", "--limit", "2"]
     args += ["--ifeval-data", str(data), "--max-new-tokens", "8", "--out", str(out)]
     assert main([*args, "--no-progress"]) == 0, capsys.readouterr().err
     doc = json.loads((out / "results.json").read_text())
@@ -155,4 +156,5 @@ def test_cli_runs_ifeval(tmp_path, one_thread, capsys):
     assert doc["config"]["ifeval_data"] == str(data)
     printed = capsys.readouterr().out
     assert "prompt_level_strict_acc" in printed and "inst_level_loose_acc" in printed
-    assert main(["--preset", "tiny-olmo", "--tasks", "ifeval", "--ifeval-data", "nope.jsonl"]) == 2
+    bad = ["eval", "--preset", "tiny-olmo", "--tasks", "ifeval", "--ifeval-data", "nope.jsonl"]
+    assert main(bad) == 2

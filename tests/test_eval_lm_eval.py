@@ -27,6 +27,7 @@ from hybridlm.eval.tasks import (  # noqa: E402
     copycolors_items,
 )
 from hybridlm.infer.sampling import SamplingParams  # noqa: E402
+from hybridlm.interop.hf import save_pretrained  # noqa: E402
 from hybridlm.model.model import HybridLM  # noqa: E402
 
 MC_YAML = """task: hybridlm_local_mc
@@ -161,7 +162,7 @@ def test_command_line_registers_the_backend(tmp_path):
                     answer=0)]  # fmt: skip
     _write_tasks(tmp_path, items, ["abc"])
     ckpt = tmp_path / "ckpt"
-    HybridLM(tiny_train_model(mtp=False), seed=0).save_pretrained(ckpt)
+    save_pretrained(HybridLM(tiny_train_model(mtp=False), seed=0), ckpt)
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     env["HF_DATASETS_CACHE"] = str(tmp_path / "hf_cache")
     proc = subprocess.run(
@@ -233,7 +234,8 @@ def hf_dir(tmp_path_factory) -> Path:
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(10.0)
-    return model.save_pretrained(tmp_path_factory.mktemp("tiny") / "hf", tokenizer=ByteTokenizer())
+    out = tmp_path_factory.mktemp("tiny") / "hf"
+    return save_pretrained(model, out, tokenizer=ByteTokenizer())
 
 
 def test_gsm8k_offline_hybridlm_equals_hf(hf_dir, tmp_path, monkeypatch, one_thread):

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hybridlm import HybridLM
+from hybridlm.cli import main
 from hybridlm.data import builtin
 from hybridlm.data.tokenizer import ByteTokenizer
-from hybridlm.eval.harness import main
 from hybridlm.eval.speculative import (
     CATEGORIES,
     SpecBenchConfig,
@@ -27,6 +27,7 @@ from hybridlm.eval.speculative import (
 )
 from hybridlm.eval.tasks import EvalRunner, bootstrap_ratio_stderr, get_task, resolve_tasks
 from hybridlm.infer.speculative import SpecStats
+from hybridlm.interop.hf import save_pretrained
 from hybridlm.presets import get_preset
 from hybridlm.train.mtp_boost import measure_acceptance, merge_stats
 
@@ -247,11 +248,11 @@ def test_registered_and_runs_through_hybridlm_eval(tmp_path, capsys):
     assert (task.config.draft_len, task.config.new_tokens, task.config.seed) == (7, 33, 3)
     assert task.config.prompt_format == "chat"
     ckpt = tmp_path / "tiny"
-    _model().save_pretrained(ckpt)
+    save_pretrained(_model(), ckpt)
     out = tmp_path / "ev"
-    args = ["--checkpoint", str(ckpt), "--tasks", "speculative,copycolors:rc", "--limit", "2",
-            "--data-dir", str(tmp_path / "nodata"), "--out", str(out), "--max-new-tokens", "10",
-            "--dtype", "float64", "--no-progress"]  # fmt: skip
+    args = ["eval", "--checkpoint", str(ckpt), "--tasks", "speculative,copycolors:rc",
+            "--limit", "2", "--data-dir", str(tmp_path / "nodata"), "--out", str(out),
+            "--max-new-tokens", "10", "--dtype", "float64", "--no-progress"]  # fmt: skip
     assert main(args) == 0, capsys.readouterr().err
     doc = json.loads((out / "results.json").read_text())
     spec = doc["tasks"]["spec_bench"]
@@ -277,9 +278,10 @@ def test_registered_and_runs_through_hybridlm_eval(tmp_path, capsys):
     plain = tmp_path / "nomtp"
     cfg = _model().config
     cfg.mtp.pattern = ""
-    HybridLM(cfg, seed=0).save_pretrained(plain)
-    bad = ["--checkpoint", str(plain), "--tasks", "spec_bench", "--limit", "1", "--no-progress",
-           "--data-dir", str(tmp_path), "--out", str(tmp_path / "ev2")]  # fmt: skip
+    save_pretrained(HybridLM(cfg, seed=0), plain)
+    bad = ["eval", "--checkpoint", str(plain), "--tasks", "spec_bench", "--limit", "1",
+           "--no-progress", "--data-dir", str(tmp_path),
+           "--out", str(tmp_path / "ev2")]  # fmt: skip
     assert main(bad) == 2
     assert "MTP head" in capsys.readouterr().err
 
@@ -333,7 +335,7 @@ def test_benchmark_script_prints_a_line_per_category_and_overall(tmp_path, capsy
     import spec_bench
 
     ckpt = tmp_path / "tiny"
-    _model().save_pretrained(ckpt)
+    save_pretrained(_model(), ckpt)
     args = ["--checkpoint", str(ckpt), "--per-category", "1", "--new-tokens", "6",
             "--timing-repeats", "1", "--out", str(tmp_path / "out"), "--dtype", "float64",
             "--data-dir", str(tmp_path / "nodata"), "--no-progress"]  # fmt: skip

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from _tiny import tiny_train_model
+from hybridlm.cli import main
 from hybridlm.data import builtin
 from hybridlm.data.tokenizer import ByteTokenizer
-from hybridlm.eval.harness import EvalConfig, LoadedModel, evaluate, load_model, main
+from hybridlm.eval.harness import EvalConfig, LoadedModel, evaluate, load_model
 from hybridlm.eval.loglik import LN2, encode_pair, loglikelihood
 from hybridlm.eval.passk import mean_pass_at_k, pass_at_k
 from hybridlm.eval.tasks import (
@@ -31,6 +32,7 @@ from hybridlm.eval.tasks import (
     resolve_tasks,
     score_humaneval,
 )
+from hybridlm.interop.hf import save_pretrained
 from hybridlm.model.model import HybridLM
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "runs/quickstart/checkpoints/step_00001200"
@@ -177,11 +179,11 @@ def test_resolve_tasks_groups_and_errors():
 
 def test_cli_end_to_end_on_a_random_model(tmp_path, one_thread, capsys):
     ckpt = tmp_path / "tiny"
-    HybridLM(tiny_train_model(), seed=0).save_pretrained(ckpt)  # transformers directory
+    save_pretrained(HybridLM(tiny_train_model(), seed=0), ckpt)  # transformers directory
     out = tmp_path / "ev"
     rc = main(
         [
-            "--checkpoint", str(ckpt), "--tasks",
+            "eval", "--checkpoint", str(ckpt), "--tasks",
             "humaneval_bpb,shakespeare_bpb,copycolors:rc,copycolors:mc,gsm8k,humaneval,"
             "ruler_niah_single",
             "--limit", "2", "--out", str(out),
@@ -201,7 +203,8 @@ def test_cli_end_to_end_on_a_random_model(tmp_path, one_thread, capsys):
     assert all(r["stderr"] is not None for r in rows if r["metric"] == "bpb")
     assert (out / "ruler.png").stat().st_size > 0
     assert (out / "samples" / "copycolors_rc.jsonl").is_file()
-    assert main(["--preset", "tiny-olmo", "--tasks", "nope"]) == 2  # a user error, no traceback
+    # a user error, no traceback
+    assert main(["eval", "--preset", "tiny-olmo", "--tasks", "nope"]) == 2
 
 
 @pytest.mark.slow

@@ -154,7 +154,7 @@ def test_chat_to_text():
 
 
 def test_fim_stage():
-    from hybridlm.data.curate.core import CurateDoc, StageStats, build_stage
+    from hybridlm.curate.core import CurateDoc, StageStats, build_stage
 
     stage = build_stage({"stage": "fim", "rate": 1.0, "seed": 2})
     docs = [CurateDoc(id=f"d{i}", text=CODE) for i in range(40)]

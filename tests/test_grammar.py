@@ -16,13 +16,13 @@ from hybridlm import HybridLM  # noqa: E402
 from hybridlm.data.bpe import train_bpe  # noqa: E402
 from hybridlm.data.chat import STOP  # noqa: E402
 from hybridlm.data.tokenizer import ByteTokenizer  # noqa: E402
-from hybridlm.infer.cache import HybridCache  # noqa: E402
 from hybridlm.infer.grammar import (  # noqa: E402
     end_token_ids,
     grammar_constraint,
     json_constraint,
     llg_tokenizer,
 )
+from hybridlm.model.cache import HybridCache  # noqa: E402
 
 # --------------------------------------------------------------------------- shared helpers
 _WORDS = ["Oslo", "Rome", "Lima", "city", "days", "name", "tags", "true", "false", "null", "note"]

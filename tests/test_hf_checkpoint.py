@@ -23,8 +23,10 @@ from hybridlm.data.chat import CHAT_TEMPLATE, STOP, render  # noqa: E402
 from hybridlm.data.sft import LOW_EFFORT_TAG, ReasoningModes, apply_reasoning_modes  # noqa: E402
 from hybridlm.data.tokenizer import ByteTokenizer  # noqa: E402
 from hybridlm.infer.generate import generate  # noqa: E402
+from hybridlm.interop.hf import save_pretrained  # noqa: E402
+from hybridlm.io import load_model, load_tokenizer_for  # noqa: E402
+from hybridlm.io.checkpoint import save_checkpoint  # noqa: E402
 from hybridlm.presets import get_preset  # noqa: E402
-from hybridlm.train.checkpoint import save_checkpoint, tokenizer_for  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -268,19 +270,19 @@ def test_export_hf_of_a_training_checkpoint(bpe, tmp_path, capsys):
         main(["export-hf", "--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf")])
         == 0
     )
-    ours = HybridLM.from_pretrained(tmp_path / "run").eval()  # the project's own path
-    check_model_dir(tmp_path / "hf", ours, tokenizer_for(tmp_path / "run"), PROMPTS)
+    ours = load_model(tmp_path / "run").eval()  # the project's own path
+    check_model_dir(tmp_path / "hf", ours, load_tokenizer_for(tmp_path / "run"), PROMPTS)
     # and back: the exported directory is the same model and tokenizer for hybridlm
-    assert type(tokenizer_for(tmp_path / "hf")).__name__ == "BPETokenizer"
-    assert tokenizer_for(tmp_path / "hf").sha256 == bpe.sha256
+    assert type(load_tokenizer_for(tmp_path / "hf")).__name__ == "BPETokenizer"
+    assert load_tokenizer_for(tmp_path / "hf").sha256 == bpe.sha256
 
 
 def test_export_hf_of_a_preset_carries_the_byte_tokenizer(tmp_path, capsys):
     cfg_path = tmp_path / "olmo.json"
     cfg_path.write_text(json.dumps(_tiny_olmo(320).to_dict()))
     assert main(["export-hf", "--config", str(cfg_path), "--out", str(tmp_path / "hf")]) == 0
-    assert isinstance(tokenizer_for(tmp_path / "hf"), ByteTokenizer)
-    ours = HybridLM.from_pretrained(tmp_path / "hf").eval()
+    assert isinstance(load_tokenizer_for(tmp_path / "hf"), ByteTokenizer)
+    ours = load_model(tmp_path / "hf").eval()
     check_model_dir(tmp_path / "hf", ours, ByteTokenizer(), PROMPTS)
     hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (256, 257, 257)
@@ -318,7 +320,7 @@ def test_sft_run_writes_a_transformers_directory(bpe, tmp_path):
     )
     result = run_sft(cfg)
     assert result["hf"] == str(tmp_path / "sft" / "hf")
-    ours = HybridLM.from_pretrained(tmp_path / "sft").eval()  # its last training checkpoint
+    ours = load_model(tmp_path / "sft").eval()  # its last training checkpoint
     check_model_dir(tmp_path / "sft" / "hf", ours, bpe, PROMPTS)
 
 
@@ -335,11 +337,11 @@ def test_modelopt_export_carries_the_tokenizer(tmp_path):
     hf_tok = AutoTokenizer.from_pretrained(tmp_path)
     assert config["eos_token_id"] == hf_tok.eos_token_id == 257
     assert (tmp_path / "generation_config.json").is_file() and hf_tok.chat_template
-    assert isinstance(tokenizer_for(tmp_path), ByteTokenizer)
+    assert isinstance(load_tokenizer_for(tmp_path), ByteTokenizer)
 
 
 def test_a_tokenizer_larger_than_the_model_is_refused(bpe, tmp_path):
     model = HybridLM(_tiny_nemotron(300), seed=0)
     with pytest.raises(ValueError, match=f"{bpe.vocab_size} ids but the model only 300"):
-        model.save_pretrained(tmp_path / "x", tokenizer=bpe)
+        save_pretrained(model, tmp_path / "x", tokenizer=bpe)
     assert not (tmp_path / "x" / "config.json").exists()

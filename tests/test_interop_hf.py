@@ -1,6 +1,6 @@
 """Parity with transformers' NemotronH and Olmo3, both directions, on random tiny configs (fp32).
 
-"theirs -> ours": build a random transformers model, save it, load with HybridLM.from_pretrained.
+"theirs -> ours": build a random transformers model, save it, load with hybridlm.io.load_model.
 "ours -> theirs": build a random HybridLM, save_pretrained, load with AutoModelForCausalLM.
 """
 
@@ -19,7 +19,8 @@ from transformers import (  # noqa: E402  # noqa: E402
 )
 
 from hybridlm import HybridLM  # noqa: E402
-from hybridlm.interop.hf import family, to_hf_config  # noqa: E402
+from hybridlm.interop.hf import family, save_pretrained, to_hf_config  # noqa: E402
+from hybridlm.io import load_model  # noqa: E402
 
 ATOL = 1e-5
 
@@ -122,7 +123,7 @@ def _tokens(vocab: int, L: int = 37, seed: int = 0) -> torch.Tensor:
 def _theirs_to_ours(hf_model, tmp_path):
     hf_model.eval()
     hf_model.save_pretrained(tmp_path / "theirs")
-    ours = HybridLM.from_pretrained(tmp_path / "theirs").eval()
+    ours = load_model(tmp_path / "theirs").eval()
     x = _tokens(hf_model.config.vocab_size)
     with torch.no_grad():
         ref = hf_model(x, use_cache=False).logits
@@ -133,7 +134,7 @@ def _theirs_to_ours(hf_model, tmp_path):
 
 def _ours_to_theirs(ours, tmp_path, **save_kw):
     ours.eval()
-    ours.save_pretrained(tmp_path / "ours", **save_kw)
+    save_pretrained(ours, tmp_path / "ours", **save_kw)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     x = _tokens(ours.config.vocab_size, seed=1)
     with torch.no_grad():
@@ -177,7 +178,7 @@ def test_sharded_checkpoint_round_trip(tmp_path):
     _ours_to_theirs(ours, tmp_path, max_shard_bytes=2**20)
     index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2
-    again = HybridLM.from_pretrained(tmp_path / "ours")
+    again = load_model(tmp_path / "ours")
     for (n1, a), (n2, b) in zip(ours.state_dict().items(), again.state_dict().items(), strict=True):
         assert n1 == n2 and torch.equal(a, b), n1
 
@@ -189,7 +190,7 @@ def test_mtp_weights_use_vllm_names_and_round_trip(tmp_path):
 
     cfg = get_preset("tiny-super")
     ours = HybridLM(cfg, seed=0)
-    ours.save_pretrained(tmp_path / "ckpt")
+    save_pretrained(ours, tmp_path / "ckpt")
     with safe_open(tmp_path / "ckpt" / "model.safetensors", "pt") as f:
         keys = set(f.keys())
     mtp = {k for k in keys if k.startswith("mtp.")}
@@ -208,7 +209,7 @@ def test_mtp_weights_use_vllm_names_and_round_trip(tmp_path):
         assert name in mtp, name
     hf_cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert hf_cfg["num_nextn_predict_layers"] == 1 and hf_cfg["mtp_hybrid_override_pattern"] == "*E"
-    again = HybridLM.from_pretrained(tmp_path / "ckpt")
+    again = load_model(tmp_path / "ckpt")
     x = _tokens(cfg.vocab_size)
     with torch.no_grad():
         a, b = ours.eval()(x, labels=x), again.eval()(x, labels=x)
@@ -229,11 +230,11 @@ def test_unexportable_configs_raise_clear_errors():
 
 def test_bad_checkpoint_dirs_raise_value_errors(tmp_path):
     with pytest.raises(ValueError, match=r"neither a transformers directory \(config.json\)"):
-        HybridLM.from_pretrained(tmp_path)
+        load_model(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError):
-        HybridLM.from_pretrained(tmp_path)
+        load_model(tmp_path)
 
 
 def test_failed_export_leaves_the_old_checkpoint(tmp_path):
@@ -241,10 +242,10 @@ def test_failed_export_leaves_the_old_checkpoint(tmp_path):
     from hybridlm.presets import get_preset
 
     good = HybridLM(get_preset("tiny-lightning"), seed=0)
-    good.save_pretrained(tmp_path)
+    save_pretrained(good, tmp_path)
     before = sorted(p.name for p in tmp_path.iterdir())
     bad = HybridLM(ModelConfig(pattern="M*", norm_placement="post"), seed=0)  # not exportable
     with pytest.raises(ValueError):
-        bad.save_pretrained(tmp_path)
+        save_pretrained(bad, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
-    HybridLM.from_pretrained(tmp_path)  # still loads
+    load_model(tmp_path)  # still loads

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from _tiny import tiny_train_model
 from hybridlm.interop.hf import save_pretrained
 from hybridlm.interop.modelopt import export_modelopt, load_modelopt
+from hybridlm.io import load_model
 from hybridlm.model.model import HybridLM
 from hybridlm.precision import ptq
 
@@ -77,8 +78,8 @@ def test_round_trip_bit_exact(base, kind, tmp_path):
         ), key
     ids = base[1]
     assert torch.equal(q(ids).logits, r(ids).logits)
-    # every loader of the project (eval, generate, serve) reads it through from_pretrained
-    assert torch.equal(HybridLM.from_pretrained(tmp_path).eval()(ids).logits, r(ids).logits)
+    # every loader of the project (eval, generate, serve) reads it through hybridlm.io
+    assert torch.equal(load_model(tmp_path).eval()(ids).logits, r(ids).logits)
 
 
 def test_nvfp4_layout_as_vllm_expects(base, tmp_path):

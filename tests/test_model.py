@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from hybridlm import HybridLM, ModelConfig, MoEConfig, MTPConfig
-from hybridlm.infer.cache import HybridCache
+from hybridlm.interop.hf import save_pretrained
+from hybridlm.io import load_model
+from hybridlm.model.cache import HybridCache
 from hybridlm.model.moe import MoE, _experts_grouped, _experts_loop
 from hybridlm.presets import PRESETS, get_preset
 
@@ -288,8 +290,8 @@ def test_router_stays_fp32_under_bf16_cast(tmp_path):
     x = _ids(cfg)
     out = model(x, labels=x)
     assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
-    model.save_pretrained(tmp_path)
-    again = HybridLM.from_pretrained(tmp_path)
+    save_pretrained(model, tmp_path)
+    again = load_model(tmp_path)
     assert again.layers[0].mixer.in_proj.weight.dtype == torch.bfloat16
     assert again.layers[1].mixer.gate.weight.dtype == torch.float32
 

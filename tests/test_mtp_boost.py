@@ -1,6 +1,7 @@
 """MTP healing / boosting: the loss matches the pretraining MTP loss, only the head learns,
-hidden-state mixing feeds the true backbone hidden, and a short boost of a random model's head
-on its own generations raises draft agreement and acceptance."""
+hidden-state mixing feeds the true backbone hidden, a short boost of a random model's head on its
+own generations raises draft agreement and acceptance (the backbone, its router biases included,
+unchanged), and a resumed boost repeats the uninterrupted one."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import torch
 
 from hybridlm import HybridLM
 from hybridlm.data.tokenizer import ByteTokenizer
+from hybridlm.io import load, load_model
 from hybridlm.presets import get_preset
 from hybridlm.train.mtp_boost import (
     MTPBoostConfig,
     _shift_left,
     mtp_boost_loss,
+    mtp_boost_trainer,
     run_mtp_boost,
 )
 
@@ -76,12 +79,26 @@ def test_targets_are_only_the_masked_tokens_and_mixing_feeds_the_true_hidden(one
     assert m2["nll_2"] == pytest.approx(ref2.item(), abs=1e-10)
 
 
+def _prompts(n: int) -> list[list[int]]:
+    tok = ByteTokenizer()
+    g = torch.Generator().manual_seed(0)
+    return [[tok.bos_id, *torch.randint(32, 127, (7,), generator=g).tolist()] for _ in range(n)]
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x]
+
+
 def test_a_short_boost_of_a_random_head_raises_agreement_and_acceptance(tmp_path, one_thread):
     torch.manual_seed(0)
     model = _model().float()
+    head = {f"mtp.{k}" for k in model.mtp.state_dict()}
+    frozen = {k: v.clone() for k, v in model.state_dict().items() if k not in head}
+    head_bias = [k for k in head if k.endswith("e_score_correction_bias")]
+    assert head_bias and any(k.endswith("e_score_correction_bias") for k in frozen)
+    start = {k: model.state_dict()[k].clone() for k in head_bias}
     tok = ByteTokenizer()
-    g = torch.Generator().manual_seed(0)
-    prompts = [[tok.bos_id, *torch.randint(32, 127, (7,), generator=g).tolist()] for _ in range(12)]
+    prompts = _prompts(12)
     cfg = MTPBoostConfig(
         steps=40,
         batch_size=8,
@@ -94,15 +111,76 @@ def test_a_short_boost_of_a_random_head_raises_agreement_and_acceptance(tmp_path
         eval_new_tokens=24,
         draft_len=2,
         eval_temperatures=[0.0],
-        log_interval=5,
+        log_interval=1,
     )
     res = run_mtp_boost(model, tok, prompts[:8], prompts[8:], cfg, tmp_path, progress=False)
     assert res["last"]["agree_1"] > res["first"]["agree_1"] + 0.3, (res["first"], res["last"])
     before, after = res["before"][0], res["after"][0]
     assert after["acceptance_length"] > before["acceptance_length"] + 0.2, (before, after)
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = _rows(tmp_path / "metrics.jsonl")
     assert {r["kind"] for r in rows} == {"train", "acceptance"}
+    # the Trainer's rows: `step` counts the optimizer steps done; acceptance before and after
+    assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 41))
+    assert [(r["when"], r["step"]) for r in rows if r["kind"] == "acceptance"] == [
+        ("before", 0),
+        ("after", 40),
+    ]
+    assert res["last"]["skipped_steps"] == 0 and res["first"]["lr"] == pytest.approx(3e-3 / 5)
     assert (tmp_path / "acceptance.png").stat().st_size > 0
-    boosted = HybridLM.from_pretrained(tmp_path / "model")
+    boosted = load_model(tmp_path / "model")
     for a, b in zip(boosted.state_dict().values(), model.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+    # only the head trained: the frozen backbone's routers took no bias step (Nemotron 3 Super
+    # §4.7), the head's own router did
+    state = model.state_dict()
+    for k, v in frozen.items():
+        assert torch.equal(state[k], v), k
+    assert any(not torch.equal(state[k], start[k]) for k in head_bias)
+    assert all(p.requires_grad for p in model.parameters())  # handed back trainable
+
+
+def test_a_resumed_boost_repeats_the_uninterrupted_one(tmp_path, one_thread):
+    tok, prompts = ByteTokenizer(), _prompts(10)
+    cfg = MTPBoostConfig(
+        steps=6,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=2,
+        num_sequences=5,  # a pass over the sequences is 1.25 batches: resumed mid-pass
+        gen_len=12,
+        eval_new_tokens=4,
+        draft_len=2,
+        eval_temperatures=[0.0],
+        log_interval=1,
+        checkpoint_interval=3,
+    )
+
+    def trainer(out, **kw):
+        model = _model().float()
+        return model, mtp_boost_trainer(
+            model, tok, prompts[:8], prompts[8:], cfg, out, progress=False, **kw
+        )
+
+    full, t = trainer(tmp_path / "full")
+    t.train()
+    _, t = trainer(tmp_path / "cut")
+    t.train(until_step=3)
+    resumed, t = trainer(tmp_path / "cut", resume=True)
+    assert t.step == 3
+    t.train()
+    a, b = _rows(tmp_path / "full" / "metrics.jsonl"), _rows(tmp_path / "cut" / "metrics.jsonl")
+    assert [r["kind"] for r in a] == [r["kind"] for r in b]
+    for x, y in zip(a, b, strict=True):
+        if x["kind"] == "train":
+            assert (x["step"], x["loss"], x["nll_2"]) == (y["step"], y["loss"], y["nll_2"])
+    for k, v in full.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+    # resuming a finished run measures nothing again
+    _, t = trainer(tmp_path / "full", resume=True)
+    t.train()
+    assert _rows(tmp_path / "full" / "metrics.jsonl") == a
+    # the run directory is a model path of the one loader: its final checkpoint, its tokenizer
+    loaded = load(tmp_path / "full")
+    assert loaded.kind == "checkpoint" and isinstance(loaded.tokenizer, ByteTokenizer)
+    for k, v in loaded.model.state_dict().items():
+        assert torch.equal(v, full.state_dict()[k]), k

@@ -17,11 +17,11 @@ from hybridlm.cli.precision import register
 from hybridlm.data.config import DataConfig, SourceConfig
 from hybridlm.interop.hf import save_pretrained
 from hybridlm.interop.modelopt import load_modelopt
+from hybridlm.io.checkpoint import save_checkpoint
 from hybridlm.model.mlp import relu2
 from hybridlm.model.model import HybridLM
 from hybridlm.precision import ptq
 from hybridlm.precision.formats import NVFP4Tensor, nvfp4_fake_quant, nvfp4_quantize
-from hybridlm.train.checkpoint import save_checkpoint
 from hybridlm.train.config import RunConfig, TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -336,8 +336,8 @@ def _lp_run(tmp: Path, out: str, **train):
 
 
 def test_trainer_logs_low_precision_metrics(tmp_path: Path):
+    from hybridlm.report.plot import read_metrics
     from hybridlm.train.config import TrainConfig
-    from hybridlm.train.plot import read_metrics
     from hybridlm.train.pretrain import run_pretrain
 
     out = run_pretrain(_lp_run(tmp_path, "run"))
@@ -356,7 +356,7 @@ def test_trainer_logs_low_precision_metrics(tmp_path: Path):
 def test_low_precision_run_resumes_exactly(tmp_path: Path):
     """Stochastic rounding draws from the checkpointed global RNG: a run killed after step 3
     and resumed from its step-2 checkpoint logs the same losses as an uninterrupted one."""
-    from hybridlm.train.plot import read_metrics
+    from hybridlm.report.plot import read_metrics
     from hybridlm.train.pretrain import run_pretrain
 
     def losses(cfg):

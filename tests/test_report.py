@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from hybridlm.eval.report import fmt_duration, render_report, reward_window, wilson_interval
 from hybridlm.provenance import collect, config_diff, git_state
-from hybridlm.speedrun import STAGES, SpeedrunConfig
+from hybridlm.report.card import render_report
+from hybridlm.report.doc import fmt_duration
+from hybridlm.report.stats import reward_window, wilson_interval
+from hybridlm.speedrun import STAGE_NAMES, SpeedrunConfig
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "speedrun.yaml"
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "wbr"}
@@ -166,8 +168,9 @@ def fake_run(run: Path, *, overrides: list[str] | None = None) -> Path:
         defaults_path=CONFIG,
         threads={"threads": 2, "cpus": 2, "source": "free cores"},
     )
-    times = dict(zip(STAGES, (8.66, 0.19, 48.7, 4.29, 0.86, 12.1, 9.69, 612.4, 2.07), strict=True))
-    prov["stages"] = {s: {"status": "run", "seconds": times[s]} for s in STAGES}
+    seconds = (8.66, 0.19, 48.7, 4.29, 0.86, 12.1, 9.69, 612.4, 2.07)
+    times = dict(zip(STAGE_NAMES, seconds, strict=True))
+    prov["stages"] = {s: {"status": "run", "seconds": times[s]} for s in STAGE_NAMES}
     prov["stages"]["curate"] = {"status": "reused", "seconds_when_run": 8.6635}
     prov |= {"run_dir": str(run), "wall_seconds": 690.12, "finished": prov["started"]}
     (run / "provenance.json").write_text(json.dumps(prov))
@@ -357,7 +360,7 @@ def test_speedrun_writes_provenance_and_report_rerenders(tmp_path):
     rec = json.loads((tmp_path / "curate" / "stage.json").read_text())
     assert rec["run"]["started"] == prov["started"]
     out = subprocess.run(
-        [sys.executable, "-m", "hybridlm.eval.report", str(tmp_path)],
+        [sys.executable, "-m", "hybridlm.cli", "report", str(tmp_path)],
         capture_output=True,
         text=True,
         check=True,

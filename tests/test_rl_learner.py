@@ -12,10 +12,12 @@ import torch
 from _tiny import lowercase_first_env
 from hybridlm import HybridLM
 from hybridlm.data.tokenizer import ByteTokenizer
+from hybridlm.infer.rollout import RolloutPool, RolloutRequest
+from hybridlm.interop.hf import save_pretrained
+from hybridlm.io import load_model
 from hybridlm.presets import get_preset
 from hybridlm.rl.environments import MixtureEnvironment
 from hybridlm.rl.learner import RLConfig, completion_logprobs, run_rl
-from hybridlm.rl.rollout import RolloutPool, RolloutRequest
 
 
 def _checkpoint(tmp_path, seed: int = 0) -> str:
@@ -25,13 +27,13 @@ def _checkpoint(tmp_path, seed: int = 0) -> str:
     cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.attention.head_dim = 2, 1, 32
     cfg.moe.latent_size, cfg.moe.shared_expert_hidden = 32, 64
     path = tmp_path / "policy"
-    HybridLM(cfg, seed=seed).save_pretrained(path)
+    save_pretrained(HybridLM(cfg, seed=seed), path)
     return str(path)
 
 
 def test_trainer_logprobs_equal_the_engines(tmp_path, one_thread):
     path = _checkpoint(tmp_path)
-    model = HybridLM.from_pretrained(path).float()
+    model = load_model(path).float()
     tok = ByteTokenizer()
     pool = RolloutPool(model.config, tok, model.state_dict(), executor="inline")
     reqs = [RolloutRequest(f"p{i}", tok.encode(f"question {i}?"), 3) for i in range(3)]
@@ -84,7 +86,7 @@ def test_grpo_learns_a_verifiable_preference(tmp_path, one_thread):
     assert set(train[0]["staleness"]) == {"0"} and train[0]["logprob_diff_mean"] < 1e-3
     assert max(r.get("logprob_diff_mean", 0) for r in train) > 1e-3
     assert (tmp_path / "rl" / "rl.png").stat().st_size > 0
-    HybridLM.from_pretrained(tmp_path / "rl" / "model")
+    load_model(tmp_path / "rl" / "model")
 
 
 def test_async_rollouts_on_ray_keep_the_lag_bounded(tmp_path):
@@ -110,3 +112,25 @@ def test_config_errors_are_actionable():
         RLConfig().validate()
     with pytest.raises(ValueError, match="group_size"):
         RLConfig(checkpoint="x", group_size=1).validate()
+
+
+def test_rl_resume_repeats_the_uninterrupted_run(tmp_path, one_thread):
+    """A run stopped after step 3 and resumed from its checkpoint logs the rows of the
+    uninterrupted run: weights, optimizer, RNG and the rollout state (draw counter, sampling
+    streams, finished calls and kept groups not yet trained on) are checkpointed."""
+    env, held = _envs()
+    full = _cfg(tmp_path, steps=6, eval_interval=3, eval_problems=8, checkpoint_interval=3)
+    full.out_dir = str(tmp_path / "full")
+    run_rl(full, env=env, eval_env=held, progress=False)
+    part = _cfg(tmp_path, steps=6, eval_interval=3, eval_problems=8, checkpoint_interval=3)
+    part.out_dir = str(tmp_path / "part")
+    run_rl(part, env=env, eval_env=held, progress=False, until_step=3)
+    resumed = run_rl(part, env=env, eval_env=held, progress=False, resume=True)
+    assert resumed["step"] == 6
+
+    def rows(out):
+        drop = ("wait_s", "train_s", "sync_s", "steps_per_s")
+        lines = (tmp_path / out / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k not in drop} for x in lines]
+
+    assert rows("part") == rows("full")

@@ -12,8 +12,8 @@ import torch
 
 from hybridlm import HybridLM
 from hybridlm.data.tokenizer import ByteTokenizer
+from hybridlm.infer.rollout import RolloutPool, RolloutRequest, RolloutWorker
 from hybridlm.presets import get_preset
-from hybridlm.rl.rollout import RolloutPool, RolloutRequest, RolloutWorker
 
 
 def _policy(seed: int = 0) -> HybridLM:

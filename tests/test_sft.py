@@ -12,14 +12,14 @@ from _tiny import tiny_train_model
 from hybridlm.cli.train import register
 from hybridlm.data.sft import arithmetic_conversations, collate_rows, encode_chat
 from hybridlm.data.tokenizer import ByteTokenizer
+from hybridlm.io import load_model
+from hybridlm.report.plot import read_metrics
 from hybridlm.train.config import TrainConfig, apply_run_overrides
-from hybridlm.train.plot import read_metrics
 from hybridlm.train.sft import (
     ChatSource,
     SFTConfig,
     SFTDataConfig,
     SFTRunConfig,
-    load_model,
     prompt_key,
     run_sft,
     sft_trainer,
@@ -149,14 +149,16 @@ def test_bad_rows_of_a_chat_file_are_skipped_and_counted(tmp_path, capsys):
 def test_init_from_checkpoint_and_errors(tmp_path):
     run_sft(tiny_sft(tmp_path / "a", steps=4))
     ckpt = tmp_path / "a" / "checkpoints" / "step_00000004"
-    model = load_model(str(ckpt), None, seed=0, device=torch.device("cpu"))
-    trained = sft_trainer(tiny_sft(tmp_path / "b", init_from=str(ckpt))).module
+    model = load_model(str(ckpt))
+    warm = tiny_sft(tmp_path / "b")
+    warm.train.init_from = str(ckpt)
+    trained = sft_trainer(warm).module
     for (n, p), (_, q) in zip(
         model.state_dict().items(), trained.model.state_dict().items(), strict=True
     ):
         assert torch.equal(p, q), n
     with pytest.raises(ValueError, match="neither a transformers directory"):
-        load_model(str(tmp_path), None, seed=0, device=torch.device("cpu"))
+        load_model(str(tmp_path))
     with pytest.raises(ValueError, match="loss_norm"):
         SFTConfig(loss_norm="mean")
     with pytest.raises(ValueError, match="needs max_rows"):

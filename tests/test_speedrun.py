@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridlm.eval.report import render_report
-from hybridlm.speedrun import STAGES, Speedrun, SpeedrunConfig, load_config
+from hybridlm.report.card import STAGE_ORDER, render_report
+from hybridlm.speedrun import STAGE_NAMES, STAGES, Speedrun, SpeedrunConfig, load_config
 from test_report import check_report_html
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "speedrun.yaml"
@@ -94,12 +94,24 @@ def test_config_file_parses_and_rejects_mistakes(tmp_path):
         Speedrun(cfg, only=["evaluate"])
 
 
+def test_stage_table():
+    """The table names each stage once, reads only stages before it, gives every stage with
+    settings its config section, and matches the run directory layout the report reads."""
+    assert len(set(STAGE_NAMES)) == len(STAGES)
+    for i, stage in enumerate(STAGES):
+        assert set(stage.inputs) <= set(STAGE_NAMES[:i]), stage.name
+        if stage.config is not None:
+            assert isinstance(getattr(SpeedrunConfig(), stage.name), stage.config), stage.name
+    assert [s.name for s in STAGES if not s.derived] == list(STAGE_ORDER)
+    assert [s.name for s in STAGES if s.derived] == ["report"]
+
+
 def test_whole_flow_runs_and_writes_the_report(finished):
     cfg, run, result = finished
-    for stage in STAGES[:-1]:
+    for stage in STAGE_NAMES[:-1]:
         rec = json.loads((run / stage / "stage.json").read_text())
         assert rec["stage"] == stage and rec["seconds"] > 0
-    assert [r["status"] for r in stage_rows(run)] == ["done"] * len(STAGES)
+    assert [r["status"] for r in stage_rows(run)] == ["done"] * len(STAGE_NAMES)
     # the BPE the model was trained with travels with every later checkpoint
     tok = json.loads((run / "tokenizer" / "stage.json").read_text())["summary"]
     assert 300 < tok["vocab_size"] <= 400
@@ -147,22 +159,22 @@ def test_whole_flow_runs_and_writes_the_report(finished):
     prov = json.loads((run / "provenance.json").read_text())
     assert {o["key"] for o in prov["overrides"]} >= {"pretrain.train.max_steps", "rl.steps"}
     assert prov["is_default"] is False and "torch" in prov["versions"]
-    assert {s: e["status"] for s, e in prov["stages"].items()} == dict.fromkeys(STAGES, "run")
+    assert {s: e["status"] for s, e in prov["stages"].items()} == dict.fromkeys(STAGE_NAMES, "run")
     assert md.startswith(f"# hybridlm speedrun — {run}\n") and "Not the default speedrun" in md
 
 
 def test_rerun_reuses_finished_stages_and_reruns_downstream_of_a_change(finished):
     _, run, _ = finished
-    before = {s: json.loads((run / s / "stage.json").read_text()) for s in STAGES[:-1]}
+    before = {s: json.loads((run / s / "stage.json").read_text()) for s in STAGE_NAMES[:-1]}
     cfg = load_config(str(CONFIG), TINY, out=str(run))
     Speedrun(cfg, progress=False).run()
-    assert [r["status"] for r in stage_rows(run)[-len(STAGES) :]] == ["reused"] * (
-        len(STAGES) - 1
+    assert [r["status"] for r in stage_rows(run)[-len(STAGE_NAMES) :]] == ["reused"] * (
+        len(STAGE_NAMES) - 1
     ) + ["done"]
     # a changed healing setting reruns healing and everything that reads its model
     cfg = load_config(str(CONFIG), [*TINY, "mtp_heal.steps=4"], out=str(run))
     Speedrun(cfg, progress=False).run()
-    status = {r["stage"]: r["status"] for r in stage_rows(run)[-len(STAGES) :]}
+    status = {r["stage"]: r["status"] for r in stage_rows(run)[-len(STAGE_NAMES) :]}
     assert status == {
         **{s: "reused" for s in ("curate", "tokenizer", "pretrain", "sft", "rl")},
         **{s: "done" for s in ("mtp_heal", "quantize", "eval", "report")},
@@ -172,7 +184,7 @@ def test_rerun_reuses_finished_stages_and_reruns_downstream_of_a_change(finished
     assert json.loads((run / "pretrain" / "stage.json").read_text()) == before["pretrain"]
     # --force reruns a stage with the same settings, and everything that reads its outputs
     Speedrun(cfg, progress=False, force=["quantize"]).run()
-    status = {r["stage"]: r["status"] for r in stage_rows(run)[-len(STAGES) :]}
+    status = {r["stage"]: r["status"] for r in stage_rows(run)[-len(STAGE_NAMES) :]}
     assert status == {
         **{s: "reused" for s in ("curate", "tokenizer", "pretrain", "sft", "rl", "mtp_heal")},
         **{s: "done" for s in ("quantize", "eval", "report")},
@@ -222,7 +234,7 @@ def test_interrupted_stage_keeps_its_outputs_only_for_the_same_settings(tmp_path
 
 
 def test_quantize_data_options_name_missing_runs(tmp_path):
-    from hybridlm.precision.quantize import run_data, sft_calibration_batches
+    from hybridlm.train.quantize import run_data, sft_calibration_batches
 
     with pytest.raises(ValueError, match="no pretraining run config"):
         run_data(tmp_path)
@@ -239,7 +251,7 @@ def test_report_of_a_partial_run(tmp_path):
 
 
 def test_a_stage_whose_checkpoints_are_all_damaged_says_how_to_start_it_again(tmp_path):
-    from hybridlm.train.checkpoint import CheckpointError
+    from hybridlm.io.checkpoint import CheckpointError
 
     cfg = load_config(str(CONFIG), [], out=str(tmp_path))
     flow = Speedrun(cfg, only=["pretrain"], progress=False)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hybridlm import HybridLM
-from hybridlm.infer.cache import HybridCache, MambaState
-from hybridlm.infer.state_precision import (
+from hybridlm.model.cache import HybridCache, MambaState
+from hybridlm.model.state_precision import (
     SSM_PRECISIONS,
     StoredState,
     counter_uniform,

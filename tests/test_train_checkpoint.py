@@ -9,23 +9,26 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hybridlm.model.model import HybridLM
-from hybridlm.presets import get_preset
-from hybridlm.train.checkpoint import (
+from hybridlm.io import load_model, load_tokenizer_for
+from hybridlm.io.checkpoint import (
     CheckpointError,
     checkpoint_dir,
     file_sha256,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    merge_checkpoints,
-    merge_state_dicts,
-    merge_weights,
-    prepare_run_dir,
     read_meta,
     resume_checkpoint,
     save_checkpoint,
     verify_checkpoint,
+)
+from hybridlm.model.model import HybridLM
+from hybridlm.presets import get_preset
+from hybridlm.train.checkpoint import (
+    merge_checkpoints,
+    merge_state_dicts,
+    merge_weights,
+    prepare_run_dir,
 )
 
 
@@ -129,7 +132,6 @@ def test_meta_is_json(tmp_path):
 
 def test_checkpoint_and_run_dirs_load_as_models_with_their_tokenizer(tmp_path):
     from hybridlm.data.tokenizer import ByteTokenizer
-    from hybridlm.train.checkpoint import tokenizer_for
 
     model = _model()
     run_config = {"model": model.config.to_dict(), "data": {"tokenizer": "byte"}}
@@ -143,17 +145,17 @@ def test_checkpoint_and_run_dirs_load_as_models_with_their_tokenizer(tmp_path):
     with torch.no_grad():
         ref = model.eval()(x).logits
     for where in (path, tmp_path):  # the checkpoint itself, and the run (its newest one)
-        loaded = HybridLM.from_pretrained(where)
+        loaded = load_model(where)
         assert not loaded.training
         with torch.no_grad():
             torch.testing.assert_close(loaded(x).logits, ref, atol=0, rtol=0)
-        assert isinstance(tokenizer_for(where), ByteTokenizer)
+        assert isinstance(load_tokenizer_for(where), ByteTokenizer)
     run_config["data"]["tokenizer"] = str(tmp_path / "gone")
     save_checkpoint(tmp_path, step=3, model=model, optimizer=None, meta={"run_config": run_config})
     with pytest.raises(ValueError, match="does not exist here"):
-        tokenizer_for(tmp_path)
+        load_tokenizer_for(tmp_path)
     with pytest.raises(ValueError, match="neither a transformers directory"):
-        HybridLM.from_pretrained(tmp_path / "checkpoints" / "nothing")
+        load_model(tmp_path / "checkpoints" / "nothing")
 
 
 def _flip_byte(path, offset=-1):

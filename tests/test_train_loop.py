@@ -17,8 +17,10 @@ import torch
 from _tiny import tiny_run
 from hybridlm.data.bpb import token_byte_lengths
 from hybridlm.data.config import DataConfig, SourceConfig
-from hybridlm.train.checkpoint import latest_checkpoint, list_checkpoints
-from hybridlm.train.plot import read_metrics
+from hybridlm.io import load_model
+from hybridlm.io.checkpoint import latest_checkpoint, list_checkpoints, read_meta
+from hybridlm.report.plot import read_metrics
+from hybridlm.train.config import RunConfig
 from hybridlm.train.pretrain import pretrain_trainer, run_pretrain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -255,3 +257,46 @@ def test_intra_doc_masking_passes_doc_ids(tmp_path):
     m_on, m_off = on.train_step(), off.train_step()
     assert math.isfinite(m_on["loss"]) and m_on["valid_tokens"] == m_off["valid_tokens"]
     assert m_on["ce"] != m_off["ce"]  # packed rows hold several documents
+
+
+def test_warm_start_continues_a_pretrained_model_with_a_fresh_schedule(tmp_path):
+    """`train.init_from` (midtraining, Olmo 3 §4): the run starts from the checkpoint's weights
+    and architecture (the run's `model` section is not used), with a fresh optimizer and
+    schedule (linear decay to zero), on another mixture; its first loss is the pretrained
+    model's, far below a fresh model's."""
+    base = tiny_run(tmp_path, "base", max_steps=6, eval_interval=0, checkpoint_interval=6)
+    run_pretrain(base)
+    mid = tiny_run(
+        tmp_path,
+        "mid",
+        max_steps=4,
+        warmup_steps=0,
+        schedule="linear",
+        min_lr=0.0,
+        lr=1e-3,
+        eval_interval=0,
+        init_from=str(tmp_path / "base"),
+    )
+    mid.model = "tiny-super"  # ignored: the architecture comes from the checkpoint
+    mid.data.sources.append(SourceConfig(name="bard", kind="tinyshakespeare", weight=0.5))
+    mid.data.shards_dir = str(tmp_path / "shards_mid")
+    trainer = pretrain_trainer(mid)
+    loaded = load_model(tmp_path / "base")
+    for (name, p), q in zip(
+        trainer.model.state_dict().items(), loaded.state_dict().values(), strict=True
+    ):
+        assert torch.equal(p, q), name
+    assert trainer.step == 0 and not trainer.optimizer.state  # fresh optimizer and schedule
+    result = trainer.train()
+    rows = [r for r in read_metrics(tmp_path / "mid" / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["lr"] for r in rows] == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
+    fresh = [r for r in read_metrics(tmp_path / "base" / "metrics.jsonl") if r["kind"] == "train"]
+    assert rows[0]["loss"] < fresh[0]["loss"] - 1.0  # continues the pretrained model
+    ckpt = Path(result["checkpoint"])
+    assert read_meta(ckpt)["run_config"]["model"] == loaded.config.to_dict()
+
+
+def test_midtrain_config_loads_and_names_a_warm_start():
+    cfg = RunConfig.load(Path(__file__).parents[1] / "configs" / "midtrain.yaml")
+    assert cfg.train.init_from == "runs/quickstart" and cfg.train.schedule == "linear"
+    assert cfg.train.min_lr == 0.0

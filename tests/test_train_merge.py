@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 from _tiny import tiny_train_model
 from hybridlm.cli import main as cli_main
 from hybridlm.data.config import DataConfig, SourceConfig
-from hybridlm.model.model import HybridLM
-from hybridlm.train.checkpoint import list_checkpoints, merge_checkpoints
+from hybridlm.io import load_model
+from hybridlm.io.checkpoint import list_checkpoints
+from hybridlm.train.checkpoint import merge_checkpoints
 from hybridlm.train.config import RunConfig, TrainConfig
 from hybridlm.train.merge import merge_run
 from hybridlm.train.pretrain import run_pretrain
@@ -110,7 +111,7 @@ def test_merge_command_picks_lowest_loss_and_exports_it(run_dir, tmp_path, capsy
     # the export holds exactly the best candidate's weights
     kind = "uniform" if best["weights"] == "last" else best["weights"]
     want = merge_checkpoints(list_checkpoints(run_dir)[-best["window"] :], kind)
-    exported = HybridLM.from_pretrained(out).state_dict()
+    exported = load_model(out).state_dict()
     for key, value in want.items():
         torch.testing.assert_close(exported[key], value, rtol=0, atol=0)
     # the run's own log is untouched by the evaluation trainer

@@ -6,10 +6,10 @@ mistyped flag) imports no torch; the modules that implement them import them fro
 
 from __future__ import annotations
 
-# storage precisions of the Mamba SSM state cache (infer/state_precision.py)
+# storage precisions of the Mamba SSM state cache (model/state_precision.py)
 SSM_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "fp16-sr", "int16-block")
 
-# post-training quantisation recipes of `hybridlm quantize` (precision/quantize.py)
+# post-training quantisation recipes of `hybridlm quantize` (train/quantize.py)
 PTQ_RECIPES: tuple[str, ...] = ("fp8", "nvfp4", "autoquant")
 
 # Not quantised by default: the LM head (as ModelOpt's default config) and the MTP drafter (kept

@@ -3,8 +3,10 @@
     hybridlm speedrun [--config configs/speedrun.yaml] [--out runs/speedrun] [--skip rl,quantize]
                       [--only eval,report] [--set pretrain.train.max_steps=300]
 
-Stages, in order (SPEC §5; each is the library's own stage, run with the section of the same name
-in the speedrun config), and where they write:
+The flow is one table, `STAGES`: each `Stage` names the stages whose outputs it reads, its
+section of the speedrun config (same name), how the run wires that section (`settings`) and the
+library call that runs it (`run`); `Speedrun.run` goes down the table. Stages, in order (SPEC §5),
+and where they write:
 
     curate     the embedded corpus through the curation chain (filters, exact / MinHash /
                substring dedup)                                         <run>/curate/data
@@ -41,31 +43,30 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import from_dict, read_mapping, write_mapping
-from .data.curate.pipeline import CurateConfig
-from .rl.learner import RLConfig
-from .train.config import RunConfig
-from .train.mtp_boost import MTPBoostConfig
-from .train.sft import SFTRunConfig
+from rich.console import Console
 
-STAGES = (
-    "curate",
-    "tokenizer",
-    "pretrain",
-    "sft",
-    "rl",
-    "mtp_heal",
-    "quantize",
-    "eval",
-    "report",
-)
-# stages whose output is a model, in chain order (each starts from the newest one before it)
-MODEL_STAGES = ("pretrain", "sft", "rl", "mtp_heal", "quantize")
+from .config import from_dict, read_mapping, write_mapping
+from .curate.pipeline import CurateConfig, run_curate
+from .data.bpe import load_tokenizer, train_bpe
+from .data.pipeline import build_source
+from .eval.flow import evaluate_flow
+from .io.checkpoint import CheckpointError, latest_checkpoint
+from .precision.ptq import DEFAULT_EXCLUDE
+from .provenance import collect, now_iso
+from .report.card import render_report
+from .report.stats import reward_ends
+from .rl.learner import RLConfig, environment_prompts, run_rl
+from .train.config import RunConfig, apply_run_overrides
+from .train.mtp_boost import MTPBoostConfig, boost_checkpoint
+from .train.pretrain import run_pretrain
+from .train.quantize import QuantizeConfig, run_quantize
+from .train.sft import SFTRunConfig, run_sft
+
 # the reference settings a run's provenance is compared with (present in a source checkout)
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "speedrun.yaml"
 
@@ -90,7 +91,7 @@ class TokenizerStageConfig:
 
 @dataclass(kw_only=True)
 class QuantizeStageConfig:
-    """`hybridlm quantize` settings (`precision.quantize.QuantizeConfig`) for the final model,
+    """`hybridlm quantize` settings (`train.quantize.QuantizeConfig`) for the final model,
     one checkpoint per recipe in `recipes` (`<run>/quantize/<recipe>`); the held-out loss / bpb
     is measured on the pretraining data. Nemotron 3 Super's NVFP4 checkpoint is `autoquant`:
     NVFP4 with MSE weight scales and dynamic activation scales, with the most sensitive
@@ -138,6 +139,8 @@ class EvalStageConfig:
 
 @dataclass(kw_only=True)
 class SpeedrunConfig:
+    """The flow's settings: one section per stage of `STAGES` that has a `config` (same name)."""
+
     out_dir: str = "runs/speedrun"
     budget_minutes: float = 30.0  # reported against the measured wall time
     skip: list[str] = field(default_factory=list)
@@ -150,23 +153,10 @@ class SpeedrunConfig:
     quantize: QuantizeStageConfig = field(default_factory=QuantizeStageConfig)
     eval: EvalStageConfig = field(default_factory=EvalStageConfig)
 
-    SECTIONS = {
-        "curate": CurateConfig,
-        "pretrain": RunConfig,
-        "sft": SFTRunConfig,
-        "rl": RLConfig,
-    }
-    PLAIN = {
-        "tokenizer": TokenizerStageConfig,
-        "mtp_heal": MTPBoostConfig,
-        "quantize": QuantizeStageConfig,
-        "eval": EvalStageConfig,
-    }
-
     def validate(self) -> SpeedrunConfig:
-        unknown = sorted(set(self.skip) - set(STAGES))
+        unknown = sorted(set(self.skip) - set(STAGE_NAMES))
         if unknown:
-            raise ValueError(f"skip: unknown stages {unknown}; stages are {list(STAGES)}")
+            raise ValueError(f"skip: unknown stages {unknown}; stages are {list(STAGE_NAMES)}")
         self.tokenizer.validate()
         self.mtp_heal.validate()
         bad = sorted(set(self.eval.spec_models + self.eval.harness_models) - set(MODEL_STAGES))
@@ -184,16 +174,16 @@ class SpeedrunConfig:
             "budget_minutes": self.budget_minutes,
             "skip": list(self.skip),
         }
-        for name in [*self.SECTIONS, *self.PLAIN]:
-            value = getattr(self, name)
-            out[name] = value.to_dict() if hasattr(value, "to_dict") else dataclasses.asdict(value)
+        for stage in _sections():
+            out[stage.name] = _plain(getattr(self, stage.name))
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpeedrunConfig:
         if not isinstance(data, dict):
             raise ValueError(f"a speedrun config must be a mapping, got {type(data).__name__}")
-        known = {"out_dir", "budget_minutes", "skip", *cls.SECTIONS, *cls.PLAIN}
+        sections = _sections()
+        known = {"out_dir", "budget_minutes", "skip", *(s.name for s in sections)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"speedrun config: unknown sections {unknown}; known {sorted(known)}")
@@ -202,12 +192,15 @@ class SpeedrunConfig:
         }
         if isinstance(kw.get("skip"), str):
             kw["skip"] = [s for s in kw["skip"].split(",") if s]
-        for name, typ in cls.SECTIONS.items():
-            if name in data:
-                kw[name] = typ.from_dict(data[name] or {})
-        for name, typ in cls.PLAIN.items():
-            if name in data:
-                kw[name] = from_dict(typ, data[name] or {}, f"{name}.")
+        for stage in sections:
+            if stage.name in data:
+                typ, section = stage.config, data[stage.name] or {}
+                # a run config reads itself; the flow's own sections go through config.from_dict
+                kw[stage.name] = (
+                    typ.from_dict(section)
+                    if hasattr(typ, "from_dict")
+                    else from_dict(typ, section, f"{stage.name}.")
+                )
         return cls(**kw).validate()
 
     @classmethod
@@ -238,6 +231,19 @@ def _plain(cfg: Any) -> dict[str, Any]:
     return cfg.to_dict() if hasattr(cfg, "to_dict") else dataclasses.asdict(cfg)
 
 
+def _scalars(result: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-friendly scalars (and small dicts of scalars) of a stage's result."""
+    out: dict[str, Any] = {}
+    for k, v in result.items():
+        if isinstance(v, (int, float, str, bool)) or v is None:
+            out[k] = v if not (isinstance(v, float) and math.isnan(v)) else None
+        elif isinstance(v, dict) and all(isinstance(x, (int, float, str)) for x in v.values()):
+            out[k] = v
+        elif isinstance(v, Path):
+            out[k] = str(v)
+    return out
+
+
 # a stage's outcome as metrics.jsonl names it (provenance.json keeps the finer status)
 _LOG_STATUS = {
     "run": "done",
@@ -251,6 +257,320 @@ _LOG_STATUS = {
 def _log(path: Path, row: dict[str, Any]) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row, default=str) + "\n")
+
+
+# ---------------------------------------------------------------------------- stages
+# Each stage: `_<name>_settings(flow)` is its config section with the run's wiring applied (the
+# run directory for `{run}`, its output dir, the tokenizer and the model it starts from): what
+# its fingerprint covers; `_<name>_run(flow)` runs it and returns the summary kept in stage.json.
+def _no_settings(flow: Speedrun) -> dict[str, Any]:
+    return {}
+
+
+def _curate_settings(flow: Speedrun) -> dict[str, Any]:
+    data = _format_paths(_plain(flow.cfg.curate), str(flow.run_dir))
+    data["output_dir"] = str(flow.stage_dir("curate"))
+    data["progress"] = flow.progress
+    return data
+
+
+def _curate_run(flow: Speedrun) -> dict[str, Any]:
+    report = run_curate(CurateConfig.from_dict(flow.settings("curate")))
+    if report.docs_out == 0:
+        raise ValueError("curation kept no documents: loosen the filters in `curate.stages`")
+    return {
+        "data": str(flow.stage_dir("curate") / "data"),
+        "docs_out": report.docs_out,
+        "output": report.data["output"],
+        "report": str(flow.stage_dir("curate") / "report.md"),
+        "stages": [
+            {k: st.get(k) for k in ("stage", "docs_in", "docs_out", "seconds")}
+            for st in report.data["stages"]
+        ],
+    }
+
+
+def _tokenizer_settings(flow: Speedrun) -> dict[str, Any]:
+    return {
+        **dataclasses.asdict(flow.cfg.tokenizer),
+        "sources": _pretrain_settings(flow)["data"]["sources"],
+    }
+
+
+def _tokenizer_run(flow: Speedrun) -> dict[str, Any]:
+    tcfg = flow.cfg.tokenizer
+    out = flow.stage_dir("tokenizer")
+    if tcfg.kind == "byte":
+        return {"path": "byte", "vocab_size": 258}
+    sources = RunConfig.from_dict(_pretrain_settings(flow)).data.sources
+
+    def docs() -> Iterator[Any]:  # every source of the pretraining mix, in order, lazily
+        for src in sources:
+            if src.kind != "shards":
+                yield from build_source(src)
+
+    tok = train_bpe(
+        docs(),
+        vocab_size=tcfg.vocab_size,
+        min_frequency=tcfg.min_frequency,
+        max_chars=tcfg.max_chars,
+        split_digits=tcfg.split_digits,
+    )
+    tok.save(out)
+    sample = "\n".join(d.text for d in itertools.islice(docs(), 50))[:200_000]
+    ids = tok.encode(sample, add_bos=False)
+    return {
+        "path": str(out),
+        "vocab_size": tok.vocab_size,
+        "split_digits": tcfg.split_digits,
+        "bytes_per_token": len(sample.encode()) / max(len(ids), 1),
+        "sha256": tok.sha256,
+    }
+
+
+def _pretrain_settings(flow: Speedrun) -> dict[str, Any]:
+    data = _format_paths(_plain(flow.cfg.pretrain), str(flow.run_dir))
+    out = flow.stage_dir("pretrain")
+    data["train"]["out_dir"] = str(out)
+    data["data"]["shards_dir"] = str(out / "shards")
+    data["data"]["tokenizer"] = flow.tokenizer_spec()
+    data["data"]["tokenizer_vocab_size"] = 0
+    return data
+
+
+def _pretrain_run(flow: Speedrun) -> dict[str, Any]:
+    run = RunConfig.from_dict(_pretrain_settings(flow))
+    vocab = flow.tokenizer().vocab_size
+    model = run.model_config()
+    if model.vocab_size != vocab:
+        run = dataclasses.replace(run, model=dataclasses.replace(model, vocab_size=vocab))
+    result = flow._continue_or_start("pretrain", lambda **kw: run_pretrain(run, **kw))
+    return {"model": str(flow.stage_dir("pretrain")), **_scalars(result)}
+
+
+def _sft_settings(flow: Speedrun) -> dict[str, Any]:
+    data = _format_paths(_plain(flow.cfg.sft), str(flow.run_dir))
+    data["train"]["out_dir"] = str(flow.stage_dir("sft"))
+    data["data"]["tokenizer"] = flow.tokenizer_spec()
+    data["train"]["init_from"] = flow.model_path("sft")
+    return data
+
+
+def _sft_run(flow: Speedrun) -> dict[str, Any]:
+    cfg = SFTRunConfig.from_dict(flow.settings("sft"))
+    result = flow._continue_or_start("sft", lambda **kw: run_sft(cfg, **kw))
+    return {"model": str(flow.stage_dir("sft")), **_scalars(result)}
+
+
+def _rl_settings(flow: Speedrun) -> dict[str, Any]:
+    data = _format_paths(_plain(flow.cfg.rl), str(flow.run_dir))
+    data["checkpoint"] = flow.model_path("rl")
+    data["out_dir"] = str(flow.stage_dir("rl"))
+    return data
+
+
+def _rl_run(flow: Speedrun) -> dict[str, Any]:
+    cfg = RLConfig.from_dict(flow.settings("rl"))
+    # not resumable: an interrupted attempt's outputs in the stage dir are replaced
+    result = run_rl(cfg, progress=flow.progress, overwrite=True)
+    rewards = [r["reward_mean"] for r in result["train"]]
+    k, first, last = reward_ends(rewards)
+    return {
+        "model": result["model"],
+        "steps": len(rewards),
+        "reward_window": k,
+        "reward_first": first,
+        "reward_last": last,
+        "eval": [{"step": e.get("step"), "solved": e["all/solved"]} for e in result["eval"]],
+    }
+
+
+def _mtp_heal_settings(flow: Speedrun) -> dict[str, Any]:
+    return {**dataclasses.asdict(flow.cfg.mtp_heal), "checkpoint": flow.model_path("mtp_heal")}
+
+
+def _mtp_heal_run(flow: Speedrun) -> dict[str, Any]:
+    cfg = flow.cfg.mtp_heal
+    src = flow.model_path("mtp_heal")
+    out = flow.stage_dir("mtp_heal")
+    result = boost_checkpoint(
+        src,
+        cfg,
+        out,
+        progress=flow.progress,
+        overwrite=True,
+        environment_prompts=environment_prompts,
+    )
+    al = {
+        f"T{r['temperature']:g}": [r["acceptance_length"], a["acceptance_length"]]
+        for r, a in zip(result["before"], result["after"], strict=True)
+    }
+    return {
+        "model": str(out / "model"),
+        "from": src,
+        "draft_len": cfg.draft_len,
+        "acceptance_length": al,  # temperature -> [before, after]
+        **_scalars(result),
+    }
+
+
+def _quantize_settings(flow: Speedrun) -> dict[str, Any]:
+    sft = flow.cfg.quantize.calibration == "sft" and flow.done("sft")
+    return {
+        **dataclasses.asdict(flow.cfg.quantize),
+        "checkpoint": flow.model_path("quantize"),
+        "data": str(flow.stage_dir("pretrain")),
+        "calib_data": str(flow.stage_dir("sft")) if sft else "",
+    }
+
+
+def _quantize_run(flow: Speedrun) -> dict[str, Any]:
+    s = flow.settings("quantize")
+    models, results = {}, {}
+    for recipe in s["recipes"]:
+        out = flow.stage_dir("quantize") / recipe
+        qcfg = QuantizeConfig(
+            checkpoint=s["checkpoint"],
+            out=str(out),
+            recipe=recipe,
+            budget=s["budget"],
+            calib_samples=s["calib_samples"],
+            eval_batches=s["eval_batches"],
+            weight_scale=s["weight_scale"],
+            per_layer=s["per_layer"],
+            data=s["data"],
+            calib_data=s["calib_data"],
+            exclude=DEFAULT_EXCLUDE + tuple(s["exclude"]),
+            progress=flow.progress,
+        )
+        # the checkpoint carries its model's tokenizer; an interrupted attempt is replaced
+        summary = run_quantize(qcfg, overwrite=True)
+        models[recipe] = str(out)
+        results[recipe] = {
+            k: summary[k] for k in ("unquantized", "quantized", "delta", "calibration")
+        }
+    return {
+        "model": models[s["recipes"][-1]],
+        "models": models,
+        "from": s["checkpoint"],
+        "results": results,
+    }
+
+
+def _eval_settings(flow: Speedrun) -> dict[str, Any]:
+    return {
+        **dataclasses.asdict(flow.cfg.eval),
+        "models": flow.models(),
+        "rl_eval": _plain(flow.cfg.rl)["envs"],
+    }
+
+
+def _eval_run(flow: Speedrun) -> dict[str, Any]:
+    return evaluate_flow(flow, flow.stage_dir("eval"))
+
+
+def _report_run(flow: Speedrun) -> dict[str, Any]:
+    return render_report(flow.run_dir)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the flow: it writes `<run>/<name>/`.
+
+    `run(flow)` runs it and returns the summary recorded in its stage.json; `settings(flow)` is
+    its config section with the run's wiring applied (what its fingerprint covers); `inputs`:
+    the stages whose outputs it reads (their fingerprints, when they finished, enter its own);
+    `config`: the class of its section of `SpeedrunConfig` (None: no section)."""
+
+    name: str
+    run: Callable[[Speedrun], dict[str, Any]]
+    settings: Callable[[Speedrun], dict[str, Any]] = _no_settings
+    inputs: tuple[str, ...] = ()
+    config: type | None = None
+    # its place in the model chain: "model" (one model; it starts from the newest model before
+    # it, and later stages start from its model), "variants" (it starts from the newest model
+    # too, and writes the models named in its summary's `models`, evaluated, not trained on)
+    model: Literal["", "model", "variants"] = ""
+    # rendered from the other stages' files on every run: never skipped, fingerprinted or reused
+    derived: bool = False
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        "curate",
+        inputs=(),
+        config=CurateConfig,
+        settings=_curate_settings,
+        run=_curate_run,
+    ),
+    Stage(
+        "tokenizer",
+        inputs=("curate",),
+        config=TokenizerStageConfig,
+        settings=_tokenizer_settings,
+        run=_tokenizer_run,
+    ),
+    Stage(
+        "pretrain",
+        inputs=("curate", "tokenizer"),
+        config=RunConfig,
+        settings=_pretrain_settings,
+        run=_pretrain_run,
+        model="model",
+    ),
+    Stage(
+        "sft",
+        inputs=("tokenizer",),
+        config=SFTRunConfig,
+        settings=_sft_settings,
+        run=_sft_run,
+        model="model",
+    ),
+    Stage(
+        "rl",
+        inputs=(),
+        config=RLConfig,
+        settings=_rl_settings,
+        run=_rl_run,
+        model="model",
+    ),
+    Stage(
+        "mtp_heal",
+        inputs=(),
+        config=MTPBoostConfig,
+        settings=_mtp_heal_settings,
+        run=_mtp_heal_run,
+        model="model",
+    ),
+    Stage(
+        "quantize",
+        inputs=("pretrain", "sft"),  # held-out text, calibration chats
+        config=QuantizeStageConfig,
+        settings=_quantize_settings,
+        run=_quantize_run,
+        model="variants",
+    ),
+    Stage(
+        "eval",
+        # pretrain's held-out text, rl's problems, and every model it evaluates
+        inputs=("pretrain", "rl", "sft", "mtp_heal", "quantize"),
+        config=EvalStageConfig,
+        settings=_eval_settings,
+        run=_eval_run,
+    ),
+    Stage("report", run=_report_run, derived=True),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+# stages whose output is a model, in chain order (each starts from the newest one before it)
+MODEL_STAGES = tuple(s.name for s in STAGES if s.model)
+_STAGE = {s.name: s for s in STAGES}
+
+
+def _sections() -> list[Stage]:
+    """The stages with a config section, in the order speedrun.yaml lists them: the run configs
+    (which read themselves) first, then the flow's own sections."""
+    with_config = [s for s in STAGES if s.config is not None]
+    return sorted(with_config, key=lambda s: not hasattr(s.config, "from_dict"))
 
 
 # ---------------------------------------------------------------------------- the flow
@@ -269,15 +589,13 @@ class Speedrun:
     ) -> None:
         """`threads`: what `hybridlm.threads.configure_threads` returned, when it was called;
         `argv`: the command line to record (default `sys.argv`). Both go to provenance.json."""
-        from rich.console import Console
-
         self.cfg = cfg.validate()
         self.run_dir = Path(cfg.out_dir)
         self.only = set(only) if only else None
         self.force = set(force or ())
         for name in (self.only or set()) | self.force:
-            if name not in STAGES:
-                raise ValueError(f"unknown stage {name!r}; stages are {list(STAGES)}")
+            if name not in _STAGE:
+                raise ValueError(f"unknown stage {name!r}; stages are {list(STAGE_NAMES)}")
         self.progress = progress
         self.console = Console(quiet=not progress)
         self.summaries: dict[str, dict[str, Any]] = {}
@@ -304,22 +622,32 @@ class Speedrun:
         """(stage, path) of the newest model produced before stage `name` (finished stages)."""
         order = MODEL_STAGES[: MODEL_STAGES.index(name)] if name in MODEL_STAGES else MODEL_STAGES
         for stage in reversed(order):
-            if stage == "quantize":  # a quantised model is evaluated, not trained further
+            if _STAGE[stage].model == "variants":  # a quantised model is evaluated, not trained
                 continue
             rec = self.record(stage)
             if rec is not None:
                 return stage, rec["summary"]["model"]
         return None
 
+    def model_path(self, name: str) -> str:
+        """The model stage `name` starts from (ValueError when no earlier one has finished)."""
+        found = self.model_before(name)
+        if found is None:
+            raise ValueError(
+                f"stage {name} needs a model from an earlier stage (pretrain, sft, rl, mtp_heal); "
+                "none has finished in this run directory"
+            )
+        return found[1]
+
     def models(self) -> list[tuple[str, str, str]]:
-        """(stage, name, path) of every finished model, in chain order; the quantised
-        checkpoints are named by their recipe."""
+        """(stage, name, path) of every finished model, in chain order; variants (the quantised
+        checkpoints) are named by their recipe."""
         out = []
         for s in MODEL_STAGES:
             rec = self.record(s)
             if rec is None:
                 continue
-            if s == "quantize":
+            if _STAGE[s].model == "variants":
                 out += [(s, r, p) for r, p in rec["summary"]["models"].items()]
             else:
                 out.append((s, s, rec["summary"]["model"]))
@@ -330,93 +658,19 @@ class Speedrun:
         return rec["summary"]["path"] if rec is not None else "byte"
 
     def tokenizer(self) -> Any:
-        from .data.bpe import load_tokenizer
-
         return load_tokenizer(self.tokenizer_spec())
 
-    # -------------------------------------------------------------- stage settings
     def settings(self, name: str) -> dict[str, Any]:
         """The stage's section with the run's wiring applied (what its fingerprint covers)."""
-        run = str(self.run_dir)
-        cfg = self.cfg
-        if name == "curate":
-            data = _format_paths(_plain(cfg.curate), run)
-            data["output_dir"] = str(self.stage_dir("curate"))
-            data["progress"] = self.progress
-            return data
-        if name == "tokenizer":
-            return {
-                **dataclasses.asdict(cfg.tokenizer),
-                "sources": self._pretrain_dict()["data"]["sources"],
-            }
-        if name == "pretrain":
-            return self._pretrain_dict()
-        if name == "sft":
-            data = _format_paths(_plain(cfg.sft), run)
-            data["train"]["out_dir"] = str(self.stage_dir("sft"))
-            data["data"]["tokenizer"] = self.tokenizer_spec()
-            data["sft"]["init_from"] = self._model_path("sft")
-            return data
-        if name == "rl":
-            data = _format_paths(_plain(cfg.rl), run)
-            data["checkpoint"] = self._model_path("rl")
-            data["out_dir"] = str(self.stage_dir("rl"))
-            return data
-        if name == "mtp_heal":
-            return {**dataclasses.asdict(cfg.mtp_heal), "checkpoint": self._model_path("mtp_heal")}
-        if name == "quantize":
-            sft = cfg.quantize.calibration == "sft" and self.done("sft")
-            return {
-                **dataclasses.asdict(cfg.quantize),
-                "checkpoint": self._model_path("quantize"),
-                "data": str(self.stage_dir("pretrain")),
-                "calib_data": str(self.stage_dir("sft")) if sft else "",
-            }
-        if name == "eval":
-            return {
-                **dataclasses.asdict(cfg.eval),
-                "models": self.models(),
-                "rl_eval": _plain(cfg.rl)["envs"],
-            }
-        return {}
-
-    def _pretrain_dict(self) -> dict[str, Any]:
-        run = str(self.run_dir)
-        data = _format_paths(_plain(self.cfg.pretrain), run)
-        out = self.stage_dir("pretrain")
-        data["train"]["out_dir"] = str(out)
-        data["data"]["shards_dir"] = str(out / "shards")
-        data["data"]["tokenizer"] = self.tokenizer_spec()
-        data["data"]["tokenizer_vocab_size"] = 0
-        return data
-
-    def _model_path(self, name: str) -> str:
-        found = self.model_before(name)
-        if found is None:
-            raise ValueError(
-                f"stage {name} needs a model from an earlier stage (pretrain, sft, rl, mtp_heal); "
-                "none has finished in this run directory"
-            )
-        return found[1]
+        return _STAGE[name].settings(self)
 
     def inputs(self, name: str) -> list[str]:
         """The stages whose outputs stage `name` reads (their fingerprints enter its own)."""
-        upstream = {
-            "curate": [],
-            "tokenizer": ["curate"],
-            "pretrain": ["curate", "tokenizer"],
-            "sft": ["tokenizer"],
-            "rl": [],
-            "mtp_heal": [],
-            "quantize": ["pretrain", "sft"],
-            "eval": ["pretrain", "rl"],
-            "report": [],
-        }[name]
-        found = self.model_before(name) if name in MODEL_STAGES else None
+        stage = _STAGE[name]
+        upstream = list(stage.inputs)
+        found = self.model_before(name) if stage.model else None
         if found is not None:
-            upstream = [*upstream, found[0]]
-        if name == "eval":
-            upstream = [*upstream, *(s for s, _, _ in self.models())]
+            upstream.append(found[0])
         return [s for s in dict.fromkeys(upstream) if self.done(s)]
 
     def fingerprint(self, name: str) -> str:
@@ -428,12 +682,22 @@ class Speedrun:
             ins[s] = [rec["fingerprint"], rec.get("made_at")]
         return _fingerprint({"stage": name, "settings": self.settings(name), "inputs": ins})
 
+    def _continue_or_start(self, stage: str, run: Any) -> Any:
+        """`run(resume=, overwrite=)` for a checkpointed stage. `Speedrun.run` removed the stage
+        dir unless an interrupted attempt with the same settings left it: continue from its
+        checkpoints, or replace what it logged before the first one. When none of them is
+        intact, the error says how to start the stage again here (`--force`)."""
+        resume = latest_checkpoint(self.stage_dir(stage)) is not None
+        try:
+            return run(resume=resume, overwrite=not resume)
+        except CheckpointError as err:
+            how = f"start the stage again with `hybridlm speedrun --force {stage}`"
+            raise CheckpointError(str(err).replace("start again with --overwrite", how)) from None
+
     # -------------------------------------------------------------- driver
     def start_provenance(self) -> dict[str, Any]:
         """Write `<run>/provenance.json` for this invocation (see `hybridlm.provenance`); the
         stages' statuses and times are added to it as they finish."""
-        from .provenance import collect
-
         defaults = None
         if DEFAULT_CONFIG.is_file():
             try:
@@ -479,13 +743,14 @@ class Speedrun:
         self._write_provenance()
 
     def _finish(self, t_start: float) -> None:
-        from .provenance import now_iso
-
         self.provenance["finished"] = now_iso()
         self.provenance["wall_seconds"] = time.time() - t_start
         self._write_provenance()
 
     def run(self) -> dict[str, Any]:
+        """Go down `STAGES`: skip what `--skip` / `--only` leave out, reuse every finished stage
+        whose fingerprint is unchanged, run the others; derived stages (the report) always run,
+        after the flow's finish is recorded."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg.save(self.run_dir / "speedrun.yaml")
         self.start_provenance()
@@ -496,23 +761,24 @@ class Speedrun:
             "dirty": self.provenance["git"].get("dirty"),
         }
         t_start = time.time()
-        for i, name in enumerate(STAGES, 1):
+        for i, stage in enumerate(STAGES, 1):
+            name = stage.name
             selected = (self.only is None or name in self.only) and name not in self.cfg.skip
             header = f"[bold]speedrun {i}/{len(STAGES)}: {name}[/]"
-            if not selected and name != "report":
+            if stage.derived:
+                self.console.print(header)
+                self._finish(t_start)  # the report shows the flow's finish and wall time
+                t0 = time.time()
+                summary = stage.run(self)
+                self._stage_status(name, "run", time.time() - t0)
+                self.summaries[name] = summary
+                continue
+            if not selected:
                 self.console.print(f"{header} [dim]skipped[/]")
                 if name in self.cfg.skip:
                     self._stage_status(name, "skipped")
                 else:  # left out by --only: an earlier run's outputs, if any, are still used
                     self._stage_status(name, "kept" if self.done(name) else "not run")
-                continue
-            if name == "report":
-                self.console.print(header)
-                self._finish(t_start)  # the report shows the flow's finish and wall time
-                t0 = time.time()
-                summary = self.stage_report()
-                self._stage_status(name, "run", time.time() - t0)
-                self.summaries[name] = summary
                 continue
             fp = self.fingerprint(name)
             rec = self.record(name)
@@ -531,7 +797,7 @@ class Speedrun:
             started.write_text(json.dumps({"fingerprint": fp, "time": time.time()}))
             self.console.print(f"{header} -> {out}")
             t0 = time.time()
-            summary = getattr(self, f"stage_{name}")()
+            summary = stage.run(self)
             seconds = time.time() - t0
             record = {
                 "stage": name,
@@ -553,193 +819,9 @@ class Speedrun:
         )
         return {"seconds": total, "stages": self.summaries, "run_dir": str(self.run_dir)}
 
-    # -------------------------------------------------------------- stages
-    def stage_curate(self) -> dict[str, Any]:
-        from .data.curate.pipeline import run_curate
-
-        cfg = CurateConfig.from_dict(self.settings("curate"))
-        report = run_curate(cfg)
-        if report.docs_out == 0:
-            raise ValueError("curation kept no documents: loosen the filters in `curate.stages`")
-        return {
-            "data": str(self.stage_dir("curate") / "data"),
-            "docs_out": report.docs_out,
-            "output": report.data["output"],
-            "report": str(self.stage_dir("curate") / "report.md"),
-            "stages": [
-                {k: st.get(k) for k in ("stage", "docs_in", "docs_out", "seconds")}
-                for st in report.data["stages"]
-            ],
-        }
-
-    def stage_tokenizer(self) -> dict[str, Any]:
-        from .data.bpe import train_bpe
-        from .data.pipeline import build_source
-
-        tcfg = self.cfg.tokenizer
-        out = self.stage_dir("tokenizer")
-        if tcfg.kind == "byte":
-            return {"path": "byte", "vocab_size": 258}
-        sources = RunConfig.from_dict(self._pretrain_dict()).data.sources
-
-        def docs() -> Iterator[Any]:  # every source of the pretraining mix, in order, lazily
-            for src in sources:
-                if src.kind != "shards":
-                    yield from build_source(src)
-
-        tok = train_bpe(
-            docs(),
-            vocab_size=tcfg.vocab_size,
-            min_frequency=tcfg.min_frequency,
-            max_chars=tcfg.max_chars,
-            split_digits=tcfg.split_digits,
-        )
-        tok.save(out)
-        sample = "\n".join(d.text for d in itertools.islice(docs(), 50))[:200_000]
-        ids = tok.encode(sample, add_bos=False)
-        return {
-            "path": str(out),
-            "vocab_size": tok.vocab_size,
-            "split_digits": tcfg.split_digits,
-            "bytes_per_token": len(sample.encode()) / max(len(ids), 1),
-            "sha256": tok.sha256,
-        }
-
-    def _continue_or_start(self, stage: str, run: Any) -> Any:
-        """`run(resume=, overwrite=)` for a checkpointed stage. `Speedrun.run` removed the stage
-        dir unless an interrupted attempt with the same settings left it: continue from its
-        checkpoints, or replace what it logged before the first one. When none of them is
-        intact, the error says how to start the stage again here (`--force`)."""
-        from .train.checkpoint import CheckpointError, latest_checkpoint
-
-        resume = latest_checkpoint(self.stage_dir(stage)) is not None
-        try:
-            return run(resume=resume, overwrite=not resume)
-        except CheckpointError as err:
-            how = f"start the stage again with `hybridlm speedrun --force {stage}`"
-            raise CheckpointError(str(err).replace("start again with --overwrite", how)) from None
-
-    def stage_pretrain(self) -> dict[str, Any]:
-        from .train.pretrain import run_pretrain
-
-        run = RunConfig.from_dict(self._pretrain_dict())
-        vocab = self.tokenizer().vocab_size
-        model = run.model_config()
-        if model.vocab_size != vocab:
-            run = dataclasses.replace(run, model=dataclasses.replace(model, vocab_size=vocab))
-        out = self.stage_dir("pretrain")
-        result = self._continue_or_start("pretrain", lambda **kw: run_pretrain(run, **kw))
-        return {"model": str(out), **_scalars(result)}
-
-    def stage_sft(self) -> dict[str, Any]:
-        from .train.sft import run_sft
-
-        cfg = SFTRunConfig.from_dict(self.settings("sft"))
-        out = self.stage_dir("sft")
-        result = self._continue_or_start("sft", lambda **kw: run_sft(cfg, **kw))
-        return {"model": str(out), **_scalars(result)}
-
-    def stage_rl(self) -> dict[str, Any]:
-        from .rl.learner import run_rl
-
-        cfg = RLConfig.from_dict(self.settings("rl"))
-        # not resumable: an interrupted attempt's outputs in the stage dir are replaced
-        result = run_rl(cfg, progress=self.progress, overwrite=True)
-        from .eval.report import reward_ends
-
-        rewards = [r["reward_mean"] for r in result["train"]]
-        k, first, last = reward_ends(rewards)
-        return {
-            "model": result["model"],
-            "steps": len(rewards),
-            "reward_window": k,
-            "reward_first": first,
-            "reward_last": last,
-            "eval": [{"step": e.get("step"), "solved": e["all/solved"]} for e in result["eval"]],
-        }
-
-    def stage_mtp_heal(self) -> dict[str, Any]:
-        from .train.mtp_boost import boost_checkpoint
-
-        cfg = self.cfg.mtp_heal
-        src = self._model_path("mtp_heal")
-        out = self.stage_dir("mtp_heal")
-        result = boost_checkpoint(src, cfg, out, progress=self.progress, overwrite=True)
-        al = {
-            f"T{r['temperature']:g}": [r["acceptance_length"], a["acceptance_length"]]
-            for r, a in zip(result["before"], result["after"], strict=True)
-        }
-        return {
-            "model": str(out / "model"),
-            "from": src,
-            "draft_len": cfg.draft_len,
-            "acceptance_length": al,  # temperature -> [before, after]
-            **_scalars(result),
-        }
-
-    def stage_quantize(self) -> dict[str, Any]:
-        from .precision.ptq import DEFAULT_EXCLUDE
-        from .precision.quantize import QuantizeConfig, run_quantize
-
-        s = self.settings("quantize")
-        models, results = {}, {}
-        for recipe in s["recipes"]:
-            out = self.stage_dir("quantize") / recipe
-            qcfg = QuantizeConfig(
-                checkpoint=s["checkpoint"],
-                out=str(out),
-                recipe=recipe,
-                budget=s["budget"],
-                calib_samples=s["calib_samples"],
-                eval_batches=s["eval_batches"],
-                weight_scale=s["weight_scale"],
-                per_layer=s["per_layer"],
-                data=s["data"],
-                calib_data=s["calib_data"],
-                exclude=DEFAULT_EXCLUDE + tuple(s["exclude"]),
-                progress=self.progress,
-            )
-            # the checkpoint carries its model's tokenizer; an interrupted attempt is replaced
-            summary = run_quantize(qcfg, overwrite=True)
-            models[recipe] = str(out)
-            results[recipe] = {
-                k: summary[k] for k in ("unquantized", "quantized", "delta", "calibration")
-            }
-        return {
-            "model": models[s["recipes"][-1]],
-            "models": models,
-            "from": s["checkpoint"],
-            "results": results,
-        }
-
-    def stage_eval(self) -> dict[str, Any]:
-        from .eval.flow import evaluate_flow
-
-        return evaluate_flow(self, self.stage_dir("eval"))
-
-    def stage_report(self) -> dict[str, Any]:
-        from .eval.report import render_report
-
-        return render_report(self.run_dir)
-
-
-def _scalars(result: dict[str, Any]) -> dict[str, Any]:
-    """The JSON-friendly scalars (and small dicts of scalars) of a stage's result."""
-    out: dict[str, Any] = {}
-    for k, v in result.items():
-        if isinstance(v, (int, float, str, bool)) or v is None:
-            out[k] = v if not (isinstance(v, float) and math.isnan(v)) else None
-        elif isinstance(v, dict) and all(isinstance(x, (int, float, str)) for x in v.values()):
-            out[k] = v
-        elif isinstance(v, Path):
-            out[k] = str(v)
-    return out
-
 
 # ---------------------------------------------------------------------------- loading
 def load_config(path: str, overrides: list[str], out: str = "", skip: str = "") -> SpeedrunConfig:
-    from .train.config import apply_run_overrides
-
     cfg = SpeedrunConfig.load(path)
     if overrides:
         cfg = apply_run_overrides(cfg, overrides)

@@ -32,11 +32,12 @@ import torch
 from _tiny import arithmetic_pairs, lowercase_first_env, tiny_run, tiny_train_model
 from hybridlm.config import ModelConfig
 from hybridlm.data.tokenizer import ByteTokenizer
+from hybridlm.interop.hf import save_pretrained
+from hybridlm.io.checkpoint import save_checkpoint
 from hybridlm.model.model import HybridLM
+from hybridlm.report.plot import read_metrics
 from hybridlm.rl.environments import MixtureEnvironment
-from hybridlm.train.checkpoint import save_checkpoint
 from hybridlm.train.config import TrainConfig
-from hybridlm.train.plot import read_metrics
 
 Row = dict[str, Any]
 Result = tuple[dict[str, Any], list[Row]]
@@ -202,8 +203,10 @@ def dpo(tmp: Path) -> Result:
     init = _checkpoint(tmp / "dpo_init", tiny_train_model(), seed=0)
     cfg = DPORunConfig(
         data=DPODataConfig(path=str(pairs), max_len=256, batch_size=2, held_out=8),
-        train=_train(tmp / "dpo", lr=1e-3, warmup_steps=1, weight_decay=0.0, grad_accum=2),
-        dpo=DPOConfig(init_from=init, loss="dpo_norm"),
+        train=_train(
+            tmp / "dpo", lr=1e-3, warmup_steps=1, weight_decay=0.0, grad_accum=2, init_from=init
+        ),
+        dpo=DPOConfig(loss="dpo_norm"),
     )
     run_dpo(cfg)
     settings = plain(cfg.to_dict(), tmp)
@@ -255,7 +258,7 @@ def rl(tmp: Path) -> Result:
     from hybridlm.rl.learner import RLConfig, run_rl
 
     policy = tmp / "policy"
-    HybridLM(tiny_train_model(mtp=False), seed=0).save_pretrained(policy)
+    save_pretrained(HybridLM(tiny_train_model(mtp=False), seed=0), policy)
     cfg = RLConfig(
         checkpoint=str(policy),
         out_dir=str(tmp / "rl"),

@@ -1,5 +1,5 @@
-"""`hybridlm curate | quality-train | upsample-curve | decon | decon-code-eval | mix`: pretraining
-data curation and mixtures (data/curate/)."""
+"""`hybridlm curate | quality-train | upsample-curve | decon | decon-code-eval | mix | shard`:
+pretraining data curation and mixtures (curate/), tokenised shards (data/shards.py)."""
 
 from __future__ import annotations
 
@@ -142,9 +142,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--phase2-fraction", type=float, default=0.2, help="share of phase 2")
     p.set_defaults(fn=cmd_mix)
 
+    p = sub.add_parser(
+        "shard",
+        help="tokenise text (default: the embedded stdlib corpus) into memory-mapped shards; "
+        "prints throughput",
+    )
+    p.add_argument("out", help="output directory")
+    p.add_argument("--text", nargs="*", help="text files / folders (default: the stdlib)")
+    p.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer directory")
+    p.add_argument("--train-vocab", type=int, default=0, help="train a BPE of this size")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--shard-chars", type=int, default=1 << 26)
+    p.set_defaults(fn=cmd_shard, uses_torch=False)  # numpy + tokenizers only
+
 
 def add_decon_code_eval_args(p: argparse.ArgumentParser) -> None:
-    """The flags of `hybridlm decon-code-eval` (also `python -m hybridlm.data.curate.embed`)."""
+    """The flags of `hybridlm decon-code-eval`."""
     p.add_argument(
         "--data-dir",
         default="",
@@ -165,7 +178,7 @@ def cmd_curate(args: argparse.Namespace) -> None:
     import dataclasses
     from pathlib import Path
 
-    from ..data.curate.pipeline import CurateConfig, run_curate
+    from ..curate.pipeline import CurateConfig, run_curate
 
     path = args.config
     if path is None and Path("configs/curate.yaml").is_file():
@@ -213,7 +226,7 @@ def cmd_curate(args: argparse.Namespace) -> None:
 
 def cmd_quality_train(args: argparse.Namespace) -> None:
     """Train a quality (or topic) classifier and report its held-out accuracy."""
-    from ..data.curate.quality import (
+    from ..curate.quality import (
         ClassifierConfig,
         FastTextClassifier,
         example_quality_data,
@@ -254,7 +267,7 @@ def cmd_upsample_curve(args: argparse.Namespace) -> None:
     """Fit one curve per `--target topic=mean_repetition`, write curves.jsonl and the PNG."""
     from pathlib import Path
 
-    from ..data.curate.upsample import CurveConfig, UpsampleCurve, plot_curves, write_curves
+    from ..curate.upsample import CurveConfig, UpsampleCurve, plot_curves, write_curves
 
     cfg = CurveConfig(
         shape=args.shape,
@@ -284,12 +297,8 @@ def cmd_decon(args: argparse.Namespace) -> None:
     (optionally) the clean documents."""
     import json
 
-    from ..data.curate.decon import (
-        BenchmarkRegistry,
-        NgramOverlapDetector,
-        SampledNgramDetector,
-        decontaminate,
-    )
+    from ..curate.benchmarks import BenchmarkRegistry
+    from ..curate.decon import NgramOverlapDetector, SampledNgramDetector, decontaminate
 
     extra = []
     for spec in args.benchmark:
@@ -307,7 +316,7 @@ def cmd_decon(args: argparse.Namespace) -> None:
     elif args.method == "overlap":
         det = NgramOverlapDetector(reg)
     else:
-        from ..data.curate.embed import MINILM_MODEL, CodeEmbeddingDetector, EmbedDeconConfig
+        from ..curate.embed import MINILM_MODEL, CodeEmbeddingDetector, EmbedDeconConfig
 
         det = CodeEmbeddingDetector(
             reg,
@@ -339,8 +348,8 @@ def cmd_decon_code_eval(args: argparse.Namespace) -> None:
     """Print one JSON line of recall / false positives per backend and normalisation."""
     import json
 
-    from ..data.curate.decon import BenchmarkRegistry
-    from ..data.curate.embed import (
+    from ..curate.benchmarks import BenchmarkRegistry
+    from ..curate.embed import (
         MINILM_MODEL,
         CodeEmbeddingDetector,
         EmbedDeconConfig,
@@ -366,7 +375,7 @@ def cmd_decon_code_eval(args: argparse.Namespace) -> None:
 
 def cmd_mix(args: argparse.Namespace) -> None:
     """Swarm -> regression -> optimised mixture file, for the sources of a data config."""
-    from ..data.curate.mixing import run_mix
+    from ..curate.mixing import run_mix
 
     res = run_mix(
         args.data,
@@ -393,4 +402,31 @@ def cmd_mix(args: argparse.Namespace) -> None:
     print(
         f"optimised weights { ({k: round(v, 4) for k, v in res['weights'].items()}) }; predicted "
         f"mean loss {res['objective']:.4f}; wrote {res['mixture']}"
+    )
+
+
+def cmd_shard(args: argparse.Namespace) -> None:
+    """Shard the text (a BPE trained on it with --train-vocab) and print throughput."""
+    import time
+
+    from ..data.bpe import train_bpe
+    from ..data.shards import shard_text, text_source
+
+    paths = args.text or ()
+    tokenizer = args.tokenizer
+    if args.train_vocab:
+        t0 = time.perf_counter()
+        tokenizer = train_bpe(text_source(paths), vocab_size=args.train_vocab)
+        print(f"trained BPE vocab {tokenizer.vocab_size} in {time.perf_counter() - t0:.1f} s")
+    report = shard_text(
+        args.out,
+        paths,
+        tokenizer=tokenizer,
+        num_workers=args.workers,
+        shard_chars=args.shard_chars,
+    )
+    print(
+        f"{report.num_documents} docs, {report.num_tokens} tokens, {report.seconds:.2f} s: "
+        f"{report.docs_per_second:.0f} docs/s, {report.tokens_per_second:.0f} tokens/s "
+        f"({args.workers} workers; {report.shards_written} written, {report.shards_reused} reused)"
     )

@@ -142,9 +142,9 @@ def _tokenizer(args: argparse.Namespace, model: Any) -> Any:
     from ..data.tokenizer import ByteTokenizer
 
     if getattr(args, "checkpoint", None):
-        from ..train.checkpoint import tokenizer_for
+        from ..io import load_tokenizer_for
 
-        tok = tokenizer_for(args.checkpoint)
+        tok = load_tokenizer_for(args.checkpoint)
     else:
         tok = ByteTokenizer()
     if model.config.vocab_size < tok.vocab_size:
@@ -163,12 +163,14 @@ def _config(args: argparse.Namespace, default: str = "tiny-super") -> ModelConfi
 
 
 def _model(args: argparse.Namespace) -> Any:
-    from ..model.model import HybridLM
-
     if getattr(args, "checkpoint", None):
         if args.overrides:
             raise ValueError("--set applies to --preset / --config, not to --checkpoint")
-        return HybridLM.from_pretrained(args.checkpoint)
+        from ..io import load_model
+
+        return load_model(args.checkpoint)
+    from ..model.model import HybridLM
+
     return HybridLM(_config(args), seed=args.seed)
 
 
@@ -284,8 +286,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> None:
+    from ..interop.hf import save_pretrained
+
     model = _model(args)
-    model.save_pretrained(args.out, tokenizer=_tokenizer(args, model))
+    save_pretrained(model, args.out, tokenizer=_tokenizer(args, model))
     print(f"wrote {args.out} ({model.count_params():,} parameters)")
 
 

@@ -1,5 +1,5 @@
 """`hybridlm precision-plan | quantize`: low-precision training plan and post-training
-quantisation (precision/policy.py, precision/quantize.py)."""
+quantisation (precision/policy.py, train/quantize.py)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def cmd_precision_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
-    from ..precision.quantize import QuantizeConfig, run_quantize
+    from ..train.quantize import QuantizeConfig, run_quantize
 
     run_quantize(
         QuantizeConfig(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import add_overrides_arg
-from .train import add_overwrite_arg
+from .train import add_resume_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -13,7 +13,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("rl", help="GRPO with verifiable rewards and asynchronous rollouts")
     p.add_argument("--config", default="", help="an RL YAML (default: configs/rl.yaml if present)")
     p.add_argument("--checkpoint", default="", help="the starting policy (overrides the config)")
-    add_overwrite_arg(p)
+    add_resume_args(p)
     add_overrides_arg(p, "steps=20 --set grpo.eps_high=0.28")
     p.set_defaults(fn=cmd_rl)
 
@@ -31,7 +31,7 @@ def cmd_rl(args: argparse.Namespace) -> None:
     cfg = apply_overrides(cfg, args.overrides)
     if args.checkpoint:
         cfg.checkpoint = args.checkpoint
-    res = run_rl(cfg, overwrite=args.overwrite)
+    res = run_rl(cfg, resume=args.resume, overwrite=args.overwrite)
     first, last = res["eval"][0], res["eval"][-1]
     tr = res["train"]
     print(

@@ -1,4 +1,5 @@
-"""`hybridlm speedrun`: the whole flow, stage by stage, in one run directory (speedrun.py)."""
+"""`hybridlm speedrun | report`: the whole flow, stage by stage, in one run directory
+(speedrun.py); its report card re-rendered from the run directory's files (report/card.py)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_overrides_arg(p, "pretrain.train.max_steps=300")
     p.set_defaults(fn=cmd_speedrun)
 
+    p = sub.add_parser(
+        "report", help="(re)render a flow run's report.md / report.html from its metrics files"
+    )
+    p.add_argument("run_dir", help="a speedrun run directory (finished or partial)")
+    p.set_defaults(fn=cmd_report, uses_torch=False)  # reads files, plots with matplotlib
+
 
 def cmd_speedrun(args: argparse.Namespace) -> None:
     from ..speedrun import Speedrun, load_config
@@ -39,3 +46,9 @@ def cmd_speedrun(args: argparse.Namespace) -> None:
         threads=args.threads_info,
     ).run()
     print(json.dumps({"run_dir": result["run_dir"], "minutes": result["seconds"] / 60}, indent=1))
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from ..report.card import render_report
+
+    print(json.dumps(render_report(args.run_dir), indent=1))

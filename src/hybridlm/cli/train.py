@@ -80,7 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--checkpoint", required=True, help="run, training checkpoint or HF directory")
     p.add_argument("--out", default="", help="output directory (default: <checkpoint>-mtp-boost)")
-    add_overwrite_arg(p)
+    add_resume_args(p)
     add_overrides_arg(p, "steps=300 --set mix_true=0.5")
     p.set_defaults(fn=cmd_mtp_boost)
 
@@ -94,6 +94,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
 
     from ..data.pipeline import build_tokenizer
     from ..infer.generate import generate
+    from ..interop.hf import save_pretrained
     from ..train import RunConfig, apply_run_overrides, parallel
     from ..train.pretrain import pretrain_trainer
 
@@ -114,7 +115,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     with torch.no_grad():
         out = generate(model, ids, args.sample_tokens, temperature=0.8, top_p=0.95, seed=0)
     export = Path(trainer.module.run.train.out_dir) / "hf"
-    model.save_pretrained(export, tokenizer=tok)
+    save_pretrained(model, export, tokenizer=tok)
     ev = result.get("eval") or {}
     print("--- sample (T=0.8, top-p 0.95) ---")
     print(args.prompt + tok.decode(out[0].tolist()))
@@ -134,7 +135,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     print(f"metrics:    {result['metrics']}")
     print(f"loss plot:  {result['plot']}")
     print(f"checkpoint: {result['checkpoint']}")
-    print(f"hf export:  {export}  (HybridLM.from_pretrained / transformers)")
+    print(f"hf export:  {export}  (hybridlm.io.load_model / transformers)")
     parallel.destroy()
 
 
@@ -187,11 +188,19 @@ def cmd_mtp_boost(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from ..config import apply_overrides
+    from ..rl.learner import environment_prompts
     from ..train.mtp_boost import MTPBoostConfig, boost_checkpoint
 
     cfg = apply_overrides(MTPBoostConfig(), args.overrides).validate()
     out = Path(args.out or str(Path(args.checkpoint).resolve()) + "-mtp-boost")
-    res = boost_checkpoint(args.checkpoint, cfg, out, overwrite=args.overwrite)
+    res = boost_checkpoint(
+        args.checkpoint,
+        cfg,
+        out,
+        overwrite=args.overwrite,
+        resume=args.resume,
+        environment_prompts=environment_prompts,
+    )
     print(
         f"[mtp-boost] {res['sequences']} self-generated sequences ({res['generation_s']:.0f} s),"
         f" {cfg.steps} steps ({res['train_s']:.0f} s): loss {res['first']['loss']:.3f} ->"

@@ -45,7 +45,6 @@ import numpy as np
 
 from .bpe import FIM_MIDDLE, FIM_PREFIX, FIM_SUFFIX
 from .chat import validate
-from .curate.core import CurateDoc, Decision, DocStage, register_stage
 
 SENTINELS = (FIM_PREFIX, FIM_SUFFIX, FIM_MIDDLE)
 FIMMode = Literal["psm", "spm", "none", "has_sentinel"]
@@ -201,22 +200,3 @@ def chat_to_text(
             continue
         out.append(f"{turn.role.capitalize()}: {body}" if role_labels else body)
     return separator.join(out)
-
-
-# ---------------------------------------------------------------------------- stage
-@register_stage("fim")
-@dataclass(kw_only=True)
-class FIMStage(DocStage):
-    """Rewrite documents with the FIM transform (keyed by document id); `metadata["fim"]` and
-    the provenance record the mode (psm / spm / none / has_sentinel)."""
-
-    rate: float = 0.5
-    spm_rate: float = 0.5
-    seed: int = 0
-
-    def process(self, doc: CurateDoc) -> Decision:
-        cfg = FIMConfig(rate=self.rate, spm_rate=self.spm_rate, seed=self.seed)
-        res = fim_transform(doc.text, doc.id, cfg)
-        doc.text = res.text
-        doc.metadata["fim"] = res.mode
-        return Decision.ok(fim=res.mode)

@@ -17,8 +17,8 @@ workers. A shard whose record exists, whose input hash matches and whose files h
 recorded content hash is not tokenised again (resume after a crash, or add documents at the end).
 `ShardSet(dir)` opens the shards with `np.load(mmap_mode="r")` (an `np.memmap`).
 
-`python -m hybridlm.data.shards OUT [--tokenizer DIR] [--workers N]` shards the embedded
-default corpus (the standard library) and prints throughput.
+`hybridlm shard OUT [--tokenizer DIR] [--workers N]` shards the embedded default corpus (the
+standard library, `shard_text`) and prints throughput.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,8 +35,15 @@ from typing import Any
 
 import numpy as np
 
-from .bpe import tokenizer_sha256
-from .sources import Document, DocumentSource, IterableSource, SourceStats
+from .bpe import load_tokenizer, tokenizer_sha256
+from .sources import (
+    Document,
+    DocumentSource,
+    IterableSource,
+    SourceStats,
+    StdlibSource,
+    TextFileSource,
+)
 
 FORMAT = "hybridlm-shards"
 FORMAT_VERSION = 1
@@ -560,41 +566,24 @@ class ShardSet:
         )
 
 
-# ---------------------------------------------------------------------------- CLI
-def main(argv: Sequence[str] | None = None) -> int:
-    """Shard the embedded default corpus (or text files) and print throughput."""
-    import argparse
+# ---------------------------------------------------------------------------- text corpora
+def text_source(paths: Sequence[str | Path] = ()) -> DocumentSource:
+    """Text files / folders, or the embedded default corpus (the standard library) when none."""
+    return TextFileSource(paths) if paths else StdlibSource()
 
-    from .bpe import load_tokenizer, train_bpe
-    from .sources import StdlibSource, TextFileSource
 
-    parser = argparse.ArgumentParser(
-        prog="python -m hybridlm.data.shards", description=main.__doc__
+def shard_text(
+    out_dir: str | Path,
+    paths: Sequence[str | Path] = (),
+    *,
+    tokenizer: Any = "byte",
+    num_workers: int = 1,
+    shard_chars: int = 1 << 26,
+) -> WriteReport:
+    """Tokenise text files / folders (`text_source(paths)`) into shards in `out_dir`;
+    `tokenizer`: "byte", a tokenizer directory or a tokenizer (`hybridlm shard`)."""
+    if isinstance(tokenizer, str | Path):
+        tokenizer = load_tokenizer(tokenizer)
+    return write_shards(
+        text_source(paths), tokenizer, out_dir, num_workers=num_workers, shard_chars=shard_chars
     )
-    parser.add_argument("out", help="output directory")
-    parser.add_argument("--text", nargs="*", help="text files / folders (default: the stdlib)")
-    parser.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer directory")
-    parser.add_argument("--train-vocab", type=int, default=0, help="train a BPE of this size")
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--shard-chars", type=int, default=1 << 26)
-    args = parser.parse_args(argv)
-    source = TextFileSource(args.text) if args.text else StdlibSource()
-    if args.train_vocab:
-        t0 = time.perf_counter()
-        tokenizer = train_bpe(source, vocab_size=args.train_vocab)
-        print(f"trained BPE vocab {tokenizer.vocab_size} in {time.perf_counter() - t0:.1f} s")
-    else:
-        tokenizer = load_tokenizer(args.tokenizer)
-    report = write_shards(
-        source, tokenizer, args.out, num_workers=args.workers, shard_chars=args.shard_chars
-    )
-    print(
-        f"{report.num_documents} docs, {report.num_tokens} tokens, {report.seconds:.2f} s: "
-        f"{report.docs_per_second:.0f} docs/s, {report.tokens_per_second:.0f} tokens/s "
-        f"({args.workers} workers; {report.shards_written} written, {report.shards_reused} reused)"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

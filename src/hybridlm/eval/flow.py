@@ -15,6 +15,7 @@ Rows go to `<out>/metrics.jsonl` (`kind`: `model`, `cache_memory`); harness rows
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -23,6 +24,15 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
+from ..data.bpb import token_byte_lengths
+from ..data.pipeline import build_loaders, prepare_shards
+from ..io import load_model
+from ..precision.ptq import evaluate as text_loss
+from ..precision.ptq import take
+from ..presets import get_preset
+from ..rl.learner import build_mixture, eval_specs, evaluate_policy
+from ..train.quantize import run_data
+from .harness import EvalConfig, LoadedModel, evaluate
 
 
 def attention_only(cfg: ModelConfig) -> ModelConfig:
@@ -58,15 +68,6 @@ def cache_memory_rows(name: str, cfg: ModelConfig, contexts: list[int]) -> list[
 
 def evaluate_flow(flow: Any, out: Path) -> dict[str, Any]:
     """Evaluate the finished models of a `Speedrun` (`flow`); returns the summary rows."""
-    from ..data.pipeline import build_loaders, prepare_shards
-    from ..model.model import HybridLM
-    from ..precision.ptq import evaluate as text_loss
-    from ..precision.ptq import take
-    from ..precision.quantize import run_data
-    from ..rl.learner import build_mixture, eval_specs, evaluate_policy
-    from ..data.bpb import token_byte_lengths
-    from .harness import EvalConfig, LoadedModel
-
     ecfg = flow.cfg.eval
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.jsonl"
@@ -91,7 +92,7 @@ def evaluate_flow(flow: Any, out: Path) -> dict[str, Any]:
     last_cfg = None
     for stage, name, path in flow.models():
         flow.console.print(f"eval {name}: {path}", markup=False)
-        model = HybridLM.from_pretrained(path).float().eval()
+        model = load_model(path).float().eval()
         last_cfg = model.config
         row: dict[str, Any] = {"kind": "model", "model": name, "stage": stage, "path": path}
         row["params"] = sum(p.numel() for p in model.parameters())
@@ -132,8 +133,6 @@ def evaluate_flow(flow: Any, out: Path) -> dict[str, Any]:
             loaded = LoadedModel(model=model, tokenizer=tok, name=name, source=path)
             _run_tasks(loaded, cfg, ecfg, out / name)
     if last_cfg is not None:
-        from ..presets import get_preset
-
         for name, cfg in (
             ("speedrun", last_cfg),
             ("nemotron-3-super", get_preset("nemotron-3-super-120b-a12b")),
@@ -145,10 +144,6 @@ def evaluate_flow(flow: Any, out: Path) -> dict[str, Any]:
 
 def _run_tasks(loaded: Any, cfg: Any, ecfg: Any, out: Path) -> None:
     """Harness tasks with per-task limits: SPEED-Bench prompts per category, else harness_limit."""
-    import dataclasses
-
-    from .harness import evaluate
-
     spec = [t for t in cfg.tasks if t == "spec_bench"]
     rest = [t for t in cfg.tasks if t != "spec_bench"]
     if spec:

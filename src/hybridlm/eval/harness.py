@@ -32,7 +32,12 @@ import torch
 
 from ..choices import EVAL_DTYPES
 from ..config import from_dict, read_mapping
-from ..model.model import HybridLM
+from ..data.bpe import load_tokenizer
+from ..io import load
+from ..model.model import HybridLM, build_model
+from ..presets import get_preset
+from ..report.plot import pyplot, read_metrics, save_figure
+from .speculative import plot_spec_bench
 from .tasks import EvalRunner, TaskResult, get_task, resolve_tasks
 
 _DTYPES = {name: getattr(torch, name) for name in EVAL_DTYPES}  # "float32" -> torch.float32
@@ -106,18 +111,12 @@ def load_model(
     tokenizer: str | None = None,
 ) -> LoadedModel:
     """A model and its tokenizer from a training checkpoint / run dir / HF dir, or a preset."""
-    from ..data.bpe import load_tokenizer
-    from ..train.checkpoint import read_meta, resolve_checkpoint, tokenizer_for
-    from ..model.model import build_model
-
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     step = None
     if (checkpoint is None) == (preset is None):
         raise ValueError("give exactly one of --checkpoint DIR or --preset NAME")
     if preset is not None:
-        from ..presets import get_preset
-
         cfg = get_preset(preset)
         model = build_model(cfg, seed=seed, device=torch.device("cpu"))
         tok = load_tokenizer(tokenizer or "byte")
@@ -126,11 +125,10 @@ def load_model(
         path = Path(checkpoint)  # type: ignore[arg-type]
         if not path.is_dir():
             raise ValueError(f"checkpoint directory not found: {path}")
-        if not (path / "config.json").is_file():  # a training checkpoint or a run directory
-            path = resolve_checkpoint(path)
-            step = int(read_meta(path).get("step", 0))
-        model = HybridLM.from_pretrained(path)
-        tok = load_tokenizer(tokenizer) if tokenizer else tokenizer_for(path)
+        loaded = load(path, tokenizer=tokenizer)  # a run directory: its newest checkpoint
+        model, tok, path = loaded.model, loaded.tokenizer, loaded.path
+        if loaded.kind == "checkpoint":
+            step = int(loaded.meta.get("step", 0))
         name = (
             path.name
             if path.parent.name != "checkpoints"
@@ -241,20 +239,13 @@ def write_results(
     if any(n.startswith("ruler_") for n in results):
         plot_ruler(out / "metrics.jsonl", out / "ruler.png")
     if "spec_bench" in results:
-        from .speculative import plot_spec_bench
-
         plot_spec_bench(out / "metrics.jsonl", out / "spec_bench.png")
     return doc
 
 
 def plot_ruler(metrics_path: str | Path, out_png: str | Path) -> Path:
     """RULER string-match against context length, one line per (model, task)."""
-    from ..train.plot import pyplot, save_figure
-
     plt = pyplot()
-
-    from ..train.plot import read_metrics
-
     curves: dict[tuple[str, str], dict[int, float]] = {}
     for r in read_metrics(metrics_path):
         m = str(r.get("metric", ""))
@@ -293,19 +284,3 @@ def evaluate(
     results = run_tasks(runner, names, cfg)
     out = out_dir or cfg.out_dir or Path("runs") / "eval" / loaded.name
     return write_results(out, loaded, cfg, results)
-
-
-# ---------------------------------------------------------------------- command line
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m hybridlm.eval.harness ...`: `hybridlm eval ...` (its flags: cli/eval.py)."""
-    import sys
-
-    from ..cli import main as cli_main  # the command line is the top layer: imported on use
-
-    return cli_main(["eval", *(argv if argv is not None else sys.argv[1:])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

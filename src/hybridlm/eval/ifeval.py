@@ -31,7 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from ..data import builtin
+from ..data.chat import STOP
 from ..infer.sampling import SamplingParams
+from ..rl.environments import InstructionFollowingEnvironment
+from ..rl.ifeval import ifeval_metrics, score_prompt
+from ..rl.ifeval_text import language_backend, sentence_backend
+from ..rl.verifiers import answer_text
 from .tasks import (
     EvalRunner,
     Task,
@@ -79,8 +84,6 @@ def load_ifeval_records(source: str | Path) -> list[dict[str, Any]]:
 
 def _records(source: str, data_dir: Path | None, seed: int) -> tuple[Any, str]:
     """The `InstructionFollowingEnvironment` of the task and where its prompts came from."""
-    from ..rl.environments import InstructionFollowingEnvironment
-
     if source:
         return InstructionFollowingEnvironment(load_ifeval_records(source)), str(source)
     if data_dir is not None and (data_dir / IFEVAL_FILE).is_file():
@@ -99,8 +102,6 @@ def score_responses(
 ) -> tuple[dict[str, float], dict[str, float], list[Any]]:
     """Metrics, their standard errors and the per-prompt results of answers (reasoning already
     removed) to IFEval prompts."""
-    from ..rl.ifeval import ifeval_metrics, score_prompt
-
     results = [
         score_prompt(r, ids, kw)
         for r, ids, kw in zip(responses, instruction_ids, kwargs, strict=True)
@@ -132,10 +133,6 @@ class IFEvalTask(Task):
         _check_format(self.prompt_format)
 
     def run(self, runner: EvalRunner, limit: int | None = None) -> TaskResult:
-        from ..data.chat import STOP
-        from ..rl.ifeval_text import language_backend, sentence_backend
-        from ..rl.verifiers import answer_text
-
         _check_limit(limit)
         env, source = _records(self.data, self.data_dir, self.seed)
         problems = list(env)[:limit]

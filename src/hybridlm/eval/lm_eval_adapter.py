@@ -57,7 +57,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from ..data.chat import IM_START, STOP
+from ..data.chat import IM_START, STOP, render
 from ..infer.sampling import SamplingParams
 from .harness import load_model
 from .tasks import EvalRunner
@@ -132,8 +132,6 @@ class HybridLMEval(LM):
     ) -> str:
         """`--apply_chat_template`: the project's chat template (`data.chat.render`); the
         generation then stops at its end-of-turn marker."""
-        from ..data.chat import render
-
         return render(chat_history, add_generation_prompt=add_generation_prompt)
 
     # ------------------------------------------------------------------ requests

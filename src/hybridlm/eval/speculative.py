@@ -74,6 +74,7 @@ from ..infer.generate import generate
 from ..infer.sampling import SamplingParams
 from ..infer.speculative import MAX_DRAFT_LEN, SpecStats, speculative_generate
 from ..model.model import HybridLM
+from ..report.plot import pyplot, read_metrics, save_figure
 from ..train.mtp_boost import merge_stats
 from .tasks import (
     PROMPT_FORMATS,
@@ -806,12 +807,7 @@ def plot_spec_bench(metrics_path: str | Path, png: str | Path) -> Path | None:
     """Acceptance by draft position, one line per category (and the pooled overall), one panel
     per temperature, with standard-error bars; from the newest `spec_bench` rows of each model
     in a harness metrics.jsonl. Returns None when the file has no such rows."""
-    from ..train.plot import pyplot, save_figure
-
     plt = pyplot()
-
-    from ..train.plot import read_metrics
-
     rows = [
         r
         for r in read_metrics(metrics_path)

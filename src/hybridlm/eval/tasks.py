@@ -40,10 +40,13 @@ from typing import Any
 import torch
 
 from ..data import builtin
+from ..data.bpb import token_byte_lengths
+from ..data.chat import STOP
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
 from ..model.model import HybridLM
-from ..data.bpb import token_byte_lengths
+from ..rl.environments import GSM8K_INSTRUCTION, CodeEnvironment, GSM8KEnvironment
+from ..rl.sandbox import Sandbox, SandboxConfig
 from .loglik import LN2, LoglikResult, encode_pair, loglikelihood, loglikelihood_rolling
 from .passk import mean_pass_at_k, pass_at_k
 from .ruler import RULER_TASKS, RulerSample, make_samples, score_prediction
@@ -97,7 +100,7 @@ class EvalRunner:
 
     @property
     def byte_lengths(self) -> torch.Tensor:
-        """UTF-8 bytes per token id (`train.trainer.token_byte_lengths`)."""
+        """UTF-8 bytes per token id (`data.bpb.token_byte_lengths`)."""
         if self._byte_lengths is None:
             self._byte_lengths = token_byte_lengths(self.tokenizer, self.model.config.vocab_size)
         return self._byte_lengths
@@ -424,9 +427,6 @@ class GSM8KTask(Task):
         return "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in rows)
 
     def run(self, runner: EvalRunner, limit: int | None = None) -> TaskResult:
-        from ..data.chat import STOP
-        from ..rl.environments import GSM8K_INSTRUCTION, GSM8KEnvironment
-
         path = _data_file(builtin.GSM8K_TEST, self.data_dir, "GSM8K")
         _check_limit(limit)
         env = GSM8KEnvironment(path, limit=limit)
@@ -469,9 +469,6 @@ HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
 def humaneval_environment(data_dir: Path | None = None, *, timeout_s: float = 10.0) -> Any:
     """The shared `rl.environments.CodeEnvironment` over HumanEval (the packaged copy when
     `data_dir` is None), its sandbox limited to `timeout_s` per program."""
-    from ..rl.environments import CodeEnvironment
-    from ..rl.sandbox import Sandbox, SandboxConfig
-
     path = _data_file(builtin.HUMANEVAL, data_dir, "HumanEval")
     return CodeEnvironment.from_humaneval(path, sandbox=Sandbox(SandboxConfig(timeout_s=timeout_s)))
 
@@ -517,8 +514,6 @@ class HumanEvalTask(Task):
             raise ValueError(f"pass@k needs k <= num_samples ({self.num_samples}), got {self.ks}")
 
     def run(self, runner: EvalRunner, limit: int | None = None) -> TaskResult:
-        from ..data.chat import STOP
-
         env = humaneval_environment(self.data_dir, timeout_s=self.timeout_s)
         problems = _take(list(env), limit)
         n = self.num_samples
@@ -680,6 +675,8 @@ def _shakespeare_docs(data_dir: Path | None, chunk_chars: int = 2000) -> list[st
 
 # ---------------------------------------------------------------------- registry
 TaskFactory = Callable[..., Task]
+# name -> factory; the other task modules (ifeval, speculative) register theirs on import, and
+# `hybridlm.eval` imports them all
 TASKS: dict[str, TaskFactory] = {}
 
 
@@ -775,6 +772,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "ruler": tuple(f"ruler_{t}" for t in RULER_TASKS),
     "base_easy": ("humaneval_bpb", "gsm8k_bpb", "shakespeare_bpb"),
     "mc": ("copycolors:rc", "copycolors:mc", "gsm8k_mc:rc", "gsm8k_mc:mc"),
+    "speculative": ("spec_bench",),
 }
 
 
@@ -802,8 +800,3 @@ def get_task(name: str, *, data_dir: str | Path | None = None, **options: Any) -
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known: {', '.join(sorted(TASKS))}")
     return TASKS[name](Path(data_dir) if data_dir else None, **options)
-
-
-GROUPS["speculative"] = ("spec_bench",)
-from . import ifeval as _ifeval  # noqa: E402, F401  (registers ifeval)
-from . import speculative as _speculative  # noqa: E402, F401  (registers spec_bench)

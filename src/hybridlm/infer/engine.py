@@ -66,8 +66,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.cache import HybridCache
 from ..model.model import HybridLM
-from .cache import HybridCache
+from ..model.state_precision import check_precision
 from .sampling import (
     SamplingParams,
     TokenConstraint,
@@ -77,7 +78,7 @@ from .sampling import (
     sampled_logprobs,
     top_logprobs,
 )
-from .state_precision import check_precision
+from .speculative import SpeculativeDecoder
 
 log = logging.getLogger("hybridlm.engine")
 
@@ -506,8 +507,6 @@ class Engine:
 
     # ------------------------------------------------------------------ speculative
     def _start_speculative(self, req: _Request) -> None:
-        from .speculative import SpeculativeDecoder
-
         p = req.params
         req.spec = SpeculativeDecoder(
             self.model,

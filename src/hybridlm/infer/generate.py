@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ..model.cache import HybridCache
 from ..model.model import HybridLM
-from .cache import HybridCache
 from .sampling import sample_next
 
 __all__ = ["generate", "left_align", "sample_next"]
@@ -18,7 +18,7 @@ def left_align(
     input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Move every row's tokens to the right end (left padding), whatever padding it came with;
-    the hybrid cache keeps batches right-aligned (`infer.cache`)."""
+    the hybrid cache keeps batches right-aligned (`model.cache`)."""
     mask = attention_mask_BL.bool()
     if bool(mask.any(1).logical_not().any()):
         raise ValueError("every row of attention_mask needs at least one token")
@@ -51,7 +51,7 @@ def generate(
 
     `attention_mask` [B, L] marks padding (0) of a batch of prompts of different lengths; left or
     right padding (or any mix) gives each row the tokens it would get alone. `ssm_precision` is
-    the storage precision of the Mamba state cache (`infer.state_precision`). For serving many
+    the storage precision of the Mamba state cache (`model.state_precision`). For serving many
     requests (continuous batching, stop strings, prefix reuse) use `infer.engine.Engine`."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")

@@ -98,7 +98,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -112,11 +112,9 @@ from starlette.responses import Response, StreamingResponse
 from ..data import chat as chat_template
 from . import grammar
 from . import tools as tool_mod
+from .engine import Engine, RequestOutput
 from .sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 from .token_text import Offsets, TokenText
-
-if TYPE_CHECKING:
-    from .engine import Engine, RequestOutput
 
 log = logging.getLogger("hybridlm.server")
 

@@ -59,8 +59,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.cache import HybridCache
 from ..model.model import HybridLM
-from .cache import HybridCache
 from .sampling import SamplingParams, filtered_probs
 
 Tensor = torch.Tensor

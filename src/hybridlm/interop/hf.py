@@ -60,6 +60,7 @@ from ..config import (
     YarnConfig,
 )
 from ..data.chat import STOP
+from ..model.model import HybridLM
 
 NEMOTRON_LETTERS = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
 HF_LAYER_TYPES = {
@@ -544,9 +545,9 @@ def _load_file(file: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"cannot read safetensors file {file}: {err}") from None
 
 
-def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None):
-    from ..model.model import HybridLM
-
+def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridLM:
+    """A `HybridLM` from a transformers NemotronH / Olmo3 directory (`hybridlm.io.load` picks
+    this reader for such directories); `dtype` defaults to the directory's own."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.is_file():
@@ -682,10 +683,12 @@ def write_model_dir(
 
 
 def save_pretrained(
-    model, path: str | Path, *, tokenizer: Any = None, max_shard_bytes: int = 5 * 2**30
+    model: HybridLM, path: str | Path, *, tokenizer: Any = None, max_shard_bytes: int = 5 * 2**30
 ) -> Path:
-    """Write `model` as a transformers NemotronH / Olmo3 directory (`write_model_dir`), with
-    `tokenizer`'s files, chat template and generation config when given."""
+    """Write `model` as a transformers NemotronH / Olmo3 directory (`write_model_dir`) that
+    `AutoModelForCausalLM.from_pretrained` loads; MTP weights use vLLM's key names. With the
+    model's `tokenizer` (`ByteTokenizer` / `BPETokenizer`) the directory also holds its files,
+    the chat template and generation_config.json, and config.json its special ids."""
     hf_cfg = to_hf_config(model.config, model.embeddings.weight.dtype)  # raises before writing
     return write_model_dir(
         path,

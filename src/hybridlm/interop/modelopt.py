@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
+from ..model.model import HybridLM
 from ..model.moe import Experts
 from ..precision.ptq import QuantExperts, QuantLinear
 from .hf import (
@@ -229,11 +230,9 @@ def read_quant_config(path: Path) -> dict[str, Any]:
     return q
 
 
-def load_modelopt(path: str | Path, *, dtype: torch.dtype | None = None):
+def load_modelopt(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridLM:
     """Read a ModelOpt NVFP4 / FP8 / mixed directory into a `HybridLM` with fake-quant modules
     (`QuantLinear` / `QuantExperts`) for the quantised operators."""
-    from ..model.model import HybridLM
-
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a checkpoint directory (no config.json)")

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from ..config import LayerSpec, ModelConfig
-from ..infer.cache import KVState
 from ..ops.attention import attention
 from ..ops.rope import apply_rope, rope_cos_sin, rope_frequencies
+from .cache import KVState
 from .norm import RMSNorm
 
 

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LayerSpec, ModelConfig
-from ..infer.cache import MambaState
 from ..ops.conv1d import causal_conv1d, causal_conv1d_docs
 from ..ops.ssd import ssd_chunked, ssd_states, ssd_step
+from .cache import MambaState
 from .norm import GatedRMSNorm, gated_rms_norm
 from .stock import is_stock
 

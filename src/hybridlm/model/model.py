@@ -20,17 +20,17 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..infer.cache import HybridCache
 from ..ops.cross_entropy import linear_cross_entropy
 from .block import build_blocks
-from .moe import MoE
+from .cache import HybridCache
+from .mamba2 import Mamba2Mixer, mamba2_decode_step
+from .moe import MoE, moe_decode_step
 from .mtp import MTP
 from .norm import RMSNorm
 
@@ -329,9 +329,6 @@ class HybridLM(nn.Module):
         elementwise chains; attention stays eager (its KV length grows every step). The first
         steps compile (tens of seconds on CPU); later ones reuse the kernels. `enabled=False`
         restores the eager functions."""
-        from .mamba2 import Mamba2Mixer, mamba2_decode_step
-        from .moe import moe_decode_step
-
         for module in self.modules():
             if isinstance(module, Mamba2Mixer):
                 module.decode_fn = _compiled(mamba2_decode_step) if enabled else mamba2_decode_step
@@ -339,43 +336,9 @@ class HybridLM(nn.Module):
                 module.decode_fn = _compiled(moe_decode_step) if enabled else moe_decode_step
         return self
 
-    # ------------------------------------------------------------------ facts and I/O
+    # ------------------------------------------------------------------ facts
     def count_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype | None = None) -> HybridLM:
-        """Load a transformers (NemotronH / Olmo3) checkpoint directory (ModelOpt-quantised
-        ones with fake-quant modules), a hybridlm training checkpoint (`<run>/checkpoints/
-        step_*`), or a run directory (its newest checkpoint)."""
-        from ..interop.hf import load_pretrained
-
-        p = Path(path)
-        if (p / "config.json").is_file():
-            from ..interop.modelopt import is_modelopt, load_modelopt
-
-            if is_modelopt(p):
-                return load_modelopt(p, dtype=dtype)
-            return load_pretrained(path, dtype=dtype)
-        if (p / "meta.json").is_file() or (p / "checkpoints").is_dir():
-            from ..train.checkpoint import model_from_checkpoint
-
-            return model_from_checkpoint(p, dtype=dtype)
-        raise ValueError(
-            f"{p} is neither a transformers directory (config.json), a training checkpoint "
-            "(meta.json) nor a run directory (checkpoints/)"
-        )
-
-    def save_pretrained(
-        self, path: str | Path, *, tokenizer=None, max_shard_bytes: int = 5 * 2**30
-    ) -> Path:
-        """Write a transformers checkpoint (config.json + safetensors) that
-        `AutoModelForCausalLM.from_pretrained` loads; MTP weights use vLLM's key names. With the
-        model's `tokenizer` (`ByteTokenizer` / `BPETokenizer`) the directory also holds its
-        files, the chat template and generation_config.json, and config.json its special ids."""
-        from ..interop.hf import save_pretrained
-
-        return save_pretrained(self, path, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)
 
 
 def build_model(cfg: ModelConfig, *, seed: int, device: torch.device) -> HybridLM:

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..choices import PTQ_DEFAULT_EXCLUDE
+from ..data.bpb import eval_sums
 from ..model.mlp import relu2
 from ..model.moe import Experts, MoE
 from .formats import (
@@ -603,8 +604,6 @@ def evaluate(
 ) -> dict[str, float]:
     """Held-out next-token CE (nats/token) and bits per byte, computed as the trainer's
     `Trainer.evaluate` does (sum of nats over the label tokens / bytes they stand for)."""
-    from ..data.bpb import eval_sums
-
     was_training = model.training
     model.eval()
     device = next(iter(model.buffers()), next(model.parameters())).device

@@ -32,6 +32,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ..model.mlp import relu2
 from .formats import mxfp8_fake_quant, nvfp4_fake_quant
 from .hadamard import blockwise_transform, random_hadamard
 
@@ -357,8 +358,6 @@ class QExperts(nn.Module):
         return {"up_proj": self.ctl_up, "down_proj": self.ctl_down}
 
     def forward(self, z_TW: Tensor, idx_TK: Tensor, w_TK: Tensor) -> Tensor:
-        from ..model.mlp import relu2
-
         T, K = idx_TK.shape
         E = self.up_proj.shape[0]
         flat_A = idx_TK.reshape(-1)

@@ -49,8 +49,14 @@ from ..config import from_dict, read_mapping, write_mapping
 from ..data import builtin
 from ..data.chat import STOP
 from ..infer.engine import Engine
+from ..infer.rollout import Completion, RolloutPool, RolloutRequest
 from ..infer.sampling import SamplingParams
+from ..interop.hf import save_pretrained
+from ..io import load, load_model
 from ..model.model import HybridLM
+from ..train.config import TrainConfig
+from ..train.parallel import broadcast_object, full_model_state
+from ..train.trainer import Loss, Runtime, Step, Trainer, TrainModule
 from .environments import (
     ArithmeticEnvironment,
     CodeEnvironment,
@@ -64,8 +70,14 @@ from .environments import (
     Problem,
     reward_metrics,
 )
-from .grpo import ActiveSampler, Group, GRPOConfig, group_advantages, grpo_loss
-from .rollout import Completion, RolloutPool, RolloutRequest
+from .grpo import (
+    ActiveSampler,
+    ActiveSamplingStats,
+    Group,
+    GRPOConfig,
+    group_advantages,
+    grpo_loss,
+)
 from .verifiers import GSM8KVerifier, Reward
 
 EnvKind = Literal["arithmetic", "sft_arithmetic", "gsm8k", "math", "code", "ifeval"]
@@ -118,6 +130,12 @@ class RLConfig:
     max_policy_lag: int = 1
     sync_timeout_s: float = 300.0
     seed: int = 0
+    device: str = "auto"  # the learner's (rollout workers decode on the CPU)
+    # data parallelism of the learner under torchrun: rank 0 runs the rollouts, every rank
+    # trains on its share of each batch
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    checkpoint_interval: int = 0  # steps between checkpoints (0: only the final one)
+    keep_last_n: int = 3  # checkpoints kept (0: all)
 
     def validate(self) -> RLConfig:
         if not self.checkpoint:
@@ -220,6 +238,19 @@ def build_mixture(specs: list[EnvConfig], *, tokenizer: Any = None) -> MixtureEn
     return MixtureEnvironment(envs, [s.weight for s in specs])
 
 
+def environment_prompts(
+    kind: str, tokenizer: Any, *, n_train: int, n_eval: int, seed: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Chat prompts of an RL environment (`EnvConfig(kind=...)`), e.g. for MTP healing after RL
+    (Nemotron 3 Super §4.7): training prompts from one seed, held-out ones from another."""
+
+    def prompts(env_seed: int, n: int) -> list[list[int]]:
+        env = build_environment(EnvConfig(kind=kind, seed=env_seed), tokenizer=tokenizer)
+        return [tokenizer.encode(p.prompt) for p in env.sample(n, seed=env_seed)]
+
+    return prompts(seed, n_train), prompts(seed + 1, n_eval)
+
+
 def eval_specs(cfg: RLConfig) -> list[EnvConfig]:
     """Held-out problems: the configured eval envs, else the training envs with the generated
     ones reseeded (GSM8K: its test file next to the train file, when there is one; the packaged
@@ -241,18 +272,23 @@ def eval_specs(cfg: RLConfig) -> list[EnvConfig]:
 
 # ---------------------------------------------------------------------- batches
 def completion_logprobs(
-    model: HybridLM, comps: list[Completion], *, temperature: float
+    model: HybridLM,
+    comps: list[Completion],
+    *,
+    temperature: float,
+    forward: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The policy's log-probs of every completion token under softmax(logits / T), teacher-forced
     on prompt + completion (right-padded rows: causal layers never see the padding). Returns
-    (logp_BT, mask_BT) over completion positions."""
+    (logp_BT, mask_BT) over completion positions. `forward`: what runs the batch (a data-parallel
+    wrapper of `model`; default the model itself)."""
     device = model.embeddings.weight.device
     lengths = [len(c.prompt_ids) + len(c.token_ids) for c in comps]
     T = max(len(c.token_ids) for c in comps)
     ids_BL = torch.zeros(len(comps), max(lengths), dtype=torch.long, device=device)
     for i, c in enumerate(comps):
         ids_BL[i, : lengths[i]] = torch.tensor(c.prompt_ids + c.token_ids, device=device)
-    logits_BLV = model(ids_BL).logits
+    logits_BLV = (forward or model)(ids_BL).logits
     for m in model.moe_layers():  # the balancing loss is not part of the RL objective
         m.aux_losses.clear()
     logp_BT = torch.zeros(len(comps), T, dtype=torch.float32, device=device)
@@ -272,12 +308,15 @@ def _pad(rows: list[list[float]], T: int, device: torch.device) -> torch.Tensor:
     return out
 
 
-# ---------------------------------------------------------------------- the loop
+# ---------------------------------------------------------------------- rollouts
 class _Rollouts:
-    """Problem draws, submission to the pool, scoring into groups."""
+    """Problem draws, submission to the pool, scoring into groups. Draw k samples its problems
+    from the mixture with seed `cfg.seed * 1_000_003 + k`, so a draw is rebuilt from its number
+    (a resumed run re-creates the problems of the groups it had in hand)."""
 
-    def __init__(self, cfg: RLConfig, env: MixtureEnvironment, tok: Any, pool: RolloutPool):
-        self.cfg, self.env, self.tok, self.pool = cfg, env, tok, pool
+    def __init__(self, cfg: RLConfig, env: MixtureEnvironment, tok: Any) -> None:
+        self.cfg, self.env, self.tok = cfg, env, tok
+        self.pool: RolloutPool | None = None
         self.params = {
             "max_tokens": cfg.max_new_tokens,
             "temperature": cfg.temperature,
@@ -285,20 +324,50 @@ class _Rollouts:
             "stop": [STOP],
             "include_stop_str_in_output": True,
         }
-        self.pending: dict[int, list[Problem]] = {}
+        self.pending: dict[int, tuple[int, int]] = {}  # id(handle) -> (draw, groups)
+        self.ready: list[tuple[int, int, list[Completion]]] = []  # restored finished calls
         self.draws = 0
 
+    def problems(self, draw: int, n_groups: int) -> list[Problem]:
+        return self.env.sample(n_groups, seed=self.cfg.seed * 1_000_003 + draw)
+
     def submit(self, n_groups: int) -> None:
+        assert self.pool is not None
         self.draws += 1
-        problems = self.env.sample(n_groups, seed=self.cfg.seed * 1_000_003 + self.draws)
+        problems = self.problems(self.draws, n_groups)
         reqs = [
             RolloutRequest(p.id, self.tok.encode(p.prompt), self.cfg.group_size) for p in problems
         ]
         handle = self.pool.submit(reqs, self.params)
-        self.pending[id(handle)] = problems
+        self.pending[id(handle)] = (self.draws, n_groups)
 
-    def groups(self, handle: Any, comps: list[Completion], step: int) -> list[Group]:
-        problems = self.pending.pop(id(handle))
+    @property
+    def num_inflight(self) -> int:
+        return len(self.ready) + (self.pool.num_inflight if self.pool is not None else 0)
+
+    def wait(self, timeout: float) -> list[tuple[int, int, list[Completion]]]:
+        """Finished calls: restored ones first, then the pool's (at least one)."""
+        if self.ready:
+            done, self.ready = self.ready, []
+            return done
+        assert self.pool is not None
+        out = []
+        for handle, comps in self.pool.wait(num=1, timeout=timeout):
+            draw, n = self.pending.pop(id(handle))
+            out.append((draw, n, comps))
+        return out
+
+    def drain(self) -> None:
+        """Wait for every call in flight and keep its completions in hand (`ready`), so the
+        rollout state at a checkpoint is data, not futures."""
+        assert self.pool is not None
+        while self.pool.num_inflight:
+            for handle, comps in self.pool.wait(num=self.pool.num_inflight):
+                draw, n = self.pending.pop(id(handle))
+                self.ready.append((draw, n, comps))
+
+    def groups(self, draw: int, n_groups: int, comps: list[Completion], step: int) -> list[Group]:
+        problems = self.problems(draw, n_groups)
         G = self.cfg.group_size
         texts = [c.text.removesuffix(STOP) for c in comps]
         expanded = [problems[i // G] for i in range(len(comps))]
@@ -311,9 +380,32 @@ class _Rollouts:
         out = []
         for g, problem in enumerate(problems):
             sl = slice(g * G, (g + 1) * G)
-            data = {"problem": problem, "completions": comps[sl], "scored": scored and scored[sl]}
+            data = {
+                "problem": problem,
+                "completions": comps[sl],
+                "scored": scored and scored[sl],
+                "draw": (draw, n_groups, g),
+            }
             out.append(Group(prompt_id=problem.id, rewards=rewards[sl], data=data))
         return out
+
+    def regroup(self, state: dict[str, Any]) -> Group:
+        """A group kept in the active sampler, rebuilt from its checkpointed form."""
+        draw, n_groups, g = state["draw"]
+        problem = self.problems(draw, n_groups)[g]
+        comps = [Completion(**c) for c in state["completions"]]
+        scored = None
+        if self.cfg.reward != "random":
+            scored = self.env.score_many(
+                [problem] * len(comps), [c.text.removesuffix(STOP) for c in comps]
+            )
+        data = {
+            "problem": problem,
+            "completions": comps,
+            "scored": scored,
+            "draw": (draw, n_groups, g),
+        }
+        return Group(prompt_id=problem.id, rewards=state["rewards"], data=data)
 
 
 def _coin(key: str) -> bool:
@@ -343,8 +435,306 @@ def evaluate_policy(
     return m
 
 
-def _lr(step: int, cfg: RLConfig) -> float:
-    return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+# ---------------------------------------------------------------------- the learner
+class GRPOLearner(TrainModule):
+    """The GRPO learner as a stage of the one `Trainer` (module docstring): each step waits for
+    a batch of kept groups, its micro-batches are completions with their advantages, the loss is
+    `grpo_loss` normalised by the batch's token count (DESIGN habit 13), and after the update
+    the new weights go to the rollout workers. Checkpoints hold the rollout state (draw counter,
+    the workers' sampling-stream positions, finished calls and kept groups not yet trained on),
+    so that a resumed inline run repeats the uninterrupted one exactly."""
+
+    stage = "rl"
+
+    def __init__(
+        self,
+        cfg: RLConfig,
+        rt: Runtime,
+        *,
+        env: MixtureEnvironment | None,
+        eval_env: MixtureEnvironment | None,
+    ) -> None:
+        super().__init__(rt)
+        self.cfg = cfg
+        loaded = load(cfg.checkpoint)
+        self.model = loaded.model.float().to(rt.device)
+        self.tok = loaded.tokenizer
+        self.env = env or build_mixture(cfg.envs, tokenizer=self.tok)
+        self.eval_env = eval_env or build_mixture(eval_specs(cfg), tokenizer=self.tok)
+        self.eval_set = self.eval_env.sample(cfg.eval_problems, seed=cfg.seed + 12345)
+        self.eval_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
+        self.ref = None
+        if cfg.grpo.kl_coef > 0:  # the initial policy, frozen
+            ref = load_model(cfg.checkpoint).float().to(rt.device)
+            self.ref = ref.eval().requires_grad_(False)
+        self.total_steps = cfg.steps
+        self.sampler = ActiveSampler(batch_groups=cfg.groups_per_step, max_draws=cfg.max_draws)
+        self.rollouts = _Rollouts(cfg, self.env, self.tok)
+        self.last_eval: dict[str, float] = {}
+        self._restored: dict[str, Any] | None = None
+        self._started = False
+
+    # ------------------------------------------------------------------ rollouts
+    def _start(self, step: int, weights: dict[str, torch.Tensor]) -> None:
+        """Start the workers with the current `weights` (version `step`) and fill the pipeline:
+        this step's call and the next `max_policy_lag` ones (or restore a checkpoint's)."""
+        cfg = self.cfg
+        self.rollouts.pool = RolloutPool(
+            self.model.config,
+            self.tok,
+            weights,
+            executor=cfg.executor,
+            num_workers=cfg.num_workers,
+            ray_address=cfg.ray_address or None,
+            threads_per_worker=cfg.threads_per_worker,
+            sync_timeout_s=cfg.sync_timeout_s,
+            seed=cfg.seed,
+            version=step,
+            engine_kwargs={"max_batch_size": cfg.groups_per_step * cfg.group_size},
+        )
+        state = self._restored
+        if state is None:
+            for _ in range(1 + cfg.max_policy_lag):
+                self.rollouts.submit(cfg.groups_per_step)
+            return
+        self.rollouts.pool.load_state_dict(state["pool"])
+        self.rollouts.draws = state["draws"]
+        self.rollouts.ready = [
+            (d, n, [Completion(**c) for c in comps]) for d, n, comps in state["ready"]
+        ]
+        for g in state["kept"]:
+            self.sampler._buffer.append(self.rollouts.regroup(g))
+        self.sampler.stats = ActiveSamplingStats(**state["sampler_stats"])
+
+    def _collect(self, step: int) -> tuple[list[Completion], torch.Tensor | None, dict[str, Any]]:
+        """Wait for a batch of kept groups: its completions, their advantages and the step's
+        row fields (rank 0, which runs the rollout workers)."""
+        cfg, rollouts, sampler = self.cfg, self.rollouts, self.sampler
+        t0 = time.perf_counter()
+        drawn, stale, draw_rewards, stale_hist = 0, 0, [], Counter()
+        while not sampler.ready and drawn < cfg.max_draws:
+            if rollouts.num_inflight == 0:  # active sampling: draw more, current weights
+                rollouts.submit(cfg.groups_per_step)
+            done = rollouts.wait(timeout=cfg.sync_timeout_s)
+            if not done:
+                raise TimeoutError(
+                    f"no rollouts arrived within {cfg.sync_timeout_s:.0f} s "
+                    f"({rollouts.num_inflight} generation calls in flight)"
+                )
+            for draw, n, comps in done:
+                for group in rollouts.groups(draw, n, comps, step):
+                    drawn += 1
+                    draw_rewards += list(group.rewards)
+                    comps_g = group.data["completions"]
+                    lags = [step - v for c in comps_g for v in c.versions]
+                    if lags and max(lags) > cfg.max_policy_lag:
+                        stale += 1
+                        continue
+                    stale_hist.update(lags)
+                    sampler.add(group)
+        batch = sampler.pop_batch()
+        while rollouts.num_inflight < cfg.max_policy_lag:  # keep the workers busy
+            rollouts.submit(cfg.groups_per_step)
+        self._t_gen = time.perf_counter() - t0
+        self._t0 = t0
+        info: dict[str, Any] = {
+            "groups_drawn": drawn,
+            "groups_kept": len(batch),
+            "groups_stale": stale,
+            "reward_mean": sum(draw_rewards) / max(len(draw_rewards), 1),
+            "staleness": {str(k): v for k, v in sorted(stale_hist.items())},
+            "wait_s": self._t_gen,
+        }
+        if not batch:  # every group filtered: no update this step
+            return [], None, info
+        rewards_NG = torch.tensor([list(g.rewards) for g in batch], dtype=torch.float32)
+        adv = group_advantages(rewards_NG, std_normalize=cfg.grpo.std_normalize).reshape(-1)
+        comps = [c for g in batch for c in g.data["completions"]]
+        lengths = [len(c.token_ids) for c in comps]
+        info |= {
+            "tokens": sum(lengths),
+            "mean_length": sum(lengths) / len(lengths),
+            "truncated_frac": sum(c.finish_reason == "length" for c in comps) / len(comps),
+            "adv_abs_mean": float(adv.abs().mean()),
+        }
+        problems = [g.data["problem"] for g in batch for _ in g.rewards]
+        if batch[0].data["scored"] is not None:
+            scored = [r for g in batch for r in g.data["scored"]]
+            info |= {f"batch/{k}": v for k, v in reward_metrics(problems, scored).items()}
+        return comps, adv, info
+
+    def prepare_step(self, step: int) -> Step:
+        """Rank 0 collects the batch (`_collect`) and sends it to every rank; each trains on
+        its consecutive share of the completions, the loss normalised by the batch's token
+        count (so the shares sum to the single-process loss)."""
+        self._step = step
+        rt = self.rt
+        if not self._started:  # the workers start with the weights of this step
+            weights = full_model_state(self.model)  # collective under FSDP
+            if rt.rank == 0:
+                self._start(step, weights)
+            self._started = True
+        got = self._collect(step) if rt.rank == 0 else None
+        comps, adv, info = broadcast_object(got)
+        if not comps:
+            return Step([], info=info)
+        ctx = {"num_tokens": info["tokens"], "num_sequences": len(comps)}
+        mine, adv_mine = rt.share(comps), rt.share(list(adv))
+        M = self.cfg.micro_batch_size
+        micro = [
+            (mine[s : s + M], torch.stack(adv_mine[s : s + M])) for s in range(0, len(mine), M)
+        ]
+        return Step(micro, ctx=ctx, info=info)
+
+    def loss(self, micro: tuple[list[Completion], torch.Tensor], step: Step) -> Loss:
+        cfg = self.cfg
+        mb, adv = micro
+        num_tokens = step.ctx["num_tokens"]
+        logp_BT, mask_BT = completion_logprobs(
+            self.model, mb, temperature=cfg.temperature, forward=self.forward_model
+        )
+        T = logp_BT.shape[1]
+        rollout_BT = _pad([c.logprobs for c in mb], T, logp_BT.device)
+        ref_BT = None
+        if self.ref is not None:
+            with torch.no_grad():
+                ref_BT, _ = completion_logprobs(self.ref, mb, temperature=cfg.temperature)
+        loss, stats = grpo_loss(
+            logp_BT,
+            None,  # one update per batch: the trainer's old policy is the current one
+            adv.to(logp_BT.device),
+            mask_BT,
+            rollout_logp_BT=rollout_BT,
+            ref_logp_BT=ref_BT,
+            config=cfg.grpo,
+            num_tokens=num_tokens,
+            num_sequences=step.ctx["num_sequences"],
+        )
+        n = int(mask_BT.sum())
+        # token-weighted means over the batch
+        return Loss(loss, {k: float(v) * n / num_tokens for k, v in stats.items()})
+
+    def after_update(self, step: Step, outcome: Any) -> dict[str, Any]:
+        """Hand the new weights to the workers (version = steps done; rank 0)."""
+        weights = full_model_state(self.model)  # collective under FSDP
+        if self.rt.rank != 0:
+            return {}
+        version = self._step + 1
+        t1 = time.perf_counter()
+        assert self.rollouts.pool is not None
+        out = {
+            "sync_s": self.rollouts.pool.set_weights(weights, version=version),
+            "train_s": t1 - self._t0 - self._t_gen,
+            "active_sampling": self.sampler.stats.as_dict(),
+        }
+        return out
+
+    # ------------------------------------------------------------------ eval + state
+    def evaluate(self) -> dict[str, float]:
+        m = evaluate_policy(
+            self.model, self.tok, self.eval_set, self.eval_env, max_new_tokens=self.eval_tokens
+        )
+        self.last_eval = m
+        return m
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rollout state at a step boundary (class docstring); in-flight calls are waited
+        for first."""
+        r = self.rollouts
+        if r.pool is None:
+            return {}
+        r.drain()
+        return {
+            "rl": {
+                "draws": r.draws,
+                "pool": r.pool.state_dict(),
+                "ready": [
+                    [d, n, [dataclasses.asdict(c) for c in comps]] for d, n, comps in r.ready
+                ],
+                "kept": [
+                    {
+                        "draw": list(g.data["draw"]),
+                        "rewards": list(g.rewards),
+                        "completions": [dataclasses.asdict(c) for c in g.data["completions"]],
+                    }
+                    for g in self.sampler._buffer
+                ],
+                "sampler_stats": dataclasses.asdict(self.sampler.stats),
+            }
+        }
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
+        self._restored = meta.get("rl")
+
+    def run_config(self) -> dict[str, Any]:
+        return {"rl": self.cfg.to_dict(), "model": self.model.config.to_dict()}
+
+    def progress_info(self, row: dict[str, Any]) -> str:
+        solved = self.last_eval.get("all/solved", float("nan"))
+        return f"reward {row['reward_mean']:.2f} | eval {solved:.2f}"
+
+    def export(self) -> Path | None:
+        return save_pretrained(self.model.eval(), self.rt.out / "model", tokenizer=self.tok)
+
+    def plot(self, metrics_path: Path) -> Path | None:
+        plot_rl(metrics_path, self.rt.out / "rl.png")
+        return self.rt.out / "rl.png"
+
+    def summary(self) -> dict[str, Any]:
+        """The run's train and eval rows (of its whole metrics log, resumed parts included)."""
+        rows = [json.loads(x) for x in self.rt.metrics_path.read_text().splitlines() if x]
+        return {
+            "model": str(self.rt.out / "model"),
+            "train": [r for r in rows if r["kind"] == "train"],
+            "eval": [r for r in rows if r["kind"] == "eval"],
+        }
+
+    def close(self) -> None:
+        if self.rollouts.pool is not None:
+            self.rollouts.pool.shutdown()
+
+
+def rl_train_config(cfg: RLConfig, *, progress: bool = True) -> TrainConfig:
+    """The loop settings of a GRPO run: AdamW without decay groups beyond `weight_decay`,
+    constant learning rate after a linear warm-up, one row per step."""
+    return TrainConfig(
+        lr=cfg.lr,
+        min_lr=0.0,
+        weight_decay=cfg.weight_decay,
+        schedule="constant",
+        warmup_steps=cfg.warmup_steps,
+        grad_clip=cfg.grad_clip,
+        max_steps=cfg.steps,
+        eval_interval=cfg.eval_interval,
+        log_interval=1,
+        checkpoint_interval=cfg.checkpoint_interval,
+        keep_last_n=cfg.keep_last_n,
+        out_dir=cfg.out_dir,
+        seed=cfg.seed,
+        device=cfg.device,
+        parallel=cfg.parallel,
+        peak_flops=1.0,
+        progress=progress,
+    )
+
+
+def rl_trainer(
+    cfg: RLConfig,
+    *,
+    env: MixtureEnvironment | None = None,
+    eval_env: MixtureEnvironment | None = None,
+    progress: bool = True,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> Trainer:
+    """The Trainer of a GRPO run, ready to `train()`."""
+    cfg.validate()
+    return Trainer(
+        rl_train_config(cfg, progress=progress),
+        lambda rt: GRPOLearner(cfg, rt, env=env, eval_env=eval_env),
+        resume=resume,
+        overwrite=overwrite,
+    )
 
 
 def run_rl(
@@ -353,202 +743,25 @@ def run_rl(
     env: MixtureEnvironment | None = None,
     eval_env: MixtureEnvironment | None = None,
     progress: bool = True,
+    resume: bool = False,
     overwrite: bool = False,
+    until_step: int | None = None,
 ) -> dict[str, Any]:
     """Train the policy of `cfg.checkpoint` with GRPO; returns a summary (metrics path, plot,
     per-step rows, eval results). `env` / `eval_env` replace the configured environments (any
-    `Environment`s, e.g. a custom verifier, wrapped in a `MixtureEnvironment`). An earlier run's
-    metrics in `cfg.out_dir` are an error unless `overwrite=True` (then they are removed)."""
-    from ..train.checkpoint import METRICS, prepare_run_dir, tokenizer_for
-
-    cfg.validate()
-    torch.manual_seed(cfg.seed)
-    out = prepare_run_dir(cfg.out_dir, overwrite=overwrite, outputs=(METRICS,))
-    cfg.save(out / "rl.yaml")
-    metrics_path = out / METRICS
-    metrics_path.touch()
-
-    def log(row: dict) -> None:
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    model = HybridLM.from_pretrained(cfg.checkpoint).float().train()
-    tok = tokenizer_for(cfg.checkpoint)
-    env = env or build_mixture(cfg.envs, tokenizer=tok)
-    eval_env = eval_env or build_mixture(eval_specs(cfg), tokenizer=tok)
-    eval_set = eval_env.sample(cfg.eval_problems, seed=cfg.seed + 12345)
-    eval_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
-    ref = None
-    if cfg.grpo.kl_coef > 0:  # the initial policy, frozen
-        ref = HybridLM.from_pretrained(cfg.checkpoint).float().eval().requires_grad_(False)
-    pool = RolloutPool(
-        model.config,
-        tok,
-        model.state_dict(),
-        executor=cfg.executor,
-        num_workers=cfg.num_workers,
-        ray_address=cfg.ray_address or None,
-        threads_per_worker=cfg.threads_per_worker,
-        sync_timeout_s=cfg.sync_timeout_s,
-        seed=cfg.seed,
-        engine_kwargs={"max_batch_size": cfg.groups_per_step * cfg.group_size},
+    `Environment`s, e.g. a custom verifier, wrapped in a `MixtureEnvironment`). An earlier run in
+    `cfg.out_dir` needs `resume=True` (continue from its newest checkpoint) or `overwrite=True`."""
+    trainer = rl_trainer(
+        cfg, env=env, eval_env=eval_env, progress=progress, resume=resume, overwrite=overwrite
     )
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
-    )
-    sampler = ActiveSampler(batch_groups=cfg.groups_per_step, max_draws=cfg.max_draws)
-    rollouts = _Rollouts(cfg, env, tok, pool)
-    evals: list[dict] = []
-
-    def run_eval(step: int) -> None:
-        m = evaluate_policy(model, tok, eval_set, eval_env, max_new_tokens=eval_tokens)
-        row = {"kind": "eval", "step": step, **m}
-        evals.append(row)
-        log(row)
-
-    run_eval(0)
-    from rich.progress import Progress
-
-    rows: list[dict] = []
-    try:
-        for _ in range(1 + cfg.max_policy_lag):  # the pipeline: this step's and the next ones'
-            rollouts.submit(cfg.groups_per_step)
-        with Progress(disable=not progress, transient=True) as bar:
-            task = bar.add_task("GRPO", total=cfg.steps)
-            for step in range(cfg.steps):
-                t0 = time.perf_counter()
-                drawn, stale, draw_rewards, stale_hist = 0, 0, [], Counter()
-                while not sampler.ready and drawn < cfg.max_draws:
-                    if pool.num_inflight == 0:  # active sampling: draw more, current weights
-                        rollouts.submit(cfg.groups_per_step)
-                    done = pool.wait(num=1, timeout=cfg.sync_timeout_s)
-                    if not done:
-                        raise TimeoutError(
-                            f"no rollouts arrived within {cfg.sync_timeout_s:.0f} s "
-                            f"({pool.num_inflight} generation calls in flight)"
-                        )
-                    for handle, comps in done:
-                        for group in rollouts.groups(handle, comps, step):
-                            drawn += 1
-                            draw_rewards += list(group.rewards)
-                            comps_g = group.data["completions"]
-                            lags = [step - v for c in comps_g for v in c.versions]
-                            if lags and max(lags) > cfg.max_policy_lag:
-                                stale += 1
-                                continue
-                            stale_hist.update(lags)
-                            sampler.add(group)
-                batch = sampler.pop_batch()
-                while pool.num_inflight < cfg.max_policy_lag:  # keep the workers busy
-                    rollouts.submit(cfg.groups_per_step)
-                t_gen = time.perf_counter() - t0
-                row: dict[str, Any] = {
-                    "kind": "train",
-                    "step": step,
-                    "groups_drawn": drawn,
-                    "groups_kept": len(batch),
-                    "groups_stale": stale,
-                    "reward_mean": sum(draw_rewards) / max(len(draw_rewards), 1),
-                    "staleness": {str(k): v for k, v in sorted(stale_hist.items())},
-                    "wait_s": t_gen,
-                }
-                if batch:
-                    row |= _update(model, ref, opt, batch, cfg, step)
-                    problems = [g.data["problem"] for g in batch for _ in g.rewards]
-                    if batch[0].data["scored"] is not None:
-                        scored = [r for g in batch for r in g.data["scored"]]
-                        metrics = reward_metrics(problems, scored)
-                        row |= {f"batch/{k}": v for k, v in metrics.items()}
-                t1 = time.perf_counter()
-                row["sync_s"] = pool.set_weights(model.state_dict(), version=step + 1)
-                row["train_s"] = t1 - t0 - t_gen
-                row["active_sampling"] = sampler.stats.as_dict()
-                rows.append(row)
-                log(row)
-                if (step + 1) % cfg.eval_interval == 0 or step + 1 == cfg.steps:
-                    run_eval(step + 1)
-                bar.update(
-                    task,
-                    advance=1,
-                    description=f"GRPO reward {row['reward_mean']:.2f} | "
-                    f"eval {evals[-1]['all/solved']:.2f}",
-                )
-    finally:
-        pool.shutdown()
-    model.eval().save_pretrained(out / "model", tokenizer=tok)
-    plot_rl(metrics_path, out / "rl.png")
-    return {
-        "metrics": str(metrics_path),
-        "plot": str(out / "rl.png"),
-        "model": str(out / "model"),
-        "train": rows,
-        "eval": evals,
-    }
-
-
-def _update(
-    model: HybridLM,
-    ref: HybridLM | None,
-    opt: torch.optim.Optimizer,
-    batch: list[Group],
-    cfg: RLConfig,
-    step: int,
-) -> dict[str, Any]:
-    """One GRPO optimizer step over the batch, in micro-batches normalised by the batch's token
-    count (DESIGN habit 13)."""
-    rewards_NG = torch.tensor([list(g.rewards) for g in batch], dtype=torch.float32)
-    adv = group_advantages(rewards_NG, std_normalize=cfg.grpo.std_normalize).reshape(-1)
-    comps = [c for g in batch for c in g.data["completions"]]
-    num_tokens = sum(len(c.token_ids) for c in comps)
-    for group in opt.param_groups:
-        group["lr"] = _lr(step, cfg)
-    opt.zero_grad(set_to_none=True)
-    sums: Counter = Counter()
-    for s in range(0, len(comps), cfg.micro_batch_size):
-        mb = comps[s : s + cfg.micro_batch_size]
-        logp_BT, mask_BT = completion_logprobs(model, mb, temperature=cfg.temperature)
-        T = logp_BT.shape[1]
-        rollout_BT = _pad([c.logprobs for c in mb], T, logp_BT.device)
-        ref_BT = None
-        if ref is not None:
-            with torch.no_grad():
-                ref_BT, _ = completion_logprobs(ref, mb, temperature=cfg.temperature)
-        loss, stats = grpo_loss(
-            logp_BT,
-            None,  # one update per batch: the trainer's old policy is the current one
-            adv[s : s + len(mb)].to(logp_BT.device),
-            mask_BT,
-            rollout_logp_BT=rollout_BT,
-            ref_logp_BT=ref_BT,
-            config=cfg.grpo,
-            num_tokens=num_tokens,
-            num_sequences=len(comps),
-        )
-        loss.backward()
-        n = int(mask_BT.sum())
-        sums["loss"] += float(loss.detach())
-        for k, v in stats.items():  # token-weighted means over the batch
-            sums[k] += float(v) * n
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-    opt.step()
-    out = {k: v / num_tokens for k, v in sums.items() if k != "loss"}
-    lengths = [len(c.token_ids) for c in comps]
-    out |= {
-        "loss": sums["loss"],
-        "grad_norm": float(grad_norm),
-        "lr": _lr(step, cfg),
-        "tokens": num_tokens,
-        "mean_length": sum(lengths) / len(lengths),
-        "truncated_frac": sum(c.finish_reason == "length" for c in comps) / len(comps),
-        "adv_abs_mean": float(adv.abs().mean()),
-    }
-    return out
+    cfg.save(trainer.out / "rl.yaml")
+    return trainer.train(until_step=until_step)
 
 
 # ---------------------------------------------------------------------- plot
 def plot_rl(metrics_path: str | Path, png: str | Path) -> None:
     """Training reward and held-out solve rate by step, and the engine–trainer log-prob gap."""
-    from ..train.plot import pyplot, save_figure
+    from ..report.plot import pyplot, save_figure
 
     plt = pyplot()
 
@@ -586,5 +799,6 @@ __all__ = [
     "build_mixture",
     "completion_logprobs",
     "evaluate_policy",
+    "rl_trainer",
     "run_rl",
 ]

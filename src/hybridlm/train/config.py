@@ -86,6 +86,11 @@ class TrainConfig:
     checkpoint_interval: int = 500  # 0: only the final checkpoint
     keep_last_n: int = 3  # 0: keep all
     out_dir: str = "runs/default"
+    # warm start: the model the run starts from, any path `hybridlm.io` loads (a run directory,
+    # a training checkpoint, a transformers or ModelOpt directory), with a fresh optimizer and
+    # schedule (Olmo 3 §4 midtraining, long-context extension, post-training); "" = a freshly
+    # initialised model of the run's model config
+    init_from: str = ""
     seed: int = 0
     device: str = "auto"  # auto: cuda when available, else cpu
     # data parallelism under torchrun (train.parallel); ignored in a single process

@@ -4,7 +4,7 @@ Shape legend: B rows, L sequence, V vocabulary, K teacher top-k, T selected toke
 
 A run is one YAML file with four sections (`configs/distill.yaml`):
 
-    model: tiny-super          # the student's architecture when distill.student is empty
+    model: tiny-super          # the student's architecture when train.init_from is empty
     data: {...}                # SFTDataConfig: chat sources, tokenizer, packing, held-out split
     train: {...}               # hybridlm.train.config.TrainConfig (optimizer, schedule, loop)
     distill: {...}             # DistillConfig: mode, teacher(s), objective, routing
@@ -27,7 +27,7 @@ accumulation gives the gradient of the step mean. The student may be smaller tha
 `distill.mode: on_policy` — multi-teacher on-policy distillation (MOPD, Nemotron 3.5: token-local
 reverse-KL updates on student-generated responses from domain-specialised teachers). Each step,
 `prompts_per_step` prompts are drawn evenly over the domains of `distill.prompts`; the student
-samples completions through the rollout engine (`rl.rollout.RolloutPool`, inline by default or
+samples completions through the rollout engine (`infer.rollout.RolloutPool`, inline by default or
 Ray actors) at temperature 1; each completion is scored by the teacher its prompt's domain is
 routed to (`distill.routes`); the student minimises the token-level reverse KL against that
 teacher on its own samples: `on_policy_loss: full` uses the exact per-position
@@ -59,6 +59,8 @@ from ..config import ModelConfig
 from ..data import builtin
 from ..data.chat import STOP, render
 from ..data.sft import Conversation, ReadReport, SFTLoader
+from ..infer.rollout import RolloutPool, RolloutRequest
+from ..io import load_model as load_model_from
 from ..model.model import HybridLM
 from .config import TrainConfig
 from .objectives import (
@@ -70,6 +72,7 @@ from .objectives import (
     skew_reverse_kl,
     topk_forward_kl,
 )
+from .parallel import broadcast_object, full_model_state
 from .sft import (
     SFT,
     ChatSource,
@@ -80,13 +83,12 @@ from .sft import (
     answer_matches,
     export_hf,
     generate_replies,
-    load_model,
     load_source,
     moe_balancing,
     prompt_and_answer,
     prompt_key,
 )
-from .trainer import Loss, Runtime, Step, Trainer, TrainModule
+from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model
 
 Mode = Literal["offline", "on_policy"]
 Objective = Literal["topk_forward_kl", "skew_reverse_kl"]
@@ -122,7 +124,6 @@ class DistillConfig:
     """The distillation objective, teacher(s) and evaluation (module docstring)."""
 
     mode: Mode = "offline"
-    student: str = ""  # a checkpoint / run dir / HF dir; "" = a fresh `model`
     # offline
     teacher: str = ""
     objective: Objective = "topk_forward_kl"
@@ -212,7 +213,7 @@ def load_teacher(path: str, *, device: torch.device, tokenizer: Any) -> HybridLM
     """A frozen teacher (eval mode, no grad) from a checkpoint, run dir or HF dir."""
     if not path or not Path(path).exists():
         raise ValueError(f"teacher checkpoint not found: {path!r}")
-    teacher = HybridLM.from_pretrained(path).to(device).eval()
+    teacher = load_model_from(path).to(device).eval()
     teacher.requires_grad_(False)
     if tokenizer.vocab_size > teacher.config.vocab_size:
         raise ValueError(
@@ -287,7 +288,6 @@ class OfflineDistiller(SFT):
             data=run.data,
             train=run.train,
             sft=SFTConfig(
-                init_from=dc.student,
                 loss_norm="token",  # global token mean (DESIGN habit 13)
                 mtp_weight=0.0,
                 mtp_depth=0,
@@ -463,7 +463,7 @@ class OnPolicyDistiller(TrainModule):
         }
 
         # student, teachers, optimizer, rollouts
-        self.model = load_model(cfg.student, run.model, seed=tc.seed, device=self.device)
+        self.model = initial_model(tc, run.model, self.device)
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise ValueError(
                 f"the tokenizer has {self.tokenizer.vocab_size} ids but the student's vocab_size "
@@ -502,20 +502,21 @@ class OnPolicyDistiller(TrainModule):
         return self.cfg.routes[item.domain]
 
     # ------------------------------------------------------------------ one step
-    def sample(self, items: list[PromptItem], step: int) -> list[Any]:
-        from ..rl.rollout import RolloutPool, RolloutRequest
-
+    def sample(
+        self, items: list[PromptItem], step: int, weights: dict[str, torch.Tensor]
+    ) -> list[Any]:
+        """Completions of `items` sampled with the student's current `weights`."""
         if self.pool is None:
             self.pool = RolloutPool(
                 self.model.config,
                 self.tokenizer,
-                self.model.state_dict(),
+                weights,
                 executor=self.cfg.executor,
                 num_workers=self.cfg.num_workers,
                 seed=self.tc.seed,
             )
         elif step > 0:
-            self.pool.set_weights(self.model.state_dict(), version=step)
+            self.pool.set_weights(weights, version=step)
         reqs = [
             RolloutRequest(key=f"{i}", prompt_ids=it.ids, group_size=self.cfg.samples_per_prompt)
             for i, it in enumerate(items)
@@ -523,11 +524,11 @@ class OnPolicyDistiller(TrainModule):
         self.pool.submit(reqs, self.params_sampling)
         return [c for _, comps in self.pool.wait(num=1) for c in comps]
 
-    def prepare_step(self, step: int) -> Step:
-        """Draw prompts, sample completions with the current student, batch them."""
-        dev = self.device
+    def _sampled_batch(self, step: int, weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Draw prompts, sample completions with the current student, batch them on the CPU
+        (rank 0, which runs the rollout workers)."""
         items = self.draw(step)
-        comps = [c for c in self.sample(items, step) if c.token_ids]
+        comps = [c for c in self.sample(items, step, weights) if c.token_ids]
         B = len(comps)
         width = max(len(c.prompt_ids) + len(c.token_ids) for c in comps)
         ids_BL = torch.zeros(B, width, dtype=torch.long)
@@ -539,15 +540,29 @@ class OnPolicyDistiller(TrainModule):
             P, n = len(c.prompt_ids), len(c.token_ids)
             mask_BL[b, P - 1 : P - 1 + n] = True
             engine_lp_BL[b, P - 1 : P - 1 + n] = torch.tensor(c.logprobs)
-        n_tok = int(mask_BL.sum())
-        batch = {
-            "ids_BL": ids_BL.to(dev),
-            "mask_BL": mask_BL.to(dev),
-            "engine_lp_BL": engine_lp_BL.to(dev),
+        return {
+            "ids_BL": ids_BL,
+            "mask_BL": mask_BL,
+            "engine_lp_BL": engine_lp_BL,
             "teacher_of": [self.route(items[int(c.key)]) for c in comps],
         }
+
+    def prepare_step(self, step: int) -> Step:
+        """Rank 0 samples the step's batch and sends it to every rank; each trains on its share
+        of the rows, every term normalised by global token counts."""
+        weights = full_model_state(self.model)  # collective under FSDP
+        batch = broadcast_object(self._sampled_batch(step, weights) if self.rt.rank == 0 else None)
+        mask_BL, teacher_of = batch["mask_BL"], batch["teacher_of"]
+        n_tok, B = int(mask_BL.sum()), mask_BL.shape[0]
+        rows = self.rt.share(list(range(B)))
+        tokens_of = {  # per teacher, over the whole batch: the KL metrics are global means
+            name: int(mask_BL[[b for b, t in enumerate(teacher_of) if t == name]].sum())
+            for name in self.teachers
+        }
+        mine = {k: v[rows].to(self.device) for k, v in batch.items() if k != "teacher_of"}
+        mine["teacher_of"] = [teacher_of[b] for b in rows]
         info = {"sampled_tokens": n_tok, "mean_completion_len": n_tok / max(1, B)}
-        return Step([batch], ctx={"num_tokens": n_tok}, info=info)
+        return Step([mine], ctx={"num_tokens": n_tok, "tokens_of": tokens_of}, info=info)
 
     def loss(self, micro: dict[str, Any], step: Step) -> Loss:
         """Token-level reverse KL to each sample's routed teacher, over the step's tokens."""
@@ -570,8 +585,9 @@ class OnPolicyDistiller(TrainModule):
                 t_BLV = teacher(ids_BL[rows_t], mtp_depth=0).logits.float()
             m_BL = mask_BL[rows_t]
             s_TV, t_TV = out.logits[rows_t][m_BL], t_BLV[m_BL]
-            # exact token-level reverse KL of this teacher's samples (token mean, for the log)
-            kl_exact = reverse_kl(s_TV.detach(), t_TV)
+            # exact token-level reverse KL of this teacher's samples (its token mean over the
+            # whole batch, for the log: the ranks' shares sum to it)
+            kl_exact = reverse_kl(s_TV.detach(), t_TV, denom=max(1, step.ctx["tokens_of"][name]))
             if cfg.on_policy_loss == "full":
                 term = reverse_kl(s_TV, t_TV, denom=n_tok)
             else:

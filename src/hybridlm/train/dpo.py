@@ -40,6 +40,7 @@ import torch
 
 from ..data.chat import parse_assistant, render_with_spans, validate
 from ..data.sft import ChatExample, Conversation, ReadReport, _raw_rows, encode_chat
+from ..io import load_model
 from ..model.model import IGNORE_INDEX, HybridLM
 from .config import TrainConfig
 from .objectives import dpo_loss, sequence_logps
@@ -49,14 +50,13 @@ from .sft import (
     answer_matches,
     export_hf,
     generate_replies,
-    load_model,
     load_source,
     pad_id_of,
     progress_bar,
     prompt_and_answer,
     prompt_key,
 )
-from .trainer import Loss, Runtime, Step, Trainer, TrainModule
+from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model
 
 DEFAULT_BETA = {"dpo": 0.1, "dpo_norm": 5.0}
 
@@ -369,8 +369,10 @@ class DPODataConfig:
 
 @dataclass(kw_only=True)
 class DPOConfig:
-    init_from: str  # the policy's starting checkpoint (usually the SFT model)
-    ref_from: str = ""  # the reference model; "" = init_from
+    """The DPO objective, reference and evaluation; the policy starts from `train.init_from`
+    (usually the SFT model)."""
+
+    ref_from: str = ""  # the reference model; "" = train.init_from
     loss: Literal["dpo", "dpo_norm"] = "dpo_norm"
     beta: float = 0.0  # 0: the default of the loss (dpo 0.1, dpo_norm 5)
     ref_cache_dir: str = ""  # "" = <out_dir>/ref_cache
@@ -393,7 +395,7 @@ class DPOConfig:
 
 @dataclass(kw_only=True)
 class DPORunConfig(PostTrainingRunConfig):
-    """`data`, `train`, `dpo` sections; the model comes from `dpo.init_from`."""
+    """`data`, `train`, `dpo` sections; the model comes from `train.init_from`."""
 
     SECTIONS = {"data": DPODataConfig, "dpo": DPOConfig}
     REQUIRED = ("data", "dpo")
@@ -431,7 +433,9 @@ class DPO(TrainModule):
         self.device, self.out = rt.device, rt.out
         self.tokenizer = load_tokenizer(dc.tokenizer)
         self.pad_id = pad_id_of(self.tokenizer)
-        self.model = load_model(pc.init_from, None, seed=tc.seed, device=self.device)
+        if not tc.init_from:
+            raise ValueError("dpo needs train.init_from: the policy to start from (the SFT model)")
+        self.model = initial_model(tc, None, self.device)
         self.report = ReadReport()
         self.dropped: Counter = Counter()
 
@@ -460,8 +464,8 @@ class DPO(TrainModule):
         # reference log-probs, once (cached on disk)
         ref = (
             self.model
-            if not pc.ref_from or pc.ref_from == pc.init_from
-            else load_model(pc.ref_from, None, seed=tc.seed, device=self.device)
+            if not pc.ref_from or pc.ref_from == tc.init_from
+            else load_model(pc.ref_from).float().to(self.device)
         )
         cache = pc.ref_cache_dir or str(self.out / "ref_cache")
         all_pairs = self.train_pairs + self.held_pairs
@@ -478,7 +482,9 @@ class DPO(TrainModule):
         self.ref_held = (c[n:], r[n:])
         del ref
 
-        self.pairs_per_step = dc.batch_size * tc.grad_accum
+        # data parallelism: every rank draws the global micro-batch of world * batch_size pairs
+        # and trains on its consecutive part, the loss divided by the global pair count
+        self.pairs_per_step = dc.batch_size * rt.world_size * tc.grad_accum
         self.total_steps = tc.num_steps(self.pairs_per_step)
         self.cursor, self.epoch = 0, 0
 
@@ -499,8 +505,8 @@ class DPO(TrainModule):
         prompts = [p for p, _ in pa]
         answers = {_key(p): a for p, a in pa}
         kw = {"max_new_tokens": delta.max_new_tokens, "temperature": delta.temperature}
-        strong = load_model(delta.strong, None, seed=0, device=self.device)
-        weak = load_model(delta.weak, None, seed=0, device=self.device)
+        strong = load_model(delta.strong).to(self.device)
+        weak = load_model(delta.weak).to(self.device)
         keep = None
         if delta.filter_chosen == "exact_answer":
 
@@ -525,8 +531,9 @@ class DPO(TrainModule):
         return np.random.default_rng([self.dc.seed, 7, epoch]).permutation(len(self.train_pairs))
 
     def _next_indices(self) -> list[int]:
+        """The next global micro-batch of pair indices (world * batch_size)."""
         out = []
-        while len(out) < self.dc.batch_size:
+        while len(out) < self.dc.batch_size * self.rt.world_size:
             order = self._epoch_order(self.epoch)
             if self.cursor >= len(order):
                 self.epoch, self.cursor = self.epoch + 1, 0
@@ -563,7 +570,9 @@ class DPO(TrainModule):
         return losses.sum() / denom, parts
 
     def prepare_step(self, step: int) -> Step:
-        return Step([self._next_indices() for _ in range(self.tc.grad_accum)])
+        b, r = self.dc.batch_size, self.rt.rank
+        micro = [self._next_indices()[r * b : (r + 1) * b] for _ in range(self.tc.grad_accum)]
+        return Step(micro)
 
     def loss(self, micro: list[int], step: Step) -> Loss:
         value, metrics = self._loss(micro, self.train_pairs, self.ref_train, self.pairs_per_step)

@@ -21,14 +21,12 @@ from typing import Any
 
 import torch
 
-from .checkpoint import (
-    list_checkpoints,
-    merge_checkpoints,
-    merge_weights,
-    read_meta,
-    tokenizer_for,
-)
+from ..interop.hf import save_pretrained
+from ..io import load_tokenizer_for
+from ..io.checkpoint import list_checkpoints, read_meta
+from .checkpoint import merge_checkpoints, merge_weights
 from .config import RunConfig
+from .pretrain import pretrain_trainer
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:
@@ -60,8 +58,6 @@ class Evaluator:
     config (shards reused) whose weights are swapped in before each `evaluate()`."""
 
     def __init__(self, run: RunConfig, scratch: str | Path) -> None:
-        from .pretrain import pretrain_trainer
-
         # A Trainer claims its out_dir for a new run (and refuses one holding a run): point it at
         # an empty scratch dir so the run's own directory is only read.
         run = dataclasses.replace(
@@ -144,7 +140,7 @@ def merge_run(
         assert best_state is not None
         load_merged(evaluate.model, best_state)
         out.mkdir(parents=True, exist_ok=True)
-        evaluate.model.save_pretrained(out, tokenizer=tokenizer_for(run_dir))
+        save_pretrained(evaluate.model, out, tokenizer=load_tokenizer_for(run_dir))
 
     log(f"{'window':>6}  {'weights':<10}  {'eval loss':>9}  {'bpb':>7}  {'delta vs last':>13}")
     for r in rows:

@@ -24,30 +24,46 @@ Recipe:
    deeper drafts see at inference), so it is conditioned on both kinds of state.
 4. **Acceptance before and after** with the speculative decoder on held-out prompts, greedy and
    at T=1, by draft position; the result goes to `metrics.jsonl` and `acceptance.png`.
+
+The loop is the one `Trainer` (`MTPBoost` is its stage): AdamW over the head's parameters,
+linear warm-up then cosine decay to 10% of `lr`, clipping, the finiteness check and the MoE bias
+step of the head's own routers (the frozen backbone's routers keep their biases), `train` rows
+every `log_interval` steps (`step` = optimizer steps done), a final checkpoint (exact resume with
+`mtp_boost_trainer(..., resume=True)`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 
+from ..data.tokenizer import ByteTokenizer
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
 from ..infer.speculative import SpecStats, speculative_generate
+from ..interop.hf import save_pretrained
+from ..io import load
 from ..model.model import HybridLM
-from ..model.moe import MoE
+from ..report.plot import read_metrics
+from .config import TrainConfig
+from .parallel import broadcast_object
+from .trainer import Loss, Runtime, Step, Trainer, TrainModule
 
 
 @dataclass(kw_only=True)
 class MTPBoostConfig:
+    """The settings of an MTP boost (module docstring); the optimizer and loop settings
+    (`steps`, `lr`, `warmup_steps`, `grad_clip`, `weight_decay`, `log_interval`,
+    `checkpoint_interval`, `seed`) become the Trainer's `TrainConfig` (`train_config`)."""
+
     steps: int = 300
     batch_size: int = 8
     lr: float = 1e-3
@@ -67,6 +83,10 @@ class MTPBoostConfig:
     draft_len: int = 3
     eval_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     log_interval: int = 10
+    checkpoint_interval: int = 0  # 0: only the final checkpoint
+    # data parallelism under torchrun: rank 0 generates the sequences, every rank trains the
+    # head on its share of each batch (batch_size per rank)
+    parallel: Literal["ddp", "fsdp"] = "ddp"
     seed: int = 0
     # where prompts come from: "data" (the checkpoint's training data; the stdlib corpus for
     # transformers directories) or an RL environment kind (e.g. "sft_arithmetic", "arithmetic"):
@@ -74,9 +94,21 @@ class MTPBoostConfig:
     prompts: str = "data"
 
     def validate(self) -> MTPBoostConfig:
-        for name in ("steps", "batch_size", "num_sequences", "prompt_len", "gen_len"):
+        for name in (
+            "steps",
+            "batch_size",
+            "num_sequences",
+            "prompt_len",
+            "gen_len",
+            "log_interval",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "checkpoint_interval", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0.0 <= self.mix_true <= 1.0:
             raise ValueError(f"mix_true must be in [0, 1], got {self.mix_true}")
         if not 0.0 <= self.distill_weight <= 1.0:
@@ -85,7 +117,31 @@ class MTPBoostConfig:
             raise ValueError("distill_temperature must be > 0")
         if not 1 <= self.draft_len <= 16:
             raise ValueError(f"draft_len must be in [1, 16], got {self.draft_len}")
+        if not self.eval_temperatures:
+            raise ValueError("eval_temperatures must list at least one temperature")
         return self
+
+    def train_config(self, out_dir: str | Path, *, device: str, progress: bool) -> TrainConfig:
+        """The loop settings on the one `Trainer`: AdamW on the head, linear warm-up then cosine
+        decay to 10% of `lr`, no periodic held-out eval (acceptance is measured before the
+        first step and after the last)."""
+        return TrainConfig(
+            lr=self.lr,
+            min_lr=0.1 * self.lr,
+            weight_decay=self.weight_decay,
+            schedule="cosine",
+            warmup_steps=self.warmup_steps,
+            max_steps=self.steps,
+            grad_clip=self.grad_clip,
+            eval_interval=0,
+            log_interval=self.log_interval,
+            checkpoint_interval=self.checkpoint_interval,
+            out_dir=str(out_dir),
+            seed=self.seed,
+            device=device,
+            parallel=self.parallel,
+            progress=progress,
+        )
 
 
 def _shift_left(x: torch.Tensor, k: int, fill: float | int = 0) -> torch.Tensor:
@@ -107,12 +163,22 @@ def mtp_boost_loss(
     distill_weight: float,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    picks: list[torch.Tensor] | None = None,
+    num_targets: list[int] | None = None,
+    head: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Mean over depths of `(1 - w) * NLL + w * T^2 * KL(p_backbone || q_head)` on the tokens
     whose `target_mask_BL` is set (a target at position j is predicted at depth k from position
-    j - k - 1). The backbone runs without gradients; only the MTP head gets them."""
+    j - k - 1). The backbone runs without gradients; only the MTP head gets them.
+
+    Data parallelism (the token sums of every rank add up to the global mean): `num_targets[k-1]`
+    is the depth-k target count of the whole batch (default: this one's), `picks[k-2]` the
+    hidden-state mixing draws [B, L] of depth k >= 2 for these rows (default: drawn from
+    `generator`), `head` what runs the MTP module (its data-parallel wrapper; default
+    `model.mtp`)."""
     if model.mtp is None:
         raise ValueError("the model has no MTP head (mtp.pattern is empty)")
+    head = head if head is not None else model.mtp
     _, L = ids_BL.shape
     with torch.no_grad():
         out = model(ids_BL, return_hidden=True)
@@ -123,21 +189,25 @@ def mtp_boost_loss(
     for k in range(1, depth + 1):
         if k >= 2 and mix_true > 0:
             true_BLD = _shift_left(h0_BLD, k - 1)  # the backbone's hidden of position t+k-1
-            pick_BL = torch.rand(h_BLD.shape[:2], generator=generator, device=h_BLD.device)
+            if picks is not None:
+                pick_BL = picks[k - 2].to(h_BLD.device)
+            else:
+                pick_BL = torch.rand(h_BLD.shape[:2], generator=generator, device=h_BLD.device)
             h_BLD = torch.where((pick_BL < mix_true)[..., None], true_BLD, h_BLD)
         emb_BLD = model.embeddings(_shift_left(ids_BL, k))
-        h_BLD = model.mtp(h_BLD, emb_BLD, **ctx)
+        h_BLD = head(h_BLD, emb_BLD, **ctx)
         valid_BL = _shift_left(target_mask_BL, k + 1, False)
+        n = max(1, num_targets[k - 1] if num_targets is not None else int(valid_BL.sum()))
         logits_NV = model.lm_head(h_BLD[valid_BL]).to(ct)
         target_N = _shift_left(ids_BL, k + 1)[valid_BL]
-        nll = F.cross_entropy(logits_NV, target_N)
+        nll = F.cross_entropy(logits_NV, target_N, reduction="sum") / n
         t = temperature
         p_NV = torch.softmax(_shift_left(teacher_BLV, k)[valid_BL] / t, -1)
-        kl = F.kl_div(torch.log_softmax(logits_NV / t, -1), p_NV, reduction="batchmean") * t * t
+        kl = F.kl_div(torch.log_softmax(logits_NV / t, -1), p_NV, reduction="sum") / n * t * t
         losses.append((1 - distill_weight) * nll + distill_weight * kl)
         with torch.no_grad():
-            acc = (logits_NV.argmax(-1) == target_N).float().mean()
-            top1 = (logits_NV.argmax(-1) == p_NV.argmax(-1)).float().mean()
+            acc = (logits_NV.argmax(-1) == target_N).float().sum() / n
+            top1 = (logits_NV.argmax(-1) == p_NV.argmax(-1)).float().sum() / n
         metrics |= {f"nll_{k}": nll.item(), f"kl_{k}": kl.item(), f"acc_{k}": acc.item()}
         metrics[f"agree_{k}"] = top1.item()  # head's argmax == the backbone's (greedy accept)
     for m in model.moe_layers():
@@ -206,15 +276,10 @@ def measure_acceptance(
     return {**merge_stats(stats), "prompts": len(stats), "by_prompt": by_prompt}
 
 
-def _lr(step: int, cfg: MTPBoostConfig) -> float:
-    """Linear warm-up, then cosine to 10% of the peak."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
-
-
-def _acceptance_rows(model: HybridLM, prompts, cfg: MTPBoostConfig, when: str) -> list[dict]:
+def _acceptance_rows(
+    model: HybridLM, prompts: list[list[int]], cfg: MTPBoostConfig, when: str, step: int
+) -> list[dict[str, Any]]:
+    """One `acceptance` row per evaluation temperature (`when`: before / after boosting)."""
     rows = []
     for t in cfg.eval_temperatures:
         m = measure_acceptance(
@@ -225,8 +290,217 @@ def _acceptance_rows(model: HybridLM, prompts, cfg: MTPBoostConfig, when: str) -
             temperature=t,
             seed=cfg.seed,
         )
-        rows.append({"kind": "acceptance", "when": when, "temperature": t, **m})
+        rows.append({"kind": "acceptance", "when": when, "step": step, "temperature": t, **m})
     return rows
+
+
+class MTPBoost(TrainModule):
+    """MTP boosting on the `Trainer` (module docstring): the frozen model's own continuations
+    of `train_prompts` are generated once when the stage is built; each step trains `model.mtp`
+    on `batch_size` of them (`mtp_boost_loss`). Acceptance on `eval_prompts` is logged before
+    the first step and after the last; the boosted model is written to `<out>/model`."""
+
+    stage = "mtp_boost"
+
+    def __init__(
+        self,
+        rt: Runtime,
+        model: HybridLM,
+        tokenizer: Any,
+        train_prompts: list[list[int]],
+        eval_prompts: list[list[int]],
+        cfg: MTPBoostConfig,
+    ) -> None:
+        super().__init__(rt)
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.eval_prompts = eval_prompts
+        self.total_steps = cfg.steps
+        self.depth = cfg.depth or cfg.draft_len
+        model.eval()
+        t0 = time.perf_counter()
+        prompts = [train_prompts[i % len(train_prompts)] for i in range(cfg.num_sequences)]
+        seqs = None
+        if rt.rank == 0:  # data parallelism: one rank generates, every rank trains on them
+            seqs = self_generate(
+                model,
+                tokenizer,
+                prompts,
+                gen_len=cfg.gen_len,
+                temperature=cfg.gen_temperature,
+                seed=cfg.seed,
+            )
+        seqs = broadcast_object(seqs)
+        self.generation_s = time.perf_counter() - t0
+        L = max(len(s) for s in seqs)
+        ids_NL = torch.zeros(len(seqs), L, dtype=torch.long)
+        mask_NL = torch.zeros(len(seqs), L, dtype=torch.bool)
+        for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
+            ids_NL[i, : len(s)] = torch.tensor(s)
+            mask_NL[i, len(p) : len(s)] = True  # targets: the generated tokens only
+        device = model.embeddings.weight.device
+        self.ids_NL, self.mask_NL = ids_NL.to(device), mask_NL.to(device)
+        # only the head is trained: the embeddings and LM head it shares stay fixed (Nemotron 3
+        # Super §4.7); the Trainer's AdamW sees the parameters that require grad
+        model.requires_grad_(False)
+        model.mtp.requires_grad_(True)
+        # the run directory loads with its tokenizer (`hybridlm.io.load` reads data.tokenizer)
+        self.tokenizer_spec = "byte"
+        if not isinstance(tokenizer, ByteTokenizer) and hasattr(tokenizer, "save"):
+            path = rt.out / "tokenizer"
+            if rt.rank == 0:
+                tokenizer.save(path)
+            self.tokenizer_spec = str(path.resolve())
+        self.mixing = torch.Generator(device=device).manual_seed(cfg.seed)  # hidden-state mixing
+        self.order = random.Random(cfg.seed)  # the order sequences are drawn in
+        self.pending: list[int] = []  # the rest of the current pass over the sequences
+        self.train_s, self._t0 = 0.0, None
+
+    def trained_module(self) -> torch.nn.Module:
+        return self.model.mtp
+
+    def train_mode(self) -> None:
+        # the frozen backbone stays in eval mode (its hidden states are the head's inputs)
+        self.model.eval()
+        self.model.mtp.train()
+
+    def prepare_step(self, step: int) -> Step:
+        """The step's global batch of `batch_size * world` sequences (every rank draws the same
+        ones), its target counts per depth and hidden-state mixing draws; this rank's rows."""
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+        B, N = self.cfg.batch_size * self.rt.world_size, len(self.ids_NL)
+        while len(self.pending) < B:  # a new random pass over the sequences
+            self.pending += self.order.sample(range(N), N)
+        idx, self.pending = self.pending[:B], self.pending[B:]
+        ids_BL, mask_BL = self.ids_NL[idx], self.mask_NL[idx]
+        counts = [int(_shift_left(mask_BL, k + 1, False).sum()) for k in range(1, self.depth + 1)]
+        picks = []
+        if self.cfg.mix_true > 0:  # depth >= 2 mixes true and recursive hidden states
+            shape = ids_BL.shape
+            picks = [
+                torch.rand(shape, generator=self.mixing, device=ids_BL.device)
+                for _ in range(2, self.depth + 1)
+            ]
+        rows = self.rt.share(list(range(B)))
+        micro = (ids_BL[rows], mask_BL[rows], [p[rows] for p in picks])
+        return Step([micro], ctx={"num_targets": counts})
+
+    def loss(
+        self, micro: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]], step: Step
+    ) -> Loss:
+        ids_BL, mask_BL, picks = micro
+        value, metrics = mtp_boost_loss(
+            self.model,
+            ids_BL,
+            mask_BL,
+            depth=self.depth,
+            mix_true=self.cfg.mix_true,
+            distill_weight=self.cfg.distill_weight,
+            temperature=self.cfg.distill_temperature,
+            picks=picks,
+            num_targets=step.ctx["num_targets"],
+            head=self.forward_model,
+        )
+        return Loss(value, metrics)
+
+    def start_rows(self) -> list[dict[str, Any]]:
+        return _acceptance_rows(self.model, self.eval_prompts, self.cfg, "before", 0)
+
+    def end_rows(self) -> list[dict[str, Any]]:
+        if self._t0 is not None:
+            self.train_s = time.perf_counter() - self._t0
+        if any(r["when"] == "after" for r in _read_rows(self.rt.metrics_path, "acceptance")):
+            return []  # a finished run resumed: measured already (a resume drops later rows)
+        self.model.eval()
+        return _acceptance_rows(self.model, self.eval_prompts, self.cfg, "after", self.total_steps)
+
+    def close(self) -> None:
+        self.model.requires_grad_(True)
+        self.model.eval()
+
+    def state_dict(self) -> dict[str, Any]:
+        # the draw order and the mixing generator, for an exact resume
+        version, state, gauss = self.order.getstate()
+        return {
+            "boost_data": {
+                "order": [version, list(state), gauss],
+                "pending": list(self.pending),
+                "mixing": self.mixing.get_state().tolist(),
+            }
+        }
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
+        data = meta["boost_data"]
+        version, state, gauss = data["order"]
+        self.order.setstate((version, tuple(state), gauss))
+        self.pending = list(data["pending"])
+        self.mixing.set_state(torch.tensor(data["mixing"], dtype=torch.uint8))
+
+    def run_config(self) -> dict[str, Any]:
+        return {
+            "model": self.model.config.to_dict(),
+            "data": {"tokenizer": self.tokenizer_spec},
+            "mtp_boost": asdict(self.cfg),
+        }
+
+    def export(self) -> Path:
+        path = self.rt.out / "model"
+        save_pretrained(self.model, path, tokenizer=self.tokenizer)
+        return path
+
+    def plot(self, metrics_path: Path) -> Path:
+        png = self.rt.out / "acceptance.png"
+        plot_acceptance(metrics_path, png)
+        return png
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "generation_s": self.generation_s,
+            "train_s": self.train_s,
+            "sequences": len(self.ids_NL),
+        }
+
+
+def _read_rows(metrics_path: str | Path, kind: str) -> list[dict[str, Any]]:
+    """The rows of `kind` in a metrics.jsonl (none when it does not exist)."""
+    if not Path(metrics_path).exists():
+        return []
+    return [r for r in read_metrics(metrics_path) if r.get("kind") == kind]
+
+
+def _check_inputs(model: HybridLM, train_prompts: list, eval_prompts: list) -> None:
+    if model.mtp is None:
+        raise ValueError("the model has no MTP head (mtp.pattern is empty): nothing to boost")
+    if not train_prompts or not eval_prompts:
+        raise ValueError("need at least one training prompt and one evaluation prompt")
+
+
+def mtp_boost_trainer(
+    model: HybridLM,
+    tokenizer: Any,
+    train_prompts: list[list[int]],
+    eval_prompts: list[list[int]],
+    cfg: MTPBoostConfig,
+    out_dir: str | Path,
+    *,
+    progress: bool = True,
+    resume: bool = False,
+    overwrite: bool = False,
+) -> Trainer:
+    """The `Trainer` of an MTP boost of `model` (in place) under `out_dir`, ready to `train()`;
+    `resume` / `overwrite` as for every run on the Trainer."""
+    cfg.validate()
+    _check_inputs(model, train_prompts, eval_prompts)
+    device = str(model.embeddings.weight.device)
+    tc = cfg.train_config(out_dir, device=device, progress=progress)
+    trainer = Trainer(
+        tc,
+        lambda rt: MTPBoost(rt, model, tokenizer, train_prompts, eval_prompts, cfg),
+        resume=resume,
+        overwrite=overwrite,
+    )
+    (trainer.out / "boost.json").write_text(json.dumps(asdict(cfg), indent=1))
+    return trainer
 
 
 def run_mtp_boost(
@@ -239,125 +513,50 @@ def run_mtp_boost(
     *,
     progress: bool = True,
     overwrite: bool = False,
+    resume: bool = False,
 ) -> dict[str, Any]:
-    """Boost the MTP head of `model` in place; writes `metrics.jsonl`, `acceptance.png` and the
-    boosted model (`model/`, a transformers directory) under `out_dir`, which may hold an earlier
-    boost's metrics only with `overwrite=True` (they are removed). Returns the summary."""
-    from .checkpoint import METRICS, prepare_run_dir
-
-    cfg.validate()
-    if model.mtp is None:
-        raise ValueError("the model has no MTP head (mtp.pattern is empty): nothing to boost")
-    if not train_prompts or not eval_prompts:
-        raise ValueError("need at least one training prompt and one evaluation prompt")
-    out = prepare_run_dir(out_dir, overwrite=overwrite, outputs=(METRICS,))
-    metrics_path = out / METRICS
-    metrics_path.touch()
-    (out / "boost.json").write_text(json.dumps(asdict(cfg), indent=1))
-
-    def log(row: dict) -> None:
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-
-    depth = cfg.depth or cfg.draft_len
-    model.eval()
-    before = _acceptance_rows(model, eval_prompts, cfg, "before")
-    for row in before:
-        log(row)
-
-    t0 = time.perf_counter()
-    prompts = [train_prompts[i % len(train_prompts)] for i in range(cfg.num_sequences)]
-    seqs = self_generate(
+    """Boost the MTP head of `model` in place; writes `metrics.jsonl`, `acceptance.png`, the
+    final checkpoint and the boosted model (`model/`, a transformers directory) under `out_dir`,
+    which may hold an earlier run only with `overwrite=True` (it is removed) or `resume=True`
+    (it is continued from its newest checkpoint). Returns the summary: acceptance rows
+    `before` / `after`, the `first` / `last` logged train rows."""
+    trainer = mtp_boost_trainer(
         model,
         tokenizer,
-        prompts,
-        gen_len=cfg.gen_len,
-        temperature=cfg.gen_temperature,
-        seed=cfg.seed,
+        train_prompts,
+        eval_prompts,
+        cfg,
+        out_dir,
+        progress=progress,
+        resume=resume,
+        overwrite=overwrite,
     )
-    gen_s = time.perf_counter() - t0
-    L = max(len(s) for s in seqs)
-    ids_NL = torch.zeros(len(seqs), L, dtype=torch.long)
-    mask_NL = torch.zeros(len(seqs), L, dtype=torch.bool)
-    for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
-        ids_NL[i, : len(s)] = torch.tensor(s)
-        mask_NL[i, len(p) : len(s)] = True  # targets: the generated tokens only
-    device = model.embeddings.weight.device
-    ids_NL, mask_NL = ids_NL.to(device), mask_NL.to(device)
-
-    model.requires_grad_(False)
-    model.mtp.requires_grad_(True)
-    model.mtp.train()
-    params = [p for p in model.mtp.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    gen = torch.Generator(device=device).manual_seed(cfg.seed)
-    order = random.Random(cfg.seed)
-    mtp_moe = [m for m in model.mtp.modules() if isinstance(m, MoE)]
-    from rich.progress import Progress
-
-    rows: list[dict] = []
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("MTP boosting", total=cfg.steps)
-        perm: list[int] = []
-        for step in range(cfg.steps):
-            if len(perm) < cfg.batch_size:
-                perm += order.sample(range(len(seqs)), len(seqs))
-            idx, perm = perm[: cfg.batch_size], perm[cfg.batch_size :]
-            for group in opt.param_groups:
-                group["lr"] = _lr(step, cfg)
-            loss, m = mtp_boost_loss(
-                model,
-                ids_NL[idx],
-                mask_NL[idx],
-                depth=depth,
-                mix_true=cfg.mix_true,
-                distill_weight=cfg.distill_weight,
-                temperature=cfg.distill_temperature,
-                generator=gen,
-            )
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            for moe in mtp_moe:  # aux-loss-free balancing of the head's own router
-                moe.update_bias()
-            if step % cfg.log_interval == 0 or step == cfg.steps - 1:
-                row = {"kind": "train", "step": step, "lr": _lr(step, cfg), **m}
-                row["grad_norm"] = float(gnorm)
-                rows.append(row)
-                log(row)
-            bar.update(task, advance=1, description=f"MTP boosting loss {m['loss']:.3f}")
-    train_s = time.perf_counter() - t0 - gen_s
-    model.requires_grad_(True)
-    model.eval()
-    after = _acceptance_rows(model, eval_prompts, cfg, "after")
-    for row in after:
-        log(row)
-    model.save_pretrained(out / "model", tokenizer=tokenizer)
-    plot_acceptance(metrics_path, out / "acceptance.png")
+    res = trainer.train()
+    # the result is read back from metrics.jsonl (DESIGN habit 15)
+    train = _read_rows(res["metrics"], "train")
+    acc = _read_rows(res["metrics"], "acceptance")
     return {
-        "before": before,
-        "after": after,
-        "first": rows[0],
-        "last": rows[-1],
-        "generation_s": gen_s,
-        "train_s": train_s,
-        "sequences": len(seqs),
-        "metrics": str(metrics_path),
-        "plot": str(out / "acceptance.png"),
-        "model": str(out / "model"),
+        "before": [r for r in acc if r["when"] == "before"],
+        "after": [r for r in acc if r["when"] == "after"],
+        "first": train[0],
+        "last": train[-1],
+        "generation_s": res["generation_s"],
+        "train_s": res["train_s"],
+        "sequences": res["sequences"],
+        "metrics": res["metrics"],
+        "plot": res["plot"],
+        "model": res["hf"],
     }
 
 
 def plot_acceptance(metrics_path: str | Path, png: str | Path) -> None:
     """Acceptance by draft position before/after (one panel per temperature) and the loss."""
-    from .plot import pyplot, save_figure
+    from ..report.plot import pyplot, save_figure
 
     plt = pyplot()
 
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line]
-    acc = [r for r in rows if r["kind"] == "acceptance"]
-    train = [r for r in rows if r["kind"] == "train"]
+    acc = _read_rows(metrics_path, "acceptance")
+    train = _read_rows(metrics_path, "train")  # step: optimizer steps done (the Trainer's rows)
     temps = sorted({r["temperature"] for r in acc})
     fig, axes = plt.subplots(1, len(temps) + 1, figsize=(4.2 * (len(temps) + 1), 3.4))
     for ax, t in zip(axes, temps, strict=False):
@@ -393,7 +592,7 @@ def prompts_from_checkpoint(
 
     sources = [SourceConfig(name="stdlib", kind="stdlib")]
     if path is not None:
-        from .checkpoint import read_meta, resolve_checkpoint
+        from ..io.checkpoint import read_meta, resolve_checkpoint
 
         try:
             data = read_meta(resolve_checkpoint(path))["run_config"].get("data") or {}
@@ -420,20 +619,6 @@ def prompts_from_checkpoint(
     return train, held
 
 
-def prompts_from_environment(
-    kind: str, tokenizer: Any, *, n_train: int, n_eval: int, seed: int
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Chat prompts of an RL environment (`rl.learner.EnvConfig(kind=...)`): boosting prompts
-    from one seed, held-out evaluation prompts from another."""
-    from ..rl.learner import EnvConfig, build_environment
-
-    def prompts(env_seed: int, n: int) -> list[list[int]]:
-        env = build_environment(EnvConfig(kind=kind, seed=env_seed), tokenizer=tokenizer)
-        return [tokenizer.encode(p.prompt) for p in env.sample(n, seed=env_seed)]
-
-    return prompts(seed, n_train), prompts(seed + 1, n_eval)
-
-
 def boost_checkpoint(
     checkpoint: str | Path,
     cfg: MTPBoostConfig,
@@ -441,16 +626,18 @@ def boost_checkpoint(
     *,
     progress: bool = True,
     overwrite: bool = False,
+    resume: bool = False,
+    environment_prompts: Callable[..., tuple[list[list[int]], list[list[int]]]] | None = None,
 ) -> dict[str, Any]:
     """Boost the MTP head of a checkpoint (run, training checkpoint or transformers directory)
-    with its own tokenizer, on prompts from its training data or from an RL environment
-    (`cfg.prompts`); writes under `out` as `run_mtp_boost` does (`overwrite` as there)."""
-    from .checkpoint import tokenizer_for
-
+    with its own tokenizer, on prompts from its training data (`cfg.prompts: data`) or from an
+    RL environment (`cfg.prompts` names its kind; `environment_prompts(kind, tokenizer, n_train=,
+    n_eval=, seed=)` makes them, `rl.learner.environment_prompts`); writes under `out` as
+    `run_mtp_boost` does (`overwrite`, `resume` as there)."""
     cfg.validate()
     torch.manual_seed(cfg.seed)
-    model = HybridLM.from_pretrained(checkpoint).float()
-    tok = tokenizer_for(checkpoint)
+    loaded = load(checkpoint)
+    model, tok = loaded.model.float(), loaded.tokenizer
     if cfg.prompts == "data":
         train, held = prompts_from_checkpoint(
             str(checkpoint),
@@ -461,8 +648,15 @@ def boost_checkpoint(
             seed=cfg.seed,
         )
     else:  # the RL environment's prompts (healing after RL, Nemotron 3 Super §4.7)
-        train, held = prompts_from_environment(
+        if environment_prompts is None:
+            raise ValueError(
+                f"mtp boost prompts {cfg.prompts!r} name an RL environment: pass "
+                "environment_prompts (rl.learner.environment_prompts)"
+            )
+        train, held = environment_prompts(
             cfg.prompts, tok, n_train=cfg.num_sequences, n_eval=cfg.eval_prompts, seed=cfg.seed
         )
-    res = run_mtp_boost(model, tok, train, held, cfg, out, progress=progress, overwrite=overwrite)
+    res = run_mtp_boost(
+        model, tok, train, held, cfg, out, progress=progress, overwrite=overwrite, resume=resume
+    )
     return {**res, "eval_prompts": len(held)}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,16 @@ def destroy() -> None:
     if is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """`obj` of rank `src` on every rank (pickled; identity in one process): what one rank
+    produced for all, e.g. the rollouts every rank trains a share of."""
+    if not is_initialized():
+        return obj
+    box = [obj if get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def all_reduce_sum(x: torch.Tensor | float) -> torch.Tensor | float:
@@ -143,6 +154,18 @@ def full_state_dicts(
         groups.append(g)
     state = {ids[fqn]: v for fqn, v in osd["state"].items()}
     return msd, {"state": state, "param_groups": groups}
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's whole, unsharded weights on the CPU, e.g. for rollout workers: under FSDP2
+    a gather (collective: call on every rank; only rank 0 receives them, the others get an
+    empty dict), else the plain state dict."""
+    if not any(hasattr(p, "full_tensor") for p in model.parameters()):  # not sharded
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=opts)
 
 
 def load_full_state_dicts(

@@ -31,6 +31,7 @@ model is loaded from any loadable path instead of initialised; optimizer and sch
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import time
@@ -40,10 +41,10 @@ from typing import Any
 import torch
 
 from ..data.bpb import eval_sums, token_byte_lengths
-from ..model.model import IGNORE_INDEX, build_model
+from ..model.model import IGNORE_INDEX
 from .config import RunConfig
 from .parallel import is_main
-from .trainer import Loss, Runtime, Step, Trainer, TrainModule
+from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model
 
 
 def measure_peak_flops(
@@ -89,8 +90,12 @@ class Pretrain(TrainModule):
         from .parallel import barrier
 
         super().__init__(rt)
-        self.run = run
-        tc, dc, model_cfg = run.train, run.data, run.model
+        tc, dc = run.train, run.data
+        # warm start (train.init_from): the loaded model's config is the run's (checkpoints
+        # record what was trained)
+        self.model = initial_model(tc, run.model, rt.device)
+        run = dataclasses.replace(run, model=self.model.config)
+        self.run, model_cfg = run, run.model
         # rank 0 tokenises and writes the shards; the others wait, then open the same files
         if rt.rank == 0:
             sets = prepare_shards(dc)
@@ -110,7 +115,6 @@ class Pretrain(TrainModule):
         self.token_bytes = token_byte_lengths(build_tokenizer(dc), model_cfg.vocab_size)
         self.tokens_per_step = self.train_loader.tokens_per_step * tc.grad_accum
         self.total_steps = tc.num_steps(self.tokens_per_step)
-        self.model = build_model(model_cfg, seed=tc.seed, device=rt.device)
         self.accepts_doc_ids = "doc_ids" in inspect.signature(self.model.forward).parameters
         if tc.intra_doc_masking and not self.accepts_doc_ids:
             print("warning: train.intra_doc_masking is on but HybridLM.forward takes no doc_ids")
@@ -213,7 +217,7 @@ class Pretrain(TrainModule):
         self.train_loader.load_state_dict(meta["loader"])
 
     def plot(self, metrics_path: Path) -> Path | None:
-        from .plot import plot_loss_curves
+        from ..report.plot import plot_loss_curves
 
         return plot_loss_curves(metrics_path, self.rt.out / "loss.png")
 

@@ -4,7 +4,7 @@ Shape legend: B rows, L `data.seq_len`, V vocabulary.
 
 A run is one YAML file with four sections (`configs/sft.yaml`):
 
-    model: tiny-super          # used only when sft.init_from is empty (a fresh model)
+    model: tiny-super          # used only when train.init_from is empty (a fresh model)
     data: {...}                # SFTDataConfig: chat sources, tokenizer, packing, reasoning modes
     train: {...}               # hybridlm.train.config.TrainConfig (optimizer, schedule, loop)
     sft: {...}                 # SFTConfig: init checkpoint, loss normalisation, MTP weight, eval
@@ -32,7 +32,6 @@ only needs the counts all-reduced over ranks.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -58,10 +57,10 @@ from ..data.sft import (
     tokenize_conversations,
 )
 from ..model.model import HybridLM
-from ..presets import PRESETS, get_preset
+from ..presets import PRESETS
 from .config import TrainConfig, run_from_dict
 from .objectives import sft_token_weights, shift_targets_float, token_nll
-from .trainer import Loss, Runtime, Step, Trainer, TrainModule
+from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model
 
 LossNorm = Literal["token", "sample", "two_stage"]
 
@@ -115,7 +114,6 @@ class SFTDataConfig:
 class SFTConfig:
     """The SFT objective and its evaluation."""
 
-    init_from: str = ""  # a hybridlm training checkpoint or HF directory; "" = fresh model
     loss_norm: LossNorm = "two_stage"
     stage2_start: float = 0.7  # two_stage: fraction of the steps run with token normalisation
     mtp_weight: float = 0.3  # Nemotron 3 Super §4.2: MTP continues in SFT with weight 0.3
@@ -193,22 +191,6 @@ def _to_plain(run: Any) -> dict[str, Any]:
         else:
             out[f.name] = value
     return out
-
-
-def load_model(
-    init_from: str, model: ModelConfig | str | None, *, seed: int, device: torch.device
-) -> HybridLM:
-    """The model a post-training run starts from: a hybridlm training checkpoint or run
-    directory, a transformers directory, or (empty `init_from`) a freshly initialised `model`."""
-    from ..model.model import build_model
-
-    if not init_from:
-        if model is None:
-            raise ValueError("give sft.init_from (a checkpoint) or a model config")
-        cfg = get_preset(model) if isinstance(model, str) else copy.deepcopy(model)
-        return build_model(cfg, seed=seed, device=device)
-    # a training checkpoint, a run directory (its newest checkpoint) or a transformers directory
-    return HybridLM.from_pretrained(init_from).to(device)
 
 
 def load_source(src: ChatSource, report: ReadReport) -> list[Conversation]:
@@ -316,47 +298,6 @@ def answer_matches(reply: str, expected: str) -> bool:
     return got.strip() == expected.strip()
 
 
-def plot_post_training(
-    metrics_path: str | Path,
-    out_png: str | Path,
-    keys: Sequence[str],
-    eval_keys: Sequence[str] | None = None,
-) -> Path:
-    """Train curves (`keys` of kind "train" rows) and eval curves (`eval_keys`, default every
-    numeric eval field) against the step, as a PNG rendered from metrics.jsonl."""
-    from .plot import pyplot, save_figure
-
-    plt = pyplot()
-
-    from .plot import read_metrics
-
-    rows = read_metrics(metrics_path)
-    train = [r for r in rows if r.get("kind") == "train"]
-    evals = [r for r in rows if r.get("kind") == "eval"]
-    fig, (ax, ax_eval) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    for key in keys:
-        pts = [(r["step"], r[key]) for r in train if isinstance(r.get(key), (int, float))]
-        if pts:
-            ax.plot(*zip(*pts, strict=True), lw=1, label=key)
-    ax.set_ylabel("train")
-    ax.legend(loc="upper right")
-    ax.grid(alpha=0.3)
-    if eval_keys is None:
-        eval_keys = sorted(
-            {k for r in evals for k, v in r.items() if isinstance(v, float) and k != "step"}
-        )
-    eval_keys = [k for k in eval_keys if any(k in r for r in evals)]
-    for key in eval_keys:
-        pts = [(r["step"], r[key]) for r in evals if isinstance(r.get(key), (int, float))]
-        ax_eval.plot(*zip(*pts, strict=True), "o-", ms=3, label=key)
-    ax_eval.set_ylabel("held-out")
-    ax_eval.set_xlabel("step")
-    if eval_keys:
-        ax_eval.legend(loc="best")
-    ax_eval.grid(alpha=0.3)
-    return save_figure(fig, out_png, dpi=100)
-
-
 def progress_bar(label: str, enabled: bool):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -438,14 +379,14 @@ def export_hf(model: HybridLM, out: Path, tokenizer: Any, stage: str) -> Path | 
     """`<out>/hf`: the final weights as a transformers directory with the run's tokenizer,
     chat template and generation config (as `hybridlm pretrain` writes); None, with a note,
     for a model transformers has no class for."""
-    from ..interop.hf import to_hf_config
+    from ..interop.hf import save_pretrained, to_hf_config
 
     try:
         to_hf_config(model.config)
     except ValueError as err:
         print(f"{stage}: no transformers export ({err})")
         return None
-    return model.save_pretrained(out / "hf", tokenizer=tokenizer)
+    return save_pretrained(model, out / "hf", tokenizer=tokenizer)
 
 
 class SFT(TrainModule):
@@ -478,18 +419,20 @@ class SFT(TrainModule):
         self.read_report, self.held_convs = data.read_report, data.held_convs
         self.mode_counts, self.dropped = data.mode_counts, data.dropped
         self.held_examples = data.held_examples
+        # data parallelism: every rank packs the global batch of world * batch_size rows, each
+        # trains on its own rows (Runtime.shard), the loss normalised by the global counts
         self.loader = SFTLoader(
             data.examples,
             seq_len=dc.seq_len,
-            batch_size=dc.batch_size,
+            batch_size=dc.batch_size * rt.world_size,
             seed=dc.seed,
             pad_id=pad_id_of(self.tokenizer),
         )
-        self.tokens_per_step = dc.batch_size * dc.seq_len * tc.grad_accum
+        self.tokens_per_step = dc.batch_size * rt.world_size * dc.seq_len * tc.grad_accum
         self.total_steps = tc.num_steps(self.tokens_per_step)
 
         # model
-        self.model = load_model(sc.init_from, run.model, seed=tc.seed, device=self.device)
+        self.model = initial_model(tc, run.model, self.device)
         self.model_cfg = self.model.config
         if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
             raise ValueError(
@@ -509,7 +452,7 @@ class SFT(TrainModule):
         n_tok = sum(int(b["num_loss_tokens"]) for b in batches)
         n_conv = sum(int(b["num_conversations"]) for b in batches)
         return Step(
-            batches,
+            [self.rt.shard(b) for b in batches],
             ctx={"norm": norm, "num_tokens": n_tok, "num_convs": n_conv},
             info={"norm": norm, "loss_tokens": n_tok, "conversations": n_conv},
         )

@@ -24,6 +24,7 @@ it is divided by the number of micro-batches and not scaled, so averaging over r
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import time
@@ -37,17 +38,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..model.model import HybridLM
-from .checkpoint import (
+from ..config import ModelConfig
+from ..io import load_model
+from ..io.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
-    prepare_run_dir,
     read_meta,
     resume_checkpoint,
     save_checkpoint,
     set_rng_state,
-    truncate_metrics,
 )
+from ..model.model import HybridLM, build_model
+from ..presets import get_preset
+from ..report.plot import plot_post_training
+from .checkpoint import prepare_run_dir, truncate_metrics
 from .config import TrainConfig
 from .optim import StepOutcome, build_optimizer, clip_gradients, optimizer_step
 from .parallel import (
@@ -67,6 +71,20 @@ def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def initial_model(
+    tc: TrainConfig, model: ModelConfig | str | None, device: torch.device
+) -> HybridLM:
+    """The model a run starts from: `tc.init_from` loaded (warm start; the optimizer and
+    schedule are the run's own, fresh), else a fresh `model` (a config or preset name)
+    initialised from `tc.seed`."""
+    if tc.init_from:
+        return load_model(tc.init_from).float().to(device).train()
+    if model is None:
+        raise ValueError("give train.init_from (a model to start from) or a model config")
+    cfg = get_preset(model) if isinstance(model, str) else copy.deepcopy(model)
+    return build_model(cfg, seed=tc.seed, device=device)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,6 +113,29 @@ class Runtime:
         if self.tc.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
+
+    def shard(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This rank's rows of a global batch: every entry whose first dimension is the batch's
+        row count is cut into `world_size` equal consecutive parts (rank r takes part r), the
+        rest (counts) is kept. Every rank builds the same global batch from the same seeded
+        loader, so world N with B rows per rank trains on the rows of one process with N*B."""
+        if self.world_size == 1:
+            return batch
+        rows = batch["input_ids"].shape[0]
+        if rows % self.world_size:
+            raise ValueError(f"a global batch of {rows} rows does not split over {self.world_size}")
+        b = rows // self.world_size
+        sl = slice(self.rank * b, (self.rank + 1) * b)
+        return {
+            k: v[sl] if isinstance(v, torch.Tensor) and v.ndim and v.shape[0] == rows else v
+            for k, v in batch.items()
+        }
+
+    def share(self, items: list[Any]) -> list[Any]:
+        """This rank's consecutive share of a global list (all of it in one process); shares
+        differ by at most one item when the ranks do not divide the length."""
+        n, W, r = len(items), self.world_size, self.rank
+        return items[r * n // W : (r + 1) * n // W]
 
     def reduce_sum(self, x: float) -> float:
         """The sum of `x` over data-parallel ranks (x itself in one process)."""
@@ -139,7 +180,7 @@ class TrainModule:
 
     model: HybridLM
     total_steps: int
-    forward_model: nn.Module  # set by the Trainer
+    forward_model: nn.Module  # the trained module as training runs it; set by the Trainer
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
@@ -173,9 +214,10 @@ class TrainModule:
         """Throughput fields of a train row over `steps` steps that took `seconds`."""
         return {self.rate_key: steps * self.units_per_step / max(seconds, 1e-9)}
 
-    def after_update(self, step: Step, outcome: StepOutcome) -> dict[str, Any]:
-        """Called after every optimizer step (e.g. to send the new weights to rollout
-        workers); returns extra fields for the step's row."""
+    def after_update(self, step: Step, outcome: StepOutcome | None) -> dict[str, Any]:
+        """Called after every step (e.g. to send the new weights to rollout workers; `outcome`
+        None: the step had no micro-batches, nothing was updated); returns extra fields for the
+        step's row."""
         return {}
 
     def evaluate(self) -> dict[str, float]:
@@ -201,6 +243,11 @@ class TrainModule:
         """Rows logged once before the first step, after the data row."""
         return []
 
+    def end_rows(self) -> list[dict[str, Any]]:
+        """Rows logged once after the last step, before `export` and `plot` (a measurement
+        of the final model, e.g. MTP acceptance after boosting)."""
+        return []
+
     def progress_info(self, row: dict[str, Any]) -> str:
         return f"loss {row['loss']:.4f}"
 
@@ -210,8 +257,6 @@ class TrainModule:
 
     def plot(self, metrics_path: Path) -> Path | None:
         """The run's PNG, rendered from `metrics_path` at the end."""
-        from .sft import plot_post_training
-
         return plot_post_training(
             metrics_path, self.rt.out / f"{self.stage}.png", self.plot_train, self.plot_eval
         )
@@ -275,10 +320,10 @@ class Trainer:
 
             self.lp_monitor = LowPrecisionMonitor(m.model)
         # `m.model` stays the HybridLM (FSDP2 shards it in place); `m.forward_model` is what
-        # training forwards go through (the DDP wrapper under DDP)
-        m.forward_model = m.model
+        # training forwards of the trained module go through (its DDP wrapper under DDP)
+        m.forward_model = m.trained_module()
         if self.parallel == "ddp":
-            m.forward_model = apply_ddp(m.model)
+            m.forward_model = apply_ddp(m.forward_model)
         elif self.parallel == "fsdp":
             apply_fsdp2(m.model)
         self.optimizer = build_optimizer(m.trained_module(), tc)
@@ -378,9 +423,12 @@ class Trainer:
         monitor_now = self.lp_monitor is not None and (
             (self.step + 1) % tc.log_interval == 0 or self.step + 1 == self.total_steps
         )
+        if not step.micro:  # nothing to train on (e.g. every RL group filtered): no update
+            self.step += 1
+            return {"step": self.step, **step.info, "skipped": False, **m.after_update(step, None)}
         if monitor_now:
             self.lp_monitor.arm()
-        n = max(1, len(step.micro))
+        n = len(step.micro)
         total, mean_total = 0.0, 0.0
         metrics: dict[str, float] = {}
         for micro in step.micro:
@@ -542,6 +590,9 @@ class Trainer:
 
             full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
             m.model = m.forward_model = _plain_copy(self.model.config, full).to(self.device)
+        if finished:
+            for extra in m.end_rows():
+                self._log(extra)
         exported = plot = None
         if finished and is_main():
             exported = m.export()

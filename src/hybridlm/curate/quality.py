@@ -39,8 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import builtin
-from ..sources import JsonlSource, TextFileSource
+from ..data import builtin
+from ..data.sources import JsonlSource, StdlibSource, TextFileSource
 from .core import CurateDoc, Decision, DocStage, GlobalStage, register_stage
 
 FORMAT = "hybridlm.fasttext"
@@ -383,8 +383,6 @@ def example_quality_data(
 def example_topic_data(data_dir: str | Path | None = None, *, per_topic: int = 150, seed: int = 0):
     """(texts, labels) of a tiny 3-topic task: math (GSM8K train), code (HumanEval + stdlib
     source), literature (tinyshakespeare); the packaged data sets or those under `data_dir`."""
-    from ..sources import StdlibSource
-
     gsm_path = builtin.path(builtin.GSM8K_TRAIN, data_dir)
     gsm = read_texts(gsm_path, text_field="question", limit=per_topic)
     he = read_texts(builtin.path(builtin.HUMANEVAL, data_dir), text_field="prompt")

@@ -7,7 +7,14 @@
     filters.py    Gopher quality + repetition, C4, FineWeb, length, symbol/alpha, URL blocklist
     langid.py     language ID with a confidence threshold (py3langid)
     dedup.py      exact, MinHash-LSH (verified clusters, keep-newest), suffix-array substrings
-    pipeline.py   `CurateConfig` (YAML), `run_curate(cfg)`, report.json / report.md, the CLI command
+    quality.py    fastText-style quality / topic classifiers
+    upsample.py   quality-aware up-sampling curves (`metadata["repeat"]`)
+    benchmarks.py benchmark items (GSM8K, HumanEval, JSON Lines) and the `Match` a detector reports
+    embed.py      code decontamination by embedding similarity
+    decon.py      decon-style sampled n-grams, 8-gram overlap, the `decontaminate` stage
+    fim.py        the fill-in-the-middle stage (`hybridlm.data.fim`)
+    mixing.py     swarm mixture optimisation (proxy runs on the trainer)
+    pipeline.py   `CurateConfig` (YAML), `run_curate(cfg)`, report.json / report.md
 
 `hybridlm curate --config configs/curate.yaml` runs it; see `pipeline.py`.
 """

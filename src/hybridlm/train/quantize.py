@@ -1,5 +1,8 @@
 """`hybridlm quantize`: calibrate, quantise (FP8 / NVFP4 / AutoQuantize mixed precision),
 evaluate against the unquantised model on held-out data, export a ModelOpt-format checkpoint.
+The stage around the algorithms of `precision.ptq` / `precision.autoquant`: it loads the model
+(`hybridlm.io`), reads a run's data or an SFT run's chat rows for calibration, and writes the
+export with `interop.modelopt`.
 
     hybridlm quantize --recipe autoquant --budget 4.75 runs/quickstart out/quickstart-aq
 
@@ -25,7 +28,14 @@ from typing import Any, Literal
 import torch
 
 from ..choices import PTQ_RECIPES
-from .ptq import (
+from ..data.bpb import token_byte_lengths
+from ..data.config import DataConfig
+from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
+from ..interop.modelopt import export_modelopt
+from ..io import load_model, load_tokenizer_for, resolve
+from ..io.checkpoint import read_meta
+from ..precision.autoquant import autoquantize, measure_sensitivities, print_table
+from ..precision.ptq import (
     BITS,
     DEFAULT_EXCLUDE,
     calibrate,
@@ -38,6 +48,9 @@ from .ptq import (
     recipe_plan,
     take,
 )
+from .checkpoint import METRICS, prepare_run_dir
+from .config import RunConfig
+from .sft import SFTRunConfig, chat_batches
 
 
 @dataclass(kw_only=True)
@@ -82,10 +95,8 @@ class QuantizeConfig:
 
 
 # ============================================================================ inputs
-def default_data(out: Path):
+def default_data(out: Path) -> DataConfig:
     """The embedded corpus (Python stdlib source, byte tokenizer) with a held-out split."""
-    from ..data.config import DataConfig
-
     return DataConfig(
         tokenizer="byte",
         shards_dir=str(out / "shards"),
@@ -97,10 +108,8 @@ def default_data(out: Path):
     )
 
 
-def run_data(path: str | Path):
+def run_data(path: str | Path) -> DataConfig:
     """The `data` section of a pretraining run (its directory or its run.yaml)."""
-    from ..train.config import RunConfig
-
     path = Path(path)
     if path.is_dir():
         path = path / "run.yaml"
@@ -111,8 +120,6 @@ def run_data(path: str | Path):
 
 def sft_calibration_batches(path: str | Path, rows: int) -> list:
     """`rows` packed training rows of an SFT run (its directory or run.yaml)."""
-    from ..train.sft import SFTRunConfig, chat_batches
-
     path = Path(path)
     if path.is_dir():
         path = path / "run.yaml"
@@ -121,36 +128,21 @@ def sft_calibration_batches(path: str | Path, rows: int) -> list:
     return chat_batches(SFTRunConfig.load(path).data, rows)
 
 
-def load_checkpoint_and_data(ckpt: str | Path, out: Path):
+def load_checkpoint_and_data(ckpt: str | Path, out: Path) -> tuple[Any, DataConfig, str]:
     """(model, DataConfig, description) for a training checkpoint, run dir or HF directory."""
-    from ..model.model import HybridLM
-    from ..train.checkpoint import latest_checkpoint, load_checkpoint, read_meta
-    from ..train.config import RunConfig
-
     path = Path(ckpt)
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist")
-    if not (path / "meta.json").is_file() and (path / "checkpoints").is_dir():
-        found = latest_checkpoint(path)
-        if found is None:
-            raise ValueError(f"run directory {path} has no checkpoints")
-        path = found
-    if (path / "meta.json").is_file():
+    path, kind = resolve(path)  # a run directory: its newest checkpoint
+    model = load_model(path)
+    if kind == "checkpoint":
         meta = read_meta(path)
-        run = RunConfig.from_dict(meta["run_config"])
-        with torch.device("meta"):
-            model = HybridLM(run.model_config())
-        model.to_empty(device="cpu")
-        model.init_buffers()
-        load_checkpoint(path, model, restore_rng=False)
-        return model, run.data, f"training checkpoint {path} (step {meta.get('step')})"
-    if (path / "config.json").is_file():
-        model = HybridLM.from_pretrained(path)
-        if (path.parent / "run.yaml").is_file():  # a run's own export (`<run>/hf`)
-            data = RunConfig.load(path.parent / "run.yaml").data
-            return model, data, f"transformers checkpoint {path} (data of {path.parent})"
-        return model, default_data(out), f"transformers checkpoint {path} (stdlib corpus)"
-    raise ValueError(f"{path} is neither a training checkpoint (meta.json) nor a transformers one")
+        data = RunConfig.from_dict(meta["run_config"]).data
+        return model, data, f"training checkpoint {path} (step {meta.get('step')})"
+    if (path.parent / "run.yaml").is_file():  # a run's own export (`<run>/hf`)
+        data = RunConfig.load(path.parent / "run.yaml").data
+        return model, data, f"transformers checkpoint {path} (data of {path.parent})"
+    return model, default_data(out), f"transformers checkpoint {path} (stdlib corpus)"
 
 
 # ============================================================================ run
@@ -158,12 +150,6 @@ def run_quantize(cfg: QuantizeConfig, *, overwrite: bool = False) -> dict[str, A
     """The whole flow; returns the summary also written to OUT/quantize.json. `overwrite`:
     replace an earlier run's metrics.jsonl in OUT (without it, one is an error)."""
     from rich.console import Console
-
-    from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
-    from ..interop.modelopt import export_modelopt
-    from ..train.checkpoint import METRICS, prepare_run_dir, tokenizer_for
-    from ..data.bpb import token_byte_lengths
-    from .autoquant import autoquantize, measure_sensitivities, print_table
 
     cfg.validate()
     console = Console(quiet=not cfg.progress)
@@ -257,7 +243,8 @@ def run_quantize(cfg: QuantizeConfig, *, overwrite: bool = False) -> dict[str, A
             prog.update(task, advance=1)
 
     dtype = getattr(torch, cfg.export_dtype)
-    export_modelopt(qmodel.to("cpu"), out, dtype=dtype, tokenizer=tokenizer_for(cfg.checkpoint))
+    tokenizer = load_tokenizer_for(cfg.checkpoint)
+    export_modelopt(qmodel.to("cpu"), out, dtype=dtype, tokenizer=tokenizer)
     bits = model_bits(qmodel, applied, ops)
     summary = {
         "checkpoint": str(cfg.checkpoint),
@@ -353,6 +340,3 @@ def _print_summary(console, s: dict[str, Any]) -> None:
         f"{100 * d['loss_rel']:+.3f}%",
     )
     console.print(total)
-
-
-# ============================================================================ CLI

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,4 +70,41 @@ def plot_loss_curves(metrics_path: str | Path, out_png: str | Path) -> Path:
     ax_lr.set_ylabel("lr")
     ax_lr.set_xlabel("tokens seen")
     ax_lr.grid(alpha=0.3)
+    return save_figure(fig, out_png, dpi=100)
+
+
+def plot_post_training(
+    metrics_path: str | Path,
+    out_png: str | Path,
+    keys: Sequence[str],
+    eval_keys: Sequence[str] | None = None,
+) -> Path:
+    """Train curves (`keys` of kind "train" rows) and eval curves (`eval_keys`, default every
+    numeric eval field) against the step, as a PNG rendered from metrics.jsonl (the SFT, DPO
+    and distillation runs)."""
+    plt = pyplot()
+    rows = read_metrics(metrics_path)
+    train = [r for r in rows if r.get("kind") == "train"]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    fig, (ax, ax_eval) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for key in keys:
+        pts = [(r["step"], r[key]) for r in train if isinstance(r.get(key), (int, float))]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), lw=1, label=key)
+    ax.set_ylabel("train")
+    ax.legend(loc="upper right")
+    ax.grid(alpha=0.3)
+    if eval_keys is None:
+        eval_keys = sorted(
+            {k for r in evals for k, v in r.items() if isinstance(v, float) and k != "step"}
+        )
+    eval_keys = [k for k in eval_keys if any(k in r for r in evals)]
+    for key in eval_keys:
+        pts = [(r["step"], r[key]) for r in evals if isinstance(r.get(key), (int, float))]
+        ax_eval.plot(*zip(*pts, strict=True), "o-", ms=3, label=key)
+    ax_eval.set_ylabel("held-out")
+    ax_eval.set_xlabel("step")
+    if eval_keys:
+        ax_eval.legend(loc="best")
+    ax_eval.grid(alpha=0.3)
     return save_figure(fig, out_png, dpi=100)

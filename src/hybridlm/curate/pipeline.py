@@ -68,10 +68,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ...config import from_dict, read_mapping, write_mapping
-from ..config import SourceConfig
-from ..pipeline import build_source
-from ..sources import (
+from ..config import from_dict, read_mapping, write_mapping
+from ..data.config import SourceConfig
+from ..data.pipeline import build_source
+from ..data.sources import (
     DocumentSource,
     SourceStats,
 )
@@ -87,6 +87,7 @@ from .core import (
     stage_fingerprint,
 )
 from .executor import Executor, make_executor
+from .upsample import repeat_count
 
 FORMAT = "hybridlm-curate"
 FORMAT_VERSION = 1
@@ -356,8 +357,6 @@ def repeat_copies(doc: CurateDoc, rounding: str = "stochastic", seed: int = 0) -
     """How many times `doc` is written: `metadata["repeat"]` as is when it is an integer, else
     rounded (`stochastic`: floor(r) + Bernoulli(r - floor(r)) keyed by (seed, id); `round`:
     floor(r + 0.5)); 1 without a `repeat`."""
-    from .upsample import repeat_count
-
     rate = doc.metadata.get("repeat", 1)
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate >= 0:
         raise ValueError(
@@ -836,14 +835,3 @@ def write_report(out_dir: Path, report: CurateReport) -> None:
             f"({exp['zero_copies']} rounded to 0 copies).",
         ]
     _atomic_write(out_dir / "report.md", ("\n".join(lines) + "\n").encode())
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m hybridlm.data.curate.pipeline curate ...`: `hybridlm curate ...`."""
-    from ...cli import main as cli_main  # the command line is the top layer: imported on use
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -28,8 +28,8 @@ features of one text.
        (`return len(s)`) match unrelated code at any threshold.
 
 `measure_code_decon` plants renamed / reformatted HumanEval solutions and measures recall, and
-the false-positive rate on Python standard-library functions (`python -m
-hybridlm.data.curate.embed`, on the packaged HumanEval, or `--data-dir DIR`).
+the false-positive rate on Python standard-library functions (`hybridlm decon-code-eval`, on the
+packaged HumanEval, or `--data-dir DIR`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from .decon import MINILM_MODEL, BenchmarkRegistry, EvalItem, Match
+from .benchmarks import BenchmarkRegistry, EvalItem, Match
 
 Normalize = Literal["none", "format", "canonical"]
 BackendName = Literal["hashed", "minilm"]
@@ -59,6 +59,8 @@ _TOKEN_RE = re.compile(r"[A-Za-z_]\w*|\d+(?:\.\d*)?|\S")
 _IDENT_RE = re.compile(r"[A-Za-z_]\w*")
 _DEF_RE = re.compile(r"^(\s*)(?:async\s+)?def\s+\w+\s*\(")
 _KEEP_NAMES = frozenset(dir(builtins)) | frozenset(keyword.kwlist) | {"self", "cls"}
+# the `minilm` backend's default model (the [embed] extra)
+MINILM_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 # ---------------------------------------------------------------------------- chunking
@@ -618,16 +620,3 @@ def measure_code_decon(
     ]
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m hybridlm.data.curate.embed ...`: `hybridlm decon-code-eval ...`."""
-    import sys
-
-    from ...cli import main as cli_main  # the command line is the top layer: imported on use
-
-    return cli_main(["decon-code-eval", *(argv if argv is not None else sys.argv[1:])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -118,6 +118,14 @@ class RolloutWorker:
     def version(self) -> int:
         return self.engine.weight_version
 
+    def calls(self) -> int:
+        """Generation calls so far: the sampling seeds of the next call derive from it."""
+        return self._calls
+
+    def set_calls(self, calls: int) -> None:
+        """Continue the sampling streams of a resumed run (after `calls` calls)."""
+        self._calls = calls
+
     def _apply_pending(self) -> None:
         with self._pending.lock:
             state, version, self._pending.state = self._pending.state, self._pending.version, None
@@ -197,6 +205,7 @@ class RolloutPool:
         threads_per_worker: int = 1,
         sync_timeout_s: float = 120.0,
         seed: int = 0,
+        version: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if executor not in ("ray", "inline"):
@@ -209,7 +218,9 @@ class RolloutPool:
         self._next = 0
         self._inflight: list[Any] = []
         state = {k: v.detach().cpu() for k, v in state_dict.items()}
-        kw = dict(threads=threads_per_worker, seed=seed, engine_kwargs=engine_kwargs)
+        kw = dict(
+            threads=threads_per_worker, seed=seed, version=version, engine_kwargs=engine_kwargs
+        )
         if executor == "inline":
             self.workers = [RolloutWorker(model_cfg, tokenizer, state, worker_id=0, **kw)]
             return
@@ -286,6 +297,31 @@ class RolloutPool:
                 f"{self.sync_timeout_s:.0f} s (version {version})"
             ) from err
         return time.perf_counter() - t0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the workers' sampling streams stand (round-robin position, calls per worker),
+        for an exact resume; call with nothing in flight."""
+        if self._inflight:
+            raise RuntimeError("RolloutPool.state_dict with generation calls in flight")
+        if self.executor == "inline":
+            calls = [w.calls() for w in self.workers]
+        else:
+            calls = self._ray.get([w.calls.remote() for w in self.workers])
+        return {"next": self._next, "calls": calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["calls"]) != len(self.workers):
+            raise ValueError(
+                f"the checkpoint's rollout pool had {len(state['calls'])} workers, this one has "
+                f"{len(self.workers)}; resume with the same num_workers"
+            )
+        self._next = state["next"]
+        if self.executor == "inline":
+            for w, n in zip(self.workers, state["calls"], strict=True):
+                w.set_calls(n)
+        else:
+            pairs = zip(self.workers, state["calls"], strict=True)
+            self._ray.get([w.set_calls.remote(n) for w, n in pairs])
 
     def shutdown(self) -> None:
         if self.executor == "ray":

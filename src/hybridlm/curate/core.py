@@ -61,7 +61,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from ..sources import Document
+from ..data.sources import Document
 
 Score = float | int | str | bool
 
@@ -366,8 +366,8 @@ def register_stage(name: str) -> Callable[[S], S]:
 
 _STAGE_MODULES = (
     (".extract", ".filters", ".langid", ".dedup"),  # extraction, heuristics, dedup
-    # classifiers, up-sampling, decontamination, mixing; FIM (hybridlm.data.fim)
-    (".quality", ".upsample", ".decon", ".mixing", "..fim"),
+    # classifiers, up-sampling, decontamination, mixing, FIM
+    (".quality", ".upsample", ".decon", ".mixing", ".fim"),
 )
 
 

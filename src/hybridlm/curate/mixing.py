@@ -42,11 +42,19 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ...config import ModelConfig
-from ..config import DataConfig, SourceConfig
-from ..loader import IGNORE_INDEX, PackedLoader, Phase
-from ..shards import ShardSet
-from ..tokenizer import ByteTokenizer
+from ..config import ModelConfig
+from ..data.bpb import token_byte_lengths
+from ..data.config import DataConfig, SourceConfig
+from ..data.loader import IGNORE_INDEX, PackedLoader, Phase
+from ..data.pipeline import build_tokenizer, prepare_shards
+from ..data.shards import ShardSet
+from ..data.tokenizer import ByteTokenizer
+from ..io.checkpoint import load_checkpoint
+from ..model.model import build_model
+from ..presets import get_preset
+from ..report.plot import pyplot, save_figure
+from ..train.config import RunConfig, TrainConfig
+from ..train.pretrain import run_pretrain
 
 Proxy = Callable[[dict[str, float], int], dict[str, float]]
 RegressionKind = Literal["loglinear", "quadratic", "linear"]
@@ -194,9 +202,7 @@ class TrainerProxy:
     seed: int = 0
     last_result: dict[str, Any] = field(default_factory=dict, repr=False)  # run_pretrain's
 
-    def run_config(self, weights: Mapping[str, float], run: int) -> Any:
-        from ...train.config import RunConfig, TrainConfig
-
+    def run_config(self, weights: Mapping[str, float], run: int) -> RunConfig:
         data = DataConfig(
             sources=[
                 SourceConfig(name=n, kind="shards", path=str(p), weight=float(weights.get(n, 0)))
@@ -229,12 +235,6 @@ class TrainerProxy:
         return RunConfig(model=copy.deepcopy(self.model), data=data, train=train)
 
     def __call__(self, weights: dict[str, float], run: int = 0) -> dict[str, float]:
-        from ...data.bpb import token_byte_lengths
-        from ...model.model import build_model
-        from ...train.checkpoint import load_checkpoint
-        from ...train.pretrain import run_pretrain
-        from ..pipeline import build_tokenizer
-
         run_cfg = self.run_config(weights, run)
         # a proxy run's directory belongs to this swarm: a rerun of the swarm replaces it
         result = self.last_result = run_pretrain(run_cfg, overwrite=True)
@@ -584,8 +584,6 @@ def parse_weights(spec: str) -> dict[str, float]:
 
 def plot_swarm(swarm_jsonl: str | Path, reg: MixtureRegression, png: str | Path) -> Path:
     """Observed vs predicted loss of every swarm run, one marker per task."""
-    from ...train.plot import pyplot, save_figure
-
     plt = pyplot()
 
     res = SwarmResult.from_jsonl(swarm_jsonl)
@@ -624,9 +622,6 @@ def run_mix(
     `runs=0` is 5 x sources; `steps` and `model` size the trainer proxy, `budget` the bigram
     proxy; `total_tokens` > 0 caps each source at `max_repetition` x its tokens. Returns the
     optimum's weights and predicted loss, the in-sample R^2 per task and the written paths."""
-    from ...presets import get_preset
-    from ..pipeline import prepare_shards
-
     cfg = DataConfig.load(data)
     sets = prepare_shards(cfg, progress=True)
     dirs = {name: str(s.path) for name, s in sets.items()}

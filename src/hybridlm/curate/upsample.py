@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..report.plot import pyplot, save_figure
 from .core import CurateDoc, Decision, GlobalStage, register_stage
 
 Shape = Literal["exp", "power", "linear"]
@@ -240,8 +241,6 @@ def write_curves(curves: Mapping[str, UpsampleCurve], path: str | Path) -> Path:
 
 def plot_curves(jsonl: str | Path, png: str | Path) -> Path:
     """Curves (lines) and bucket rates (steps) of every topic in `jsonl`, as a PNG."""
-    from ...train.plot import pyplot, save_figure
-
     plt = pyplot()
 
     rows = [json.loads(x) for x in Path(jsonl).read_text().splitlines() if x.strip()]

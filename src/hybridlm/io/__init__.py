@@ -1,0 +1,130 @@
+"""The one loader: any model path -> the model, its tokenizer and what the path says about it.
+
+    loaded = hybridlm.io.load("runs/quickstart")      # model, tokenizer, meta, kind, path
+    model = hybridlm.io.load_model("ckpt/", dtype=torch.bfloat16)
+    tokenizer = hybridlm.io.load_tokenizer_for("runs/sft")
+
+A path is one of (`kind`):
+
+    "transformers"  a transformers NemotronH / Olmo3 directory (config.json + safetensors)
+    "modelopt"      a ModelOpt-quantised one (hf_quant_config.json, or config.json's
+                    quantization_config): fake-quant modules for the quantised operators
+    "checkpoint"    a hybridlm training checkpoint (`<run>/checkpoints/step_*`, meta.json), or a
+                    run directory (checkpoints/), which stands for its newest checkpoint
+
+The tokenizer is the one the model was trained with: a training checkpoint's run config names it
+(`data.tokenizer`), a transformers directory holds its `tokenizer.json`, else the byte tokenizer
+(the embedded default). The checkpoint file format is `hybridlm.io.checkpoint`; writing
+transformers directories is `hybridlm.interop.hf.save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from ..config import ModelConfig
+from ..data.bpe import load_tokenizer
+from ..interop.hf import load_pretrained
+from ..interop.modelopt import is_modelopt, load_modelopt
+from ..model.model import HybridLM
+from ..presets import get_preset
+from .checkpoint import load_checkpoint, read_meta, resolve_checkpoint
+
+Kind = Literal["transformers", "modelopt", "checkpoint"]
+
+__all__ = ["Kind", "Loaded", "load", "load_model", "load_tokenizer_for", "resolve"]
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A loaded model path. `meta`: a checkpoint's meta.json (run config, step, ...) or a
+    transformers directory's config.json; `path`: the directory read (a run directory resolves
+    to its newest checkpoint)."""
+
+    model: HybridLM
+    tokenizer: Any
+    meta: dict[str, Any]
+    kind: Kind
+    path: Path
+
+
+def resolve(path: str | Path) -> tuple[Path, Kind]:
+    """The directory a model path stands for and its kind (see the module docstring)."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        return p, "modelopt" if is_modelopt(p) else "transformers"
+    if (p / "meta.json").is_file() or (p / "checkpoints").is_dir():
+        return resolve_checkpoint(p), "checkpoint"
+    raise ValueError(
+        f"{p} is neither a transformers directory (config.json), a training checkpoint "
+        "(meta.json) nor a run directory (checkpoints/)"
+    )
+
+
+def load(
+    path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: str | Path | None = None
+) -> Loaded:
+    """The model, tokenizer and metadata of a model path. `dtype` casts the model (default: the
+    checkpoint's own); `tokenizer` (a tokenizer spec, see `data.bpe.load_tokenizer`) replaces
+    the one the path names."""
+    where, kind = resolve(path)
+    model = _load_model(where, kind, dtype)
+    tok = load_tokenizer(tokenizer) if tokenizer else load_tokenizer_for(where)
+    if kind == "checkpoint":
+        meta = read_meta(where)
+    else:
+        meta = json.loads((where / "config.json").read_text())
+    return Loaded(model=model, tokenizer=tok, meta=meta, kind=kind, path=where)
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridLM:
+    """The model of a model path (training checkpoints come back in eval mode)."""
+    return _load_model(*resolve(path), dtype)
+
+
+def load_tokenizer_for(path: str | Path) -> Any:
+    """The tokenizer a model path was trained with: a training checkpoint or run directory reads
+    `data.tokenizer` from its run config; a transformers directory uses its `tokenizer.json`,
+    else the byte tokenizer (the embedded default)."""
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        return load_tokenizer(path)
+    if (path / "meta.json").is_file() or (path / "checkpoints").is_dir():
+        data = read_meta(resolve_checkpoint(path))["run_config"].get("data") or {}
+        spec = data.get("tokenizer", "byte")
+        if spec != "byte" and not Path(spec).exists():
+            raise ValueError(
+                f"{path} was trained with the tokenizer at {spec}, which does not exist here"
+            )
+        return load_tokenizer(spec)
+    return load_tokenizer("byte")
+
+
+def _load_model(path: Path, kind: Kind, dtype: torch.dtype | None) -> HybridLM:
+    if kind == "modelopt":
+        return load_modelopt(path, dtype=dtype)
+    if kind == "transformers":
+        return load_pretrained(path, dtype=dtype)
+    return _from_checkpoint(path, dtype)
+
+
+def _from_checkpoint(path: Path, dtype: torch.dtype | None) -> HybridLM:
+    """A training checkpoint's model, built from the run config in its meta.json, in eval mode."""
+    run_config = read_meta(path).get("run_config") or {}
+    if "model" not in run_config:
+        raise ValueError(f"{path / 'meta.json'} has no run_config.model to build the model from")
+    spec = run_config["model"]
+    cfg = get_preset(spec) if isinstance(spec, str) else ModelConfig.from_dict(spec)
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    model.to_empty(device="cpu")
+    model.init_buffers()
+    load_checkpoint(path, model, restore_rng=False)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()
