@@ -26,6 +26,7 @@ from hybridlm.interop.hf import save_pretrained
 from hybridlm.io import load_model
 from hybridlm.presets import get_preset
 from hybridlm.report.plot import save_figure
+from hybridlm.train.objectives import causal_lm_loss
 
 HELD_OUT_FRACTION = 0.1
 
@@ -68,9 +69,10 @@ def _windows(ids: torch.Tensor, batch: int, seq: int, g: torch.Generator) -> tor
 @torch.no_grad()
 def _evaluate(model: HybridLM, x: torch.Tensor) -> dict[str, float]:
     model.eval()
-    out = model(x, labels=x, return_logits=False)
+    out = model(x, mtp_depth=model.train_mtp_depth, return_logits=False)
+    _, parts = causal_lm_loss(model, out, x)
     model.train()
-    return {k: float(v) for k, v in out.losses.items() if k != "moe_aux"}
+    return {k: float(v) for k, v in parts.items() if k != "moe_aux"}
 
 
 def train(
@@ -118,8 +120,9 @@ def train(
             for group in opt.param_groups:
                 group["lr"] = lr * frac
             x = _windows(train_ids, batch, seq, g)
-            out = model(x, labels=x, return_logits=False)
-            out.loss.backward()
+            out = model(x, mtp_depth=model.train_mtp_depth, return_logits=False)
+            loss, parts = causal_lm_loss(model, out, x)
+            loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -132,7 +135,7 @@ def train(
                     "elapsed_s": time.perf_counter() - t0,
                     "lr": lr * frac,
                     "grad_norm": float(gnorm),
-                    **{k: v.item() for k, v in out.losses.items()},
+                    **{k: v.item() for k, v in parts.items()},
                 }
                 emit(row)
                 log(

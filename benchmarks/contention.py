@@ -50,6 +50,7 @@ def worker(setting: str, seconds: float) -> None:
     from hybridlm.config import ModelConfig
     from hybridlm.infer.generate import generate
     from hybridlm.model.model import HybridLM
+    from hybridlm.train.objectives import causal_lm_loss
 
     spec = yaml.safe_load((ROOT / "configs" / "speedrun.yaml").read_text())["pretrain"]["model"]
     cfg = ModelConfig.from_dict(spec)
@@ -59,7 +60,8 @@ def worker(setting: str, seconds: float) -> None:
     x = torch.randint(0, cfg.vocab_size, (8, 256), generator=gen)
 
     def step() -> None:
-        model(x, labels=x, return_logits=False).loss.backward()
+        out = model(x, mtp_depth=model.train_mtp_depth, return_logits=False)
+        causal_lm_loss(model, out, x)[0].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 

@@ -5,7 +5,8 @@
 
 hybridlm runs its real optimizer step (`Trainer.train_step`: fused LM-head + CE, global-token
 loss normalisation, grad clipping, LR schedule, AdamW, MoE bias update) in fp32; transformers
-runs `loss = model(ids, labels=ids).loss; loss.backward(); opt.step(); opt.zero_grad()` with
+runs `loss = model(ids, labels=ids).loss; loss.backward(); opt.step(); opt.zero_grad()` (its own
+loss) with
 torch AdamW on the same config. Both start from identical weights (hybridlm's, converted with
 `save_pretrained` / `AutoModelForCausalLM.from_pretrained`) and see the same batch every step.
 Steps are interleaved so machine noise hits both alike; tokens/s are medians. MFU is

@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybridlm import HybridLM
     from hybridlm.interop.hf import save_pretrained
     from hybridlm.presets import get_preset
+    from hybridlm.train.objectives import causal_lm_loss
 
     torch.manual_seed(0)
     cfg = get_preset(args.preset)
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     runners = {
-        "hybridlm": lambda ids: ours(ids, labels=ids, return_logits=False).losses["ce"],
+        "hybridlm": lambda ids: causal_lm_loss(ours, ours(ids, return_logits=False), ids)[1]["ce"],
         "transformers": lambda ids: theirs(ids, labels=ids, use_cache=False).loss,
     }
     n_params = cfg.num_params().total

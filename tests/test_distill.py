@@ -13,10 +13,11 @@ import torch.nn.functional as F
 
 from _tiny import tiny_train_model
 from hybridlm.cli.train import register
+from hybridlm.config import apply_overrides
 from hybridlm.io.checkpoint import save_checkpoint
 from hybridlm.model.model import build_model
 from hybridlm.report.plot import read_metrics
-from hybridlm.train.config import TrainConfig, apply_run_overrides
+from hybridlm.train.config import TrainConfig
 from hybridlm.train.distill import (
     DistillConfig,
     DistillRunConfig,
@@ -195,7 +196,8 @@ def test_on_policy_routes_each_prompt_to_its_teacher(tmp_path):
 
 def test_on_policy_run_lowers_the_reverse_kl(tmp_path):
     teacher = save_teacher(tmp_path, "t", tiny_train_model(mtp=False), seed=4, sharpen=10.0)
-    run = on_policy_run(tmp_path, {"t": teacher}, {"add": "t", "more": "t"}, steps=12)
+    # 16 steps: the reverse KL falls steadily but noisily (sampled completions), ~1.3 -> ~0.95
+    run = on_policy_run(tmp_path, {"t": teacher}, {"add": "t", "more": "t"}, steps=16)
     run.distill.prompts_per_step = 8
     run.train.lr = 1e-2
     result = run_distill(run)
@@ -203,7 +205,7 @@ def test_on_policy_run_lowers_the_reverse_kl(tmp_path):
     first = sum(r["kl/t"] for r in train[:3]) / 3
     last = sum(r["kl/t"] for r in train[-3:]) / 3
     assert last < 0.8 * first, (first, last)
-    assert result["step"] == 12 and "eval_accuracy/add" in result["eval"]
+    assert result["step"] == 16 and "eval_accuracy/add" in result["eval"]
 
 
 # ---------------------------------------------------------------------------- config + CLI
@@ -237,7 +239,7 @@ def test_cli_runs_end_to_end_with_overrides_and_resume(tmp_path, capsys):
     run.save(path)
     loaded = DistillRunConfig.load(path)
     assert loaded.to_dict() == run.to_dict()
-    assert apply_run_overrides(loaded, ["distill.top_k=8"]).distill.top_k == 8
+    assert apply_overrides(loaded, ["distill.top_k=8"]).distill.top_k == 8
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(

@@ -209,7 +209,7 @@ def test_accumulation_equals_big_batch(tmp_path):
         big.model.zero_grad(set_to_none=True)
         total = 0.0
         for chunk in chunks:
-            loss, _ = big._loss(chunk, big.train_pairs, big.ref_train, 4)
+            loss, _, _ = big._loss(chunk, big.train_pairs, big.ref_train, 4)
             loss.backward()
             total += float(loss.detach())
         return total, {
@@ -239,8 +239,9 @@ def test_tiny_dpo_run_prefers_the_chosen(tmp_path, loss):
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
-    # step 1: policy == reference, so every implicit reward is 0 and the loss is ln 2
-    assert train[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    # step 1: policy == reference, so every implicit reward is 0 and the DPO loss is ln 2 (the
+    # step's loss adds the MoE balancing term, Nemotron 3 Super §2.1.1)
+    assert train[0]["loss"] - train[0]["moe_aux"] == pytest.approx(math.log(2), abs=1e-5)
     assert train[0]["reward_margin"] == pytest.approx(0, abs=1e-5)
     assert evals[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert sum(r["loss"] for r in train[-3:]) / 3 < 0.5 * math.log(2)

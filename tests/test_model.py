@@ -7,8 +7,9 @@ from hybridlm import HybridLM, ModelConfig, MoEConfig, MTPConfig
 from hybridlm.interop.hf import save_pretrained
 from hybridlm.io import load_model
 from hybridlm.model.cache import HybridCache
-from hybridlm.model.moe import MoE, _experts_grouped, _experts_loop
+from hybridlm.model.moe import AuxSink, MoE, _experts_grouped, _experts_loop
 from hybridlm.presets import PRESETS, get_preset
+from hybridlm.train.objectives import causal_lm_loss
 
 TINY = sorted(n for n in PRESETS if n.startswith("tiny-"))
 
@@ -54,18 +55,18 @@ def test_loss_parts_and_backward(name):
     cfg = _small(name)
     model = HybridLM(cfg, seed=0)
     x = _ids(cfg)
-    out = model(x, labels=x)
-    expected = out.losses["ce"]
-    if "mtp" in out.losses:
+    out = model(x, mtp_depth=model.train_mtp_depth)
+    assert not hasattr(out, "loss") and not hasattr(out, "losses")  # the model returns values
+    loss, parts = causal_lm_loss(model, out, x)
+    expected = parts["ce"]
+    if "mtp" in parts:
         assert len(out.mtp_logits) == cfg.mtp.depth
-        expected = expected + cfg.mtp.loss_weight * out.losses["mtp"]
-    if "moe_aux" in out.losses:
-        expected = expected + out.losses["moe_aux"]
-    torch.testing.assert_close(out.loss, expected)
-    assert (
-        abs(out.losses["ce"].item() - torch.log(torch.tensor(300.0)).item()) < 0.5
-    )  # near-uniform init
-    out.loss.backward()
+        expected = expected + cfg.mtp.loss_weight * parts["mtp"]
+    if "moe_aux" in parts:
+        expected = expected + parts["moe_aux"]
+    torch.testing.assert_close(loss, expected)
+    assert abs(parts["ce"].item() - torch.log(torch.tensor(300.0)).item()) < 0.5  # uniform init
+    loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing, missing
 
@@ -78,7 +79,7 @@ def test_causality(name):
     y = x.clone()
     y[:, 13] = (y[:, 13] + 1) % cfg.vocab_size
     with torch.no_grad():
-        a, b = model(x, labels=x), model(y, labels=y)
+        a, b = model(x, mtp_depth=model.train_mtp_depth), model(y, mtp_depth=model.train_mtp_depth)
     # (not bit-exact: expert GEMMs see other token counts and may round differently)
     torch.testing.assert_close(a.logits[:, :13], b.logits[:, :13], rtol=0, atol=1e-6)
     assert not torch.allclose(a.logits[:, 13:], b.logits[:, 13:])
@@ -101,16 +102,19 @@ def test_global_token_normalisation_makes_accumulation_exact():
         loss.backward()
         return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    out = model(x, labels=labels)
-    g_full = grads(out.loss)
+    def lm(x, labels, **kw):
+        return causal_lm_loss(model, model(x, mtp_depth=model.train_mtp_depth), labels, **kw)
+
+    total, full = lm(x, labels)
+    g_full = grads(total)
     n = (labels[:, 1:] != -100).sum()  # the global count of CE targets
-    parts = [model(x[i : i + 2], labels=labels[i : i + 2], num_valid_tokens=n) for i in (0, 2)]
+    parts = [lm(x[i : i + 2], labels[i : i + 2], num_valid_tokens=n)[1] for i in (0, 2)]
     # with one global denominator the micro-batch CE parts add up to the full-batch CE, and so do
     # their gradients (a per-micro-batch mean would weight the masked row's tokens differently)
-    acc = sum(p.losses["ce"] for p in parts)
-    torch.testing.assert_close(acc, out.losses["ce"])
+    acc = sum(p["ce"] for p in parts)
+    torch.testing.assert_close(acc, full["ce"])
     g_acc = grads(acc)
-    g_ce = grads(model(x, labels=labels).losses["ce"])
+    g_ce = grads(lm(x, labels)[1]["ce"])
     assert len(g_acc) == len(g_ce) and len(g_full) > len(g_ce)  # the total also trains MTP
     for a, b in zip(g_acc, g_ce, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -189,7 +193,7 @@ def test_aux_loss_free_bias_update_and_load():
     cfg = _small("tiny-lightning")
     model = HybridLM(cfg, seed=0)
     x = _ids(cfg, B=4, L=64)
-    model(x, labels=x, mtp_depth=1)  # one MTP pass: its MoE layer sees every token once too
+    model(x, mtp_depth=1)  # one MTP pass: its MoE layer sees every token once too
     load = model.expert_load()
     assert load.shape == (len(model.moe_layers()), cfg.moe.num_experts)
     assert torch.all(load.sum(-1) == 4 * 64 * cfg.moe.top_k)
@@ -210,12 +214,13 @@ def test_sequence_aux_loss_formula():
     model = HybridLM(cfg, seed=0)
     moe = model.layers[0].mixer
     x = torch.randn(3, 7, 16)
-    moe(x)
+    sink = AuxSink()
+    moe(x, aux_sink=sink)
     scores, idx, _ = moe.gate(x.reshape(-1, 16))
     p = (scores / scores.sum(-1, keepdim=True)).view(3, 7, 4).mean(1)
     f = torch.nn.functional.one_hot(idx, 4).sum(1).view(3, 7, 4).sum(1).float() * 4 / (2 * 7)
-    assert len(moe.aux_losses) == 1
-    torch.testing.assert_close(moe.aux_losses[0], 0.5 * (f * p).sum(-1).mean())
+    assert len(sink.terms) == 1
+    torch.testing.assert_close(sink.terms[0], 0.5 * (f * p).sum(-1).mean())
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -255,9 +260,10 @@ def test_bf16_autocast_forward_backward():
     x = _ids(cfg)
     for fused in (False, True):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(x, labels=x, return_logits=not fused)
-        assert torch.isfinite(out.loss)
-        out.loss.backward()
+            out = model(x, mtp_depth=model.train_mtp_depth, return_logits=not fused)
+            loss, _ = causal_lm_loss(model, out, x)
+        assert torch.isfinite(loss)
+        loss.backward()
 
 
 def test_bad_inputs():
@@ -266,15 +272,16 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="batch, seq"):
         model(torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="labels shape"):
-        model(torch.zeros(1, 5, dtype=torch.long), labels=torch.zeros(1, 4, dtype=torch.long))
+        out = model(torch.zeros(1, 5, dtype=torch.long))
+        causal_lm_loss(model, out, torch.zeros(1, 4, dtype=torch.long))
 
 
 def test_mtp_depth_override_and_no_mtp():
     cfg = _small("tiny-super")
     model = HybridLM(cfg, seed=0)
     x = _ids(cfg)
-    assert len(model(x, labels=x, mtp_depth=3).mtp_logits) == 3
-    assert "mtp" not in model(x, labels=x, mtp_depth=0).losses
+    assert len(model(x, mtp_depth=3).mtp_logits) == 3
+    assert "mtp" not in causal_lm_loss(model, model(x), x)[1]
     no_mtp = HybridLM(ModelConfig(pattern="M*", mtp=MTPConfig()), seed=0)
     assert no_mtp.mtp is None
 
@@ -288,8 +295,9 @@ def test_router_stays_fp32_under_bf16_cast(tmp_path):
     )
     assert model.layers[0].mixer.in_proj.weight.dtype == torch.bfloat16
     x = _ids(cfg)
-    out = model(x, labels=x)
-    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
+    out = model(x, mtp_depth=model.train_mtp_depth)
+    loss, _ = causal_lm_loss(model, out, x)
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(loss)
     save_pretrained(model, tmp_path)
     again = load_model(tmp_path)
     assert again.layers[0].mixer.in_proj.weight.dtype == torch.bfloat16
@@ -300,15 +308,23 @@ def test_balancing_loss_counts_every_mtp_depth_and_never_goes_stale():
     cfg = _small("tiny-super")
     model = HybridLM(cfg, seed=0)
     x = _ids(cfg)
-    out = model(x, labels=x, mtp_depth=2)
     n_backbone = cfg.pattern.count("E")
-    per_call = [loss for m in model.moe_layers() for loss in m.aux_losses]
-    assert len(per_call) == n_backbone + 2  # the MTP MoE adds one loss per depth
-    torch.testing.assert_close(out.losses["moe_aux"], torch.stack(per_call).sum())
-    out.loss.backward()
-    again = model(x, labels=x, mtp_depth=0)  # no MTP now: nothing left over from the last call
-    assert len([lo for m in model.moe_layers() for lo in m.aux_losses]) == n_backbone
-    again.loss.backward()
+    sink = AuxSink()
+    h = model.embeddings(x)
+    for block in model.layers:
+        h = block(h, positions_L=torch.arange(x.shape[1]), aux_sink=sink)
+    assert len(sink.terms) == n_backbone
+    out = model(x, mtp_depth=2)
+    backbone = sink.total()
+    mtp_moe = model.mtp.layers[-1].mixer
+    assert mtp_moe.__class__.__name__ == "MoE" and not hasattr(mtp_moe, "aux_losses")
+    # the MTP MoE adds one loss per depth on top of the backbone's
+    assert out.aux["moe_aux"] > backbone
+    again = model(x, mtp_depth=2)  # two calls in a row: no state between them
+    torch.testing.assert_close(again.aux["moe_aux"], out.aux["moe_aux"], rtol=0, atol=0)
+    no_mtp = model(x)  # no MTP now: only the backbone's terms
+    torch.testing.assert_close(no_mtp.aux["moe_aux"], backbone)
+    assert not model.eval()(x).aux  # eval: no balancing term
 
 
 def test_expert_load_counts_training_steps_only():

@@ -8,6 +8,7 @@ from hybridlm import HybridLM
 from hybridlm.ops.conv1d import causal_conv1d, causal_conv1d_docs
 from hybridlm.ops.ssd import ssd_chunked, ssd_recurrent
 from hybridlm.presets import get_preset
+from hybridlm.train.objectives import causal_lm_loss
 
 DOCS = torch.tensor(
     [
@@ -83,9 +84,10 @@ def test_packed_training_loss_backward_and_errors():
     cfg.vocab_size = 300
     model = HybridLM(cfg, seed=0)
     ids = torch.randint(0, 300, DOCS.shape)
-    out = model(ids, labels=ids, doc_ids=DOCS, return_logits=False)
-    out.loss.backward()
-    assert torch.isfinite(out.loss) and model.layers[0].mixer.in_proj.weight.grad is not None
+    out = model(ids, doc_ids=DOCS, mtp_depth=model.train_mtp_depth, return_logits=False)
+    loss, _ = causal_lm_loss(model, out, ids, doc_ids=DOCS)
+    loss.backward()
+    assert torch.isfinite(loss) and model.layers[0].mixer.in_proj.weight.grad is not None
     with pytest.raises(ValueError, match="non-decreasing"):
         model(ids, doc_ids=DOCS.flip(1))
     with pytest.raises(ValueError, match="shape"):
@@ -101,7 +103,8 @@ def test_packed_mtp_targets_stay_inside_their_document():
     model = HybridLM(cfg, seed=0).double()
     ids = torch.randint(0, 300, DOCS.shape, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        packed = model(ids, labels=ids, doc_ids=DOCS).losses
+        out = model(ids, doc_ids=DOCS, mtp_depth=2)
+        packed = causal_lm_loss(model, out, ids, doc_ids=DOCS)[1]
     for k in (1, 2):
         total, count = 0.0, 0
         for b in range(2):
@@ -111,7 +114,8 @@ def test_packed_mtp_targets_stay_inside_their_document():
                     continue
                 x = ids[b : b + 1, s:e]
                 with torch.no_grad():
-                    alone = model(x, labels=x, num_valid_tokens=1).losses[f"mtp_{k}"]
+                    out = model(x, mtp_depth=2)
+                    alone = causal_lm_loss(model, out, x, num_valid_tokens=1)[1][f"mtp_{k}"]
                 total, count = total + float(alone), count + n
         # without num_valid_tokens each depth is a mean over its own valid targets
         got = float(packed[f"mtp_{k}"])

@@ -16,6 +16,7 @@ from _tiny import tiny_train_model
 from hybridlm.model.model import HybridLM
 from hybridlm.precision import autoquant as aq
 from hybridlm.precision import ptq
+from hybridlm.train.objectives import causal_lm_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -91,9 +92,9 @@ def test_sensitivity_of_a_linear_equals_direct_computation(calibrated):
     for b in batches:
         seen = {}
         h = lin.register_forward_hook(lambda m, a, y, seen=seen: seen.update(x=a[0].detach(), y=y))
-        out = model(b["input_ids"], b["labels"], mtp_depth=0)
+        loss, _ = causal_lm_loss(model, model(b["input_ids"]), b["labels"])
         h.remove()
-        (g,) = torch.autograd.grad(out.loss, seen["y"])
+        (g,) = torch.autograd.grad(loss, seen["y"])
         for fmt in want:
             q = ptq.QuantLinear.from_linear(
                 lin,
@@ -121,9 +122,9 @@ def test_sensitivity_of_experts_is_measured_at_the_moe_output(calibrated):
     for b in batches:
         seen = {}
         h = moe.register_forward_hook(lambda m, a, y, seen=seen: seen.update(x=a[0].detach(), y=y))
-        out = model(b["input_ids"], b["labels"], mtp_depth=0)
+        loss, _ = causal_lm_loss(model, model(b["input_ids"]), b["labels"])
         h.remove()
-        (g,) = torch.autograd.grad(out.loss, seen["y"])
+        (g,) = torch.autograd.grad(loss, seen["y"])
         with torch.no_grad():
             y_ref = moe(seen["x"])
             kept, moe.experts = moe.experts, qe

@@ -27,6 +27,7 @@ from hybridlm.precision.policy import (
 )
 from hybridlm.precision.qlinear import MXFP8_RECIPE, QExperts, QLinear, QuantRecipe
 from hybridlm.presets import get_preset
+from hybridlm.train.objectives import causal_lm_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -307,7 +308,7 @@ def _fit(model: HybridLM, steps: int) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(steps):
-        loss = model(ids, ids).loss
+        loss = causal_lm_loss(model, model(ids, mtp_depth=model.train_mtp_depth), ids)[0]
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -10,11 +10,13 @@ import torch
 
 from _tiny import tiny_train_model
 from hybridlm.cli.train import register
+from hybridlm.config import apply_overrides
 from hybridlm.data.sft import arithmetic_conversations, collate_rows, encode_chat
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.io import load_model
 from hybridlm.report.plot import read_metrics
-from hybridlm.train.config import TrainConfig, apply_run_overrides
+from hybridlm.train.config import TrainConfig
+from hybridlm.train.objectives import causal_lm_loss
 from hybridlm.train.sft import (
     ChatSource,
     SFTConfig,
@@ -75,9 +77,10 @@ def test_packed_sample_loss_equals_unpacked_per_conversation_mean(tmp_path):
             mask = torch.tensor([ex[i].loss_mask])
             mask[0, 0] = False
             labels = torch.where(mask, ids, -100)
-            out = tr.model(ids, labels, mtp_depth=tr.mtp_depth)  # means over this conversation
-            ce_means.append(float(out.losses["ce"]))
-            mtp_means.append(float(out.losses["mtp"]))
+            out = tr.model(ids, mtp_depth=tr.mtp_depth)
+            _, parts = causal_lm_loss(tr.model, out, labels)  # means over this conversation
+            ce_means.append(float(parts["ce"]))
+            mtp_means.append(float(parts["mtp"]))
     assert len(ce_means) == n_conv >= 4
     assert packed["ce"] == pytest.approx(sum(ce_means) / n_conv, rel=1e-5)
     # MTP depth k: targets within the conversation, each depth a per-conversation mean over
@@ -175,12 +178,12 @@ def test_config_round_trip_overrides_and_cli(tmp_path):
     cfg.save(path)
     again = SFTRunConfig.load(path)
     assert again.to_dict() == cfg.to_dict()
-    new = apply_run_overrides(again, ["train.max_steps=3", "data.sources.0.max_rows=50"])
+    new = apply_overrides(again, ["train.max_steps=3", "data.sources.0.max_rows=50"])
     assert new.train.max_steps == 3 and new.data.sources[0].max_rows == 50
     with pytest.raises(ValueError, match="unknown key"):
-        apply_run_overrides(again, ["train.nope=1"])
+        apply_overrides(again, ["train.nope=1"])
     with pytest.raises(ValueError, match="unknown section"):
-        apply_run_overrides(again, ["optim.lr=1"])
+        apply_overrides(again, ["optim.lr=1"])
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["sft", "--config", str(path), "--set", "train.max_steps=2"])

@@ -30,6 +30,7 @@ from hybridlm.train.checkpoint import (
     merge_weights,
     prepare_run_dir,
 )
+from hybridlm.train.objectives import causal_lm_loss
 
 
 def _model():
@@ -42,7 +43,8 @@ def _model():
 def test_save_load_round_trip_restores_weights_optimizer_and_rng(tmp_path):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randint(0, 258, (1, 8)), torch.randint(0, 258, (1, 8))).loss.backward()
+    x = torch.randint(0, 258, (1, 8))
+    causal_lm_loss(model, model(x, mtp_depth=model.train_mtp_depth), x)[0].backward()
     opt.step()
     random.seed(1)
     np.random.seed(2)

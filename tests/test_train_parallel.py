@@ -240,6 +240,11 @@ def test_torchrun_cli_pretrain_fsdp(tmp_path):
 
 
 # ---------------------------------------------------------------------------- post-training
+# FSDP2 variants of the post-training stages run with the slow tests (the default suite keeps
+# DDP for each stage; the Trainer's FSDP2 path is the pretraining one, tested above)
+FSDP_SLOW = pytest.param("fsdp", marks=pytest.mark.slow)
+
+
 def _sft_run(tmp: Path, out: str, batch_size: int, parallel: str = "ddp"):
     from test_sft import tiny_sft
 
@@ -294,7 +299,7 @@ POST_TRAINING = {
 }
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", FSDP_SLOW])
 @pytest.mark.parametrize("stage", sorted(POST_TRAINING))
 def test_post_training_world2_matches_single_process(tmp_path, stage, parallel):
     """The Trainer's data parallelism for every post-training stage: each rank trains on its rows
@@ -313,7 +318,7 @@ def test_post_training_world2_matches_single_process(tmp_path, stage, parallel):
     print(f"{stage} {parallel}: worst relative loss difference {worst:.2e}")
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", FSDP_SLOW])
 def test_grpo_world2_matches_single_process(tmp_path, parallel):
     """GRPO's learner under DDP / FSDP2: rank 0 runs the (inline) rollouts and sends each batch
     to every rank, each trains on its half of the completions; rewards and losses equal one
@@ -348,7 +353,7 @@ class _BoostRun:
         path.write_text(json.dumps(dataclasses.asdict(self)))
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", FSDP_SLOW])
 def test_mtp_boost_world2_matches_single_process(tmp_path, parallel):
     """MTP boosting under DDP / FSDP2: rank 0 generates the sequences, each rank trains the head
     on its half of every batch (the mixing draws and target counts of the whole batch)."""

@@ -4,9 +4,10 @@ import math
 
 import pytest
 
+from hybridlm.config import apply_overrides
 from hybridlm.model.model import HybridLM
 from hybridlm.presets import get_preset
-from hybridlm.train.config import RunConfig, TrainConfig, apply_run_overrides
+from hybridlm.train.config import RunConfig, TrainConfig
 from hybridlm.train.optim import build_optimizer, param_groups
 from hybridlm.train.schedule import lr_at, lr_for
 
@@ -106,7 +107,7 @@ def test_run_config_yaml_round_trip_and_overrides(tmp_path):
     run = RunConfig(model="tiny-super", train=TrainConfig(lr=1e-3, max_steps=5))
     run.save(tmp_path / "run.yaml")
     assert RunConfig.load(tmp_path / "run.yaml") == run
-    new = apply_run_overrides(
+    new = apply_overrides(
         run,
         [
             "train.lr=3e-4",
@@ -120,14 +121,14 @@ def test_run_config_yaml_round_trip_and_overrides(tmp_path):
     assert new.data.sources[0].max_files == 7
     new.save(tmp_path / "run.json")
     assert RunConfig.load(tmp_path / "run.json") == new
-    assert apply_run_overrides(run, ["model=tiny-olmo"]).model == "tiny-olmo"
+    assert apply_overrides(run, ["model=tiny-olmo"]).model == "tiny-olmo"
     with pytest.raises(ValueError, match="unknown key"):
-        apply_run_overrides(run, ["train.learning_rate=1"])
+        apply_overrides(run, ["train.learning_rate=1"])
     with pytest.raises(ValueError, match="not a preset"):
-        apply_run_overrides(run, ["model=gpt5"])
+        apply_overrides(run, ["model=gpt5"])
     with pytest.raises(ValueError, match="must be a number"):
-        apply_run_overrides(run, ["train.lr=fast"])
+        apply_overrides(run, ["train.lr=fast"])
     with pytest.raises(ValueError, match="index"):
-        apply_run_overrides(run, ["data.sources.3.max_files=1"])
+        apply_overrides(run, ["data.sources.3.max_files=1"])
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['train.lrr'\]"):
         RunConfig.from_dict({"train": {"lrr": 1}})

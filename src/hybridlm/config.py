@@ -8,9 +8,11 @@ A model is a *pattern string*, one letter per residual block (the letters of Hug
     E  MoE / LatentMoE        -> `MoEConfig`
     -  dense MLP              -> `MLPConfig`
 
-Configs are kw-only dataclasses with a YAML/JSON round-trip (`to_dict`, `from_dict`, `save`,
-`load`) and dotted overrides (`apply_overrides(cfg, ["moe.top_k=8"])`). `validate()` raises a
-`ValueError` naming the field and the fix for every inconsistent setting.
+`Config` is the base of every config of the project (model, data, runs, flows): a YAML/JSON
+round trip (`to_dict`, `from_dict`, `save`, `load`), dotted overrides
+(`cfg.override(["moe.top_k=8"])`) and a `validate()` hook; unknown keys and wrong types are
+ValueErrors naming the dotted key. `ModelConfig.validate()` names the field and the fix for every
+inconsistent setting.
 
 Counting helpers (`num_params`, `flops_per_token`, `kv_cache_bytes_per_token`,
 `mamba_state_bytes_per_sequence`) are computed from the config alone, without allocating.
@@ -22,13 +24,61 @@ import dataclasses
 import json
 import types
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import yaml
 
 MIXER_LETTERS = {"M": "mamba", "*": "attention", "E": "moe", "-": "mlp"}
+
+C = TypeVar("C", bound="Config")
+
+
+class Config:
+    """Base of the config dataclasses: plain-data round trip, YAML / JSON files, dotted overrides.
+
+    Sections are nested dataclasses (configs or plain ones); `from_dict` checks every key and type
+    and names the dotted key in its ValueError. `load` and `override` run `validate()` on the
+    result. Class attributes adapt it to a config without copying methods.
+    """
+
+    WHAT: ClassVar[str] = "config"  # what a file of it is called in error messages
+    # the section a recipe gives it (`data`, `curate`): a file holding only that section reads as
+    # it, and the keys of a config read on its own are named under it in error messages
+    KEY: ClassVar[str] = ""
+    REQUIRED: ClassVar[tuple[str, ...]] = ()  # sections a mapping must give
+    # field -> how a name held there expands to its section (a preset name to its ModelConfig),
+    # so an override can set a key inside it (`model.d_model=128` on `model: tiny-super`)
+    EXPAND: ClassVar[dict[str, Callable[[str], Any]]] = {}
+
+    def validate(self) -> Any:
+        """Raise a ValueError naming the setting when settings disagree; nothing to check here."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (nested configs as mappings): what `save` writes and `from_dict` reads."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[C], data: dict[str, Any]) -> C:
+        return _from_dict(cls, data, f"{cls.KEY}." if cls.KEY else "")
+
+    def save(self, path: str | Path) -> None:
+        write_mapping(path, self.to_dict())
+
+    @classmethod
+    def load(cls: type[C], path: str | Path) -> C:
+        data = read_mapping(path, cls.WHAT)
+        if cls.KEY and set(data) == {cls.KEY}:
+            data = data[cls.KEY]
+        cfg = cls.from_dict(data)
+        cfg.validate()
+        return cfg
+
+    def override(self: C, overrides: Sequence[str]) -> C:
+        """A new, validated config with dotted `key=value` overrides (see `apply_overrides`)."""
+        return apply_overrides(self, overrides)
 
 
 @dataclass(kw_only=True)
@@ -122,7 +172,7 @@ class MTPConfig:
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelConfig(Config):
     vocab_size: int = 512
     d_model: int = 64
     pattern: str = "M*ME"
@@ -336,21 +386,6 @@ class ModelConfig:
         per_layer = m.num_heads * m.head_dim * m.state_size + m.conv_dim * (m.conv_kernel - 1)
         return self.pattern.count("M") * per_layer * dtype_bytes
 
-    # ------------------------------------------------------------------ serialisation
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        return _from_dict(cls, data, "")
-
-    def save(self, path: str | Path) -> None:
-        write_mapping(path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> ModelConfig:
-        return cls.from_dict(read_mapping(path, "config"))
-
 
 @dataclass(frozen=True)
 class LayerSpec:
@@ -417,19 +452,25 @@ def read_mapping(path: str | Path, what: str = "config") -> dict[str, Any]:
 
 def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     """Build the typed dataclass `cls` from plain data (YAML / JSON), checking every field's
-    type and naming the offending key (`prefix` + field) in the ValueError. Shared by the
-    model, data and training configs."""
+    type and naming the offending key (`prefix` + field) in the ValueError (`Config.from_dict`
+    for config classes; this for any dataclass)."""
     return _from_dict(cls, data, prefix)
 
 
 def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+        what = prefix.rstrip(".") or f"a {getattr(cls, 'WHAT', 'config')}"
+        raise ValueError(f"{what} must be a mapping, got {data!r}")
+    for name in getattr(cls, "REQUIRED", ()):
+        if name not in data:
+            raise ValueError(f"a {cls.WHAT} needs a {name!r} section")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ValueError(f"unknown key(s) {[prefix + k for k in unknown]}; known: {sorted(names)}")
+        # a mapping under an unknown name is most likely a misspelt section
+        kind = "sections" if all(isinstance(data[k], dict) for k in unknown) else "key(s)"
+        raise ValueError(f"unknown {kind} {[prefix + k for k in unknown]}; known: {sorted(names)}")
     kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in data.items()}
     return cls(**kwargs)
 
@@ -461,7 +502,8 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
-        return _from_dict(tp, value, name + ".")
+        # an empty YAML section (`train:`) reads as its defaults
+        return _from_dict(tp, {} if value is None else value, name + ".")
     if tp is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
@@ -486,51 +528,88 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
     return value
 
 
-def _section_type(cls: type, name: str) -> type | None:
-    """The dataclass type of field `name` of `cls` (unwrapping `X | None`), or None."""
-    hint = typing.get_type_hints(cls).get(name)
-    candidates = (
-        typing.get_args(hint)
-        if typing.get_origin(hint) in (typing.Union, types.UnionType)
-        else (hint,)
-    )
-    return next((c for c in candidates if dataclasses.is_dataclass(c)), None)
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass a field's type names (unwrapping `X | None`, `ModelConfig | str`), or None."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    return next((c for c in (typing.get_args(hint) if union else (hint,)) if _is_class(c)), None)
 
 
-def add_overrides_arg(parser: Any, example: str) -> None:
-    """`--set KEY=VALUE` (repeatable) on a command line, collected into `args.overrides` for
-    `apply_overrides` / `apply_run_overrides`; `example` shows a key of that command."""
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=f"dotted override, e.g. --set {example} (repeatable)",
-    )
+def _is_class(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
-def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
-    """Return a new config with dotted `key=value` overrides applied (values parsed as YAML).
-    Works for any typed config dataclass (`ModelConfig`, a stage's config)."""
+def _item_hint(hint: Any) -> Any:
+    """The element type of `list[X]` / `dict[str, X]` (None when unknown)."""
+    args = typing.get_args(hint)
+    return args[-1] if typing.get_origin(hint) in (list, dict) and args else None
+
+
+def apply_overrides(cfg: C, overrides: Sequence[str]) -> C:
+    """A new config with dotted `key=value` overrides applied (values parsed as YAML), validated.
+
+    Integer parts index lists (`data.sources.0.max_files=20`); an unset optional section starts at
+    its defaults (`attention.yarn.factor=2`); a name where a section may stand expands through the
+    class's `EXPAND` (`model.d_model=128` on a preset name)."""
     top = type(cfg)
-    data = cfg.to_dict() if hasattr(cfg, "to_dict") else dataclasses.asdict(cfg)
+    data = cfg.to_dict()
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r} must look like key=value, e.g. moe.top_k=8")
+            raise ValueError(f"override {item!r} must look like key=value, e.g. train.lr=1e-3")
         key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        node, cls = data, top
-        for part in parts[:-1]:
-            section = _section_type(cls, part)
-            if section is None:
-                raise ValueError(f"override {item!r}: {part!r} is not a config section")
-            if (
-                node.get(part) is None
-            ):  # an unset optional section (e.g. attention.yarn) starts at defaults
-                node[part] = dataclasses.asdict(section())
-            node, cls = node[part], section
-        if parts[-1] not in node:
-            raise ValueError(f"override {item!r}: unknown key {key!r}")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-    return top.from_dict(data) if hasattr(top, "from_dict") else from_dict(top, data)
+        *path, last = key.strip().split(".")
+        node: Any = data
+        hint: Any = top
+        for depth, part in enumerate(path):
+            node, hint = _descend(node, hint, part, item, ".".join(path[: depth + 1]))
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        if isinstance(node, list):
+            node[_index(node, last, item)] = value
+            continue
+        known = _fields(hint) or set(node)
+        if last not in known:
+            raise ValueError(f"override {item!r}: unknown key {key.strip()!r}")
+        node[last] = value
+    out = top.from_dict(data)
+    out.validate()
+    return out
+
+
+def _fields(hint: Any) -> set[str]:
+    cls = _dataclass_in(hint)
+    return {f.name for f in dataclasses.fields(cls)} if cls else set()
+
+
+def _descend(node: Any, hint: Any, part: str, item: str, where: str) -> tuple[Any, Any]:
+    """The child `part` of `node` (a mapping or list of plain config data) and its type hint."""
+    if isinstance(node, list):
+        k = _index(node, part, item)
+        child, child_hint, expand = node[k], _item_hint(hint), None
+        key: Any = k
+    else:
+        cls = _dataclass_in(hint)
+        known = _fields(hint) or set(node)
+        if part not in known:
+            raise ValueError(f"override {item!r}: unknown section {part!r}; known: {sorted(known)}")
+        child_hint = typing.get_type_hints(cls)[part] if cls else _item_hint(hint)
+        child, expand, key = node[part], getattr(cls, "EXPAND", {}).get(part), part
+    section = _dataclass_in(child_hint)
+    if isinstance(child, str) and expand is not None:
+        child = expand(child).to_dict()
+    elif child is None and section is not None:
+        try:  # an unset optional section (attention.yarn) starts at its defaults
+            child = dataclasses.asdict(section())
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"override {item!r}: {where} is unset; set the whole section instead, "
+                f"e.g. {where}={{...}}"
+            ) from None
+    if not isinstance(child, (dict, list)):
+        raise ValueError(f"override {item!r}: {part!r} is not a config section")
+    node[key] = child
+    return child, child_hint
+
+
+def _index(node: list, part: str, item: str) -> int:
+    if not part.lstrip("-").isdigit() or not -len(node) <= int(part) < len(node):
+        raise ValueError(f"override {item!r}: {part!r} is not an index of a {len(node)}-item list")
+    return int(part)

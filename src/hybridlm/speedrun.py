@@ -50,7 +50,7 @@ from typing import Any, Literal
 
 from rich.console import Console
 
-from .config import from_dict, read_mapping, write_mapping
+from .config import Config
 from .curate.pipeline import CurateConfig, run_curate
 from .data.bpe import load_tokenizer, train_bpe
 from .data.pipeline import build_source
@@ -61,7 +61,7 @@ from .provenance import collect, now_iso
 from .report.card import render_report
 from .report.stats import reward_ends
 from .rl.learner import RLConfig, environment_prompts, run_rl
-from .train.config import RunConfig, apply_run_overrides
+from .train.config import RunConfig
 from .train.mtp_boost import MTPBoostConfig, boost_checkpoint
 from .train.pretrain import run_pretrain
 from .train.quantize import QuantizeConfig, run_quantize
@@ -138,8 +138,10 @@ class EvalStageConfig:
 
 
 @dataclass(kw_only=True)
-class SpeedrunConfig:
+class SpeedrunConfig(Config):
     """The flow's settings: one section per stage of `STAGES` that has a `config` (same name)."""
+
+    WHAT = "speedrun config"
 
     out_dir: str = "runs/speedrun"
     budget_minutes: float = 30.0  # reported against the measured wall time
@@ -168,48 +170,6 @@ class SpeedrunConfig:
         dataclasses.replace(self.rl, checkpoint="<the flow's model>").validate()
         return self
 
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "out_dir": self.out_dir,
-            "budget_minutes": self.budget_minutes,
-            "skip": list(self.skip),
-        }
-        for stage in _sections():
-            out[stage.name] = _plain(getattr(self, stage.name))
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SpeedrunConfig:
-        if not isinstance(data, dict):
-            raise ValueError(f"a speedrun config must be a mapping, got {type(data).__name__}")
-        sections = _sections()
-        known = {"out_dir", "budget_minutes", "skip", *(s.name for s in sections)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"speedrun config: unknown sections {unknown}; known {sorted(known)}")
-        kw: dict[str, Any] = {
-            k: data[k] for k in ("out_dir", "budget_minutes", "skip") if k in data
-        }
-        if isinstance(kw.get("skip"), str):
-            kw["skip"] = [s for s in kw["skip"].split(",") if s]
-        for stage in sections:
-            if stage.name in data:
-                typ, section = stage.config, data[stage.name] or {}
-                # a run config reads itself; the flow's own sections go through config.from_dict
-                kw[stage.name] = (
-                    typ.from_dict(section)
-                    if hasattr(typ, "from_dict")
-                    else from_dict(typ, section, f"{stage.name}.")
-                )
-        return cls(**kw).validate()
-
-    @classmethod
-    def load(cls, path: str | Path) -> SpeedrunConfig:
-        return cls.from_dict(read_mapping(path, "speedrun config"))
-
-    def save(self, path: str | Path) -> None:
-        write_mapping(path, self.to_dict())
-
 
 # ---------------------------------------------------------------------------- helpers
 def _fingerprint(obj: Any) -> str:
@@ -225,10 +185,6 @@ def _format_paths(obj: Any, run: str) -> Any:
     if isinstance(obj, dict):
         return {k: _format_paths(v, run) for k, v in obj.items()}
     return obj
-
-
-def _plain(cfg: Any) -> dict[str, Any]:
-    return cfg.to_dict() if hasattr(cfg, "to_dict") else dataclasses.asdict(cfg)
 
 
 def _scalars(result: dict[str, Any]) -> dict[str, Any]:
@@ -268,7 +224,7 @@ def _no_settings(flow: Speedrun) -> dict[str, Any]:
 
 
 def _curate_settings(flow: Speedrun) -> dict[str, Any]:
-    data = _format_paths(_plain(flow.cfg.curate), str(flow.run_dir))
+    data = _format_paths(flow.cfg.curate.to_dict(), str(flow.run_dir))
     data["output_dir"] = str(flow.stage_dir("curate"))
     data["progress"] = flow.progress
     return data
@@ -329,7 +285,7 @@ def _tokenizer_run(flow: Speedrun) -> dict[str, Any]:
 
 
 def _pretrain_settings(flow: Speedrun) -> dict[str, Any]:
-    data = _format_paths(_plain(flow.cfg.pretrain), str(flow.run_dir))
+    data = _format_paths(flow.cfg.pretrain.to_dict(), str(flow.run_dir))
     out = flow.stage_dir("pretrain")
     data["train"]["out_dir"] = str(out)
     data["data"]["shards_dir"] = str(out / "shards")
@@ -349,7 +305,7 @@ def _pretrain_run(flow: Speedrun) -> dict[str, Any]:
 
 
 def _sft_settings(flow: Speedrun) -> dict[str, Any]:
-    data = _format_paths(_plain(flow.cfg.sft), str(flow.run_dir))
+    data = _format_paths(flow.cfg.sft.to_dict(), str(flow.run_dir))
     data["train"]["out_dir"] = str(flow.stage_dir("sft"))
     data["data"]["tokenizer"] = flow.tokenizer_spec()
     data["train"]["init_from"] = flow.model_path("sft")
@@ -363,7 +319,7 @@ def _sft_run(flow: Speedrun) -> dict[str, Any]:
 
 
 def _rl_settings(flow: Speedrun) -> dict[str, Any]:
-    data = _format_paths(_plain(flow.cfg.rl), str(flow.run_dir))
+    data = _format_paths(flow.cfg.rl.to_dict(), str(flow.run_dir))
     data["checkpoint"] = flow.model_path("rl")
     data["out_dir"] = str(flow.stage_dir("rl"))
     return data
@@ -461,7 +417,7 @@ def _eval_settings(flow: Speedrun) -> dict[str, Any]:
     return {
         **dataclasses.asdict(flow.cfg.eval),
         "models": flow.models(),
-        "rl_eval": _plain(flow.cfg.rl)["envs"],
+        "rl_eval": flow.cfg.rl.to_dict()["envs"],
     }
 
 
@@ -564,13 +520,6 @@ STAGE_NAMES = tuple(s.name for s in STAGES)
 # stages whose output is a model, in chain order (each starts from the newest one before it)
 MODEL_STAGES = tuple(s.name for s in STAGES if s.model)
 _STAGE = {s.name: s for s in STAGES}
-
-
-def _sections() -> list[Stage]:
-    """The stages with a config section, in the order speedrun.yaml lists them: the run configs
-    (which read themselves) first, then the flow's own sections."""
-    with_config = [s for s in STAGES if s.config is not None]
-    return sorted(with_config, key=lambda s: not hasattr(s.config, "from_dict"))
 
 
 # ---------------------------------------------------------------------------- the flow
@@ -824,7 +773,7 @@ class Speedrun:
 def load_config(path: str, overrides: list[str], out: str = "", skip: str = "") -> SpeedrunConfig:
     cfg = SpeedrunConfig.load(path)
     if overrides:
-        cfg = apply_run_overrides(cfg, overrides)
+        cfg = cfg.override(overrides)
     if out:
         cfg = dataclasses.replace(cfg, out_dir=out)
     if skip:

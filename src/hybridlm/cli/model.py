@@ -13,8 +13,9 @@ import time
 from typing import Any
 
 from ..choices import SSM_PRECISIONS
-from ..config import ModelConfig, add_overrides_arg, apply_overrides
+from ..config import ModelConfig
 from ..presets import PRESETS, get_preset
+from .args import add_overrides_arg
 
 
 def _add_model_args(p: argparse.ArgumentParser, *, checkpoint: bool = True) -> None:
@@ -159,7 +160,7 @@ def _config(args: argparse.Namespace, default: str = "tiny-super") -> ModelConfi
         cfg = ModelConfig.load(args.config)
     else:
         cfg = get_preset(args.preset or default)
-    return apply_overrides(cfg, args.overrides) if args.overrides else cfg
+    return cfg.override(args.overrides) if args.overrides else cfg
 
 
 def _model(args: argparse.Namespace) -> Any:

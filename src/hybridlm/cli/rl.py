@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from ..config import add_overrides_arg
+from .args import add_overrides_arg
 from .train import add_resume_args
 
 
@@ -21,17 +22,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_rl(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from ..config import apply_overrides
+    from ..config import read_mapping
     from ..rl.learner import RLConfig, run_rl
+    from ..train import parallel
 
     path = Path(args.config or "configs/rl.yaml")
     if args.config and not path.is_file():
         raise ValueError(f"rl config {path} not found")
-    cfg = RLConfig.load(path) if path.is_file() else RLConfig()
-    cfg = apply_overrides(cfg, args.overrides)
+    # read without validating: the starting policy may come from --checkpoint
+    cfg = RLConfig.from_dict(read_mapping(path, RLConfig.WHAT) if path.is_file() else {})
     if args.checkpoint:
-        cfg.checkpoint = args.checkpoint
+        cfg = dataclasses.replace(cfg, checkpoint=args.checkpoint)
+    cfg = cfg.override(args.overrides)
     res = run_rl(cfg, resume=args.resume, overwrite=args.overwrite)
+    if not parallel.is_main():  # under torchrun rank 0 reports; every rank leaves together
+        parallel.destroy()
+        return
     first, last = res["eval"][0], res["eval"][-1]
     tr = res["train"]
     print(
@@ -40,3 +46,4 @@ def cmd_rl(args: argparse.Namespace) -> None:
         f"{last['all/solved']:.3f} ({int(first['all/count'])} problems, greedy)"
     )
     print(f"metrics: {res['metrics']}\nplot:    {res['plot']}\nmodel:   {res['model']}")
+    parallel.destroy()

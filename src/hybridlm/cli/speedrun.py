@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..config import add_overrides_arg
+from .args import add_overrides_arg
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from ..config import add_overrides_arg
+from .args import add_overrides_arg
 
 
 def add_resume_args(p: argparse.ArgumentParser) -> None:
@@ -95,7 +95,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     from ..data.pipeline import build_tokenizer
     from ..infer.generate import generate
     from ..interop.hf import save_pretrained
-    from ..train import RunConfig, apply_run_overrides, parallel
+    from ..train import RunConfig, parallel
     from ..train.pretrain import pretrain_trainer
 
     path = Path(args.config)
@@ -103,7 +103,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
         raise ValueError(
             f"run config {path} not found (run from the repository root, or pass --config)"
         )
-    run = apply_run_overrides(RunConfig.load(path), args.overrides)
+    run = RunConfig.load(path).override(args.overrides)
     trainer = pretrain_trainer(run, resume=args.resume, overwrite=args.overwrite)
     trainer.module.run.save(Path(trainer.module.run.train.out_dir) / "run.yaml")
     result = trainer.train()
@@ -129,7 +129,11 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
         summary.append(f"train loss {last['loss']:.3f}")
     if ev:
         summary.append(
-            " ".join(f"{k} {v:.3f}" for k, v in ev.items() if isinstance(v, (int, float)))
+            " ".join(
+                f"{k} {v:.3f}"
+                for k, v in ev.items()
+                if k.startswith("eval_") and isinstance(v, float)
+            )
         )
     print("[" + " | ".join(summary) + "]")
     print(f"metrics:    {result['metrics']}")
@@ -153,14 +157,15 @@ def cmd_merge(args: argparse.Namespace) -> None:
 
 
 def _post_training(load: Any, run: Any, args: argparse.Namespace, keys: tuple[str, ...]) -> None:
-    """Load a stage's run config, apply `--set`, run it and print the result's `keys` as JSON."""
-    from ..train.config import apply_run_overrides
+    """Load a stage's run config, apply `--set`, run it and print the result's `keys` as JSON
+    (under torchrun: rank 0 prints, every rank leaves the process group together)."""
+    from ..train import parallel
 
-    cfg = load(args.config)
-    if args.overrides:
-        cfg = apply_run_overrides(cfg, args.overrides)
+    cfg = load(args.config).override(args.overrides)
     result = run(cfg, resume=args.resume, overwrite=args.overwrite)
-    print(json.dumps({k: result[k] for k in keys}, indent=1))
+    if parallel.is_main():
+        print(json.dumps({k: result[k] for k in keys}, indent=1))
+    parallel.destroy()
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
@@ -187,11 +192,11 @@ def cmd_distill(args: argparse.Namespace) -> None:
 def cmd_mtp_boost(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from ..config import apply_overrides
     from ..rl.learner import environment_prompts
+    from ..train import parallel
     from ..train.mtp_boost import MTPBoostConfig, boost_checkpoint
 
-    cfg = apply_overrides(MTPBoostConfig(), args.overrides).validate()
+    cfg = MTPBoostConfig().override(args.overrides)
     out = Path(args.out or str(Path(args.checkpoint).resolve()) + "-mtp-boost")
     res = boost_checkpoint(
         args.checkpoint,
@@ -201,6 +206,9 @@ def cmd_mtp_boost(args: argparse.Namespace) -> None:
         resume=args.resume,
         environment_prompts=environment_prompts,
     )
+    if not parallel.is_main():  # under torchrun rank 0 reports; every rank leaves together
+        parallel.destroy()
+        return
     print(
         f"[mtp-boost] {res['sequences']} self-generated sequences ({res['generation_s']:.0f} s),"
         f" {cfg.steps} steps ({res['train_s']:.0f} s): loss {res['first']['loss']:.3f} ->"
@@ -215,3 +223,4 @@ def cmd_mtp_boost(args: argparse.Namespace) -> None:
             f" {a['acceptance_length']:.2f} | by position {pos_b} -> {pos_a}"
         )
     print(f"plot: {res['plot']}\nmodel: {res['model']}")
+    parallel.destroy()

@@ -54,6 +54,7 @@ from ..model.model import build_model
 from ..presets import get_preset
 from ..report.plot import pyplot, save_figure
 from ..train.config import RunConfig, TrainConfig
+from ..train.objectives import causal_lm_loss
 from ..train.pretrain import run_pretrain
 
 Proxy = Callable[[dict[str, float], int], dict[str, float]]
@@ -169,14 +170,10 @@ def held_out_bpb(
     for k, batch in enumerate(loader):
         if max_batches and k >= max_batches:
             break
-        out = model(
-            batch["input_ids"],
-            batch["labels"],
-            num_valid_tokens=1,  # the loss is then the sum of nats
-            mtp_depth=0,
-            return_logits=False,
-        )
-        nats += float(out.losses["ce"])
+        out = model(batch["input_ids"], return_logits=False)
+        # num_valid_tokens=1: the CE is then the sum of nats
+        _, parts = causal_lm_loss(model, out, batch["labels"], num_valid_tokens=1)
+        nats += float(parts["ce"])
         tgt = batch["labels"][:, 1:]
         n_bytes += float(token_bytes[tgt[tgt != IGNORE_INDEX]].sum())
     return nats / (math.log(2) * n_bytes) if n_bytes else math.nan

@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..config import from_dict, read_mapping, write_mapping
+from ..config import Config
 from ..data.config import SourceConfig
 from ..data.pipeline import build_source
 from ..data.sources import (
@@ -128,8 +128,11 @@ def default_stages() -> list[dict[str, Any]]:
 
 
 @dataclass(kw_only=True)
-class CurateConfig:
+class CurateConfig(Config):
     """A curation run: inputs, an ordered stage list, output and executor settings."""
+
+    WHAT = "curate config"
+    KEY = "curate"
 
     inputs: list[CurateInput] = field(default_factory=default_inputs)
     stages: list[dict[str, Any]] = field(default_factory=default_stages)
@@ -195,23 +198,6 @@ class CurateConfig:
         if self.expand_repeats is not None:
             return bool(self.expand_repeats)
         return any(s.name == "upsample" for s in stages)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CurateConfig:
-        return from_dict(cls, data, "curate.")
-
-    def save(self, path: str | Path) -> None:
-        write_mapping(path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> CurateConfig:
-        data = read_mapping(path, "curate config")
-        if set(data) == {"curate"}:
-            data = data["curate"]
-        return cls.from_dict(data)
 
 
 # ---------------------------------------------------------------------------- input shards

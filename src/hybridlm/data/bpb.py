@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..model.model import IGNORE_INDEX
+from ..ops.cross_entropy import IGNORE_INDEX
 from .tokenizer import byte_level_chars
 
 
@@ -37,16 +37,16 @@ def token_byte_lengths(tokenizer: Any, vocab_size: int) -> torch.Tensor:
 
 
 def eval_sums(
-    forward: Any, batches: Any, token_bytes: torch.Tensor, *, max_batches: int = 0
+    batch_nats: Any, batches: Any, token_bytes: torch.Tensor, *, max_batches: int = 0
 ) -> tuple[float, int, float]:
     """(nats, label tokens, bytes they stand for) over held-out batches, the sums behind eval
-    CE and bits per byte. `forward(batch)` runs the model with `num_valid_tokens=1` (so the CE
-    is the sum of nats) and `mtp_depth=0`; `max_batches` 0 reads them all."""
+    CE and bits per byte. `batch_nats(batch)`: the summed next-token CE of the batch's labels
+    (e.g. `ops.cross_entropy.lm_cross_entropy` with denom 1); `max_batches` 0 reads them all."""
     nats, n_tok, n_bytes = 0.0, 0, 0.0
     for k, batch in enumerate(batches):
         if max_batches and k >= max_batches:
             break
-        nats += float(forward(batch).losses["ce"])
+        nats += float(batch_nats(batch))
         tgt = batch["labels"][:, 1:]
         tgt = tgt[tgt != IGNORE_INDEX]
         n_tok += tgt.numel()

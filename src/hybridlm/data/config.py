@@ -20,13 +20,11 @@ is empty), jsonl, parquet, hf, stdlib, plus `shards` (an existing shard director
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from ..config import from_dict, read_mapping, write_mapping
+from ..config import Config
 from .loader import Phase
 
 SourceKind = Literal["text", "tinyshakespeare", "jsonl", "parquet", "hf", "stdlib", "shards"]
@@ -60,8 +58,11 @@ def _default_sources() -> list[SourceConfig]:
 
 
 @dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(Config):
     """Sources with weights, tokenizer, sharding, packing, curriculum phases, held-out split."""
+
+    WHAT = "data config"
+    KEY = "data"
 
     sources: list[SourceConfig] = field(default_factory=_default_sources)
     tokenizer: str = "byte"  # "byte" or a tokenizer directory (tokenizer.json)
@@ -136,21 +137,3 @@ class DataConfig:
     @property
     def weights(self) -> dict[str, float]:
         return {s.name: s.weight for s in self.sources}
-
-    # ------------------------------------------------------------------ round trip
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DataConfig:
-        return from_dict(cls, data, "data.")
-
-    def save(self, path: str | Path) -> None:
-        write_mapping(path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> DataConfig:
-        data = read_mapping(path, "data config")
-        if set(data) == {"data"}:  # a `data:` section of a recipe
-            data = data["data"]
-        return cls.from_dict(data)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..choices import EVAL_DTYPES
-from ..config import from_dict, read_mapping
+from ..config import Config
 from ..data.bpe import load_tokenizer
 from ..io import load
 from ..model.model import HybridLM, build_model
@@ -44,8 +44,10 @@ _DTYPES = {name: getattr(torch, name) for name in EVAL_DTYPES}  # "float32" -> t
 
 
 @dataclass(kw_only=True)
-class EvalConfig:
+class EvalConfig(Config):
     """What to evaluate and how (configs/eval.yaml; command-line flags override)."""
+
+    WHAT = "eval config"
 
     tasks: list[str] = field(default_factory=lambda: ["base_easy", "mc"])
     limit: int | None = None  # items per task (RULER: samples per length)
@@ -86,10 +88,6 @@ class EvalConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.ruler_lengths or min(self.ruler_lengths) < 1:
             raise ValueError("ruler_lengths must be positive token counts")
-
-    @classmethod
-    def load(cls, path: str | Path) -> EvalConfig:
-        return from_dict(cls, read_mapping(path, "eval config"))
 
 
 # ---------------------------------------------------------------------- loading

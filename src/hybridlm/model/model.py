@@ -3,10 +3,11 @@
 Shape legend: B batch, L sequence, D model width, V vocabulary.
 
 Embedding -> blocks from the pattern string -> final RMSNorm -> untied LM head, plus an optional
-shared-weight MTP module. `forward(input_ids, labels)` returns logits and the loss broken into
-parts: next-token CE, MTP (mean over depths, weight `mtp.loss_weight`) and the MoE sequence-level
-balancing loss. Labels follow the transformers convention: `labels[:, t]` is the token at position
-t (usually `input_ids`), -100 is ignored, and the model shifts internally.
+shared-weight MTP module. `forward(input_ids)` returns values, never a loss (`ModelOutput`): the
+logits [B, L, V] (or the final-normed hidden states [B, L, D] alone with `return_logits=False`,
+for the fused LM-head + CE), with `mtp_depth=k` the hidden states (and logits) of MTP depths
+1..k, and in training the MoE sequence-level balancing loss in `aux["moe_aux"]`. The losses
+(next-token CE, MTP, the balancing term) are computed from these in `train/objectives.py`.
 
 Build on the meta device and initialise in one place:
 
@@ -19,31 +20,36 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.cross_entropy import linear_cross_entropy
 from .block import build_blocks
 from .cache import HybridCache
 from .mamba2 import Mamba2Mixer, mamba2_decode_step
-from .moe import MoE, moe_decode_step
+from .moe import AuxSink, MoE, moe_decode_step
 from .mtp import MTP
 from .norm import RMSNorm
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # label of a position without a target (transformers' convention)
 
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor | None  # None with return_logits=False (fused LM-head + CE)
-    loss: torch.Tensor | None = None
-    losses: dict[str, torch.Tensor] = field(default_factory=dict)
-    hidden: torch.Tensor | None = None  # final-normed hidden states, the MTP module's input
-    mtp_logits: list[torch.Tensor] = field(default_factory=list)
+    logits: torch.Tensor | None  # [B, L, V]; None with return_logits=False (fused LM-head + CE)
+    # final-normed hidden states [B, L, D], the MTP module's input (return_hidden, or
+    # return_logits=False: then the fused loss needs them)
+    hidden: torch.Tensor | None = None
+    mtp_hidden: list[torch.Tensor] = field(default_factory=list)  # depth k = index k-1, [B, L, D]
+    mtp_logits: list[torch.Tensor] = field(default_factory=list)  # with return_logits, [B, L, V]
+    # auxiliary loss terms of this call ("moe_aux": the MoE sequence-level balancing loss summed
+    # over layers and MTP depths, training only); empty when there is none
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    head: Any = None  # what forward's `head` callable returned (e.g. the training loss)
 
 
 def _shift_left(x_BL: torch.Tensor, k: int, fill: int) -> torch.Tensor:
@@ -128,79 +134,67 @@ class HybridLM(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        labels: torch.Tensor | None = None,
         *,
         cache: HybridCache | None = None,
         attention_mask: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
-        num_valid_tokens: int | torch.Tensor | None = None,
-        mtp_depth: int | None = None,
+        mtp_depth: int = 0,
         return_hidden: bool = False,
         return_logits: bool = True,
+        head: Callable[[ModelOutput], Any] | None = None,
     ) -> ModelOutput:
-        """`num_valid_tokens`: the global count of label tokens (after the shift) across all
-        micro-batches and ranks, so that accumulation and data parallelism give the gradient of
-        the global mean. Default: this batch's own count.
+        """Logits (and/or hidden states) of `input_ids` [B, L]; no loss.
 
-        `return_logits=False` (training) computes the LM-head and cross-entropy fused, chunk by
-        chunk (`ops.cross_entropy`), never holding the [B, L, V] logits or their gradient."""
+        `doc_ids` [B, L]: packed rows, attention and Mamba state stay within a document.
+        `mtp_depth=k` runs the shared MTP module recursively for depths 1..k (Nemotron 3 Super
+        §2.1.2) and returns their hidden states in `mtp_hidden` (and logits in `mtp_logits`).
+        `return_logits=False` (training) skips the LM head and returns the hidden states, for
+        the fused LM-head + cross-entropy (`ops.cross_entropy`) that never holds the [B, L, V]
+        logits or their gradient. In training mode, MoE layers add their balancing loss to
+        `aux["moe_aux"]`.
+
+        `head(out)`, when given, runs at the end of the forward and its result is `out.head`:
+        a loss defined outside the model (`train.objectives`) that uses the LM-head weight on the
+        hidden states (the fused cross-entropy) is then computed inside the forward, where data
+        parallelism expects parameters to be used (DDP's gradient hooks, FSDP2's unsharded
+        parameters)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-        Bsz, L = input_ids.shape
-        moe = self.moe_layers()
-        for m in moe:  # balancing losses are collected per call
-            m.aux_losses.clear()
+        L = input_ids.shape[1]
         offset = cache.seen_tokens if cache is not None else 0
         positions_L = torch.arange(offset, offset + L, device=input_ids.device)
         if doc_ids is not None:
             ctx = self._document_context(input_ids, doc_ids, attention_mask, cache)
         else:
             ctx = self._padding_context(input_ids, attention_mask, cache, positions_L)
+        aux_sink = AuxSink()  # MoE balancing losses of this call only
         h = self.embeddings(input_ids)
         for i, block in enumerate(self.layers):
-            h = block(h, state=cache.layers[i] if cache is not None else None, **ctx)
+            h = block(
+                h, state=cache.layers[i] if cache is not None else None, aux_sink=aux_sink, **ctx
+            )
         if cache is not None:
             cache.seen_tokens += L
         h = self.norm_f(h)
-        if labels is None or return_logits:
-            out = ModelOutput(logits=self.lm_head(h), hidden=h if return_hidden else None)
-        else:
-            out = ModelOutput(logits=None, hidden=h if return_hidden else None)
-        if labels is None:
-            return out
-        if labels.shape != input_ids.shape:
-            raise ValueError(
-                f"labels shape {tuple(labels.shape)} != input_ids shape {tuple(input_ids.shape)}"
-            )
-
-        ce = self._loss(h, out.logits, _shift_left(labels, 1, IGNORE_INDEX), num_valid_tokens)
-        out.losses["ce"] = ce
-        total = ce
-        depth = self.config.mtp.depth if mtp_depth is None else mtp_depth
-        if self.mtp is not None and depth > 0:
-            mtp_losses, h_k = [], h
-            for k in range(1, depth + 1):
+        out = ModelOutput(
+            logits=self.lm_head(h) if return_logits else None,
+            hidden=h if return_hidden or not return_logits else None,
+        )
+        if mtp_depth > 0:
+            if self.mtp is None:
+                raise ValueError(f"mtp_depth={mtp_depth} but the model has no MTP module")
+            h_k = h
+            for k in range(1, mtp_depth + 1):
                 emb = self.embeddings(_shift_left(input_ids, k, 0))
-                h_k = self.mtp(h_k, emb, **ctx)
-                logits_k = self.lm_head(h_k) if return_logits else None
-                if logits_k is not None:
-                    out.mtp_logits.append(logits_k)
-                targets_k = _shift_left(labels, k + 1, IGNORE_INDEX)
-                if doc_ids is not None:  # packed rows: no target from the next document
-                    same = _shift_left(doc_ids.to(labels.device), k + 1, -1) == doc_ids.to(
-                        labels.device
-                    )
-                    targets_k = targets_k.masked_fill(~same, IGNORE_INDEX)
-                loss_k = self._loss(h_k, logits_k, targets_k, num_valid_tokens)
-                out.losses[f"mtp_{k}"] = loss_k
-                mtp_losses.append(loss_k)
-            out.losses["mtp"] = torch.stack(mtp_losses).mean()
-            total = total + self.config.mtp.loss_weight * out.losses["mtp"]
-        aux = [loss for m in moe for loss in m.aux_losses]
-        if aux:
-            out.losses["moe_aux"] = torch.stack(aux).sum()
-            total = total + out.losses["moe_aux"]
-        out.loss = total
+                h_k = self.mtp(h_k, emb, aux_sink=aux_sink, **ctx)
+                out.mtp_hidden.append(h_k)
+                if return_logits:
+                    out.mtp_logits.append(self.lm_head(h_k))
+        moe_aux = aux_sink.total()
+        if moe_aux is not None:
+            out.aux["moe_aux"] = moe_aux
+        if head is not None:
+            out.head = head(out)
         return out
 
     @staticmethod
@@ -281,29 +275,10 @@ class HybridLM(nn.Module):
         ctx["attn_mask_B1LS"] = (key_BS[:, None, :] | self_LS)[:, None]
         return ctx
 
-    def _loss(
-        self,
-        h_BLD: torch.Tensor,
-        logits_BLV: torch.Tensor | None,
-        targets_BL: torch.Tensor,
-        denom: int | torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Mean CE over targets != -100 (or their sum / `denom`), from logits when they exist,
-        else fused with the LM head."""
-        if denom is None:
-            denom = (targets_BL != IGNORE_INDEX).sum().clamp(min=1)
-        if logits_BLV is None:
-            return linear_cross_entropy(
-                h_BLD.flatten(0, 1), self.lm_head.weight, targets_BL.flatten(), denom
-            )
-        ct = torch.promote_types(logits_BLV.dtype, torch.float32)  # fp64 stays fp64
-        loss_sum = F.cross_entropy(
-            logits_BLV.flatten(0, 1).to(ct),
-            targets_BL.flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
-        return loss_sum / denom
+    @property
+    def train_mtp_depth(self) -> int:
+        """MTP depths a training forward runs by default: `mtp.depth`, 0 without an MTP module."""
+        return self.config.mtp.depth if self.mtp is not None else 0
 
     # ------------------------------------------------------------------ MoE balancing
     def moe_layers(self) -> list[MoE]:

@@ -10,7 +10,9 @@ Names and semantics match transformers' NemotronHMoE (`gate.e_score_correction_b
 `fc1_latent_proj`, `fc2_latent_proj`, 3-D `experts.up_proj` / `experts.down_proj`).
 Balancing: the aux-loss-free bias update (`bias += rate * sign(mean_load - load)`, applied by the
 trainer after each optimizer step through `HybridLM.update_moe_bias`) plus a sequence-level
-load-balancing loss (DeepSeek-V3 §2.1.2 "complementary sequence-wise auxiliary loss").
+load-balancing loss (DeepSeek-V3 §2.1.2 "complementary sequence-wise auxiliary loss") that a
+training forward adds to the call's `AuxSink` (`HybridLM.forward` returns their sum in
+`out.aux["moe_aux"]`; the loss itself is added in `train/objectives.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,22 @@ from torch import nn
 from ..config import LayerSpec, ModelConfig
 from .mlp import MLP, relu2
 from .stock import is_stock
+
+
+class AuxSink:
+    """The auxiliary loss terms of one forward call, collected from the layers that make them.
+    A plain object, not a list: data-parallel wrappers (FSDP2) rebuild the containers they find
+    in a module's keyword arguments, and terms appended to a copy would be lost."""
+
+    def __init__(self) -> None:
+        self.terms: list[torch.Tensor] = []
+
+    def add(self, term: torch.Tensor) -> None:
+        self.terms.append(term)
+
+    def total(self) -> torch.Tensor | None:
+        """The sum of the terms, None when there is none."""
+        return torch.stack(self.terms).sum() if self.terms else None
 
 
 class TopKRouter(nn.Module):
@@ -219,9 +237,6 @@ class MoE(nn.Module):
             self.fc2_latent_proj = nn.Linear(e.latent_size, d, bias=False)
         self.register_buffer("load_E", torch.zeros(e.num_experts), persistent=False)
         self.decode_fn = moe_decode_step  # HybridLM.compile_decode swaps in a compiled one
-        # one entry per training forward call since the model last cleared it (the MTP module's
-        # MoE runs once per depth); HybridLM.forward clears and sums these
-        self.aux_losses: list[torch.Tensor] = []
 
     @torch.no_grad()
     def reset_parameters(self, std: float, out_std: float) -> None:
@@ -239,7 +254,12 @@ class MoE(nn.Module):
     def init_buffers(self, device: torch.device) -> None:
         self.load_E = torch.zeros(self.cfg.num_experts, device=device)
 
-    def forward(self, x_BLD: torch.Tensor, **_: object) -> torch.Tensor:
+    def forward(
+        self, x_BLD: torch.Tensor, *, aux_sink: AuxSink | None = None, **_: object
+    ) -> torch.Tensor:
+        """`aux_sink`: the caller's per-call collector; a training forward adds its
+        sequence-level balancing loss there (Nemotron 3 Super §2.1.1). The module keeps no loss
+        between calls."""
         c = self.cfg
         Bsz, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(-1, D)
@@ -257,9 +277,10 @@ class MoE(nn.Module):
             with torch.no_grad():
                 counts = torch.bincount(idx_TK.reshape(-1), minlength=c.num_experts)
                 self.load_E += counts.to(self.load_E.dtype)
-            aux = self._sequence_aux_loss(scores_TE, idx_TK, Bsz, L)
-            if aux is not None:
-                self.aux_losses.append(aux)
+            if aux_sink is not None:
+                aux = self._sequence_aux_loss(scores_TE, idx_TK, Bsz, L)
+                if aux is not None:
+                    aux_sink.add(aux)
 
         z_TW = self.fc1_latent_proj(x_TD) if c.latent_size else x_TD
         y_TW = self.experts(z_TW, idx_TK, w_TK)

@@ -1,6 +1,6 @@
 """Fused LM-head + cross-entropy: the loss and its gradients without materialising the logits.
 
-Shape legend: T tokens, D model width, V vocabulary, C tokens per chunk.
+Shape legend: B batch, L sequence, T tokens, D model width, V vocabulary, C tokens per chunk.
 
 `linear_cross_entropy(h_TD, W_VD, targets_T, denom)` equals
 `F.cross_entropy(h @ W.T, targets, ignore_index=-100, reduction="sum") / denom`. It walks the
@@ -9,6 +9,9 @@ tokens in chunks of C: each chunk's logits live only while its loss and d(loss)/
 Liger's FusedLinearCrossEntropy and torchtune's chunked CE). Peak memory drops from T x V to
 C x V floats and the logits' backward passes disappear. `linear_cross_entropy_ref` is the plain
 composition it must equal.
+
+`shift_targets` / `lm_cross_entropy` are the one next-token CE of a language model's output
+(logits, or hidden states fused with the LM head) that every stage builds its losses from.
 """
 
 from __future__ import annotations
@@ -81,3 +84,35 @@ def linear_cross_entropy_ref(
     logits = h_TD @ W_VD.T
     logits = logits if logits.dtype == torch.float64 else logits.float()
     return F.cross_entropy(logits, targets_T, ignore_index=IGNORE_INDEX, reduction="sum") / denom
+
+
+def shift_targets(labels_BL: Tensor, shift: int) -> Tensor:
+    """out[:, t] = labels[:, t + shift], -100 past the end (labels follow the transformers
+    convention: `labels[:, t]` is the token at position t, the loss shifts them)."""
+    if shift == 0:
+        return labels_BL
+    pad = labels_BL.new_full((labels_BL.shape[0], min(shift, labels_BL.shape[1])), IGNORE_INDEX)
+    return torch.cat([labels_BL[:, shift:], pad], dim=1)
+
+
+def lm_cross_entropy(
+    x_BLX: Tensor,
+    labels_BL: Tensor,
+    denom: Tensor | int | None = None,
+    *,
+    lm_head_VD: Tensor | None = None,
+    shift: int = 1,
+) -> Tensor:
+    """Sum of the CE of position t against `labels[:, t + shift]` over targets != -100, divided
+    by `denom` (default: this batch's target count). `x_BLX`: logits [B, L, V], or hidden states
+    [B, L, D] with `lm_head_VD` (the LM head's weight), then fused (`linear_cross_entropy`)."""
+    targets_BL = shift_targets(labels_BL, shift)
+    if denom is None:
+        denom = (targets_BL != IGNORE_INDEX).sum().clamp(min=1)
+    if lm_head_VD is not None:
+        return linear_cross_entropy(x_BLX.flatten(0, 1), lm_head_VD, targets_BL.flatten(), denom)
+    ct = torch.promote_types(x_BLX.dtype, torch.float32)  # fp64 stays fp64
+    loss_sum = F.cross_entropy(
+        x_BLX.flatten(0, 1).to(ct), targets_BL.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return loss_sum / denom

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model.moe import MoE
+from ..ops.cross_entropy import lm_cross_entropy
 from .ptq import (
     BITS,
     DEFAULT_EXCLUDE,
@@ -167,6 +168,23 @@ def _quant_modules(
     return out
 
 
+def _lm_loss(model: nn.Module, out, labels_BL: torch.Tensor) -> torch.Tensor:
+    """The pretraining objective whose gradients weigh the sensitivities: next-token CE plus
+    `mtp.loss_weight` x the mean CE of the MTP depths (Nemotron 3 Super §2.1.2), fused with the
+    LM head (eval mode: no MoE balancing term)."""
+    W_VD = model.lm_head.weight
+    loss = lm_cross_entropy(out.hidden, labels_BL, lm_head_VD=W_VD)
+    if out.mtp_hidden:
+        mtp = torch.stack(
+            [
+                lm_cross_entropy(h_k, labels_BL, lm_head_VD=W_VD, shift=k + 1)
+                for k, h_k in enumerate(out.mtp_hidden, start=1)
+            ]
+        ).mean()
+        loss = loss + model.config.mtp.loss_weight * mtp
+    return loss
+
+
 def measure_sensitivities(
     model: nn.Module,
     batches: Iterable[dict[str, torch.Tensor]],
@@ -211,8 +229,9 @@ def measure_sensitivities(
                 with torch.enable_grad():
                     ids = batch["input_ids"].to(device)
                     labels = batch["labels"].to(device)
-                    out = model(ids, labels, mtp_depth=None if with_mtp else 0, return_logits=False)
-                    out.loss.backward()
+                    depth = model.train_mtp_depth if with_mtp else 0
+                    out = model(ids, mtp_depth=depth, return_logits=False)
+                    _lm_loss(model, out, labels).backward()
             finally:
                 for h in handles:
                     h.remove()

@@ -48,6 +48,7 @@ from ..choices import PTQ_DEFAULT_EXCLUDE
 from ..data.bpb import eval_sums
 from ..model.mlp import relu2
 from ..model.moe import Experts, MoE
+from ..ops.cross_entropy import lm_cross_entropy
 from .formats import (
     E2M1_MAX,
     NVFP4Tensor,
@@ -501,9 +502,9 @@ def calibrate(
         for i, batch in enumerate(batches):
             ids = batch["input_ids"].to(device)
             if with_mtp:
-                model(ids, ids, mtp_depth=None, return_logits=False)
+                model(ids, mtp_depth=model.train_mtp_depth, return_logits=False)
             else:
-                model(ids, mtp_depth=0)
+                model(ids)
             stats.tokens += ids.numel()
             stats.batches += 1
             if progress is not None:
@@ -519,11 +520,7 @@ def calibrate(
 
 # ============================================================================ converter
 def clone_model(model: nn.Module) -> nn.Module:
-    """A deep copy to quantise while keeping the original (drops the MoE layers' per-call
-    balancing-loss lists, which hold graph tensors that cannot be copied)."""
-    for mod in model.modules():
-        if isinstance(mod, MoE):
-            mod.aux_losses.clear()
+    """A deep copy to quantise while keeping the original."""
     return copy.deepcopy(model)
 
 
@@ -608,12 +605,13 @@ def evaluate(
     model.eval()
     device = next(iter(model.buffers()), next(model.parameters())).device
 
-    def forward(batch: dict[str, torch.Tensor]):
+    def batch_nats(batch: dict[str, torch.Tensor]) -> torch.Tensor:
         ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-        return model(ids, labels, num_valid_tokens=1, mtp_depth=0, return_logits=False)
+        h_BLD = model(ids, return_logits=False).hidden
+        return lm_cross_entropy(h_BLD, labels, 1, lm_head_VD=model.lm_head.weight)
 
     try:
-        nats, n_tok, n_bytes = eval_sums(forward, batches, token_bytes, max_batches=max_batches)
+        nats, n_tok, n_bytes = eval_sums(batch_nats, batches, token_bytes, max_batches=max_batches)
     finally:
         model.train(was_training)
     if n_tok == 0:

@@ -46,6 +46,8 @@ from hybridlm.rl.verifiers import (
     gsm8k_reference,
 )
 
+from .verifiers import INSTRUCTIONS, extract_boxed
+
 
 @dataclass(frozen=True, kw_only=True)
 class Problem:
@@ -227,7 +229,6 @@ class MathEnvironment(DatasetEnvironment):
         name: str = "math",
         use_math_verify: bool = True,
     ) -> None:
-        from hybridlm.rl.verifiers import extract_boxed
 
         problems = []
         for i, rec in enumerate(records):
@@ -386,7 +387,6 @@ class InstructionFollowingEnvironment(DatasetEnvironment):
         partial_credit: bool = False,
         name: str = "ifeval",
     ) -> None:
-        from hybridlm.rl.verifiers import INSTRUCTIONS
 
         problems = []
         for i, rec in enumerate(records):

@@ -45,17 +45,19 @@ from typing import Any, Literal
 
 import torch
 
-from ..config import from_dict, read_mapping, write_mapping
+from ..config import Config
 from ..data import builtin
 from ..data.chat import STOP
+from ..data.sft import arithmetic_conversations
 from ..infer.engine import Engine
 from ..infer.rollout import Completion, RolloutPool, RolloutRequest
 from ..infer.sampling import SamplingParams
 from ..interop.hf import save_pretrained
 from ..io import load, load_model
 from ..model.model import HybridLM
+from ..report.plot import pyplot, save_figure
 from ..train.config import TrainConfig
-from ..train.parallel import broadcast_object, full_model_state
+from ..train.parallel import broadcast_object, full_model_state, is_main
 from ..train.trainer import Loss, Runtime, Step, Trainer, TrainModule
 from .environments import (
     ArithmeticEnvironment,
@@ -101,7 +103,9 @@ class EnvConfig:
 
 
 @dataclass(kw_only=True)
-class RLConfig:
+class RLConfig(Config):
+    WHAT = "rl config"
+
     checkpoint: str = ""  # the initial policy: run, training checkpoint or transformers dir
     out_dir: str = "runs/rl"
     envs: list[EnvConfig] = field(default_factory=lambda: [EnvConfig()])
@@ -155,20 +159,6 @@ class RLConfig:
             raise ValueError("envs: at least one environment")
         return self
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RLConfig:
-        return from_dict(cls, data)
-
-    @classmethod
-    def load(cls, path: str | Path) -> RLConfig:
-        return cls.from_dict(read_mapping(path, "rl config"))
-
-    def save(self, path: str | Path) -> None:
-        write_mapping(path, self.to_dict())
-
 
 # ---------------------------------------------------------------------- environments
 def build_environment(spec: EnvConfig, *, tokenizer: Any = None) -> Environment:
@@ -211,7 +201,6 @@ class _FinalNumberEnvironment(DatasetEnvironment):
 def sft_arithmetic_environment(n: int, *, digits: int, seed: int) -> DatasetEnvironment:
     """ "What is a + b?" / "What is a - b?" with `digits`-digit operands, as in the arithmetic
     chats of `hybridlm sft` (`data.sft.arithmetic_conversations`), scored on the final number."""
-    from ..data.sft import arithmetic_conversations
 
     problems = [
         Problem(
@@ -288,9 +277,8 @@ def completion_logprobs(
     ids_BL = torch.zeros(len(comps), max(lengths), dtype=torch.long, device=device)
     for i, c in enumerate(comps):
         ids_BL[i, : lengths[i]] = torch.tensor(c.prompt_ids + c.token_ids, device=device)
+    # the balancing loss (`.aux`) is left out: it is not part of the RL objective
     logits_BLV = (forward or model)(ids_BL).logits
-    for m in model.moe_layers():  # the balancing loss is not part of the RL objective
-        m.aux_losses.clear()
     logp_BT = torch.zeros(len(comps), T, dtype=torch.float32, device=device)
     mask_BT = torch.zeros(len(comps), T, dtype=torch.bool, device=device)
     for i, c in enumerate(comps):
@@ -754,14 +742,14 @@ def run_rl(
     trainer = rl_trainer(
         cfg, env=env, eval_env=eval_env, progress=progress, resume=resume, overwrite=overwrite
     )
-    cfg.save(trainer.out / "rl.yaml")
+    if is_main():
+        cfg.save(trainer.out / "rl.yaml")
     return trainer.train(until_step=until_step)
 
 
 # ---------------------------------------------------------------------- plot
 def plot_rl(metrics_path: str | Path, png: str | Path) -> None:
     """Training reward and held-out solve rate by step, and the engine–trainer log-prob gap."""
-    from ..report.plot import pyplot, save_figure
 
     plt = pyplot()
 

@@ -30,6 +30,7 @@ from hybridlm.rl.ifeval import (  # noqa: F401 - re-exported: the IFEval registr
     follow_instructions,
     register_instruction,
 )
+from hybridlm.rl.sandbox import Sandbox
 
 
 @dataclass(frozen=True)
@@ -406,7 +407,6 @@ class CodeVerifier:
     def __init__(
         self, sandbox: Any = None, *, partial_credit: bool = False, pass_threshold: float = 1.0
     ) -> None:
-        from hybridlm.rl.sandbox import Sandbox
 
         if not 0.0 < pass_threshold <= 1.0:
             raise ValueError(f"pass_threshold must be in (0, 1], got {pass_threshold}")

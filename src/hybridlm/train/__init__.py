@@ -6,7 +6,7 @@ cfg = RunConfig.load("configs/quickstart.yaml")
 result = run_pretrain(cfg)              # or run_pretrain(cfg, resume=True)
 """
 
-from .config import RunConfig, TrainConfig, apply_run_overrides
+from .config import RunConfig, TrainConfig
 from .pretrain import pretrain_trainer, run_pretrain
 from .trainer import Trainer, TrainModule
 
@@ -15,7 +15,6 @@ __all__ = [
     "TrainConfig",
     "TrainModule",
     "Trainer",
-    "apply_run_overrides",
     "pretrain_trainer",
     "run_pretrain",
 ]

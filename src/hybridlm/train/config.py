@@ -6,11 +6,12 @@ A run is one YAML file with three sections:
     data: {...}                  # hybridlm.data.config.DataConfig
     train: {...}                 # TrainConfig below
 
-`RunConfig.load(path)`, `run.save(path)` round-trip it; `apply_run_overrides(run, ["train.lr=1e-3",
+`RunConfig.load(path)`, `run.save(path)` round-trip it; `run.override(["train.lr=1e-3",
 "model.d_model=128", "data.sources.0.max_files=50"])` applies dotted overrides (values parsed as
-YAML; integer path parts index lists). Defaults follow the Nemotron 3 Super pretraining recipe
-(§2.4: AdamW beta 0.9/0.95, weight decay 0.1, WSD with minus-sqrt decay over the last 20%);
-Olmo 3's alternatives (cosine / linear schedules, z-loss 1e-5) are options.
+YAML; integer path parts index lists; `model.*` on a preset name starts from the preset).
+Defaults follow the Nemotron 3 Super pretraining recipe (§2.4: AdamW beta 0.9/0.95, weight decay
+0.1, WSD with minus-sqrt decay over the last 20%); Olmo 3's alternatives (cosine / linear
+schedules, z-loss 1e-5) are options.
 """
 
 from __future__ import annotations
@@ -18,14 +19,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import typing
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-
-from ..config import ModelConfig, from_dict, read_mapping, write_mapping
+from ..config import Config, ModelConfig
 from ..data.config import DataConfig
 from ..presets import PRESETS, get_preset
 
@@ -163,8 +160,11 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
-class RunConfig:
+class RunConfig(Config):
     """One pretraining run: `model` (a preset name or a ModelConfig), `data`, `train`."""
+
+    WHAT = "run config"
+    EXPAND = {"model": get_preset}
 
     model: ModelConfig | str = "tiny-super"
     data: DataConfig = field(default_factory=DataConfig)
@@ -191,110 +191,3 @@ class RunConfig:
             data=copy.deepcopy(self.data),
             train=copy.deepcopy(self.train),
         )
-
-    # ------------------------------------------------------------------ round trip
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model if isinstance(self.model, str) else self.model.to_dict(),
-            "data": self.data.to_dict(),
-            "train": dataclasses.asdict(self.train),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
-        return run_from_dict(cls, data, {"data": DataConfig})
-
-    def save(self, path: str | Path) -> None:
-        write_mapping(path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> RunConfig:
-        return cls.from_dict(read_mapping(path, "run config"))
-
-
-def run_from_dict(cls: type, data: dict[str, Any], sections: dict[str, type]) -> Any:
-    """A run config `cls` from plain data: `model` (a preset name or ModelConfig fields),
-    `train` (TrainConfig) and the named `sections` (a section type's own `from_dict` when it
-    has one, else the typed generic one). Unknown sections are ValueErrors."""
-    if not isinstance(data, dict):
-        raise ValueError(f"a run config must be a mapping, got {type(data).__name__}")
-    known = {"model", "train", *sections}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"unknown run config section(s) {unknown}; known: {sorted(known)}")
-    kw: dict[str, Any] = {}
-    if "model" in data:
-        model = data["model"]
-        if isinstance(model, str):
-            kw["model"] = model
-        elif isinstance(model, dict):
-            kw["model"] = ModelConfig.from_dict(model)
-        else:
-            raise ValueError("model must be a preset name or a mapping of ModelConfig fields")
-    if "train" in data:
-        kw["train"] = from_dict(TrainConfig, data["train"] or {}, "train.")
-    for name, section in sections.items():
-        if name in data:
-            parse = getattr(section, "from_dict", None)
-            value = data[name] or {}
-            kw[name] = parse(value) if parse else from_dict(section, value, f"{name}.")
-    return cls(**kw)
-
-
-def apply_run_overrides(run: Any, overrides: Sequence[str]) -> Any:
-    """A new run config (pretraining `RunConfig`, or the SFT / DPO run configs: anything with
-    `to_dict` / `from_dict` whose sections are mappings) with dotted `section.key=value`
-    overrides, values parsed as YAML.
-
-    `model=tiny-lightning` swaps the preset; `model.x=...` on a preset name resolves the preset
-    first. Integer parts index lists (`data.sources.0.max_files=20`)."""
-    data = run.to_dict()
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} must look like key=value, e.g. train.lr=1e-3")
-        key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        value = yaml.safe_load(raw) if raw.strip() else ""
-        if parts[0] not in data:
-            raise ValueError(
-                f"override {item!r}: unknown section {parts[0]!r}; known: {sorted(data)}"
-            )
-        if len(parts) == 1:
-            data[parts[0]] = value
-            continue
-        if parts[0] == "model" and isinstance(data["model"], str):
-            data["model"] = get_preset(data["model"]).to_dict()
-        node: Any = data[parts[0]]
-        for part in parts[1:-1]:
-            node = _child(node, part, item)
-            if node is None:
-                raise ValueError(
-                    f"override {item!r}: {part!r} is unset; set the whole section instead, "
-                    f"e.g. {'.'.join(parts[:-1])}={{...}}"
-                )
-        last = parts[-1]
-        if isinstance(node, list):
-            node[_index(node, last, item)] = value
-        elif isinstance(node, dict):
-            if last not in node:
-                raise ValueError(f"override {item!r}: unknown key {key!r}")
-            node[last] = value
-        else:
-            raise ValueError(f"override {item!r}: {'.'.join(parts[:-1])} is not a section")
-    return type(run).from_dict(data)
-
-
-def _child(node: Any, part: str, item: str) -> Any:
-    if isinstance(node, list):
-        return node[_index(node, part, item)]
-    if isinstance(node, dict):
-        if part not in node:
-            raise ValueError(f"override {item!r}: unknown key {part!r}")
-        return node[part]
-    raise ValueError(f"override {item!r}: {part!r} is not inside a section")
-
-
-def _index(node: list, part: str, item: str) -> int:
-    if not part.lstrip("-").isdigit() or not -len(node) <= int(part) < len(node):
-        raise ValueError(f"override {item!r}: {part!r} is not an index of a {len(node)}-item list")
-    return int(part)

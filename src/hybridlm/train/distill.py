@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..data import builtin
+from ..data.bpe import load_tokenizer
 from ..data.chat import STOP, render
 from ..data.sft import Conversation, ReadReport, SFTLoader
 from ..infer.rollout import RolloutPool, RolloutRequest
@@ -72,7 +73,7 @@ from .objectives import (
     skew_reverse_kl,
     topk_forward_kl,
 )
-from .parallel import broadcast_object, full_model_state
+from .parallel import broadcast_object, full_model_state, is_main
 from .sft import (
     SFT,
     ChatSource,
@@ -198,7 +199,6 @@ class DistillConfig:
 
 @dataclass(kw_only=True)
 class DistillRunConfig(PostTrainingRunConfig):
-    SECTIONS = {"data": SFTDataConfig, "distill": DistillConfig}
     REQUIRED = ("distill",)
     WHAT = "distillation run config"
 
@@ -413,7 +413,6 @@ class OnPolicyDistiller(TrainModule):
         return tuple(f"kl/{n}" for n in self.teachers)
 
     def __init__(self, run: DistillRunConfig, rt: Runtime) -> None:
-        from ..data.bpe import load_tokenizer
 
         super().__init__(rt)
         self.run, self.tc, self.dc, self.cfg = run, run.train, run.data, run.distill
@@ -691,5 +690,6 @@ def run_distill(
     cfg = copy.deepcopy(cfg)
     cfg.distill.check()
     trainer = distill_trainer(cfg, resume=resume, overwrite=overwrite)
-    cfg.save(Path(cfg.train.out_dir) / "run.yaml")
+    if is_main():
+        cfg.save(Path(cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)

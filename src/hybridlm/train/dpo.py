@@ -38,12 +38,14 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from ..data.bpe import load_tokenizer
 from ..data.chat import parse_assistant, render_with_spans, validate
 from ..data.sft import ChatExample, Conversation, ReadReport, _raw_rows, encode_chat
 from ..io import load_model
-from ..model.model import IGNORE_INDEX, HybridLM
+from ..model.model import IGNORE_INDEX, HybridLM, ModelOutput
 from .config import TrainConfig
 from .objectives import dpo_loss, sequence_logps
+from .parallel import is_main
 from .sft import (
     ChatSource,
     PostTrainingRunConfig,
@@ -51,6 +53,7 @@ from .sft import (
     export_hf,
     generate_replies,
     load_source,
+    moe_balancing,
     pad_id_of,
     progress_bar,
     prompt_and_answer,
@@ -397,7 +400,6 @@ class DPOConfig:
 class DPORunConfig(PostTrainingRunConfig):
     """`data`, `train`, `dpo` sections; the model comes from `train.init_from`."""
 
-    SECTIONS = {"data": DPODataConfig, "dpo": DPOConfig}
     REQUIRED = ("data", "dpo")
     WHAT = "DPO run config"
 
@@ -423,7 +425,6 @@ class DPO(TrainModule):
         return f"loss {row['loss']:.4f} acc {row['reward_accuracy']:.2f}"
 
     def __init__(self, run: DPORunConfig, rt: Runtime) -> None:
-        from ..data.bpe import load_tokenizer
 
         super().__init__(rt)
         self.run = run
@@ -545,11 +546,12 @@ class DPO(TrainModule):
     # ------------------------------------------------------------------ steps
     def _loss(
         self, idx: Sequence[int], pairs: Sequence[TokenizedPair], ref: tuple, denom: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, float], ModelOutput]:
         batch = collate_pairs([pairs[i] for i in idx], self.pad_id)
         model = self.forward_model if self.model.training else self.model
         with self.rt.autocast():
-            lp, n = policy_logps(model, batch, self.device)
+            out = model(batch["input_ids"].to(self.device))
+            lp, n = sequence_logps(out.logits, batch["labels"].to(self.device))
         B = len(idx)
         sel = torch.tensor(idx)
         ref_c = ref[0][sel].to(self.device, lp.dtype)
@@ -567,7 +569,7 @@ class DPO(TrainModule):
         parts = {k: float(v.sum()) / denom for k, v in m.items()}
         parts["logp_chosen"] = float(lp[:B].detach().sum()) / denom
         parts["logp_rejected"] = float(lp[B:].detach().sum()) / denom
-        return losses.sum() / denom, parts
+        return losses.sum() / denom, parts, out
 
     def prepare_step(self, step: int) -> Step:
         b, r = self.dc.batch_size, self.rt.rank
@@ -575,8 +577,11 @@ class DPO(TrainModule):
         return Step(micro)
 
     def loss(self, micro: list[int], step: Step) -> Loss:
-        value, metrics = self._loss(micro, self.train_pairs, self.ref_train, self.pairs_per_step)
-        return Loss(value, metrics)
+        value, metrics, out = self._loss(
+            micro, self.train_pairs, self.ref_train, self.pairs_per_step
+        )
+        # the routers keep their balancing loss in every stage that trains them (§2.1.1)
+        return moe_balancing(value, metrics, out, self.tc.grad_accum)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -589,7 +594,7 @@ class DPO(TrainModule):
             total, parts = 0.0, Counter()
             for i in range(0, n, bs):
                 idx = list(range(i, min(n, i + bs)))
-                loss, p = self._loss(idx, self.held_pairs, self.ref_held, n)
+                loss, p, _ = self._loss(idx, self.held_pairs, self.ref_held, n)
                 total += float(loss)
                 parts.update(p)
             row = {"eval_loss": total, **{f"eval_{k}": v for k, v in parts.items()}}
@@ -649,5 +654,6 @@ def run_dpo(
     """Run DPO from a config; returns final metrics, checkpoint and plot paths. `resume` /
     `overwrite`: continue or replace an earlier run in `train.out_dir` (as `run_sft`)."""
     trainer = dpo_trainer(cfg, resume=resume, overwrite=overwrite)
-    cfg.save(Path(cfg.train.out_dir) / "run.yaml")
+    if is_main():
+        cfg.save(Path(cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)

@@ -45,21 +45,25 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from ..config import Config
+from ..data.config import SourceConfig
+from ..data.pipeline import build_source
 from ..data.tokenizer import ByteTokenizer
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
 from ..infer.speculative import SpecStats, speculative_generate
 from ..interop.hf import save_pretrained
 from ..io import load
+from ..io.checkpoint import read_meta, resolve_checkpoint
 from ..model.model import HybridLM
-from ..report.plot import read_metrics
+from ..report.plot import pyplot, read_metrics, save_figure
 from .config import TrainConfig
-from .parallel import broadcast_object
+from .parallel import broadcast_object, is_main
 from .trainer import Loss, Runtime, Step, Trainer, TrainModule
 
 
 @dataclass(kw_only=True)
-class MTPBoostConfig:
+class MTPBoostConfig(Config):
     """The settings of an MTP boost (module docstring); the optimizer and loop settings
     (`steps`, `lr`, `warmup_steps`, `grad_clip`, `weight_decay`, `log_interval`,
     `checkpoint_interval`, `seed`) become the Trainer's `TrainConfig` (`train_config`)."""
@@ -210,8 +214,6 @@ def mtp_boost_loss(
             top1 = (logits_NV.argmax(-1) == p_NV.argmax(-1)).float().sum() / n
         metrics |= {f"nll_{k}": nll.item(), f"kl_{k}": kl.item(), f"acc_{k}": acc.item()}
         metrics[f"agree_{k}"] = top1.item()  # head's argmax == the backbone's (greedy accept)
-    for m in model.moe_layers():
-        m.aux_losses.clear()
     loss = torch.stack(losses).mean()
     metrics["loss"] = loss.item()
     return loss, metrics
@@ -532,6 +534,8 @@ def run_mtp_boost(
         overwrite=overwrite,
     )
     res = trainer.train()
+    if not is_main():  # under torchrun rank 0 wrote the metrics and reports
+        return res
     # the result is read back from metrics.jsonl (DESIGN habit 15)
     train = _read_rows(res["metrics"], "train")
     acc = _read_rows(res["metrics"], "acceptance")
@@ -551,7 +555,6 @@ def run_mtp_boost(
 
 def plot_acceptance(metrics_path: str | Path, png: str | Path) -> None:
     """Acceptance by draft position before/after (one panel per temperature) and the loss."""
-    from ..report.plot import pyplot, save_figure
 
     plt = pyplot()
 
@@ -587,13 +590,8 @@ def prompts_from_checkpoint(
     held-out evaluation prompts (every 5th document, by a hash of its id)."""
     import zlib
 
-    from ..data.config import SourceConfig
-    from ..data.pipeline import build_source
-
     sources = [SourceConfig(name="stdlib", kind="stdlib")]
     if path is not None:
-        from ..io.checkpoint import read_meta, resolve_checkpoint
-
         try:
             data = read_meta(resolve_checkpoint(path))["run_config"].get("data") or {}
             usable = [s for s in data.get("sources", []) if s.get("kind") != "shards"]

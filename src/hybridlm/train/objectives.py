@@ -1,9 +1,16 @@
-"""Post-training objectives: SFT loss normalisation, DPO, distillation.
+"""Every training loss: the causal LM loss of pretraining, SFT loss normalisation, DPO,
+distillation. The model returns values (`ModelOutput`); the losses are computed here.
 
 Shape legend: B rows (or pairs), L sequence, V vocabulary, T tokens (flattened), K teacher top-k.
 
-Labels follow the model's convention (unshifted, -100 ignored): the logits at position t score
-`labels[:, t + shift]` (shift 1 for the next-token head, k + 1 for MTP depth k).
+Labels follow the transformers convention (unshifted, -100 ignored): the logits at position t
+score `labels[:, t + shift]` (shift 1 for the next-token head, k + 1 for MTP depth k).
+
+Causal LM (`causal_lm_loss`): next-token CE + `mtp.loss_weight` x the mean over MTP depths of
+their CE (Nemotron 3 Super §2.1.2; in packed rows a depth-k target from the next document is
+dropped) + the MoE sequence-level balancing loss the forward returned (§2.1.1). Every CE is a sum
+over valid targets divided by `num_valid_tokens`, the global count of the optimizer step
+(DESIGN habit 13).
 
 SFT (Nemotron 3 Super §4.2; SPEC §3). With O_c the assistant tokens of conversation c in the
 global batch (all micro-batches and ranks of one optimizer step) and l_t a token's NLL:
@@ -45,7 +52,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from ..model.model import HybridLM, ModelOutput
+from ..ops.cross_entropy import IGNORE_INDEX, lm_cross_entropy, shift_targets
+
 Tensor = torch.Tensor
 SFTNorm = Literal["token", "sample"]
 DPOKind = Literal["dpo", "dpo_norm"]
@@ -55,14 +64,6 @@ DPOKind = Literal["dpo", "dpo_norm"]
 def _fp(x: Tensor) -> Tensor:
     """Losses are computed in fp32 (fp64 inputs stay fp64, for gradient checks)."""
     return x if x.dtype == torch.float64 else x.float()
-
-
-def shift_targets(labels_BL: Tensor, shift: int) -> Tensor:
-    """out[:, t] = labels[:, t + shift], -100 past the end."""
-    if shift == 0:
-        return labels_BL
-    pad = labels_BL.new_full((labels_BL.shape[0], min(shift, labels_BL.shape[1])), IGNORE_INDEX)
-    return torch.cat([labels_BL[:, shift:], pad], dim=1)
 
 
 def token_nll(logits_BLV: Tensor, labels_BL: Tensor, shift: int = 1) -> Tensor:
@@ -75,6 +76,64 @@ def token_nll(logits_BLV: Tensor, labels_BL: Tensor, shift: int = 1) -> Tensor:
         reduction="none",
     )
     return nll.view(tgt_BL.shape)
+
+
+# ---------------------------------------------------------------------------- causal LM
+def causal_lm_loss(
+    model: HybridLM,
+    out: ModelOutput,
+    labels_BL: Tensor,
+    *,
+    doc_ids: Tensor | None = None,
+    num_valid_tokens: int | Tensor | None = None,
+    mtp_weight: float | None = None,
+    include_aux: bool = True,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """(total, parts) of a forward `out` of `model` (the bare `HybridLM`, not a wrapper) on
+    `labels_BL` (module docstring). parts: `ce`, `mtp_<k>` per depth and their mean `mtp` when
+    `out` holds MTP depths, `moe_aux` when it holds the balancing loss. CE comes from the
+    logits when `out` has them, else fused with the LM head from the hidden states.
+    `num_valid_tokens`: default, each term's own target count. `mtp_weight`: default
+    `mtp.loss_weight`. `include_aux=False` leaves `moe_aux` out of the total (a trainer that
+    averages it over micro-batches instead of summing it)."""
+    if labels_BL.dim() != 2:
+        raise ValueError(f"labels must be [batch, seq], got shape {tuple(labels_BL.shape)}")
+    W_VD = model.lm_head.weight
+    denom = num_valid_tokens
+
+    def ce(logits: Tensor | None, h_BLD: Tensor | None, targets_BL: Tensor, shift: int) -> Tensor:
+        if logits is not None:
+            return lm_cross_entropy(logits, targets_BL, denom, shift=shift)
+        if h_BLD is None:
+            raise ValueError("the forward returned neither logits nor hidden states")
+        return lm_cross_entropy(h_BLD, targets_BL, denom, lm_head_VD=W_VD, shift=shift)
+
+    x_BL = out.logits if out.logits is not None else out.hidden
+    if x_BL is None or x_BL.shape[:2] != labels_BL.shape:
+        got = None if x_BL is None else tuple(x_BL.shape[:2])
+        raise ValueError(f"labels shape {tuple(labels_BL.shape)} != the output's [B, L] {got}")
+    parts = {"ce": ce(out.logits, out.hidden, labels_BL, 1)}
+    total = parts["ce"]
+    if out.mtp_hidden:
+        mtp_terms = []
+        for k, h_k in enumerate(out.mtp_hidden, start=1):
+            targets_k = shift_targets(labels_BL, k + 1)
+            if doc_ids is not None:  # packed rows: no target from the next document
+                doc_BL = doc_ids.to(labels_BL.device)
+                same_BL = shift_targets(doc_BL, k + 1) == doc_BL
+                targets_k = targets_k.masked_fill(~same_BL, IGNORE_INDEX)
+            logits_k = out.mtp_logits[k - 1] if out.mtp_logits else None
+            parts[f"mtp_{k}"] = ce(logits_k, h_k, targets_k, 0)
+            mtp_terms.append(parts[f"mtp_{k}"])
+        parts["mtp"] = torch.stack(mtp_terms).mean()
+        w = model.config.mtp.loss_weight if mtp_weight is None else mtp_weight
+        total = total + w * parts["mtp"]
+    aux = out.aux.get("moe_aux")
+    if aux is not None:
+        parts["moe_aux"] = aux
+        if include_aux:
+            total = total + aux
+    return total, parts
 
 
 # ---------------------------------------------------------------------------- SFT

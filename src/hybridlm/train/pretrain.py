@@ -41,9 +41,12 @@ from typing import Any
 import torch
 
 from ..data.bpb import eval_sums, token_byte_lengths
+from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
 from ..model.model import IGNORE_INDEX
+from ..report.plot import plot_loss_curves
 from .config import RunConfig
-from .parallel import is_main
+from .objectives import causal_lm_loss
+from .parallel import barrier, is_main
 from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model
 
 
@@ -85,9 +88,6 @@ class Pretrain(TrainModule):
     eval_at_start = False
 
     def __init__(self, run: RunConfig, rt: Runtime) -> None:
-        # data (tokenising into shards) is a heavy import: only when a run starts
-        from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
-        from .parallel import barrier
 
         super().__init__(rt)
         tc, dc = run.train, run.data
@@ -123,20 +123,28 @@ class Pretrain(TrainModule):
         self.step = 0  # steps whose data was read (the loader position's step)
 
     # ------------------------------------------------------------------ steps
-    def _forward(self, batch: dict[str, torch.Tensor], denom: int, **kw: Any):
+    def _loss(
+        self, batch: dict[str, torch.Tensor], denom: int, **kw: Any
+    ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor]]:
+        """(forward output, loss without the MoE term, its parts) of one batch."""
         tc, dev = self.rt.tc, self.rt.device
-        extra = {}
+        doc_ids = None
         if tc.intra_doc_masking and self.accepts_doc_ids:
-            extra["doc_ids"] = batch["doc_ids"].to(dev)
+            doc_ids = batch["doc_ids"].to(dev)
         model = self.forward_model if self.model.training else self.model
-        with self.rt.autocast():
-            return model(
-                batch["input_ids"].to(dev),
-                batch["labels"].to(dev),
-                num_valid_tokens=denom,
-                **extra,
-                **kw,
+        labels = batch["labels"].to(dev)
+
+        def head(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            return causal_lm_loss(
+                self.model, out, labels, doc_ids=doc_ids, num_valid_tokens=denom, include_aux=False
             )
+
+        with self.rt.autocast():
+            # the loss runs inside the forward (`head`): under DDP / FSDP2 the LM-head weight
+            # of the fused cross-entropy is used where the wrappers expect it
+            out = model(batch["input_ids"].to(dev), doc_ids=doc_ids, head=head, **kw)
+        value, parts = out.head
+        return out, value, parts
 
     def prepare_step(self, step: int) -> Step:
         batches = [next(self.train_loader) for _ in range(self.rt.tc.grad_accum)]
@@ -147,10 +155,12 @@ class Pretrain(TrainModule):
     def loss(self, micro: dict[str, torch.Tensor], step: Step) -> Loss:
         tc = self.rt.tc
         denom = step.ctx["denom"]
-        out = self._forward(micro, denom, return_logits=tc.z_loss > 0)
-        aux = out.losses.get("moe_aux")
-        value = out.loss if aux is None else out.loss - aux
-        metrics = {k: float(v.detach()) for k, v in out.losses.items() if k != "moe_aux"}
+        out, value, parts = self._loss(
+            micro, denom, mtp_depth=self.model.train_mtp_depth, return_logits=tc.z_loss > 0
+        )
+        # the balancing loss is a mean over the step's micro-batches (Loss.mean), not a sum
+        aux = parts.get("moe_aux")
+        metrics = {k: float(v.detach()) for k, v in parts.items() if k != "moe_aux"}
         if aux is not None:
             metrics["moe_aux"] = float(aux.detach()) / tc.grad_accum
         if tc.z_loss > 0:
@@ -184,7 +194,7 @@ class Pretrain(TrainModule):
         self.model.eval()
         try:
             nats, n_tok, n_bytes = eval_sums(
-                lambda b: self._forward(b, 1, mtp_depth=0, return_logits=False),
+                lambda b: self._loss(b, 1, return_logits=False)[2]["ce"],
                 self.held_loader,
                 self.token_bytes,
                 max_batches=self.rt.tc.eval_batches,
@@ -217,7 +227,6 @@ class Pretrain(TrainModule):
         self.train_loader.load_state_dict(meta["loader"])
 
     def plot(self, metrics_path: Path) -> Path | None:
-        from ..report.plot import plot_loss_curves
 
         return plot_loss_curves(metrics_path, self.rt.out / "loss.png")
 

@@ -32,17 +32,17 @@ only needs the counts all-reduced over ranks.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from ..config import ModelConfig, read_mapping, write_mapping
+from ..config import Config, ModelConfig
+from ..data.bpe import load_tokenizer
 from ..data.chat import STOP, parse_assistant, render
 from ..data.sft import (
     ChatExample,
@@ -56,10 +56,13 @@ from ..data.sft import (
     read_conversations,
     tokenize_conversations,
 )
+from ..infer.generate import generate
+from ..interop.hf import save_pretrained, to_hf_config
 from ..model.model import HybridLM
-from ..presets import PRESETS
-from .config import TrainConfig, run_from_dict
+from ..presets import PRESETS, get_preset
+from .config import TrainConfig
 from .objectives import sft_token_weights, shift_targets_float, token_nll
+from .parallel import is_main
 from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model
 
 LossNorm = Literal["token", "sample", "two_stage"]
@@ -136,61 +139,26 @@ class SFTConfig:
         return "token" if step < round(self.stage2_start * total_steps) else "sample"
 
 
-class PostTrainingRunConfig:
-    """YAML / JSON I/O shared by the post-training run configs (SFT, DPO, distillation):
-    subclasses name their sections besides `model` and `train` (`SECTIONS`) and those a file
-    must have (`REQUIRED`)."""
+class PostTrainingRunConfig(Config):
+    """A post-training run (SFT, DPO, distillation): `model` (DPO: none), `train` and the stage's
+    own sections, declared as fields by the subclasses; `REQUIRED` names those a file must give."""
 
-    SECTIONS: ClassVar[dict[str, type]] = {}
-    REQUIRED: ClassVar[tuple[str, ...]] = ()
-    WHAT: ClassVar[str] = "run config"
+    EXPAND = {"model": get_preset}
 
     def __post_init__(self) -> None:
         model = getattr(self, "model", None)
         if isinstance(model, str) and model not in PRESETS:
             raise ValueError(f"model {model!r} is not a preset; use one of {sorted(PRESETS)}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return _to_plain(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Any:
-        for name in cls.REQUIRED:
-            if isinstance(data, dict) and name not in data:
-                raise ValueError(f"a {cls.WHAT} needs a {name!r} section")
-        return run_from_dict(cls, data, cls.SECTIONS)
-
-    def save(self, path: str | Path) -> None:
-        write_mapping(path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | Path) -> Any:
-        return cls.from_dict(read_mapping(path, cls.WHAT))
-
 
 @dataclass(kw_only=True)
 class SFTRunConfig(PostTrainingRunConfig):
-    SECTIONS = {"data": SFTDataConfig, "sft": SFTConfig}
     WHAT = "SFT run config"
 
     model: ModelConfig | str = "tiny-super"
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-
-
-# ---------------------------------------------------------------------------- config helpers
-def _to_plain(run: Any) -> dict[str, Any]:
-    out = {}
-    for f in dataclasses.fields(run):
-        value = getattr(run, f.name)
-        if isinstance(value, ModelConfig):
-            out[f.name] = value.to_dict()
-        elif dataclasses.is_dataclass(value):
-            out[f.name] = dataclasses.asdict(value)
-        else:
-            out[f.name] = value
-    return out
 
 
 def load_source(src: ChatSource, report: ReadReport) -> list[Conversation]:
@@ -263,7 +231,6 @@ def generate_replies(
 ) -> list[str]:
     """The assistant reply (text up to `<|im_end|>`) of `model` to each conversation prompt;
     greedy by default. Prompts are batched with left padding."""
-    from ..infer.generate import generate
 
     device = next(model.parameters()).device
     stop_id = tokenizer.token_to_id(STOP) if hasattr(tokenizer, "token_to_id") else None
@@ -361,7 +328,6 @@ def chat_batches(dc: SFTDataConfig, num_rows: int) -> list[dict[str, torch.Tenso
     """About `num_rows` packed rows of an SFT data config's training conversations, e.g. to
     calibrate post-training quantisation on the post-training data (Nemotron 3 Super calibrates
     its NVFP4 checkpoint on 256 samples of the SFT set)."""
-    from ..data.bpe import load_tokenizer
 
     tokenizer = load_tokenizer(dc.tokenizer)
     data = prepare_chat_data(dc, tokenizer)
@@ -379,7 +345,6 @@ def export_hf(model: HybridLM, out: Path, tokenizer: Any, stage: str) -> Path | 
     """`<out>/hf`: the final weights as a transformers directory with the run's tokenizer,
     chat template and generation config (as `hybridlm pretrain` writes); None, with a note,
     for a model transformers has no class for."""
-    from ..interop.hf import save_pretrained, to_hf_config
 
     try:
         to_hf_config(model.config)
@@ -405,7 +370,6 @@ class SFT(TrainModule):
         return f"{row['norm']} loss {row['loss']:.3f} nll/tok {row['nll_token']:.3f}"
 
     def __init__(self, run: SFTRunConfig, rt: Runtime) -> None:
-        from ..data.bpe import load_tokenizer
 
         super().__init__(rt)
         self.run = run
@@ -465,7 +429,7 @@ class SFT(TrainModule):
         doc_BL = micro["doc_ids"].to(dev)
         with self.rt.autocast():
             out = self.forward_model(
-                ids_BL, labels_BL, doc_ids=doc_BL, mtp_depth=self.mtp_depth, return_logits=True
+                ids_BL, doc_ids=doc_BL, mtp_depth=self.mtp_depth, return_logits=True
             )
         w_BL = sft_token_weights(
             labels_BL,
@@ -569,7 +533,7 @@ def moe_balancing(value: torch.Tensor, metrics: dict[str, float], out: Any, n_mi
     """`Loss` of a micro-batch whose forward `out` may carry the MoE sequence-level balancing
     loss (Nemotron 3 Super §2.1.1): a mean over the call's sequences, averaged over the step's
     `n_micro` micro-batches (`Loss.mean`)."""
-    aux = out.losses.get("moe_aux")
+    aux = out.aux.get("moe_aux")
     if aux is not None:
         metrics["moe_aux"] = float(aux.detach()) / n_micro
     return Loss(value, metrics, mean=aux)
@@ -591,5 +555,6 @@ def run_sft(
     `resume=True` continues exactly from the newest intact checkpoint under `train.out_dir`;
     `overwrite=True` replaces an earlier run there (without either, one is an error)."""
     trainer = sft_trainer(cfg, resume=resume, overwrite=overwrite)
-    cfg.save(Path(cfg.train.out_dir) / "run.yaml")
+    if is_main():
+        cfg.save(Path(cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)

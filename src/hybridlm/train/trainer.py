@@ -49,6 +49,8 @@ from ..io.checkpoint import (
     set_rng_state,
 )
 from ..model.model import HybridLM, build_model
+from ..precision.monitor import LowPrecisionMonitor
+from ..precision.policy import PrecisionPolicy, convert_for_low_precision
 from ..presets import get_preset
 from ..report.plot import plot_post_training
 from .checkpoint import prepare_run_dir, truncate_metrics
@@ -262,7 +264,7 @@ class TrainModule:
         )
 
     def summary(self) -> dict[str, Any]:
-        """Extra fields of `Trainer.train`'s result."""
+        """Extra fields of `Trainer.train`'s result (rank 0)."""
         return {}
 
     def close(self) -> None:
@@ -307,7 +309,6 @@ class Trainer:
         if tc.low_precision != "none":
             # a converter over the built model (DESIGN habit 12), before DDP/FSDP wrap it;
             # parameters are reused, so checkpoints are unchanged
-            from ..precision.policy import PrecisionPolicy, convert_for_low_precision
 
             report = convert_for_low_precision(m.model, PrecisionPolicy())
             frac = report.param_fraction()
@@ -316,8 +317,6 @@ class Trainer:
                 + ", ".join(f"{k} {100 * v:.1f}%" for k, v in frac.items())
             )
         if tc.low_precision != "none" or tc.monitor_zero_grads:
-            from ..precision.monitor import LowPrecisionMonitor
-
             self.lp_monitor = LowPrecisionMonitor(m.model)
         # `m.model` stays the HybridLM (FSDP2 shards it in place); `m.forward_model` is what
         # training forwards of the trained module go through (its DDP wrapper under DDP)
@@ -608,7 +607,7 @@ class Trainer:
             "metrics": str(self.metrics_path),
             "plot": str(plot) if plot else None,
             "hf": str(exported) if exported else None,
-            **m.summary(),
+            **(m.summary() if is_main() else {}),  # read from the files rank 0 wrote
         }
 
 

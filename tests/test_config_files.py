@@ -1,0 +1,53 @@
+"""Every shipped YAML under configs/ loads with the class that reads it, and round-trips."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from hybridlm.config import ModelConfig, read_mapping
+from hybridlm.curate.pipeline import CurateConfig
+from hybridlm.eval.harness import EvalConfig
+from hybridlm.rl.learner import RLConfig
+from hybridlm.speedrun import SpeedrunConfig
+from hybridlm.train.config import RunConfig
+from hybridlm.train.distill import DistillRunConfig
+from hybridlm.train.dpo import DPORunConfig
+from hybridlm.train.sft import SFTRunConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+READERS = {
+    "quickstart": RunConfig,
+    "midtrain": RunConfig,
+    "sft": SFTRunConfig,
+    "dpo": DPORunConfig,
+    "distill": DistillRunConfig,
+    "rl": RLConfig,
+    "curate": CurateConfig,
+    "speedrun": SpeedrunConfig,
+    "eval": EvalConfig,
+}
+
+
+def test_every_recipe_has_a_reader():
+    assert {p.stem for p in CONFIGS.glob("*.yaml")} == set(READERS)
+
+
+@pytest.mark.parametrize("name", sorted(READERS))
+def test_recipe_loads_and_round_trips(name, tmp_path):
+    cls = READERS[name]
+    path = CONFIGS / f"{name}.yaml"
+    if cls is RLConfig:  # the starting policy comes from --checkpoint
+        cfg = dataclasses.replace(cls.from_dict(read_mapping(path)), checkpoint="runs/sft")
+        cfg.validate()
+    else:
+        cfg = cls.load(path)
+    for suffix in (".yaml", ".json"):
+        cfg.save(tmp_path / f"c{suffix}")
+        again = cls.from_dict(read_mapping(tmp_path / f"c{suffix}"))
+        assert again.to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS / "models").glob("*.yaml")), ids=lambda p: p.stem)
+def test_model_configs_load(path):
+    assert isinstance(ModelConfig.load(path), ModelConfig)
