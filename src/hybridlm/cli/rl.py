@@ -22,15 +22,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_rl(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from ..config import read_mapping
     from ..rl.learner import RLConfig, run_rl
     from ..train import parallel
 
     path = Path(args.config or "configs/rl.yaml")
     if args.config and not path.is_file():
         raise ValueError(f"rl config {path} not found")
-    # read without validating: the starting policy may come from --checkpoint
-    cfg = RLConfig.from_dict(read_mapping(path, RLConfig.WHAT) if path.is_file() else {})
+    cfg = RLConfig.load(path) if path.is_file() else RLConfig()
     if args.checkpoint:
         cfg = dataclasses.replace(cfg, checkpoint=args.checkpoint)
     cfg = cfg.override(args.overrides)

@@ -142,8 +142,8 @@ class RLConfig(Config):
     keep_last_n: int = 3  # checkpoints kept (0: all)
 
     def validate(self) -> RLConfig:
-        if not self.checkpoint:
-            raise ValueError("rl needs a starting policy: set checkpoint (or --checkpoint)")
+        """The settings' ranges; the starting policy (`checkpoint`, often given on the command
+        line) is checked when a run starts (`rl_trainer`)."""
         for name in ("steps", "groups_per_step", "micro_batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -717,6 +717,8 @@ def rl_trainer(
 ) -> Trainer:
     """The Trainer of a GRPO run, ready to `train()`."""
     cfg.validate()
+    if not cfg.checkpoint:
+        raise ValueError("rl needs a starting policy: set checkpoint (or --checkpoint)")
     return Trainer(
         rl_train_config(cfg, progress=progress),
         lambda rt: GRPOLearner(cfg, rt, env=env, eval_env=eval_env),
