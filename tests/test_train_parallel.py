@@ -88,31 +88,41 @@ def _free_port() -> int:
 
 
 def run_world2(
-    tmp: Path, run: Any, until_step: int = 0, resume: bool = False, stage: str = "pretrain"
+    tmp: Path,
+    run: Any,
+    until_step: int = 0,
+    resume: bool = False,
+    stage: str = "pretrain",
+    world: int = 2,
 ) -> None:
+    """Run `run` as `world` torchrun-style processes over gloo (2 unless given)."""
     out_dir = run.train.out_dir if hasattr(run, "train") else run.out_dir  # RLConfig: flat
     cfg = Path(out_dir + ".yaml")
     run.save(cfg)
+    args = [str(cfg), str(until_step), str(int(resume)), stage, str(Path(__file__).parent)]
+    launch(tmp, WORKER, args, world=world)
+
+
+def launch(tmp: Path, source: str, args: list[str], world: int = 2) -> list[str]:
+    """Run the script `source` with `args` as `world` torchrun-style processes over gloo on
+    127.0.0.1; fails with every rank's log tail unless all exit 0; returns their logs."""
     script = tmp / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(source)
     port = str(_free_port())
     procs = []
-    for rank in range(2):
+    for rank in range(world):
         env = dict(
             os.environ,
             RANK=str(rank),
             LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
+            WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
             OMP_NUM_THREADS="1",
         )
         procs.append(
             subprocess.Popen(
-                [
-                    *(sys.executable, str(script), str(cfg), str(until_step)),
-                    *(str(int(resume)), stage, str(Path(__file__).parent)),
-                ],
+                [sys.executable, str(script), *args],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -128,7 +138,10 @@ def run_world2(
             if p.poll() is None:
                 p.kill()
     codes = [p.returncode for p in procs]
-    assert codes == [0, 0], "\n".join(f"--- rank {r}:\n{log[-3000:]}" for r, log in enumerate(logs))
+    assert codes == [0] * world, "\n".join(
+        f"--- rank {r}:\n{log[-3000:]}" for r, log in enumerate(logs)
+    )
+    return logs
 
 
 def rows(out_dir) -> list[dict]:
@@ -235,7 +248,8 @@ def test_torchrun_cli_pretrain_fsdp(tmp_path):
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     out = Path(run.train.out_dir)
     assert sum(r["kind"] == "train" for r in rows(out)) == 3
-    assert (out / "checkpoints" / "step_00000003" / "model.safetensors").is_file()
+    # FSDP2 shards: each rank wrote its own shards ("auto" checkpoint format, train.dcp)
+    assert (out / "checkpoints" / "step_00000003" / "__1_0.distcp").is_file()
     assert (out / "hf" / "model.safetensors").is_file()
 
 

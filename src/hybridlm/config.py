@@ -485,7 +485,9 @@ def _coerce(tp: Any, value: Any, name: str) -> Any:
             try:
                 return _coerce(arg, value, name)
             except ValueError as err:
-                errors.append(str(err))
+                # a mapping is meant for the section, not for a name (`parallel: {ep: 2}`)
+                section = isinstance(value, dict) and dataclasses.is_dataclass(arg)
+                errors.insert(0, str(err)) if section else errors.append(str(err))
         raise ValueError(errors[0])
     if origin is Literal:
         if value not in args:
@@ -594,7 +596,7 @@ def _descend(node: Any, hint: Any, part: str, item: str, where: str) -> tuple[An
         child, expand, key = node[part], getattr(cls, "EXPAND", {}).get(part), part
     section = _dataclass_in(child_hint)
     if isinstance(child, str) and expand is not None:
-        child = expand(child).to_dict()
+        child = dataclasses.asdict(expand(child))
     elif child is None and section is not None:
         try:  # an unset optional section (attention.yarn) starts at its defaults
             child = dataclasses.asdict(section())

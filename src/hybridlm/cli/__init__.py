@@ -6,11 +6,13 @@
     hybridlm export-hf --preset tiny-super --out ckpt/    # or --checkpoint dir (any HF dir)
     hybridlm serve --preset tiny-super --port 8000        # OpenAI-compatible server on localhost
     hybridlm chat --preset tiny-super --system "Be brief."
+    hybridlm plan --preset nemotron-3-super-120b-a12b --gpus 512 --tp 2 --ep 64 --seq 8192 \
+        --micro-batch 1                                  # memory / communication per device
 
 A model comes from `--preset NAME`, `--config FILE.yaml|json` or `--checkpoint DIR` (a transformers
 NemotronH / Olmo3 directory), with `--set a.b=value` overrides for the first two.
 
-One module per stage group (model, speedrun, train, rl, eval, precision, data) defines its
+One module per stage group (model, speedrun, train, plan, rl, eval, precision, data) defines its
 sub-commands' arguments and handlers; a handler imports the library when it runs, so building the
 parser imports no torch and `hybridlm --help` or a mistyped flag answers at once.
 
@@ -30,7 +32,7 @@ import sys
 import zipfile
 
 # stage groups, in the order `hybridlm --help` lists their commands
-_GROUPS = ("model", "speedrun", "train", "rl", "eval", "precision", "data")
+_GROUPS = ("model", "speedrun", "train", "plan", "rl", "eval", "precision", "data")
 
 
 def _thread_count(text: str) -> int:

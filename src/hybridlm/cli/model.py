@@ -289,6 +289,26 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_export_hf(args: argparse.Namespace) -> None:
     from ..interop.hf import save_pretrained
 
+    if getattr(args, "checkpoint", None):
+        from ..io import load_tokenizer_for, resolve
+        from ..io.checkpoint import is_sharded_checkpoint, read_meta
+
+        where, kind = resolve(args.checkpoint)
+        if kind == "checkpoint" and is_sharded_checkpoint(read_meta(where)):
+            # consolidated offline, tensor by tensor: memory holds one tensor, not the model
+            import torch
+
+            from ..io.checkpoint import checkpoint_model_config
+            from ..io.sharded import export_pretrained
+            from ..model.model import HybridLM
+
+            if args.overrides:
+                raise ValueError("--set applies to --preset / --config, not to --checkpoint")
+            export_pretrained(where, args.out, tokenizer=load_tokenizer_for(where))
+            with torch.device("meta"):
+                n = HybridLM(checkpoint_model_config(where)).count_params()
+            print(f"wrote {args.out} ({n:,} parameters, streamed from the sharded {where})")
+            return
     model = _model(args)
     save_pretrained(model, args.out, tokenizer=_tokenizer(args, model))
     print(f"wrote {args.out} ({model.count_params():,} parameters)")

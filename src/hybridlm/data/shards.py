@@ -194,7 +194,8 @@ def _existing_record(out_dir: Path, index: int, input_sha256: str) -> dict[str, 
 
 
 def _atomic_write_bytes(path: Path, write: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    # per-process temporary name: the ranks of a job may write the same file (same bytes) at once
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as fh:
         write(fh)
     os.replace(tmp, path)

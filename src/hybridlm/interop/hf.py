@@ -43,7 +43,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import struct
 import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -407,23 +410,25 @@ _OLMO_NORM = re.compile(r"^layers\.(\d+)\.norm\.weight$")
 
 def to_hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     cfg: ModelConfig = model.config
-    sd = {k: v for k, v in model.state_dict().items()}
-    if cfg.tie_embeddings:
-        sd.pop("lm_head.weight", None)
     out: dict[str, torch.Tensor] = {}
-    fam = family(cfg)
-    for name, t in sd.items():
-        if fam == "olmo3":
-            out[_ours_to_olmo3(name)] = t
-            continue
-        hf_name = _ours_to_nemotron(name, len(cfg.mtp.pattern))
-        m = re.match(r"^(.*\.mixer\.experts)\.(up_proj|down_proj)$", hf_name)
-        if m:  # 3-D expert tensor -> one 2-D tensor per expert
-            for e in range(t.shape[0]):
-                out[f"{m.group(1)}.{e}.{m.group(2)}.weight"] = t[e]
-        else:
-            out[hf_name] = t
+    for name, t in model.state_dict().items():
+        out.update(to_hf_tensors(cfg, name, t))
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_hf_tensors(cfg: ModelConfig, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """One tensor of our state dict under its transformers name(s), as `to_hf_state_dict` maps
+    it: a 3-D expert tensor becomes one 2-D view per expert, a tied `lm_head.weight` nothing.
+    Works on meta tensors too (names and shapes without the data)."""
+    if cfg.tie_embeddings and name == "lm_head.weight":
+        return []
+    if family(cfg) == "olmo3":
+        return [(_ours_to_olmo3(name), t)]
+    hf_name = _ours_to_nemotron(name, len(cfg.mtp.pattern))
+    m = re.match(r"^(.*\.mixer\.experts)\.(up_proj|down_proj)$", hf_name)
+    if m:  # 3-D expert tensor -> one 2-D tensor per expert
+        return [(f"{m.group(1)}.{e}.{m.group(2)}.weight", t[e]) for e in range(t.shape[0])]
+    return [(hf_name, t)]
 
 
 def _ours_to_nemotron(name: str, n_mtp: int) -> str:
@@ -612,9 +617,70 @@ def generation_config(tokenizer: Any, ids: dict[str, int | None]) -> dict[str, A
     }
 
 
+# safetensors' dtype codes (the format's README)
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+@dataclass(frozen=True)
+class TensorStream:
+    """Tensors that arrive one at a time (e.g. read from a sharded training checkpoint), for
+    `write_model_dir`: `specs` holds each one's dtype and shape in write order, `read()` yields
+    `(name, tensor)` in that order. Only one tensor needs to be in memory at a time."""
+
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    read: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+def write_safetensors(
+    file: str | Path,
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+) -> None:
+    """A safetensors file written tensor by tensor: the header from `specs` (name -> dtype,
+    shape; the layout of the format's README: u64 header size, JSON header padded to 8 bytes,
+    then each tensor's bytes at its `data_offsets`), then the next `len(specs)` items of
+    `tensors` in `specs` order, each written and dropped."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (dtype, shape) in specs.items():
+        if dtype not in _ST_DTYPES:
+            raise ValueError(f"safetensors has no dtype for {name} ({dtype})")
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {
+            "dtype": _ST_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(file, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, (dtype, shape) in specs.items():
+            got, t = next(tensors)
+            assert (got, t.dtype, tuple(t.shape)) == (name, dtype, tuple(shape)), (got, name)
+            # the bytes of the tensor itself (a view, no copy when contiguous)
+            f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            del t
+
+
 def write_model_dir(
     path: str | Path,
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor] | TensorStream,
     hf_cfg: dict[str, Any],
     *,
     tokenizer: Any = None,
@@ -627,7 +693,8 @@ def write_model_dir(
     chat template, `generation_config.json` and the tokenizer's BOS / EOS / PAD ids in
     `config.json`, so the directory alone serves `AutoTokenizer` / `AutoModelForCausalLM` /
     `generate`. Everything is written into a staging folder first, so a failure leaves an
-    earlier checkpoint intact."""
+    earlier checkpoint intact. `tensors` may be a `TensorStream`: each tensor is then written
+    as it arrives (`write_safetensors`), so memory holds one tensor, not the model."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} exists and is not a directory")
@@ -643,15 +710,29 @@ def write_model_dir(
                 f"{hf_cfg['vocab_size']}"
             )
     hf_cfg = dict(hf_cfg)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
+    stream = tensors if isinstance(tensors, TensorStream) else None
+    if stream is not None:
+        specs = stream.specs
+    else:
+        specs = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
+    shards: list[list[str]] = [[]]
+    size = total = 0
+    for name, (dtype, shape) in specs.items():
+        nbytes = math.prod(shape) * dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][name] = t
+        shards[-1].append(name)
         size += nbytes
+        total += nbytes
+    items = stream.read() if stream is not None else None
+
+    def write(names: list[str], file: Path) -> None:
+        if items is not None:
+            write_safetensors(file, {k: specs[k] for k in names}, items)
+        else:
+            save_file({k: tensors[k] for k in names}, file, metadata={"format": "pt"})
+
     path.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path, prefix=".staging-") as tmp:
         staging = Path(tmp)
@@ -662,14 +743,13 @@ def write_model_dir(
             gen = generation_config(tokenizer, ids)
             (staging / "generation_config.json").write_text(json.dumps(gen, indent=2))
         if len(shards) == 1:
-            save_file(shards[0], staging / "model.safetensors", metadata={"format": "pt"})
+            write(shards[0], staging / "model.safetensors")
         else:
             weight_map = {}
             for i, shard in enumerate(shards):
                 fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, staging / fname, metadata={"format": "pt"})
+                write(shard, staging / fname)
                 weight_map.update({k: fname for k in shard})
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         (staging / "config.json").write_text(json.dumps(hf_cfg, indent=2))

@@ -10,7 +10,8 @@ A path is one of (`kind`):
     "modelopt"      a ModelOpt-quantised one (hf_quant_config.json, or config.json's
                     quantization_config): fake-quant modules for the quantised operators
     "checkpoint"    a hybridlm training checkpoint (`<run>/checkpoints/step_*`, meta.json), or a
-                    run directory (checkpoints/), which stands for its newest checkpoint
+                    run directory (checkpoints/), which stands for its newest checkpoint; a
+                    sharded one (DCP, `hybridlm.io.sharded`) is consolidated into one model
 
 The tokenizer is the one the model was trained with: a training checkpoint's run config names it
 (`data.tokenizer`), a transformers directory holds its `tokenizer.json`, else the byte tokenizer
@@ -27,13 +28,18 @@ from typing import Any, Literal
 
 import torch
 
-from ..config import ModelConfig
 from ..data.bpe import load_tokenizer
 from ..interop.hf import load_pretrained
 from ..interop.modelopt import is_modelopt, load_modelopt
 from ..model.model import HybridLM
-from ..presets import get_preset
-from .checkpoint import load_checkpoint, read_meta, resolve_checkpoint
+from .checkpoint import (
+    checkpoint_model_config,
+    is_sharded_checkpoint,
+    load_checkpoint,
+    read_meta,
+    resolve_checkpoint,
+)
+from .sharded import load_sharded_model
 
 Kind = Literal["transformers", "modelopt", "checkpoint"]
 
@@ -114,17 +120,18 @@ def _load_model(path: Path, kind: Kind, dtype: torch.dtype | None) -> HybridLM:
 
 
 def _from_checkpoint(path: Path, dtype: torch.dtype | None) -> HybridLM:
-    """A training checkpoint's model, built from the run config in its meta.json, in eval mode."""
-    run_config = read_meta(path).get("run_config") or {}
-    if "model" not in run_config:
-        raise ValueError(f"{path / 'meta.json'} has no run_config.model to build the model from")
-    spec = run_config["model"]
-    cfg = get_preset(spec) if isinstance(spec, str) else ModelConfig.from_dict(spec)
+    """A training checkpoint's model, built from the run config in its meta.json, in eval mode
+    (a sharded checkpoint's shards of every rank consolidated)."""
+    cfg = checkpoint_model_config(path)
     with torch.device("meta"):
         model = HybridLM(cfg)
     model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives each module its own tensor: share the tied one again
     model.init_buffers()
-    load_checkpoint(path, model, restore_rng=False)
+    if is_sharded_checkpoint(read_meta(path)):
+        load_sharded_model(path, model)
+    else:
+        load_checkpoint(path, model, restore_rng=False)
     if dtype is not None:
         model = model.to(dtype)
     return model.eval()

@@ -20,6 +20,12 @@ on one core with SHA-NI: SHA-256 streams at 1-1.8 GB/s (blake2b ~0.9, zlib crc32
 ~2 ms for the tiny test models and ~0.7 s for 600 MB (50M fp32 parameters + AdamW state, whose
 save takes ~2.2 s without it): 0.5-1 s per GB of checkpoint, once per save and once per resume.
 
+A sharded checkpoint (`train.checkpoint_format`, written by `hybridlm.train.dcp` with
+torch.distributed.checkpoint: every rank writes its own shards) lives under the same names: a
+`step_*` directory with DCP's `.metadata` and `__<rank>_0.distcp` files and a meta.json whose
+`format` is `SHARDED_FORMAT`. `read_meta`, `verify_checkpoint` and `resume_checkpoint` handle both
+formats; `hybridlm.io.sharded` reads a sharded one offline.
+
 This module knows files only: `hybridlm.io.load` builds models from it, `train.checkpoint` holds
 what a run does around it (its run directory, merging).
 """
@@ -45,8 +51,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from ..config import ModelConfig
+from ..presets import get_preset
+
 FORMAT = "hybridlm-train-checkpoint"
 FORMAT_VERSION = 1
+SHARDED_FORMAT = "hybridlm-train-checkpoint-sharded"  # DCP shards, `hybridlm.train.dcp`
+SHARDED_FORMAT_VERSION = 1
+_VERSIONS = {FORMAT: FORMAT_VERSION, SHARDED_FORMAT: SHARDED_FORMAT_VERSION}
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of every tensor's chunks
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
 DAMAGED_PREFIX = "damaged-"
@@ -96,7 +109,8 @@ def checkpoint_dir(out_dir: str | Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or new file in `path` durable (best effort: not every filesystem can)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -153,11 +167,16 @@ def save_checkpoint(
     if final.exists():  # re-saving a step (e.g. a resumed run reaching it again)
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
+    prune_checkpoints(out_dir, keep_last_n)
+    return final
+
+
+def prune_checkpoints(out_dir: str | Path, keep_last_n: int) -> None:
+    """Remove all but the newest `keep_last_n` checkpoints of a run (0: keep all)."""
     if keep_last_n:
         for old in list_checkpoints(out_dir)[:-keep_last_n]:
             shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def list_checkpoints(out_dir: str | Path) -> list[Path]:
@@ -190,12 +209,30 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{meta_file} is not valid JSON ({err})") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_file} is not a JSON object")
-    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+    fmt = meta.get("format")
+    if fmt not in _VERSIONS or meta.get("format_version") != _VERSIONS[fmt]:
         raise CheckpointError(
             f"{meta_file}: format {meta.get('format')!r} v{meta.get('format_version')} is not "
-            f"{FORMAT} v{FORMAT_VERSION}"
+            f"{FORMAT} v{FORMAT_VERSION} or {SHARDED_FORMAT} v{SHARDED_FORMAT_VERSION}"
         )
     return meta
+
+
+def is_sharded_checkpoint(meta: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's meta.json (`read_meta`) is of a sharded (DCP) checkpoint."""
+    return meta.get("format") == SHARDED_FORMAT
+
+
+def checkpoint_model_config(path: str | Path) -> ModelConfig:
+    """The model config of a checkpoint's run (`run_config.model` in its meta.json: a preset
+    name or a ModelConfig mapping)."""
+    run_config = read_meta(path).get("run_config") or {}
+    if "model" not in run_config:
+        raise ValueError(
+            f"{Path(path) / 'meta.json'} has no run_config.model to build the model from"
+        )
+    spec = run_config["model"]
+    return get_preset(spec) if isinstance(spec, str) else ModelConfig.from_dict(spec)
 
 
 def load_checkpoint(
@@ -208,6 +245,11 @@ def load_checkpoint(
     """Load weights (and optimizer state, RNG states) from a checkpoint; returns its meta."""
     path = Path(path)
     meta = read_meta(path)
+    if is_sharded_checkpoint(meta):
+        raise ValueError(
+            f"{path} is a sharded checkpoint: hybridlm.io.load_model reads its weights, "
+            "the Trainer (hybridlm.train.dcp.load_sharded) resumes it"
+        )
     weights = path / "model.safetensors"
     try:
         missing, unexpected = load_model(model, str(weights), strict=False)
@@ -260,10 +302,14 @@ def verify_checkpoint(path: str | Path, *, checksums: bool = True) -> dict[str, 
     the first problem. Checked: meta.json (JSON, format), every file meta.json records (present,
     size, SHA-256 unless `checksums=False`), model.safetensors present with a header that parses
     and covers the file, optimizer.pt (when present) a complete zip archive. A checkpoint saved
-    before sizes and checksums were recorded gets the last two checks only."""
+    before sizes and checksums were recorded gets the last two checks only. A sharded checkpoint
+    records every file it has (DCP's `.metadata` and each rank's shards), so the recorded ones
+    are all checked, and `.metadata` must be among them."""
     path = Path(path)
     meta = read_meta(path)
     files = meta.get("files") or {}
+    if is_sharded_checkpoint(meta) and DCP_METADATA not in files:
+        raise CheckpointError(f"meta.json of a sharded checkpoint records no {DCP_METADATA}")
     for name, rec in files.items():
         file = path / name
         if not file.is_file():
@@ -273,6 +319,8 @@ def verify_checkpoint(path: str | Path, *, checksums: bool = True) -> dict[str, 
             raise CheckpointError(f"{name} has {size} bytes, {rec['bytes']} were saved")
         if checksums and "sha256" in rec and file_sha256(file) != rec["sha256"]:
             raise CheckpointError(f"{name} does not match its SHA-256 in meta.json")
+    if is_sharded_checkpoint(meta):
+        return meta
     weights = path / "model.safetensors"
     if not weights.is_file():
         raise CheckpointError("model.safetensors is missing")

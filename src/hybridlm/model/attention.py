@@ -6,6 +6,8 @@ Shape legend: B batch, L sequence, D model width, H query heads, K kv heads, E h
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -63,11 +65,14 @@ class Attention(nn.Module):
         positions_BL: torch.Tensor | None = None,
         attn_mask_B1LS: torch.Tensor | None = None,
         state: KVState | None = None,
+        context_parallel: Any = None,
         **_: object,
     ) -> torch.Tensor:
         """`positions_BL` / `attn_mask_B1LS` are given for padded batches and packed documents;
         the model builds the mask once per forward for every attention layer (see
-        `HybridLM.forward`); its key axis covers the cached columns followed by this call's."""
+        `HybridLM.forward`); its key axis covers the cached columns followed by this call's.
+        `context_parallel` (x is one shard of the rows): the keys and values of the whole rows
+        are gathered and the queries attend at their global offset (`train.context_parallel`)."""
         a = self.a
         Bsz, L, _ = x_BLD.shape
         q, k, v = self.q_proj(x_BLD), self.k_proj(x_BLD), self.v_proj(x_BLD)
@@ -86,6 +91,10 @@ class Attention(nn.Module):
         offset = state.length if state is not None else 0  # cache columns before this call
         if state is not None:
             k_BKLE, v_BKLE = state.update(k_BKLE, v_BKLE)
+        if context_parallel is not None:
+            offset = context_parallel.offset(L)
+            k_BKLE = context_parallel.gather_seq(k_BKLE, dim=2)
+            v_BKLE = context_parallel.gather_seq(v_BKLE, dim=2)
         o_BHLE = attention(
             q_BHLE, k_BKLE, v_BKLE, q_offset=offset, window=self.window, extra_mask=attn_mask_B1LS
         )

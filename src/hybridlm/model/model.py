@@ -79,6 +79,9 @@ class HybridLM(nn.Module):
         self.lm_head = nn.Linear(d, V, bias=False)
         self.tie_weights()
         self.mtp = MTP(config) if config.mtp.pattern else None
+        # context parallelism (`train.context_parallel`): when set, a forward takes one
+        # contiguous shard of every row and its mixers exchange what crosses the shards
+        self.context_parallel: Any = None
         if self.embeddings.weight.device.type != "meta":
             self.init_weights(seed=seed)
 
@@ -98,23 +101,41 @@ class HybridLM(nn.Module):
         if seed is not None:
             torch.manual_seed(seed)
         try:
-            std = self.config.init_std
-            out_std = std / math.sqrt(2 * len(self.config.pattern))
-            nn.init.normal_(self.embeddings.weight, std=std)
-            if not self.config.tie_embeddings:
-                nn.init.normal_(self.lm_head.weight, std=std)
-            self.norm_f.reset_parameters()
-            blocks = list(self.layers) + (list(self.mtp.layers) if self.mtp is not None else [])
-            for block in blocks:
-                block.norm.reset_parameters()
-                block.mixer.reset_parameters(std, out_std)
-            if self.mtp is not None:
-                for norm in (self.mtp.enorm, self.mtp.hnorm, self.mtp.final_layernorm):
-                    norm.reset_parameters()
-                nn.init.normal_(self.mtp.eh_proj.weight, std=std)
+            for module, init in self.init_units():
+                init(module)
         finally:
             if seed is not None:
                 torch.random.set_rng_state(gen_state)
+
+    def init_units(self) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:
+        """`init_weights` as (module, init of that module) in the order it draws random
+        numbers, so that a sharded build can initialise one unit at a time on the CPU and keep
+        only its shard (`train.parallel.materialize_sharded`), equal to the whole-model init."""
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * len(self.config.pattern))
+
+        def normal(m: nn.Module) -> None:
+            nn.init.normal_(m.weight, std=std)
+
+        def block_init(b: nn.Module) -> None:
+            b.norm.reset_parameters()
+            b.mixer.reset_parameters(std, out_std)
+
+        def reset(m: nn.Module) -> None:
+            m.reset_parameters()
+
+        units: list[tuple[nn.Module, Callable[[nn.Module], None]]] = [(self.embeddings, normal)]
+        if not self.config.tie_embeddings:
+            units.append((self.lm_head, normal))
+        units.append((self.norm_f, reset))
+        blocks = list(self.layers) + (list(self.mtp.layers) if self.mtp is not None else [])
+        units += [(block, block_init) for block in blocks]
+        if self.mtp is not None:
+            units += [
+                (n, reset) for n in (self.mtp.enorm, self.mtp.hnorm, self.mtp.final_layernorm)
+            ]
+            units.append((self.mtp.eh_proj, normal))
+        return units
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when `tie_embeddings` is set."""
@@ -161,12 +182,19 @@ class HybridLM(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         L = input_ids.shape[1]
+        cp = self.context_parallel
+        if cp is not None and (cache is not None or attention_mask is not None):
+            raise ValueError("context parallelism shards training rows: no cache or attention_mask")
         offset = cache.seen_tokens if cache is not None else 0
+        if cp is not None:  # this shard's first global position
+            offset = cp.offset(L)
         positions_L = torch.arange(offset, offset + L, device=input_ids.device)
         if doc_ids is not None:
-            ctx = self._document_context(input_ids, doc_ids, attention_mask, cache)
+            ctx = self._document_context(input_ids, doc_ids, attention_mask, cache, cp)
         else:
             ctx = self._padding_context(input_ids, attention_mask, cache, positions_L)
+        if cp is not None:
+            ctx["context_parallel"] = cp
         aux_sink = AuxSink()  # MoE balancing losses of this call only
         h = self.embeddings(input_ids)
         for i, block in enumerate(self.layers):
@@ -185,7 +213,10 @@ class HybridLM(nn.Module):
                 raise ValueError(f"mtp_depth={mtp_depth} but the model has no MTP module")
             h_k = h
             for k in range(1, mtp_depth + 1):
-                emb = self.embeddings(_shift_left(input_ids, k, 0))
+                ahead = (
+                    _shift_left(input_ids, k, 0) if cp is None else cp.shift_left(input_ids, k, 0)
+                )
+                emb = self.embeddings(ahead)
                 h_k = self.mtp(h_k, emb, aux_sink=aux_sink, **ctx)
                 out.mtp_hidden.append(h_k)
                 if return_logits:
@@ -203,14 +234,19 @@ class HybridLM(nn.Module):
         doc_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         cache: HybridCache | None,
+        cp: Any = None,
     ) -> dict[str, torch.Tensor]:
+        """Positions within documents, the same-document attention mask, the doc ids for Mamba.
+        Under context parallelism (`cp`) the rows are one shard of the whole rows: positions and
+        the mask's key axis are those of the whole rows (the shards' doc ids gathered)."""
         if cache is not None or attention_mask is not None:
             raise ValueError("doc_ids are for packed training rows: no cache or attention_mask")
         if doc_ids.shape != input_ids.shape:
             raise ValueError(
                 f"doc_ids shape {tuple(doc_ids.shape)} != input_ids shape {tuple(input_ids.shape)}"
             )
-        doc = doc_ids.to(input_ids.device)
+        local = doc_ids.to(input_ids.device)
+        doc = local if cp is None else cp.gather_seq(local, dim=1)  # whole rows
         if bool((doc[:, 1:] < doc[:, :-1]).any()):
             raise ValueError("doc_ids must be non-decreasing along each row (packed documents)")
         L = doc.shape[1]
@@ -219,12 +255,14 @@ class HybridLM(nn.Module):
         start_BL[:, 1:] = doc[:, 1:] != doc[:, :-1]
         # position within the document: index minus the index of the document's first token
         first_BL = torch.cummax(torch.where(start_BL, idx_L, 0), dim=1).values
+        start = 0 if cp is None else cp.offset(local.shape[1])
+        own = slice(start, start + local.shape[1])  # this shard's positions
         return {
-            "positions_L": idx_L,
-            "positions_BL": idx_L - first_BL,
-            "doc_ids_BL": doc,  # Mamba: conv taps and SSD state reset at document starts
+            "positions_L": idx_L[own],
+            "positions_BL": (idx_L - first_BL)[:, own],
+            "doc_ids_BL": local,  # Mamba: conv taps and SSD state reset at document starts
             # attention within the own document only
-            "attn_mask_B1LS": (doc[:, :, None] == doc[:, None, :])[:, None],
+            "attn_mask_B1LS": (local[:, :, None] == doc[:, None, :])[:, None],
         }
 
     @staticmethod

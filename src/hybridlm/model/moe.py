@@ -17,6 +17,9 @@ training forward adds to the call's `AuxSink` (`HybridLM.forward` returns their 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,6 +110,10 @@ def sigmoid_topk_route(
     return scores_TE, idx_TK, w_TK * scaling
 
 
+# an expert computation over tokens sorted by expert: (z_AW, counts_E, up_EFW, down_EWF) -> y_AW
+ExpertsFn = Callable[[torch.Tensor, list[int], torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 def _experts_loop(
     z_AW: torch.Tensor, counts: list[int], up_EFW: torch.Tensor, down_EWF: torch.Tensor
 ) -> torch.Tensor:
@@ -188,6 +195,19 @@ def moe_decode_step(
     return y_TD
 
 
+def run_local(
+    fn: ExpertsFn,
+    z_AW: torch.Tensor,
+    counts: list[int],
+    up_EFW: torch.Tensor,
+    down_EWF: torch.Tensor,
+) -> torch.Tensor:
+    """Default expert dispatch: every expert is on this device, run `fn` on the sorted tokens.
+    Expert parallelism (`hybridlm.train.expert_parallel`) swaps in an all-to-all dispatch with
+    the same signature, so the model never touches collectives."""
+    return fn(z_AW, counts, up_EFW, down_EWF)
+
+
 def grouped_mm_available(device: torch.device) -> bool:
     # torch's grouped_mm backward is CUDA-only; the per-expert loop is the CPU path
     return device.type == "cuda" and hasattr(F, "grouped_mm")
@@ -199,6 +219,9 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
         self.down_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
         self.impl = "auto"  # "auto" | "loop" | "padded" | "grouped" | "gathered"
+        # how sorted tokens reach their experts: `run_local`, or expert parallelism's
+        # all-to-all (set from outside by `train.expert_parallel.apply_expert_parallel`)
+        self.dispatch = run_local
 
     def forward(self, z_TW: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
         T, K = idx_TK.shape
@@ -217,7 +240,7 @@ class Experts(nn.Module):
         if impl == "auto":
             impl = "grouped" if grouped_mm_available(z_TW.device) else "padded"
         fn = {"grouped": _experts_grouped, "loop": _experts_loop, "padded": _experts_padded}[impl]
-        y_AW = fn(z_AW, counts, self.up_proj, self.down_proj)
+        y_AW = self.dispatch(fn, z_AW, counts, self.up_proj, self.down_proj)
         y_AW = y_AW * w_TK.reshape(-1)[order_A, None].to(y_AW.dtype)
         return torch.zeros_like(z_TW, dtype=y_AW.dtype).index_add_(0, token_A, y_AW).to(z_TW.dtype)
 
@@ -236,6 +259,8 @@ class MoE(nn.Module):
             self.fc1_latent_proj = nn.Linear(d, e.latent_size, bias=False)
             self.fc2_latent_proj = nn.Linear(e.latent_size, d, bias=False)
         self.register_buffer("load_E", torch.zeros(e.num_experts), persistent=False)
+        # off while activation checkpointing recomputes a forward: its tokens are counted once
+        self.count_routing = True
         self.decode_fn = moe_decode_step  # HybridLM.compile_decode swaps in a compiled one
 
     @torch.no_grad()
@@ -255,11 +280,17 @@ class MoE(nn.Module):
         self.load_E = torch.zeros(self.cfg.num_experts, device=device)
 
     def forward(
-        self, x_BLD: torch.Tensor, *, aux_sink: AuxSink | None = None, **_: object
+        self,
+        x_BLD: torch.Tensor,
+        *,
+        aux_sink: AuxSink | None = None,
+        context_parallel: Any = None,
+        **_: object,
     ) -> torch.Tensor:
         """`aux_sink`: the caller's per-call collector; a training forward adds its
         sequence-level balancing loss there (Nemotron 3 Super §2.1.1). The module keeps no loss
-        between calls."""
+        between calls. `context_parallel` (x is one shard of the rows): the balancing loss
+        counts the whole rows' routing and adds this shard's part."""
         c = self.cfg
         Bsz, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(-1, D)
@@ -273,12 +304,13 @@ class MoE(nn.Module):
         ):
             return self._decode(x_TD).view(Bsz, L, D)
         scores_TE, idx_TK, w_TK = self.gate(x_TD)
-        if self.training:  # routing statistics of training steps only
-            with torch.no_grad():
-                counts = torch.bincount(idx_TK.reshape(-1), minlength=c.num_experts)
-                self.load_E += counts.to(self.load_E.dtype)
+        if self.training:
+            if self.count_routing:  # routing statistics of training steps only
+                with torch.no_grad():
+                    counts = torch.bincount(idx_TK.reshape(-1), minlength=c.num_experts)
+                    self.load_E += counts.to(self.load_E.dtype)
             if aux_sink is not None:
-                aux = self._sequence_aux_loss(scores_TE, idx_TK, Bsz, L)
+                aux = self._sequence_aux_loss(scores_TE, idx_TK, Bsz, L, context_parallel)
                 if aux is not None:
                     aux_sink.add(aux)
 
@@ -311,18 +343,26 @@ class MoE(nn.Module):
         )
 
     def _sequence_aux_loss(
-        self, scores_TE: torch.Tensor, idx_TK: torch.Tensor, Bsz: int, L: int
+        self, scores_TE: torch.Tensor, idx_TK: torch.Tensor, Bsz: int, L: int, cp: Any = None
     ) -> torch.Tensor | None:
         """alpha * sum_i f_i P_i per sequence, averaged over sequences (DeepSeek-V3 eq. 17-20):
-        f_i = E/(K L) * #tokens choosing i, P_i = mean over tokens of normalised scores."""
+        f_i = E/(K L) * #tokens choosing i, P_i = mean over tokens of normalised scores.
+        With `cp` (rows split into shards), f counts the whole rows and P_i sums this shard's
+        tokens over the whole length: the shards' results add up to the loss of the rows."""
         c = self.cfg
         if c.aux_loss_coef <= 0:
             return None
         E, K = c.num_experts, c.top_k
         probs_BLE = (scores_TE / scores_TE.sum(-1, keepdim=True)).view(Bsz, L, E)
         chosen = torch.zeros(Bsz * L, E, device=scores_TE.device).scatter_(1, idx_TK, 1.0)
-        f_BE = chosen.view(Bsz, L, E).sum(1) * (E / (K * L))
-        return c.aux_loss_coef * (f_BE * probs_BLE.mean(1)).sum(-1).mean()
+        count_BE = chosen.view(Bsz, L, E).sum(1)
+        if cp is None:
+            P_BE = probs_BLE.mean(1)
+        else:
+            count_BE, L = cp.sum(count_BE), L * cp.size
+            P_BE = probs_BLE.sum(1) / L
+        f_BE = count_BE * (E / (K * L))
+        return c.aux_loss_coef * (f_BE * P_BE).sum(-1).mean()
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 from ..config import Config, ModelConfig
 from ..data.config import DataConfig
@@ -33,6 +34,61 @@ DecayShape = Literal["minus_sqrt", "linear", "cosine"]
 def _default_no_decay() -> list[str]:
     # Globs matched against each dotted component of a parameter name (see optim.param_groups).
     return ["*norm*", "*bias", "A_log", "D", "embeddings"]
+
+
+ParallelStyle = Literal["none", "ddp", "fsdp"]
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """The device-mesh layout of a torchrun job (`train.parallel`), torchtitan's ParallelDims.
+
+    The product `dp_replicate * dp_shard * cp` is the world size; one of the first two may be
+    -1 (what the world leaves). `dp_replicate` ranks hold whole replicas (DDP, or HSDP's
+    replicas when `dp_shard > 1`); `dp_shard` ranks shard parameters, gradients and optimizer
+    state (FSDP2). Expert parallelism borrows its ranks from `dp_shard` (torchtitan's layout):
+    `ep` ranks of a shard group split the routed experts (Nemotron 3 Super trains with EP 64),
+    tokens reach them by all-to-all, and the experts' remaining data-parallel ranks
+    (`dp_shard / ep`) shard them with FSDP2. Context parallelism splits every sequence over `cp`
+    ranks (the parameters are sharded over dp_shard * cp ranks, as in torchtitan). The string
+    shorthands: "ddp" = {dp_replicate: -1}, "fsdp" = {dp_shard: -1}, "none" = one process only.
+    A single process ignores the layout, so one YAML runs on a laptop and on a cluster."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    ep: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+        sizes |= {"ep": self.ep, "cp": self.cp}
+        for name, size in sizes.items():
+            fixed = name in ("ep", "cp")
+            if size == 0 or size < -1 or (fixed and size < 1):
+                raise ValueError(
+                    f"train.parallel.{name} must be a positive number of ranks"
+                    + ("" if fixed else " (or -1: what the world leaves)")
+                    + f", got {size}"
+                )
+        if self.dp_replicate == -1 and self.dp_shard == -1:
+            raise ValueError("only one of train.parallel.dp_replicate / dp_shard may be -1")
+
+    @staticmethod
+    def from_style(style: str) -> ParallelConfig:
+        """The layout a shorthand names ("ddp", "fsdp"; "none": one rank)."""
+        if style not in typing.get_args(ParallelStyle):
+            raise ValueError(
+                f"train.parallel must be one of {list(typing.get_args(ParallelStyle))} or a "
+                f"layout mapping {{dp_replicate, dp_shard, ep, cp}}, got {style!r}"
+            )
+        if style == "ddp":
+            return ParallelConfig(dp_replicate=-1, dp_shard=1)
+        if style == "fsdp":
+            return ParallelConfig(dp_replicate=1, dp_shard=-1)
+        return ParallelConfig(dp_replicate=1, dp_shard=1)
 
 
 @dataclass(kw_only=True)
@@ -82,6 +138,10 @@ class TrainConfig:
     log_interval: int = 10
     checkpoint_interval: int = 500  # 0: only the final checkpoint
     keep_last_n: int = 3  # 0: keep all
+    # "full": one model.safetensors + optimizer.pt written by rank 0 (a sharded model gathered
+    # first); "sharded": every rank writes its own shards (torch.distributed.checkpoint,
+    # train.dcp), loadable at any world size; "auto": sharded when the model is (FSDP2 / EP)
+    checkpoint_format: Literal["auto", "full", "sharded"] = "auto"
     out_dir: str = "runs/default"
     # warm start: the model the run starts from, any path `hybridlm.io` loads (a run directory,
     # a training checkpoint, a transformers or ModelOpt directory), with a fresh optimizer and
@@ -90,12 +150,19 @@ class TrainConfig:
     init_from: str = ""
     seed: int = 0
     device: str = "auto"  # auto: cuda when available, else cpu
-    # data parallelism under torchrun (train.parallel); ignored in a single process
-    parallel: Literal["none", "ddp", "fsdp"] = "ddp"
+    # the layout under torchrun: "ddp", "fsdp", "none" or a ParallelConfig mapping
+    # ({dp_replicate, dp_shard, ep, cp}); ignored in a single process
+    parallel: ParallelStyle | ParallelConfig = "ddp"
+    # keep fewer activations for the backward (train/activation_checkpointing.py): "full"
+    # recomputes each block's forward, "selective" recomputes all but the matrix products
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
     peak_flops: float = 0.0  # FLOP/s for MFU; 0: measure once with a matmul
     progress: bool = True  # rich progress bar
     plot: bool = True  # render <out>/loss.png from metrics.jsonl at the end
     tensorboard: bool = False  # also write <out>/tensorboard (needs the tensorboard package)
+
+    # `train.parallel.ep=2` on a shorthand starts from the layout it names
+    EXPAND: ClassVar[dict[str, Callable[[str], Any]]] = {"parallel": ParallelConfig.from_style}
 
     def __post_init__(self) -> None:
         self.validate()
@@ -139,9 +206,16 @@ class TrainConfig:
                 f"train.decay_shape must be one of {list(typing.get_args(DecayShape))}, "
                 f"got {self.decay_shape!r}"
             )
-        if self.parallel not in ("none", "ddp", "fsdp"):
+        self.layout()  # a clear error for an unknown style or a bad layout
+        if self.activation_checkpointing not in ("none", "selective", "full"):
             raise ValueError(
-                f"train.parallel must be 'none', 'ddp' or 'fsdp', got {self.parallel!r}"
+                "train.activation_checkpointing must be 'none', 'selective' or 'full', "
+                f"got {self.activation_checkpointing!r}"
+            )
+        if self.checkpoint_format not in ("auto", "full", "sharded"):
+            raise ValueError(
+                "train.checkpoint_format must be 'auto', 'full' or 'sharded', "
+                f"got {self.checkpoint_format!r}"
             )
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")
@@ -149,6 +223,13 @@ class TrainConfig:
             raise ValueError(
                 f"train.low_precision must be 'none' or 'nvfp4', got {self.low_precision!r}"
             )
+
+    def layout(self) -> ParallelConfig:
+        """`parallel` as a ParallelConfig (a shorthand expanded)."""
+        if isinstance(self.parallel, ParallelConfig):
+            self.parallel.validate()
+            return self.parallel
+        return ParallelConfig.from_style(self.parallel)
 
     def num_steps(self, tokens_per_step: int) -> int:
         """Optimizer steps of the run: `max_steps`, else ceil(total_tokens / tokens_per_step)."""

@@ -88,6 +88,7 @@ def causal_lm_loss(
     num_valid_tokens: int | Tensor | None = None,
     mtp_weight: float | None = None,
     include_aux: bool = True,
+    seq_slice: slice | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """(total, parts) of a forward `out` of `model` (the bare `HybridLM`, not a wrapper) on
     `labels_BL` (module docstring). parts: `ce`, `mtp_<k>` per depth and their mean `mtp` when
@@ -95,7 +96,9 @@ def causal_lm_loss(
     logits when `out` has them, else fused with the LM head from the hidden states.
     `num_valid_tokens`: default, each term's own target count. `mtp_weight`: default
     `mtp.loss_weight`. `include_aux=False` leaves `moe_aux` out of the total (a trainer that
-    averages it over micro-batches instead of summing it)."""
+    averages it over micro-batches instead of summing it). `seq_slice`: `out` covers only
+    these positions of the rows `labels_BL` / `doc_ids` describe (a context-parallel shard):
+    the targets are shifted on the whole rows, then cut."""
     if labels_BL.dim() != 2:
         raise ValueError(f"labels must be [batch, seq], got shape {tuple(labels_BL.shape)}")
     W_VD = model.lm_head.weight
@@ -108,22 +111,27 @@ def causal_lm_loss(
             raise ValueError("the forward returned neither logits nor hidden states")
         return lm_cross_entropy(h_BLD, targets_BL, denom, lm_head_VD=W_VD, shift=shift)
 
+    own = slice(None) if seq_slice is None else seq_slice
+
+    def targets(shift: int) -> Tensor:
+        """Targets aligned with the output's positions (shift 0 for `lm_cross_entropy`)."""
+        t_BL = shift_targets(labels_BL, shift)
+        if doc_ids is not None and shift > 1:  # packed rows: no target from the next document
+            doc_BL = doc_ids.to(labels_BL.device)
+            t_BL = t_BL.masked_fill(shift_targets(doc_BL, shift) != doc_BL, IGNORE_INDEX)
+        return t_BL[:, own]
+
     x_BL = out.logits if out.logits is not None else out.hidden
-    if x_BL is None or x_BL.shape[:2] != labels_BL.shape:
+    if x_BL is None or x_BL.shape[:2] != labels_BL[:, own].shape:
         got = None if x_BL is None else tuple(x_BL.shape[:2])
         raise ValueError(f"labels shape {tuple(labels_BL.shape)} != the output's [B, L] {got}")
-    parts = {"ce": ce(out.logits, out.hidden, labels_BL, 1)}
+    parts = {"ce": ce(out.logits, out.hidden, targets(1), 0)}
     total = parts["ce"]
     if out.mtp_hidden:
         mtp_terms = []
         for k, h_k in enumerate(out.mtp_hidden, start=1):
-            targets_k = shift_targets(labels_BL, k + 1)
-            if doc_ids is not None:  # packed rows: no target from the next document
-                doc_BL = doc_ids.to(labels_BL.device)
-                same_BL = shift_targets(doc_BL, k + 1) == doc_BL
-                targets_k = targets_k.masked_fill(~same_BL, IGNORE_INDEX)
             logits_k = out.mtp_logits[k - 1] if out.mtp_logits else None
-            parts[f"mtp_{k}"] = ce(logits_k, h_k, targets_k, 0)
+            parts[f"mtp_{k}"] = ce(logits_k, h_k, targets(k + 1), 0)
             mtp_terms.append(parts[f"mtp_{k}"])
         parts["mtp"] = torch.stack(mtp_terms).mean()
         w = model.config.mtp.loss_weight if mtp_weight is None else mtp_weight

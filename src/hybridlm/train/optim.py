@@ -61,12 +61,33 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 def clip_gradients(params: Iterable[torch.Tensor], grad_clip: float) -> float:
     """Clip the global gradient norm to `grad_clip` (0: no clipping) and return the norm before
-    clipping (inf / nan when a gradient is not finite; FSDP2's DTensor norm made whole)."""
+    clipping (inf / nan when a gradient is not finite; FSDP2's DTensor norm made whole).
+
+    Sharded gradients live on different device meshes under expert parallelism (FSDP2's
+    data-parallel mesh, the experts' (data, expert) mesh): each mesh's norm is taken on its own
+    and made whole, then they are combined (torchtitan's EP-aware clipping)."""
+    params = list(params)
     max_norm = grad_clip if grad_clip > 0 else math.inf
-    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm)
-    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
-        norm = norm.full_tensor()
-    return float(norm)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            mesh = getattr(p.grad, "device_mesh", None)
+            groups.setdefault((mesh, getattr(p.grad, "placements", None)), []).append(p.grad)
+    if len(groups) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
+        return float(norm)
+    norms = []
+    for grads in groups.values():
+        n = torch.nn.utils.get_total_norm(grads, 2.0)
+        norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+    total = float(torch.linalg.vector_norm(torch.stack(norms)))
+    coef = max_norm / (total + 1e-6)  # clip_grad_norm_'s coefficient
+    if coef < 1 and math.isfinite(total):
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total
 
 
 @dataclass(frozen=True)

@@ -5,17 +5,24 @@
 process group (nccl on CUDA, gloo on CPU); without it (one process) every helper is a no-op.
 `apply_ddp(model)` wraps the model in DistributedDataParallel; `apply_fsdp2(model)` applies
 FSDP2 `fully_shard` to every block of `model.layers`, to the MTP blocks, then to the root.
+`resolve_layout` turns `train.parallel` (a `ParallelConfig`) into the sizes of the job's
+DeviceMesh and `apply_layout` shards a model over it (expert parallelism, FSDP2 / HSDP).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .config import ParallelConfig
+from .expert_parallel import moe_layers
 
 
 def is_initialized() -> bool:
@@ -109,9 +116,18 @@ def apply_ddp(model: nn.Module) -> nn.Module:
     )
 
 
-def apply_fsdp2(model: nn.Module) -> nn.Module:
+def apply_fsdp2(
+    model: nn.Module,
+    mesh: DeviceMesh | None = None,
+    *,
+    expert_mesh: DeviceMesh | None = None,
+) -> nn.Module:
     """FSDP2: `fully_shard` each block of `model.layers` and of `model.mtp.layers`, then the
-    root (embeddings, final norm, LM head). Shards in place; returns the same module."""
+    root (embeddings, final norm, LM head), over `mesh` (default: every rank; a 2-D
+    (dp_replicate, dp_shard) mesh is HSDP). Under expert parallelism the routed experts are
+    sharded first over `expert_mesh` (the data-parallel ranks the expert-parallel group
+    leaves; their gradient is scaled for it by the dispatch, `expert_parallel`). Shards in
+    place; returns the same module."""
     from torch.distributed.fsdp import fully_shard
 
     blocks = list(model.layers)
@@ -119,13 +135,170 @@ def apply_fsdp2(model: nn.Module) -> nn.Module:
     if mtp is not None:
         blocks += list(mtp.layers)
     for block in blocks:
-        fully_shard(block)
-    fully_shard(model)
+        if expert_mesh is not None:
+            for moe in moe_layers(block):
+                fully_shard(moe.experts, mesh=expert_mesh)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A `ParallelConfig` resolved for a world size: every size known. The device mesh has the
+    dimensions (dp_replicate, dp_shard_mod_ep, cp, ep) (ep innermost: an expert-parallel group
+    is neighbouring ranks); flattened: `dp_shard_cp` (what FSDP2 shards the parameters over
+    besides replicas) and `expert_dp` (the ranks an expert shard is replicated over)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+    cp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: those that read different rows."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def style(self) -> str:
+        """ "none" (one rank), "ddp" (whole replicas, DistributedDataParallel) or "fsdp" (FSDP2
+        over the mesh, with expert parallelism when ep > 1)."""
+        if self.world == 1:
+            return "none"
+        return "ddp" if self.dp_shard == 1 and self.cp == 1 else "fsdp"
+
+    def describe(self) -> str:
+        return (
+            f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} "
+            f"(ep {self.ep})"
+        )
+
+
+def resolve_layout(pc: ParallelConfig, world: int) -> Layout:
+    """Fill the -1 size from `world` and check the layout covers exactly the world, with clear
+    errors (torchtitan's ParallelDims)."""
+    pc.validate()
+    rep, shard, cp = pc.dp_replicate, pc.dp_shard, pc.cp
+    if rep == -1 or shard == -1:
+        known = (shard if rep == -1 else rep) * cp
+        if world % known:
+            raise ValueError(
+                f"train.parallel: {world} ranks do not split into groups of {known} "
+                f"(dp_replicate={pc.dp_replicate}, dp_shard={pc.dp_shard}, cp={cp})"
+            )
+        rep, shard = (world // known, shard) if rep == -1 else (rep, world // known)
+    if rep * shard * cp != world:
+        raise ValueError(
+            f"train.parallel: dp_replicate {rep} x dp_shard {shard} x cp {cp} = "
+            f"{rep * shard * cp} ranks, but this job has {world}; make the product the world "
+            "size (or set dp_replicate or dp_shard to -1)"
+        )
+    if shard % pc.ep:
+        raise ValueError(
+            f"train.parallel.ep={pc.ep} must divide dp_shard={shard}: expert parallelism borrows "
+            "its ranks from the data-parallel shard group (train.parallel=fsdp, or set "
+            "train.parallel.dp_shard)"
+        )
+    return Layout(dp_replicate=rep, dp_shard=shard, ep=pc.ep, cp=cp)
+
+
+def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
+    """The job's DeviceMesh (dp_replicate, dp_shard_mod_ep, cp, ep) with the flattened
+    dimensions `dp_shard_cp` (dp_shard_mod_ep, cp, ep: FSDP2's shard group) and `expert_dp`
+    (dp_shard_mod_ep, cp: the ranks an expert's shard is replicated over before FSDP2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (layout.dp_replicate, layout.dp_shard // layout.ep, layout.cp, layout.ep)
+    names = ("dp_replicate", "dp_shard_mod_ep", "cp", "ep")
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    mesh["dp_shard_mod_ep", "cp", "ep"]._flatten("dp_shard_cp")
+    mesh["dp_shard_mod_ep", "cp"]._flatten("expert_dp")
+    return mesh
+
+
+def data_parallel_coordinates(layout: Layout, mesh: DeviceMesh | None) -> tuple[int, int]:
+    """(rank, size) among the ranks that read different rows: every mesh dimension but `cp`
+    (the ranks of a context-parallel group read the same rows and take a part of each)."""
+    if mesh is None:
+        return get_rank(), get_world_size()
+    rep, mod, _, ep = mesh.get_coordinate()
+    return (rep * (layout.dp_shard // layout.ep) + mod) * layout.ep + ep, layout.dp
+
+
+def apply_layout(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> None:
+    """Shard `model` in place for a "fsdp"-style layout over `mesh` (`build_mesh`): context
+    parallelism over `cp`, expert parallelism over `ep`, then FSDP2 over (dp_replicate,
+    dp_shard_cp) (HSDP when both > 1), the experts over (dp_replicate, expert_dp). Every rank
+    starts from the same full weights."""
+    from .context_parallel import apply_context_parallel
+    from .expert_parallel import apply_expert_parallel
+
+    if layout.cp > 1:
+        apply_context_parallel(model, mesh["cp"])
+    dp_mesh = (
+        mesh["dp_replicate", "dp_shard_cp"] if layout.dp_replicate > 1 else mesh["dp_shard_cp"]
+    )
+    if layout.ep == 1:
+        apply_fsdp2(model, dp_mesh)
+        return
+    apply_expert_parallel(model, mesh["ep"])
+    expert_mesh = mesh["dp_replicate", "expert_dp"]
+    apply_fsdp2(model, dp_mesh, expert_mesh=expert_mesh)
+
+
+@torch.no_grad()
+def materialize_sharded(
+    model: nn.Module, template: nn.Module, *, seed: int, device: torch.device
+) -> None:
+    """Initialise a model built on the meta device and sharded by `apply_layout`, each rank
+    allocating only its shards (issue: a 120B model does not fit one device, nor its host).
+
+    `template` is a meta-device copy of the model taken before sharding. Its init units
+    (`HybridLM.init_units`, in `init_weights`' RNG order) are initialised one at a time on the
+    CPU from `seed`, and every rank copies its own slice out of each unit, so the weights equal
+    a single-process `build_model(cfg, seed=seed, device="cpu")` bit for bit and no rank holds
+    more than one unit (one block) in full."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device=device)
+    model.init_buffers()
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    prefix = {id(m): name for name, m in template.named_modules()}
+    rng = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        for unit, init in template.init_units():
+            unit.to_empty(device="cpu")
+            init(unit)
+            for key, full in unit.state_dict(prefix=prefix[id(unit)] + ".").items():
+                target = targets[key]
+                if isinstance(target, DTensor):
+                    mine = distribute_tensor(
+                        full.to(device), target.device_mesh, target.placements, src_data_rank=None
+                    )
+                    target.to_local().copy_(mine.to_local())
+                else:
+                    target.copy_(full)
+            unit.to(device="meta")
+    finally:
+        torch.random.set_rng_state(rng)
 
 
 def model_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model`'s parameters are sharded: DTensors (FSDP2, expert parallelism) on some
+    DeviceMesh, whatever their placements (DDP replicas and one process: plain tensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def full_state_dicts(

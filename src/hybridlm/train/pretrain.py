@@ -86,6 +86,7 @@ class Pretrain(TrainModule):
     stage = "pretrain"
     rate_key = "tokens_per_s"
     eval_at_start = False
+    context_parallel = True
 
     def __init__(self, run: RunConfig, rt: Runtime) -> None:
 
@@ -93,14 +94,16 @@ class Pretrain(TrainModule):
         tc, dc = run.train, run.data
         # warm start (train.init_from): the loaded model's config is the run's (checkpoints
         # record what was trained)
-        self.model = initial_model(tc, run.model, rt.device)
+        self.model = initial_model(tc, run.model, rt.device, meta=rt.meta_init)
         run = dataclasses.replace(run, model=self.model.config)
         self.run, model_cfg = run, run.model
+        if rt.cp > 1 and tc.z_loss > 0:
+            raise ValueError("train.z_loss needs the logits of whole rows; it does not take cp > 1")
         # rank 0 tokenises and writes the shards; the others wait, then open the same files
-        if rt.rank == 0:
+        if is_main():
             sets = prepare_shards(dc)
         barrier()
-        if rt.rank != 0:
+        if not is_main():
             sets = prepare_shards(dc)  # finds the manifest and reuses every shard
         vocab = max(s.vocab_size for s in sets.values())
         if vocab > model_cfg.vocab_size:
@@ -133,16 +136,29 @@ class Pretrain(TrainModule):
             doc_ids = batch["doc_ids"].to(dev)
         model = self.forward_model if self.model.training else self.model
         labels = batch["labels"].to(dev)
+        input_ids, model_doc_ids, own = batch["input_ids"].to(dev), doc_ids, None
+        cp = self.model.context_parallel
+        if cp is not None:  # this rank's shard of every row; targets shift on the whole rows
+            input_ids = cp.shard(input_ids)
+            model_doc_ids = None if doc_ids is None else cp.shard(doc_ids)
+            start = cp.offset(input_ids.shape[1])
+            own = slice(start, start + input_ids.shape[1])
 
         def head(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             return causal_lm_loss(
-                self.model, out, labels, doc_ids=doc_ids, num_valid_tokens=denom, include_aux=False
+                self.model,
+                out,
+                labels,
+                doc_ids=doc_ids,
+                num_valid_tokens=denom,
+                include_aux=False,
+                seq_slice=own,
             )
 
         with self.rt.autocast():
             # the loss runs inside the forward (`head`): under DDP / FSDP2 the LM-head weight
             # of the fused cross-entropy is used where the wrappers expect it
-            out = model(batch["input_ids"].to(dev), doc_ids=doc_ids, head=head, **kw)
+            out = model(input_ids, doc_ids=model_doc_ids, head=head, **kw)
         value, parts = out.head
         return out, value, parts
 
@@ -158,8 +174,12 @@ class Pretrain(TrainModule):
         out, value, parts = self._loss(
             micro, denom, mtp_depth=self.model.train_mtp_depth, return_logits=tc.z_loss > 0
         )
-        # the balancing loss is a mean over the step's micro-batches (Loss.mean), not a sum
+        # the balancing loss is a mean over the step's micro-batches (Loss.mean), not a sum;
+        # under context parallelism each rank holds its shard's part of its rows' loss: the
+        # cp parts add up, so their average over ranks is scaled back by cp
         aux = parts.get("moe_aux")
+        if aux is not None and self.rt.cp > 1:
+            aux = aux * self.rt.cp
         metrics = {k: float(v.detach()) for k, v in parts.items() if k != "moe_aux"}
         if aux is not None:
             metrics["moe_aux"] = float(aux.detach()) / tc.grad_accum
@@ -201,8 +221,10 @@ class Pretrain(TrainModule):
             )
         finally:
             self.model.train()
-        nats, n_bytes = self.rt.reduce_sum(nats), self.rt.reduce_sum(n_bytes)
-        n_tok = int(round(self.rt.reduce_sum(n_tok)))
+        # every rank of a context-parallel group scores its shard of the same rows: the nats
+        # add up, the rows' tokens and bytes are counted by each of the `cp` ranks
+        nats, n_bytes = self.rt.reduce_sum(nats), self.rt.reduce_sum(n_bytes) / self.rt.cp
+        n_tok = int(round(self.rt.reduce_sum(n_tok) / self.rt.cp))
         if n_tok == 0:
             return {}
         return {

@@ -41,6 +41,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..io import load_model
 from ..io.checkpoint import (
+    is_sharded_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     read_meta,
@@ -53,18 +54,26 @@ from ..precision.monitor import LowPrecisionMonitor
 from ..precision.policy import PrecisionPolicy, convert_for_low_precision
 from ..presets import get_preset
 from ..report.plot import plot_post_training
+from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint import prepare_run_dir, truncate_metrics
 from .config import TrainConfig
+from .dcp import load_sharded, save_sharded
 from .optim import StepOutcome, build_optimizer, clip_gradients, optimizer_step
 from .parallel import (
+    Layout,
     all_reduce_sum,
     apply_ddp,
-    apply_fsdp2,
+    apply_layout,
     barrier,
+    build_mesh,
+    data_parallel_coordinates,
     full_state_dicts,
     init_distributed,
     is_main,
+    is_sharded,
     load_full_state_dicts,
+    materialize_sharded,
+    resolve_layout,
 )
 
 
@@ -76,16 +85,20 @@ def seed_all(seed: int) -> None:
 
 
 def initial_model(
-    tc: TrainConfig, model: ModelConfig | str | None, device: torch.device
+    tc: TrainConfig, model: ModelConfig | str | None, device: torch.device, *, meta: bool = False
 ) -> HybridLM:
     """The model a run starts from: `tc.init_from` loaded (warm start; the optimizer and
     schedule are the run's own, fresh), else a fresh `model` (a config or preset name)
-    initialised from `tc.seed`."""
+    initialised from `tc.seed`; with `meta` (`Runtime.meta_init`) a fresh model stays on the
+    meta device, and the Trainer gives each rank its shards once the layout is applied."""
     if tc.init_from:
         return load_model(tc.init_from).float().to(device).train()
     if model is None:
         raise ValueError("give train.init_from (a model to start from) or a model config")
     cfg = get_preset(model) if isinstance(model, str) else copy.deepcopy(model)
+    if meta:
+        with torch.device("meta"):
+            return HybridLM(cfg).train()
     return build_model(cfg, seed=tc.seed, device=device)
 
 
@@ -98,13 +111,16 @@ def resolve_device(name: str) -> torch.device:
 @dataclass
 class Runtime:
     """What a stage needs from the run around it: the run directory, device, data-parallel rank
-    and world size, and the loop settings."""
+    and world size (the ranks that read different rows), and the loop settings."""
 
     tc: TrainConfig
     out: Path
     device: torch.device
     rank: int = 0
     world_size: int = 1
+    cp: int = 1  # context-parallel ranks sharing each row (the model takes this rank's shard)
+    # a fresh model may be built on the meta device (a sharded layout initialises it per shard)
+    meta_init: bool = False
 
     @property
     def metrics_path(self) -> Path:
@@ -140,8 +156,9 @@ class Runtime:
         return items[r * n // W : (r + 1) * n // W]
 
     def reduce_sum(self, x: float) -> float:
-        """The sum of `x` over data-parallel ranks (x itself in one process)."""
-        return float(all_reduce_sum(float(x))) if self.world_size > 1 else x
+        """The sum of `x` over every rank (x itself in one process); the ranks of a
+        context-parallel group (`cp`) each contribute."""
+        return float(all_reduce_sum(float(x))) if self.world_size * self.cp > 1 else x
 
 
 @dataclass
@@ -179,6 +196,8 @@ class TrainModule:
     rate_key: ClassVar[str] = "steps_per_s"
     # post-training logs its data row and evaluates before the first step
     eval_at_start: ClassVar[bool] = True
+    # the stage's forwards take context-parallel shards of their rows (train.parallel.cp)
+    context_parallel: ClassVar[bool] = False
 
     model: HybridLM
     total_steps: int
@@ -292,18 +311,34 @@ class Trainer:
         out = prepare_run_dir(
             tc.out_dir, resume=resume, overwrite=overwrite, remove=is_main(), log=self._print
         )
-        self.parallel = tc.parallel if world > 1 else "none"
-        if world > 1 and self.parallel == "none":
-            raise ValueError(
-                "train.parallel='none' under torchrun with >1 process; use ddp or fsdp"
-            )
+        # the mesh layout of a torchrun job (a single process ignores train.parallel)
+        self.layout = resolve_layout(tc.layout(), world) if world > 1 else Layout()
+        self.parallel = self.layout.style
         device = dist_device if dist_device is not None else resolve_device(tc.device)
+        self.mesh = build_mesh(self.layout, device) if self.parallel == "fsdp" else None
+        # stages read data by data-parallel coordinates (a context-parallel group shares rows)
+        dp_rank, dp_size = data_parallel_coordinates(self.layout, self.mesh)
         seed_all(tc.seed)
-        self.rt = Runtime(tc=tc, out=out, device=device, rank=rank, world_size=world)
+        self.rt = Runtime(
+            tc=tc,
+            out=out,
+            device=device,
+            rank=dp_rank,
+            world_size=dp_size,
+            cp=self.layout.cp,
+            meta_init=self.parallel == "fsdp" and tc.low_precision == "none",
+        )
         self.out, self.device, self.metrics_path = out, device, self.rt.metrics_path
 
         self.module = build(self.rt)
         m = self.module
+        # a meta-device build: its unsharded structure, for the per-unit init after sharding
+        template = copy.deepcopy(m.model) if m.model.embeddings.weight.is_meta else None
+        if self.layout.cp > 1 and not m.context_parallel:
+            raise ValueError(
+                f"train.parallel.cp={self.layout.cp}: context parallelism is supported by "
+                f"pretraining; the {m.stage} stage reads whole rows"
+            )
         self.total_steps = m.total_steps
         self.lp_monitor = None
         if tc.low_precision != "none":
@@ -318,13 +353,17 @@ class Trainer:
             )
         if tc.low_precision != "none" or tc.monitor_zero_grads:
             self.lp_monitor = LowPrecisionMonitor(m.model)
+        apply_activation_checkpointing(m.model, tc.activation_checkpointing)
         # `m.model` stays the HybridLM (FSDP2 shards it in place); `m.forward_model` is what
         # training forwards of the trained module go through (its DDP wrapper under DDP)
         m.forward_model = m.trained_module()
         if self.parallel == "ddp":
             m.forward_model = apply_ddp(m.forward_model)
         elif self.parallel == "fsdp":
-            apply_fsdp2(m.model)
+            apply_layout(m.model, self.layout, self.mesh)
+            if template is not None:
+                materialize_sharded(m.model, template, seed=tc.seed, device=device)
+                del template
         self.optimizer = build_optimizer(m.trained_module(), tc)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
 
@@ -358,7 +397,10 @@ class Trainer:
             if is_main():
                 truncate_metrics(self.metrics_path, None)
             return
-        if self.parallel == "fsdp":
+        if is_sharded_checkpoint(read_meta(path)):
+            # any world size and layout: each rank reads the chunks it holds (train.dcp)
+            meta = load_sharded(path, self.model, self.optimizer, restore_rng=True)
+        elif is_sharded(self.model):
             from safetensors.torch import load_file
 
             meta = read_meta(path)
@@ -384,23 +426,46 @@ class Trainer:
         barrier()
         self._print(f"{stage}: resumed from {path} at step {self.step}")
 
-    def save(self) -> Path | None:
-        """Write a checkpoint (rank 0; under FSDP every rank joins the gather first)."""
-        model, optimizer = self.model, self.optimizer
-        if self.parallel == "fsdp":
-            msd, osd = full_state_dicts(self.model, self.optimizer)
-            if is_main():
-                model, optimizer = _plain_copy(self.model.config, msd), _FixedState(osd)
-        if not is_main():
-            barrier()
-            return None
-        meta = {
+    def checkpoint_format(self) -> str:
+        """The format `save` writes, "sharded" or "full": `train.checkpoint_format`, where
+        "auto" is sharded when the model is (its parameters are DTensors: FSDP2, EP)."""
+        fmt = self.cfg.checkpoint_format
+        if fmt == "auto":
+            return "sharded" if is_sharded(self.model) else "full"
+        return fmt
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        return {
             "run_config": self.module.run_config(),
             "stage": self.module.stage,
             "skipped_steps": self.skipped_steps,
             "total_steps": self.total_steps,
             **self.module.state_dict(),
         }
+
+    def save(self) -> Path | None:
+        """Write a checkpoint (returns its path on rank 0). Sharded (`train.dcp`): every rank
+        writes its own shards. Full: rank 0 writes it; a sharded model is gathered first (every
+        rank joins)."""
+        if self.checkpoint_format() == "sharded":
+            path = save_sharded(
+                self.out,
+                step=self.step,
+                model=self.model,
+                optimizer=self.optimizer,
+                meta=self._checkpoint_meta() if is_main() else {},  # rank 0's is written
+                keep_last_n=self.cfg.keep_last_n,
+            )
+            return path if is_main() else None
+        model, optimizer = self.model, self.optimizer
+        if is_sharded(self.model):
+            msd, osd = full_state_dicts(self.model, self.optimizer)
+            if is_main():
+                model, optimizer = _plain_copy(self.model.config, msd), _FixedState(osd)
+        if not is_main():
+            barrier()
+            return None
+        meta = self._checkpoint_meta()
         path = save_checkpoint(
             self.out,
             step=self.step,
@@ -579,7 +644,7 @@ class Trainer:
         finally:
             m.close()
         finished = self.step == self.total_steps
-        if self.parallel == "fsdp" and finished:
+        if is_sharded(self.model) and finished:
             # the run is over: hand callers (sampling, export) a plain, unsharded model on
             # every rank, as in a single process
             from torch.distributed.checkpoint.state_dict import (
