@@ -50,19 +50,6 @@ def hybrid_1b(tiny: bool):
     return c
 
 
-def matmul_peak(device: torch.device, dtype: torch.dtype, n: int) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(10):
-        sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -158,7 +145,11 @@ def main() -> int:
     dist.init_process_group("nccl" if cuda else "gloo")
     cfg = hybrid_1b(args.tiny)
     counts = cfg.num_params()
-    peak = matmul_peak(device, torch.bfloat16 if cuda else torch.float32, 8192 if cuda else 512)
+    from hybridlm.train.pretrain import measure_peak_flops
+
+    peak = measure_peak_flops(
+        device, torch.bfloat16 if cuda else torch.float32, 8192 if cuda else 512
+    )
     head = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "params_total": counts.total,

@@ -28,21 +28,6 @@ from pathlib import Path
 import torch
 
 
-def matmul_peak_flops(device: torch.device, n: int = 1024, reps: int = 10) -> float:
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    for _ in range(2):
-        a @ b
-    best = float("inf")
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -150,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad()
 
     runners = {"hybridlm": trainer.train_step, "transformers": hf_step}
-    peak = matmul_peak_flops(device)
+    from hybridlm.train.pretrain import measure_peak_flops
+
+    peak = measure_peak_flops(device)
     times: dict[str, list[float]] = {k: [] for k in runners}
     for i in range(args.warmup + args.steps):
         for k, fn in runners.items():  # interleaved

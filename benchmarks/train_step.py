@@ -24,18 +24,6 @@ from contextlib import nullcontext
 import torch
 
 
-def matmul_peak_gflops(dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
-
-
 def step_time(fn, x, autocast_dtype) -> float:
     ctx = (
         torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
@@ -64,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybridlm.interop.hf import save_pretrained
     from hybridlm.presets import get_preset
     from hybridlm.train.objectives import causal_lm_loss
+    from hybridlm.train.pretrain import measure_peak_flops
 
     torch.manual_seed(0)
     cfg = get_preset(args.preset)
@@ -109,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         dtype = {"fp32": None, "bf16": torch.bfloat16}[name]
         # the best torch.matmul throughput on offer: fp32, or the autocast dtype if faster
         # (CPUs without bf16 units emulate bf16 GEMMs far below fp32 speed)
-        peak = matmul_peak_gflops(torch.float32)
+        peak = measure_peak_flops("cpu", torch.float32) / 1e9
         if dtype is not None:
-            peak = max(peak, matmul_peak_gflops(dtype))
+            peak = max(peak, measure_peak_flops("cpu", dtype) / 1e9)
         times = {k: [] for k in runners}
         for i in range(args.warmup + args.steps):
             for k, fn in runners.items():  # interleaved

@@ -236,6 +236,19 @@ def test_single_process_round_trip_restores_weights_optimizer_and_rng(tmp_path):
         load_sharded(weights_only, _model(), torch.optim.AdamW(_model().parameters()))
 
 
+def test_merge_reads_sharded_checkpoints(tmp_path):
+    """`hybridlm merge` averages sharded checkpoints like full ones (read offline)."""
+    from hybridlm.train.checkpoint import merge_checkpoints
+
+    a, b = _model(seed=0), _model(seed=1)
+    paths = [_save(tmp_path, 1, a), _save(tmp_path, 2, b)]
+    merged = merge_checkpoints(paths, "uniform")
+    want = {k: (v + b.state_dict()[k]) / 2 for k, v in a.state_dict().items()}
+    assert merged.keys() == want.keys()
+    for k, v in want.items():
+        torch.testing.assert_close(merged[k], v, atol=1e-7, rtol=0)
+
+
 def test_partial_save_is_never_used_and_damage_is_found(tmp_path, monkeypatch):
     model, opt = _trained()
     for step in (1, 2, 3):

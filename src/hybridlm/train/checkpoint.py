@@ -20,7 +20,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..io.checkpoint import TMP_PREFIX, CheckpointError
+from ..io.checkpoint import DCP_METADATA, TMP_PREFIX, CheckpointError
+from ..io.sharded import iter_model_tensors
 from ..report.plot import read_metrics
 
 METRICS = "metrics.jsonl"
@@ -146,6 +147,9 @@ def merge_checkpoints(
     w = merge_weights(len(paths), weights) if isinstance(weights, str) else list(weights)
     states = []
     for p in paths:
+        if (p / DCP_METADATA).exists():  # a sharded checkpoint (train.dcp), read offline
+            states.append(dict(iter_model_tensors(p)))
+            continue
         try:
             states.append(load_file(str(p / "model.safetensors")))
         except (OSError, SafetensorError) as err:
