@@ -1,5 +1,5 @@
 """`hybridlm plan` against what training allocates: parameter, gradient and optimizer-state bytes
-per rank exactly (one process, FSDP2 and EP on gloo: each rank dumps the bytes of its local
+per rank exactly (one process, FSDP2, EP and TP on gloo: each rank dumps the bytes of its local
 shards after one step), saved activations within 20% of `LiveBytes` on real forwards (fp32,
 and bf16 under CPU autocast), and the CLI on the Nemotron 3 Super preset."""
 
@@ -110,10 +110,16 @@ def test_single_process_bytes_are_exact():
     _check_exact([step_bytes(model)], gpus=1)
 
 
-def test_fsdp2_and_ep_world2_bytes_are_exact(tmp_path):
-    ranks = _spawn(tmp_path, 2, {"fsdp": {"dp_shard": 2}, "ep2": {"dp_shard": 2, "ep": 2}})
+def test_fsdp2_ep_and_tp_world2_bytes_are_exact(tmp_path):
+    layouts = {
+        "fsdp": {"dp_shard": 2},
+        "ep2": {"dp_shard": 2, "ep": 2},
+        "tp2": {"dp_shard": 1, "tp": 2},
+    }
+    ranks = _spawn(tmp_path, 2, layouts)
     _check_exact([r["fsdp"] for r in ranks], gpus=2)
     _check_exact([r["ep2"] for r in ranks], gpus=2, ep=2)
+    _check_exact([r["tp2"] for r in ranks], gpus=2, tp=2)
 
 
 @pytest.mark.slow
@@ -123,10 +129,12 @@ def test_ep2_fsdp_and_hsdp_world4_bytes_are_exact(tmp_path):
     layouts = {
         "ep2_fsdp4": {"dp_shard": 4, "ep": 2},
         "ep2_hsdp": {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
+        "fsdp2_tp2": {"dp_shard": 2, "tp": 2},
     }
     ranks = _spawn(tmp_path, 4, layouts)
     _check_exact([r["ep2_fsdp4"] for r in ranks], gpus=4, ep=2)
     _check_exact([r["ep2_hsdp"] for r in ranks], gpus=4, ep=2, dp_replicate=2)
+    _check_exact([r["fsdp2_tp2"] for r in ranks], gpus=4, tp=2)
 
 
 # ------------------------------------------------------------------------------ activations
@@ -178,9 +186,9 @@ def test_activations_within_20_percent_of_measured(precision):
 
 # ------------------------------------------------------------------------------ plan and CLI
 def test_super_preset_cli(capsys):
-    """TP 2 / EP 64 on 512 GPUs: every parameter is split over all 512 devices but the
-    replicated norms and routers (split over the 256 data-parallel ranks), so the parameters per
-    device are the fp32 model / 512 within 1%."""
+    """TP 2 / EP 64 on 512 GPUs: the tensor-parallel parameters are split over all 512 devices,
+    the routed experts (EP 64 x expert FSDP 4), latent projections, norms and routers (whole
+    over the tp pair) over the 256 data-parallel ranks."""
     argv = ["plan", "--preset", SUPER, "--gpus", "512", "--tp", "2", "--ep", "64"]
     argv += ["--seq", "8192", "--micro-batch", "1"]
     assert main(argv) == 0
@@ -189,12 +197,14 @@ def test_super_preset_cli(capsys):
         print(f"\n{text}")
     for line in ("parameters (fp32 master)", "activations (checkpointing none)", "EP all-to-all"):
         assert line in text
-    assert "TP all-reduce" in text and "modelled only: TP not implemented" in text
+    assert "TP all-reduce" in text and "modelled (implemented layout)" in text
     assert main([*argv, "--json", "--activation-checkpointing", "full"]) == 0
     d = json.loads(capsys.readouterr().out)
     n = get_preset(SUPER).num_params()
     assert d["params_total"] == n.total + n.mtp_total
-    assert d["parameters"] / (4 * d["params_total"] / 512) == pytest.approx(1.0, rel=0.01)
+    role = d["params_by_role"]
+    want = 4 * (role["tp"] / 512 + (role["expert"] + role["replicated"]) / 256)
+    assert d["parameters"] == pytest.approx(want, rel=0.01)
     assert d["gradients"] == d["parameters"]
     assert d["optimizer"] == 2 * d["parameters"] + 4 * d["param_tensors"]
     assert d["layout"]["dp_shard"] == 256 and d["layout"]["style"] == "fsdp"

@@ -59,7 +59,6 @@ import gzip
 import hashlib
 import json
 import math
-import os
 import pickle
 import time
 import typing
@@ -75,6 +74,7 @@ from ..data.sources import (
     DocumentSource,
     SourceStats,
 )
+from ..files import atomic_write
 from .core import (
     CurateDoc,
     DocStage,
@@ -270,13 +270,6 @@ def input_shards(cfg: CurateConfig) -> list[InputShard]:
 
 
 # ---------------------------------------------------------------------------- shard I/O
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def _jsonl_gz(records: Sequence[dict[str, Any]]) -> bytes:
     body = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode("utf-8")
     return gzip.compress(body, mtime=0)  # mtime=0: identical bytes for identical documents
@@ -285,7 +278,7 @@ def _jsonl_gz(records: Sequence[dict[str, Any]]) -> bytes:
 def write_docs(path: Path, docs: Sequence[CurateDoc], fmt: str = "jsonl") -> None:
     """Write documents with provenance as JSONL.gz or Parquet (atomically)."""
     if fmt == "jsonl":
-        _atomic_write(path, _jsonl_gz([d.to_record() for d in docs]))
+        atomic_write(path, _jsonl_gz([d.to_record() for d in docs]))
         return
     import io
 
@@ -303,7 +296,7 @@ def write_docs(path: Path, docs: Sequence[CurateDoc], fmt: str = "jsonl") -> Non
     )
     buf = io.BytesIO()
     pq.write_table(table, buf)
-    _atomic_write(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 def read_docs(path: str | Path) -> list[CurateDoc]:
@@ -482,7 +475,7 @@ def run_segment(task: SegmentTask) -> dict[str, Any]:
         t1 = time.perf_counter()
         next_index, next_stage = task.next_global
         next_stage.setup()
-        _atomic_write(paths["partial"], pickle.dumps(next_stage.observe(kept)))
+        atomic_write(paths["partial"], pickle.dumps(next_stage.observe(kept)))
         observe = {"index": next_index, "seconds": time.perf_counter() - t1}
     record = {
         "key": task.key,
@@ -499,7 +492,7 @@ def run_segment(task: SegmentTask) -> dict[str, Any]:
         "observe": observe,
         "seconds": time.perf_counter() - t0,
     }
-    _atomic_write(paths["done"], json.dumps(record, indent=1).encode())
+    atomic_write(paths["done"], json.dumps(record, indent=1).encode())
     return record
 
 
@@ -765,7 +758,7 @@ def _build_report(
 def write_report(out_dir: Path, report: CurateReport) -> None:
     """report.json (everything) and report.md (tables a person reads)."""
     data = report.data
-    _atomic_write(out_dir / "report.json", json.dumps(data, indent=1, default=str).encode())
+    atomic_write(out_dir / "report.json", json.dumps(data, indent=1, default=str).encode())
     lines = [
         "# Curation report",
         "",
@@ -820,4 +813,4 @@ def write_report(out_dir: Path, report: CurateReport) -> None:
             f"before, {exp['docs_after']} / {exp['chars_after']} after "
             f"({exp['zero_copies']} rounded to 0 copies).",
         ]
-    _atomic_write(out_dir / "report.md", ("\n".join(lines) + "\n").encode())
+    atomic_write(out_dir / "report.md", ("\n".join(lines) + "\n").encode())

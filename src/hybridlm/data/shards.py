@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ..files import atomic_write
 from .bpe import load_tokenizer, tokenizer_sha256
 from .sources import (
     Document,
@@ -193,14 +194,6 @@ def _existing_record(out_dir: Path, index: int, input_sha256: str) -> dict[str, 
     return record
 
 
-def _atomic_write_bytes(path: Path, write: Any) -> None:
-    # per-process temporary name: the ranks of a job may write the same file (same bytes) at once
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        write(fh)
-    os.replace(tmp, path)
-
-
 def _write_shard(
     out_dir: Path, pending: _Pending, results: list[tuple[np.ndarray, np.ndarray]], dtype: np.dtype
 ) -> dict[str, Any]:
@@ -215,7 +208,7 @@ def _write_shard(
     files = []
     for part, array in (("tokens", tokens), ("offsets", offsets), ("keys", keys)):
         path = out_dir / _shard_name(pending.index, part)
-        _atomic_write_bytes(path, lambda fh, a=array: np.save(fh, a, allow_pickle=False))
+        atomic_write(path, lambda fh, a=array: np.save(fh, a, allow_pickle=False))
         files.append(path)
     record = {
         "index": pending.index,
@@ -227,7 +220,7 @@ def _write_shard(
         "files": [f.name for f in files],
     }
     record_file = out_dir / _shard_name(pending.index, "json")
-    _atomic_write_bytes(record_file, lambda fh: fh.write(json.dumps(record, indent=1).encode()))
+    atomic_write(record_file, lambda fh: fh.write(json.dumps(record, indent=1).encode()))
     return record
 
 
@@ -383,7 +376,7 @@ def write_shards(
         "shards": records,
     }
     text = json.dumps(manifest, indent=1, default=str)
-    _atomic_write_bytes(out_dir / "manifest.json", lambda fh: fh.write(text.encode()))
+    atomic_write(out_dir / "manifest.json", lambda fh: fh.write(text.encode()))
     return WriteReport(manifest, written, reused, time.perf_counter() - start, stats)
 
 

@@ -78,9 +78,10 @@ class Attention(nn.Module):
         q, k, v = self.q_proj(x_BLD), self.k_proj(x_BLD), self.v_proj(x_BLD)
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q_BHLE = q.view(Bsz, L, a.num_heads, a.head_dim).transpose(1, 2)
-        k_BKLE = k.view(Bsz, L, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        v_BKLE = v.view(Bsz, L, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        # -1 heads: the projections may hold this rank's heads only (train.tensor_parallel)
+        q_BHLE = q.view(Bsz, L, -1, a.head_dim).transpose(1, 2)
+        k_BKLE = k.view(Bsz, L, -1, a.head_dim).transpose(1, 2)
+        v_BKLE = v.view(Bsz, L, -1, a.head_dim).transpose(1, 2)
         if a.rope_theta is not None:
             if positions_BL is not None:
                 cos, sin = rope_cos_sin(self.inv_freq, positions_BL, self.rope_scaling)

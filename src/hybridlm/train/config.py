@@ -50,23 +50,27 @@ class ParallelConfig:
     `ep` ranks of a shard group split the routed experts (Nemotron 3 Super trains with EP 64),
     tokens reach them by all-to-all, and the experts' remaining data-parallel ranks
     (`dp_shard / ep`) shard them with FSDP2. Context parallelism splits every sequence over `cp`
-    ranks (the parameters are sharded over dp_shard * cp ranks, as in torchtitan). The string
-    shorthands: "ddp" = {dp_replicate: -1}, "fsdp" = {dp_shard: -1}, "none" = one process only.
-    A single process ignores the layout, so one YAML runs on a laptop and on a cluster."""
+    ranks (the parameters are sharded over dp_shard * cp ranks, as in torchtitan). Tensor
+    parallelism splits attention and Mamba-2 heads, MLP / shared-expert hidden units and the
+    vocabulary over `tp` ranks (innermost; they read the same rows, `train/tensor_parallel.py`).
+    The string shorthands: "ddp" = {dp_replicate: -1}, "fsdp" = {dp_shard: -1}, "none" = one
+    process only. A single process ignores the layout, so one YAML runs on a laptop and on a
+    cluster."""
 
     dp_replicate: int = 1
     dp_shard: int = -1
     ep: int = 1
     cp: int = 1
+    tp: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
-        sizes |= {"ep": self.ep, "cp": self.cp}
+        sizes |= {"ep": self.ep, "cp": self.cp, "tp": self.tp}
         for name, size in sizes.items():
-            fixed = name in ("ep", "cp")
+            fixed = name in ("ep", "cp", "tp")
             if size == 0 or size < -1 or (fixed and size < 1):
                 raise ValueError(
                     f"train.parallel.{name} must be a positive number of ranks"
@@ -82,7 +86,7 @@ class ParallelConfig:
         if style not in typing.get_args(ParallelStyle):
             raise ValueError(
                 f"train.parallel must be one of {list(typing.get_args(ParallelStyle))} or a "
-                f"layout mapping {{dp_replicate, dp_shard, ep, cp}}, got {style!r}"
+                f"layout mapping {{dp_replicate, dp_shard, ep, cp, tp}}, got {style!r}"
             )
         if style == "ddp":
             return ParallelConfig(dp_replicate=-1, dp_shard=1)

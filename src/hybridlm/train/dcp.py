@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..io.checkpoint import (
     DCP_METADATA,
@@ -85,6 +86,30 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[st
         return {"model": get_model_state_dict(model)}
     msd, osd = get_state_dict(model, optimizer)
     return {"model": msd, "optim": osd}
+
+
+def _as_saved(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """`state` as DCP writes and reads it: the tensors tensor parallelism keeps in rank order
+    (`tensor_parallel.row_orders`) appear in canonical order, so checkpoints do not depend on
+    the layout (the same tensors, viewed; loading fills them in place)."""
+    from .tensor_parallel import canonical_chunks, row_orders
+
+    orders = row_orders(model)
+    if not orders:
+        return state
+    out = {"model": dict(state["model"])}
+    for fqn, rows in orders.items():
+        out["model"][fqn] = canonical_chunks(state["model"][fqn], rows)
+    if "optim" in state:
+        optim = dict(state["optim"], state=dict(state["optim"]["state"]))
+        for fqn, rows in orders.items():
+            if fqn in optim["state"]:
+                optim["state"][fqn] = {
+                    k: canonical_chunks(v, rows) if isinstance(v, DTensor) and v.dim() else v
+                    for k, v in optim["state"][fqn].items()
+                }
+        out["optim"] = optim
+    return out
 
 
 def _all_gather(obj: Any) -> list[Any]:
@@ -130,7 +155,7 @@ def save_sharded(
     tmp = root / broadcast_object(tmp_name)  # sent once rank 0 has cleaned up
     writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
     with _single_process_quiet():
-        dcp_save(_state(model, optimizer), storage_writer=writer)
+        dcp_save(_as_saved(_state(model, optimizer), model), storage_writer=writer)
     # DCP returns once the coordinator has written .metadata; each rank hashes its own shards
     rank = get_rank()
     mine = {f.name: _record(f) for f in sorted(tmp.glob(f"__{rank}_*"))}
@@ -193,7 +218,7 @@ def load_sharded(
     state = _state(model, optimizer)
     try:
         with _single_process_quiet():
-            dcp_load(state, storage_reader=FileSystemReader(path))
+            dcp_load(_as_saved(state, model), storage_reader=FileSystemReader(path))
     except CheckpointException as err:
         lines = str(err).strip().splitlines()
         raise ValueError(

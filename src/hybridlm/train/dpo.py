@@ -41,6 +41,7 @@ import torch
 from ..data.bpe import load_tokenizer
 from ..data.chat import parse_assistant, render_with_spans, validate
 from ..data.sft import ChatExample, Conversation, ReadReport, _raw_rows, encode_chat
+from ..files import atomic_write
 from ..io import load_model
 from ..model.model import IGNORE_INDEX, HybridLM, ModelOutput
 from .config import TrainConfig
@@ -324,10 +325,8 @@ def reference_logps(
         ref_model.train(was_training)
     c, r = torch.cat(chosen), torch.cat(rejected)
     if file is not None:
-        file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(".tmp")
-        torch.save({"chosen": c, "rejected": r}, tmp)
-        tmp.replace(file)
+        # every rank of a job computes the same cache; each writes through its own temporary
+        atomic_write(file, lambda fh: torch.save({"chosen": c, "rejected": r}, fh))
     return c, r, False
 
 

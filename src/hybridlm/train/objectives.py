@@ -51,6 +51,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from ..model.model import HybridLM, ModelOutput
 from ..ops.cross_entropy import IGNORE_INDEX, lm_cross_entropy, shift_targets
@@ -109,6 +110,13 @@ def causal_lm_loss(
             return lm_cross_entropy(logits, targets_BL, denom, shift=shift)
         if h_BLD is None:
             raise ValueError("the forward returned neither logits nor hidden states")
+        if isinstance(W_VD, DTensor) and W_VD.device_mesh.mesh_dim_names == ("tp",):
+            # a vocabulary-split LM head (train.parallel.tp; FSDP2 has gathered its own shards)
+            from .tensor_parallel import vocab_parallel_cross_entropy
+
+            t_BL = shift_targets(targets_BL, shift)
+            n = (t_BL != IGNORE_INDEX).sum().clamp(min=1) if denom is None else denom
+            return vocab_parallel_cross_entropy(h_BLD.flatten(0, 1), t_BL.flatten(), n, W_VD)
         return lm_cross_entropy(h_BLD, targets_BL, denom, lm_head_VD=W_VD, shift=shift)
 
     own = slice(None) if seq_slice is None else seq_slice

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ParallelConfig
 from .expert_parallel import moe_layers
+from .tensor_parallel import row_orders, to_canonical
 
 
 def is_initialized() -> bool:
@@ -146,18 +147,20 @@ def apply_fsdp2(
 @dataclass(frozen=True)
 class Layout:
     """A `ParallelConfig` resolved for a world size: every size known. The device mesh has the
-    dimensions (dp_replicate, dp_shard_mod_ep, cp, ep) (ep innermost: an expert-parallel group
-    is neighbouring ranks); flattened: `dp_shard_cp` (what FSDP2 shards the parameters over
-    besides replicas) and `expert_dp` (the ranks an expert shard is replicated over)."""
+    dimensions (dp_replicate, dp_shard_mod_ep, cp, ep, tp) (tp innermost: a tensor-parallel
+    group is neighbouring ranks, one node's fast links; then ep); flattened: `dp_shard_cp` (what
+    FSDP2 shards the parameters over besides replicas) and `expert_dp` (the ranks an expert
+    shard is replicated over)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     ep: int = 1
     cp: int = 1
+    tp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -170,12 +173,12 @@ class Layout:
         over the mesh, with expert parallelism when ep > 1)."""
         if self.world == 1:
             return "none"
-        return "ddp" if self.dp_shard == 1 and self.cp == 1 else "fsdp"
+        return "ddp" if self.dp_shard == 1 and self.cp == 1 and self.tp == 1 else "fsdp"
 
     def describe(self) -> str:
         return (
             f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} "
-            f"(ep {self.ep})"
+            f"x tp {self.tp} (ep {self.ep})"
         )
 
 
@@ -183,20 +186,20 @@ def resolve_layout(pc: ParallelConfig, world: int) -> Layout:
     """Fill the -1 size from `world` and check the layout covers exactly the world, with clear
     errors (torchtitan's ParallelDims)."""
     pc.validate()
-    rep, shard, cp = pc.dp_replicate, pc.dp_shard, pc.cp
+    rep, shard, cp, tp = pc.dp_replicate, pc.dp_shard, pc.cp, pc.tp
     if rep == -1 or shard == -1:
-        known = (shard if rep == -1 else rep) * cp
+        known = (shard if rep == -1 else rep) * cp * tp
         if world % known:
             raise ValueError(
                 f"train.parallel: {world} ranks do not split into groups of {known} "
-                f"(dp_replicate={pc.dp_replicate}, dp_shard={pc.dp_shard}, cp={cp})"
+                f"(dp_replicate={pc.dp_replicate}, dp_shard={pc.dp_shard}, cp={cp}, tp={tp})"
             )
         rep, shard = (world // known, shard) if rep == -1 else (rep, world // known)
-    if rep * shard * cp != world:
+    if rep * shard * cp * tp != world:
         raise ValueError(
-            f"train.parallel: dp_replicate {rep} x dp_shard {shard} x cp {cp} = "
-            f"{rep * shard * cp} ranks, but this job has {world}; make the product the world "
-            "size (or set dp_replicate or dp_shard to -1)"
+            f"train.parallel: dp_replicate {rep} x dp_shard {shard} x cp {cp} x tp {tp} = "
+            f"{rep * shard * cp * tp} ranks, but this job has {world}; make the product the "
+            "world size (or set dp_replicate or dp_shard to -1)"
         )
     if shard % pc.ep:
         raise ValueError(
@@ -204,17 +207,17 @@ def resolve_layout(pc: ParallelConfig, world: int) -> Layout:
             "its ranks from the data-parallel shard group (train.parallel=fsdp, or set "
             "train.parallel.dp_shard)"
         )
-    return Layout(dp_replicate=rep, dp_shard=shard, ep=pc.ep, cp=cp)
+    return Layout(dp_replicate=rep, dp_shard=shard, ep=pc.ep, cp=cp, tp=tp)
 
 
 def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
-    """The job's DeviceMesh (dp_replicate, dp_shard_mod_ep, cp, ep) with the flattened
+    """The job's DeviceMesh (dp_replicate, dp_shard_mod_ep, cp, ep, tp) with the flattened
     dimensions `dp_shard_cp` (dp_shard_mod_ep, cp, ep: FSDP2's shard group) and `expert_dp`
     (dp_shard_mod_ep, cp: the ranks an expert's shard is replicated over before FSDP2)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    shape = (layout.dp_replicate, layout.dp_shard // layout.ep, layout.cp, layout.ep)
-    names = ("dp_replicate", "dp_shard_mod_ep", "cp", "ep")
+    shape = (layout.dp_replicate, layout.dp_shard // layout.ep, layout.cp, layout.ep, layout.tp)
+    names = ("dp_replicate", "dp_shard_mod_ep", "cp", "ep", "tp")
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     mesh["dp_shard_mod_ep", "cp", "ep"]._flatten("dp_shard_cp")
     mesh["dp_shard_mod_ep", "cp"]._flatten("expert_dp")
@@ -223,21 +226,26 @@ def build_mesh(layout: Layout, device: torch.device) -> DeviceMesh:
 
 def data_parallel_coordinates(layout: Layout, mesh: DeviceMesh | None) -> tuple[int, int]:
     """(rank, size) among the ranks that read different rows: every mesh dimension but `cp`
-    (the ranks of a context-parallel group read the same rows and take a part of each)."""
+    and `tp` (the ranks of a context-parallel group read the same rows and take a part of each;
+    those of a tensor-parallel group read the same rows and take a part of each layer)."""
     if mesh is None:
         return get_rank(), get_world_size()
-    rep, mod, _, ep = mesh.get_coordinate()
+    rep, mod, _, ep, _ = mesh.get_coordinate()
     return (rep * (layout.dp_shard // layout.ep) + mod) * layout.ep + ep, layout.dp
 
 
 def apply_layout(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> None:
-    """Shard `model` in place for a "fsdp"-style layout over `mesh` (`build_mesh`): context
-    parallelism over `cp`, expert parallelism over `ep`, then FSDP2 over (dp_replicate,
-    dp_shard_cp) (HSDP when both > 1), the experts over (dp_replicate, expert_dp). Every rank
-    starts from the same full weights."""
+    """Shard `model` in place for a "fsdp"-style layout over `mesh` (`build_mesh`): tensor
+    parallelism over `tp`, context parallelism over `cp`, expert parallelism over `ep`, then
+    FSDP2 over (dp_replicate, dp_shard_cp) (HSDP when both > 1), the experts over
+    (dp_replicate, expert_dp). Every rank starts from the same full weights, or from a
+    meta-device build (`materialize_sharded`)."""
     from .context_parallel import apply_context_parallel
     from .expert_parallel import apply_expert_parallel
+    from .tensor_parallel import apply_tensor_parallel
 
+    if layout.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
     if layout.cp > 1:
         apply_context_parallel(model, mesh["cp"])
     dp_mesh = (
@@ -268,6 +276,7 @@ def materialize_sharded(
     model.to_empty(device=device)
     model.init_buffers()
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    orders = row_orders(model)
     prefix = {id(m): name for name, m in template.named_modules()}
     rng = torch.random.get_rng_state()
     torch.manual_seed(seed)
@@ -277,6 +286,8 @@ def materialize_sharded(
             init(unit)
             for key, full in unit.state_dict(prefix=prefix[id(unit)] + ".").items():
                 target = targets[key]
+                if key in orders:  # stored in tensor-parallel rank order
+                    full = full[orders[key]]
                 if isinstance(target, DTensor):
                     mine = distribute_tensor(
                         full.to(device), target.device_mesh, target.placements, src_data_rank=None
@@ -315,10 +326,15 @@ def full_state_dicts(
     )
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    msd = get_model_state_dict(model, options=opts)
+    msd = _canonical(get_model_state_dict(model, options=opts), row_orders(model))
     osd = get_optimizer_state_dict(model, optimizer, options=opts)
     if "param_groups" not in osd:  # cpu_offload: only rank 0 receives the full state
         return msd, osd
+    for fqn, rows in row_orders(model).items():
+        state = osd["state"].get(fqn, {})
+        for k, v in state.items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                state[k] = to_canonical(v, rows)
     ids: dict[str, int] = {}
     groups = []
     for g in osd["param_groups"]:
@@ -338,7 +354,16 @@ def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=opts)
+    return _canonical(get_model_state_dict(model, options=opts), row_orders(model))
+
+
+def _canonical(msd: dict, orders: dict[str, torch.Tensor]) -> dict:
+    """A gathered model state with the tensors tensor parallelism keeps in rank order put back
+    in canonical order (`tensor_parallel.row_orders`)."""
+    for fqn, rows in orders.items():
+        if fqn in msd:
+            msd[fqn] = to_canonical(msd[fqn], rows)
+    return msd
 
 
 def load_full_state_dicts(
@@ -352,6 +377,8 @@ def load_full_state_dicts(
     )
 
     opts = StateDictOptions(full_state_dict=True)
+    orders = row_orders(model)  # whole tensors arrive in canonical order
+    msd = {k: v[orders[k]] if k in orders else v for k, v in msd.items()}
     set_model_state_dict(model, msd, options=opts)
     if osd is None:
         return
@@ -359,6 +386,12 @@ def load_full_state_dicts(
     fqns = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     groups = [dict(g, params=[fqns[i] for i in g["params"]]) for g in osd["param_groups"]]
     state = {fqns[int(i)]: v for i, v in osd["state"].items()}
+    for fqn, rows in orders.items():
+        if fqn in state:
+            state[fqn] = {
+                k: v[rows] if torch.is_tensor(v) and v.dim() > 0 else v
+                for k, v in state[fqn].items()
+            }
     set_optimizer_state_dict(
         model, optimizer, {"state": state, "param_groups": groups}, options=opts
     )

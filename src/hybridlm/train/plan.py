@@ -6,11 +6,12 @@ width, G groups, N state size, X conv channels, Q SSD chunk, W routed width (lat
 F expert hidden, S shared-expert hidden, k top-k, t tensor-parallel ranks.
 
 Layout (world = dp_replicate x dp_shard x cp x tp; torchtitan's ParallelDims):
-- TP (modelled, not implemented yet): Megatron / torchtitan sharding. Attention Q/K/V/O by heads
-  (K/V replicated when tp > kv heads), Mamba in_proj / conv / dt / A / D / gated norm / out_proj by
-  heads and groups, the dense MLP, the shared expert, the latent projections, MTP `eh_proj`, the
-  embedding and LM head by vocabulary; norms and the router replicated. Routed experts are
-  TP-sharded on their hidden dimension (ETP = TP, the torchtitan and Megatron default).
+- TP (train/tensor_parallel.py, the implemented split): attention Q/K/V/O by heads (K/V
+  replicated when tp > kv heads in the plan; training asks tp to divide them), Mamba in_proj /
+  conv / dt / A / D / gated norm / out_proj by heads and groups, the dense MLP, the shared
+  expert, the embedding and LM head by vocabulary. Norms, the router, the latent projections,
+  MTP `eh_proj` and the routed experts are replicated over the tp group (experts split by EP),
+  so their activations are not / tp either.
   Sequence parallelism off: activations inside a TP region are / tp, the residual stream and the
   norms' tensors are whole on every TP rank.
 - CP (train/context_parallel.py; modelled, not measured here): each sequence split over cp
@@ -72,6 +73,8 @@ _ROW = {"o_proj", "out_proj", "down_proj", "fc2_latent_proj"}
 _GEMM_OF = dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), "attn")
 _GEMM_OF |= {"in_proj": "mamba_in", "out_proj": "mamba_out", "eh_proj": "mtp", "lm_head": "head"}
 _GEMM_OF |= {"fc1_latent_proj": "latent", "fc2_latent_proj": "latent"}
+# Linear layers tensor parallelism keeps whole (train/tensor_parallel.py)
+_TP_REPLICATED = {"fc1_latent_proj", "fc2_latent_proj", "eh_proj"}
 
 
 # ---------------------------------------------------------------------------------- layout
@@ -228,8 +231,8 @@ def parameter_shards(cfg: ModelConfig, lay: PlanLayout, model: Any = None) -> li
             seen.add(id(p))
             name = f"{mod_name}.{pname}" if mod_name else pname
             tp_dim, factor, role, gemm = 0, lay.tp, "tp", ""
-            if isinstance(mod, Experts):  # [E, F, W] up (column), [E, W, F] down (row)
-                tp_dim, role, gemm = (1 if pname == "up_proj" else 2), "expert", "expert"
+            if isinstance(mod, Experts):  # replicated over tp, split by ep
+                factor, role, gemm = 1, "expert", "expert"
             elif isinstance(mod, nn.Embedding):
                 gemm = "head" if cfg.tie_embeddings else ""
             elif isinstance(mod, nn.Conv1d):
@@ -238,6 +241,8 @@ def parameter_shards(cfg: ModelConfig, lay: PlanLayout, model: Any = None) -> li
                 tp_dim = 0 if leaf in _COLUMN else 1
                 factor = kv if leaf in ("k_proj", "v_proj") else lay.tp
                 gemm = _GEMM_OF.get(leaf) or ("shared" if "shared_experts" in mod_name else "mlp")
+                if leaf in _TP_REPLICATED:
+                    role, factor = "replicated", 1
             elif isinstance(mod, (Mamba2Mixer, GatedRMSNorm)):  # per head / inner channel
                 pass
             elif isinstance(mod, RMSNorm) and leaf in ("q_norm", "k_norm"):
@@ -488,11 +493,11 @@ def _moe(cfg: ModelConfig, mode: str, t: int) -> list[_Term]:
     if mode == "selective":
         terms = [
             _Term("router logits", E, "mm"),
-            _Term("expert up outputs", k * F, "mm", tp=t),
+            _Term("expert up outputs", k * F, "mm"),
             _Term("expert down outputs", k * W, "mm"),
         ]
         if latent:
-            terms += [_Term("fc1_latent output", W, "mm", tp=t)]
+            terms += [_Term("fc1_latent output", W, "mm")]
             terms += [_Term("fc2_latent output", D, "mm")]
         if S:
             terms += [_Term("shared expert up output", S, "mm", tp=t)]
@@ -502,8 +507,8 @@ def _moe(cfg: ModelConfig, mode: str, t: int) -> list[_Term]:
         _Term("router scores, gates, gate sum", E + k + 1, "mm"),
         _Term("routing indices (top-k, sort order, token of each row)", 3 * k, "i64"),
         _lin("expert input rows", k * W, "expert", producer="mm" if latent else "f32"),
-        _Term("expert hidden relu", k * F, "mm", tp=t),
-        _lin("expert hidden relu^2", k * F, "expert", producer="mm", tp=t),
+        _Term("expert hidden relu", k * F, "mm"),
+        _lin("expert hidden relu^2", k * F, "expert", producer="mm"),
         _Term("expert output rows, gated rows, row gates", 2 * k * W + k, "mm"),
     ]
     if latent:
@@ -740,9 +745,10 @@ class Plan:
         lines.append(row("total", self.total_comm))
         lines += [
             "",
-            "  tested: parameter / gradient / optimizer bytes (exact; FSDP2 and EP on gloo),",
+            "  tested: parameter / gradient / optimizer bytes (exact; FSDP2, EP, TP on gloo),",
             "    activations (LiveBytes; fp32 and CPU bf16 autocast, within 20%);",
-            "  modelled only: TP (not implemented in training yet), CP, fp8 / nvfp4 bytes,",
+            "  modelled only: TP and CP activations and traffic,",
+            "    fp8 / nvfp4 bytes,",
             "    collective volumes (ring algorithms, balanced routing).",
         ]
         return "\n".join(lines)
@@ -890,10 +896,10 @@ def plan_inputs(path: str) -> tuple[ModelConfig, dict[str, Any]]:
 def _memory_status(lay: PlanLayout, precision: str) -> dict[str, str]:
     """Which memory lines tests measure (tests/test_plan.py) and which are modelled only."""
     copies = "tested (CPU autocast)" if precision == "bf16" else "modelled"
+    shards = "tested: exact (FSDP2, EP, TP)" if lay.cp == 1 else "modelled (CP)"
     if lay.tp > 1 or lay.cp > 1:
-        shards = acts = copies = "modelled (TP / CP)"
+        acts = copies = "modelled (TP / CP)"
     else:
-        shards = "tested: exact (FSDP2, EP)"
         acts = {
             "fp32": "tested: within 20% of measured (fp32)",
             "bf16": "tested: within 20% (CPU autocast)",
@@ -970,13 +976,11 @@ def _communication(
         ar = 2 * T * D * c * ring(lay.tp)  # one all-reduce of [T, D]
         block_calls = len(cfg.pattern) + depth * len(cfg.mtp.pattern)
         # per block: forward output + backward input-gradient all-reduces (+ recomputed forward);
-        # embedding forward; LM head backward per CE call; MTP eh_proj per depth
-        regions = block_calls * (2 + recompute) + 1 + (1 + depth) + 2 * depth
-        tp_bytes = regions * ar
-        if cfg.moe.latent_size:  # latent z all-gathered, y reduce-scattered, and back
-            tp_bytes += moe_calls * (4 + 2 * recompute) * T * cfg.moe.latent_size * c * ring(lay.tp)
-        comm["TP all-reduce / latent all-gather"] = tp_bytes
-        status["TP all-reduce / latent all-gather"] = "modelled only: TP not implemented"
+        # the embedding lookup (main and each MTP depth) forward; the vocabulary-parallel CE's
+        # input gradient per CE call (its max / sum-exp / target reductions are [T], ignored)
+        regions = block_calls * (2 + recompute) + 2 * (1 + depth)
+        comm["TP all-reduce"] = regions * ar
+        status["TP all-reduce"] = "modelled (implemented layout)"
     if lay.cp > 1:
         # train/context_parallel.py: all-gathers whose backward all-reduces the gathered
         # gradient (twice the forward's volume); K/V of every attention layer, the entering SSD

@@ -119,6 +119,7 @@ class Runtime:
     rank: int = 0
     world_size: int = 1
     cp: int = 1  # context-parallel ranks sharing each row (the model takes this rank's shard)
+    tp: int = 1  # tensor-parallel ranks computing the same rows (and the same losses)
     # a fresh model may be built on the meta device (a sharded layout initialises it per shard)
     meta_init: bool = False
 
@@ -157,8 +158,11 @@ class Runtime:
 
     def reduce_sum(self, x: float) -> float:
         """The sum of `x` over every rank (x itself in one process); the ranks of a
-        context-parallel group (`cp`) each contribute."""
-        return float(all_reduce_sum(float(x))) if self.world_size * self.cp > 1 else x
+        context-parallel group (`cp`) each contribute, a tensor-parallel group (`tp`, whose
+        ranks hold the same values) once."""
+        if self.world_size * self.cp * self.tp == 1:
+            return x
+        return float(all_reduce_sum(float(x))) / self.tp
 
 
 @dataclass
@@ -326,6 +330,7 @@ class Trainer:
             rank=dp_rank,
             world_size=dp_size,
             cp=self.layout.cp,
+            tp=self.layout.tp,
             meta_init=self.parallel == "fsdp" and tc.low_precision == "none",
         )
         self.out, self.device, self.metrics_path = out, device, self.rt.metrics_path
@@ -480,7 +485,9 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, Any]:
         """One optimizer step over the module's micro-batches; returns its metrics."""
-        tc, m, W = self.cfg, self.module, self.world_size
+        tc, m, T = self.cfg, self.module, self.layout.tp
+        # the ranks FSDP2 averages gradients over; a tensor-parallel group computes one loss
+        W = self.world_size // T
         m.train_mode()
         step = m.prepare_step(self.step)
         # low-precision health metrics on the steps that get logged (Nemotron 3 Super §2.3)
@@ -508,10 +515,14 @@ class Trainer:
                 total += float(loss.detach())
             for k, v in out.metrics.items():
                 metrics[k] = metrics.get(k, 0) + v
-        if W > 1:
-            total = float(all_reduce_sum(total)) + float(all_reduce_sum(mean_total)) / W
+        if W > 1 or T > 1:
+
+            def reduce(x: float) -> float:
+                return float(all_reduce_sum(x)) / T
+
+            total = reduce(total) + reduce(mean_total) / W
             for k in list(metrics):
-                metrics[k] = float(all_reduce_sum(metrics[k])) / (W if k in Loss.mean_keys else 1)
+                metrics[k] = reduce(metrics[k]) / (W if k in Loss.mean_keys else 1)
         grad_norm = clip_gradients(self.params, tc.grad_clip)
         lp_metrics = self.lp_monitor.collect() if monitor_now else {}  # of the clipped grads
         done = optimizer_step(
@@ -523,7 +534,7 @@ class Trainer:
             step=self.step,
             total_steps=self.total_steps,
             grad_norm=grad_norm,
-            reduce_load=all_reduce_sum if W > 1 else None,
+            reduce_load=all_reduce_sum if W * T > 1 else None,
         )
         if done.finite:
             self._consecutive_skips = 0
