@@ -300,3 +300,39 @@ def test_tp2_full_format_checkpoint_resumes_in_one_process(tmp_path):
     run_pretrain(cont, resume=True)
     worst = assert_same_losses(rows(cont.train.out_dir), rows(ref.train.out_dir))
     print(f"tp2 (full format) -> world 1: worst relative loss difference {worst:.2e}")
+
+
+VOCAB_CE_WORKER = textwrap.dedent(
+    """
+    import torch
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from hybridlm.ops.cross_entropy import linear_cross_entropy_ref
+    from hybridlm.train import parallel as P
+    from hybridlm.train.tensor_parallel import vocab_parallel_cross_entropy
+
+    rank, world, dev = P.init_distributed("cpu")
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, dtype=torch.float64)
+    W = torch.randn(24, 16, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 24, (37,), generator=g)
+    t[::5] = -100  # ignored targets
+    h1, W1 = h.clone().requires_grad_(), W.clone().requires_grad_()
+    ref = linear_cross_entropy_ref(h1, W1, t, 30)
+    ref.backward()
+    h2 = h.clone().requires_grad_()
+    W2 = torch.nn.Parameter(distribute_tensor(W, mesh, [Shard(0)]))
+    loss = vocab_parallel_cross_entropy(h2, t, 30, W2, chunk=8)  # 5 chunks
+    loss.backward()
+    assert torch.allclose(loss, ref, rtol=1e-12, atol=0), (loss, ref)
+    assert torch.allclose(h2.grad, h1.grad, rtol=1e-10, atol=1e-14)
+    assert torch.allclose(W2.grad.full_tensor(), W1.grad, rtol=1e-10, atol=1e-14)
+    P.destroy()
+    """
+)
+
+
+def test_vocab_parallel_cross_entropy_equals_the_whole_vocabulary(tmp_path):
+    """The vocabulary-parallel CE (fp64, 2 ranks, chunked, ignored targets, targets on both
+    ranks) equals F.cross_entropy over the whole logits: loss, d/dh and the gathered d/dW."""
+    launch(tmp_path, VOCAB_CE_WORKER, [], world=2)

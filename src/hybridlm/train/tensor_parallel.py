@@ -47,7 +47,7 @@ from ..model.mamba2 import Mamba2Mixer
 from ..model.mlp import MLP
 from ..model.moe import MoE
 from ..model.norm import RMSNorm
-from ..ops.cross_entropy import IGNORE_INDEX
+from ..ops.cross_entropy import VocabShard, linear_cross_entropy
 
 
 class _SumReplicatedOut(torch.autograd.Function):
@@ -278,30 +278,27 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
 
 def vocab_parallel_cross_entropy(
-    h_ND: torch.Tensor, targets_N: torch.Tensor, denom: torch.Tensor | int, W_VD: DTensor
+    h_ND: torch.Tensor,
+    targets_N: torch.Tensor,
+    denom: torch.Tensor | int,
+    W_VD: DTensor,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Sum of the cross-entropy of hidden states `h_ND` (replicated over the group) through a
     vocabulary-split LM head `W_VD` (a `Shard(0)` DTensor) against `targets_N` (IGNORE_INDEX
-    skipped), divided by `denom`; equal on every rank. Each rank computes its [N, V / tp] logit
-    columns in fp32; the row max, the sum of exponentials and the target's logit are
-    all-reduced (Megatron-LM's vocabulary-parallel cross-entropy)."""
+    skipped), divided by `denom`; equal on every rank. The fused, chunked LM-head CE of
+    `ops.cross_entropy` on this rank's rows, its row max / sum of exponentials / target logit
+    all-reduced over the group (Megatron-LM's vocabulary-parallel cross-entropy), so neither
+    the [N, V] logits nor this rank's [N, V / tp] columns are ever held whole."""
     mesh = W_VD.device_mesh
-    group, rank = mesh.get_group(), mesh.get_local_rank()
+    group = mesh.get_group()
     W = W_VD.to_local()
-    V_local = W.shape[0]
-    lo = rank * V_local
-    ct = torch.promote_types(h_ND.dtype, torch.float32)
-    x = _CopyToGroup.apply(h_ND, group)
-    logits = (x @ W.t()).to(ct)
-    with torch.no_grad():
-        m = logits.max(dim=-1).values
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - m[:, None]
-    sum_exp = _SumReplicatedOut.apply(shifted.exp().sum(-1), group)
-    valid = targets_N != IGNORE_INDEX
-    local = targets_N - lo
-    mine = valid & (local >= 0) & (local < V_local)
-    picked = shifted.gather(1, local.clamp(0, V_local - 1)[:, None]).squeeze(1)
-    target = _SumReplicatedOut.apply(torch.where(mine, picked, torch.zeros_like(picked)), group)
-    loss = torch.where(valid, sum_exp.log() - target, torch.zeros_like(target))
-    return loss.sum() / denom
+
+    def reduce_max(x: torch.Tensor) -> None:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+
+    def reduce_sum(x: torch.Tensor) -> None:
+        dist.all_reduce(x, group=group)
+
+    shard = VocabShard(mesh.get_local_rank() * W.shape[0], reduce_max, reduce_sum)
+    return linear_cross_entropy(h_ND, W, targets_N, denom, chunk, shard=shard)
