@@ -245,7 +245,7 @@ def apply_layout(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> None:
     from .tensor_parallel import apply_tensor_parallel
 
     if layout.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], experts=layout.ep == 1)
     if layout.cp > 1:
         apply_context_parallel(model, mesh["cp"])
     dp_mesh = (

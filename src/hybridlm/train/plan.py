@@ -9,9 +9,10 @@ Layout (world = dp_replicate x dp_shard x cp x tp; torchtitan's ParallelDims):
 - TP (train/tensor_parallel.py, the implemented split): attention Q/K/V/O by heads (K/V
   replicated when tp > kv heads in the plan; training asks tp to divide them), Mamba in_proj /
   conv / dt / A / D / gated norm / out_proj by heads and groups, the dense MLP, the shared
-  expert, the embedding and LM head by vocabulary. Norms, the router, the latent projections,
-  MTP `eh_proj` and the routed experts are replicated over the tp group (experts split by EP),
-  so their activations are not / tp either.
+  expert, the embedding and LM head by vocabulary, the routed experts by expert when ep = 1
+  (the tp ranks act as expert-parallel ranks; with ep > 1 they are split by EP and replicated
+  over tp). Norms, the router, the latent projections and MTP `eh_proj` are replicated over
+  the tp group, so their activations are not / tp either.
   Sequence parallelism off: activations inside a TP region are / tp, the residual stream and the
   norms' tensors are whole on every TP rank.
 - CP (train/context_parallel.py; modelled, not measured here): each sequence split over cp
@@ -231,8 +232,8 @@ def parameter_shards(cfg: ModelConfig, lay: PlanLayout, model: Any = None) -> li
             seen.add(id(p))
             name = f"{mod_name}.{pname}" if mod_name else pname
             tp_dim, factor, role, gemm = 0, lay.tp, "tp", ""
-            if isinstance(mod, Experts):  # replicated over tp, split by ep
-                factor, role, gemm = 1, "expert", "expert"
+            if isinstance(mod, Experts):  # split by ep, or by expert over tp when ep = 1
+                factor, role, gemm = (lay.tp if lay.ep == 1 else 1), "expert", "expert"
             elif isinstance(mod, nn.Embedding):
                 gemm = "head" if cfg.tie_embeddings else ""
             elif isinstance(mod, nn.Conv1d):
@@ -478,7 +479,9 @@ def _attention(
     return terms
 
 
-def _moe(cfg: ModelConfig, mode: str, t: int) -> list[_Term]:
+def _moe(cfg: ModelConfig, mode: str, t: int, te: int) -> list[_Term]:
+    """`t`: tensor-parallel ranks (the shared expert); `te`: the ranks the routed experts'
+    rows are split over by tensor parallelism (t when ep = 1, else 1)."""
     e, D = cfg.moe, cfg.d_model
     W, F, S, k, E = (
         e.latent_size or D,
@@ -493,8 +496,8 @@ def _moe(cfg: ModelConfig, mode: str, t: int) -> list[_Term]:
     if mode == "selective":
         terms = [
             _Term("router logits", E, "mm"),
-            _Term("expert up outputs", k * F, "mm"),
-            _Term("expert down outputs", k * W, "mm"),
+            _Term("expert up outputs", k * F, "mm", tp=te),
+            _Term("expert down outputs", k * W, "mm", tp=te),
         ]
         if latent:
             terms += [_Term("fc1_latent output", W, "mm")]
@@ -506,9 +509,9 @@ def _moe(cfg: ModelConfig, mode: str, t: int) -> list[_Term]:
     terms = [
         _Term("router scores, gates, gate sum", E + k + 1, "mm"),
         _Term("routing indices (top-k, sort order, token of each row)", 3 * k, "i64"),
-        _lin("expert input rows", k * W, "expert", producer="mm" if latent else "f32"),
-        _Term("expert hidden relu", k * F, "mm"),
-        _lin("expert hidden relu^2", k * F, "expert", producer="mm"),
+        _lin("expert input rows", k * W, "expert", producer="mm" if latent else "f32", tp=te),
+        _Term("expert hidden relu", k * F, "mm", tp=te),
+        _lin("expert hidden relu^2", k * F, "expert", producer="mm", tp=te),
         _Term("expert output rows, gated rows, row gates", 2 * k * W + k, "mm"),
     ]
     if latent:
@@ -540,13 +543,22 @@ def _mlp(cfg: ModelConfig, mode: str, t: int) -> list[_Term]:
 
 
 def _block_terms(
-    cfg: ModelConfig, letter: str, mode: str, *, mtp: bool, sliding: bool, t: int, L: int, seq: int
+    cfg: ModelConfig,
+    letter: str,
+    mode: str,
+    *,
+    mtp: bool,
+    sliding: bool,
+    t: int,
+    L: int,
+    seq: int,
+    te: int = 1,
 ) -> list[_Term]:
     kv = _kv_tp(cfg, t)
     mixer = {
         "M": lambda: _mamba(cfg, mode, t),
         "*": lambda: _attention(cfg, mode, t, kv, sliding, L, seq),
-        "E": lambda: _moe(cfg, mode, t),
+        "E": lambda: _moe(cfg, mode, t, te),
         "-": lambda: _mlp(cfg, mode, t),
     }[letter]()
     return _frame(cfg, letter, mode, mtp) + mixer
@@ -576,6 +588,7 @@ def activation_bytes(
     precision: str = "bf16",
     tp: int = 1,
     cp: int = 1,
+    ep: int = 1,
     mtp_depth: int | None = None,
 ) -> Activations:
     """Bytes the training forward (model + `causal_lm_loss` with the fused LM-head CE, MTP
@@ -601,7 +614,7 @@ def activation_bytes(
         for i, letter in enumerate(pattern):
             slide = (not mtp) and letter == "*" and next(sliding)
             bf16 = mtp or first + i >= n_layers - tail
-            kw = dict(mtp=mtp, sliding=slide, t=tp, L=L, seq=seq)
+            kw = dict(mtp=mtp, sliding=slide, t=tp, L=L, seq=seq, te=tp if ep == 1 else 1)
             kept = _bytes_of(_block_terms(cfg, letter, mode, **kw), precision, bf16, T, B, cp)
             name = ("MTP blocks" if mtp else "blocks") + f" {letter}"
             add(name, kept)
@@ -822,7 +835,14 @@ def plan(
     fsdp = lay.style == "fsdp"
     acts = {
         mode: activation_bytes(
-            cfg, micro_batch=micro_batch, seq=seq, mode=mode, precision=precision, tp=tp, cp=cp
+            cfg,
+            micro_batch=micro_batch,
+            seq=seq,
+            mode=mode,
+            precision=precision,
+            tp=tp,
+            cp=cp,
+            ep=ep,
         )
         for mode in AC_MODES
     }
@@ -981,6 +1001,13 @@ def _communication(
         regions = block_calls * (2 + recompute) + 2 * (1 + depth)
         comm["TP all-reduce"] = regions * ar
         status["TP all-reduce"] = "modelled (implemented layout)"
+        if lay.ep == 1 and moe_calls:  # experts split over tp: rows all-gathered (forward, and
+            # again when recomputed), their gradients all-reduced (backward)
+            e = cfg.moe
+            rows = T * e.top_k * (e.latent_size or D) * c * ring(lay.tp)
+            key = "TP experts (rows all-gathered, gradients all-reduced)"
+            comm[key] = moe_calls * rows * ((1 + recompute) + 2)
+            status[key] = "modelled (implemented; balanced routing)"
     if lay.cp > 1:
         # train/context_parallel.py: all-gathers whose backward all-reduces the gathered
         # gradient (twice the forward's volume); K/V of every attention layer, the entering SSD

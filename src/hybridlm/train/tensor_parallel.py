@@ -19,9 +19,14 @@ What each rank of a tensor-parallel group holds:
   rows split; the training loss is `vocab_parallel_cross_entropy` (each rank its columns of the
   logits; the max, the sum of exponentials and the target logit are all-reduced), so no rank
   holds the [tokens, vocab] logits; the logits of evaluation and generation are gathered.
+- routed experts, without expert parallelism: E / tp experts per rank (`Shard(0)` of the
+  expert dimension). The MoE input is replicated, so every rank already holds every sorted
+  (token, expert) row: it computes those of its experts and the outputs are all-gathered
+  (`ExpertsOverGroup`; the tp ranks act as expert-parallel ranks without an all-to-all,
+  torchtitan's "EP borrows TP"). With `ep > 1` the experts are split by EP and replicated over tp.
 - replicated (each rank computes them on the same input, so their gradients are equal on every
-  rank of the group and need no reduction): norms, the router, the latent projections, the MTP
-  projection, and the routed experts (split by expert parallelism instead).
+  rank of the group and need no reduction): norms, the router, the latent projections and the
+  MTP projection.
 
 No sequence parallelism: activations between blocks are replicated over the group.
 """
@@ -45,7 +50,7 @@ from torch.distributed.tensor.parallel import (
 from ..model.attention import Attention
 from ..model.mamba2 import Mamba2Mixer
 from ..model.mlp import MLP
-from ..model.moe import MoE
+from ..model.moe import MoE, grouped_mm_available
 from ..model.norm import RMSNorm
 from ..ops.cross_entropy import VocabShard, linear_cross_entropy
 
@@ -80,6 +85,50 @@ class _CopyToGroup(torch.autograd.Function):
         g = g.clone()
         dist.all_reduce(g, group=ctx.group)
         return g, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather of row blocks of different sizes (rank order) whose result feeds replicated
+    computation: the backward keeps this rank's block of the (whole) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, sizes: list[int], rank: int, group: Any) -> torch.Tensor:
+        ctx.lo, ctx.n = sum(sizes[:rank]), sizes[rank]
+        buf = y.new_zeros((max(sizes), *y.shape[1:]))
+        buf[: ctx.n] = y
+        parts = [torch.empty_like(buf) for _ in sizes]
+        dist.all_gather(parts, buf, group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes, strict=True)])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return g[ctx.lo : ctx.lo + ctx.n], None, None, None
+
+
+class ExpertsOverGroup:
+    """`Experts.dispatch` for routed experts split over the tensor-parallel group (module
+    docstring): this rank's experts' rows of the (replicated) sorted rows, computed on the local
+    expert weights, then all-gathered; the rows' input gradient is summed over the group."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.group, self.rank, self.size = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+
+    def __call__(
+        self,
+        fn: Any,
+        z_AW: torch.Tensor,
+        counts: list[int],
+        up_EFW: torch.Tensor,
+        down_EWF: torch.Tensor,
+    ) -> torch.Tensor:
+        S, r = self.size, self.rank
+        El = len(counts) // S
+        sizes = [sum(counts[s * El : (s + 1) * El]) for s in range(S)]
+        lo = sum(sizes[:r])
+        z_RW = _CopyToGroup.apply(z_AW, self.group)[lo : lo + sizes[r]]
+        up, down = (w.to_local() if isinstance(w, DTensor) else w for w in (up_EFW, down_EWF))
+        y_RW = fn(z_RW, counts[r * El : (r + 1) * El], up, down)
+        return _GatherRows.apply(y_RW, sizes, r, self.group)
 
 
 class ShardedRMSNorm(nn.Module):
@@ -236,9 +285,10 @@ def _mlp_plan(mlp: MLP) -> dict[str, Any]:
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, experts: bool = True) -> None:
     """Split `model` (a HybridLM, unsharded, on its device or the meta device) over `tp_mesh` in
-    place (module docstring). Apply before FSDP2, which then shards the DTensors further."""
+    place (module docstring); `experts=False` (expert parallelism splits them instead) keeps the
+    routed experts whole. Apply before FSDP2, which then shards the DTensors further."""
     tp = tp_mesh.size()
     cfg = model.config
     if cfg.tie_embeddings:
@@ -266,10 +316,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         elif isinstance(mixer, MLP):
             _divides(tp, mixer.down_proj.in_features, "MLP hidden units")
             parallelize_module(mixer, tp_mesh, _mlp_plan(mixer))
-        elif isinstance(mixer, MoE) and mixer.cfg.shared_expert_hidden:
-            shared = mixer.shared_experts
-            _divides(tp, shared.down_proj.in_features, "shared-expert hidden units")
-            parallelize_module(shared, tp_mesh, _mlp_plan(shared))
+        elif isinstance(mixer, MoE):
+            if mixer.cfg.shared_expert_hidden:
+                shared = mixer.shared_experts
+                _divides(tp, shared.down_proj.in_features, "shared-expert hidden units")
+                parallelize_module(shared, tp_mesh, _mlp_plan(shared))
+            if experts:
+                ex = mixer.experts
+                _divides(tp, mixer.cfg.num_experts, "routed experts")
+                _shard_rows(ex, "up_proj", tp_mesh, None)
+                _shard_rows(ex, "down_proj", tp_mesh, None)
+                ex.dispatch = ExpertsOverGroup(tp_mesh)
+                # the sorted-row paths only (the decode paths read every expert on one device)
+                ex.impl = "grouped" if grouped_mm_available(ex.up_proj.device) else "padded"
     plan = {
         "embeddings": RowwiseParallel(input_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
