@@ -147,4 +147,6 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         ex.dispatch = AllToAllDispatch(ep_mesh)
         # the sorted-token paths only: the gathered decode path and the fused MoE decode step
         # read every expert's weights on one device
-        ex.impl = "grouped" if grouped_mm_available(ex.up_proj.device) else "padded"
+        # (the mesh's device: the weights may still be on the meta device)
+        dev = torch.device(ep_mesh.device_type)
+        ex.impl = "grouped" if grouped_mm_available(dev) else "padded"

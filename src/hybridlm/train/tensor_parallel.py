@@ -328,7 +328,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, experts: boo
                 _shard_rows(ex, "down_proj", tp_mesh, None)
                 ex.dispatch = ExpertsOverGroup(tp_mesh)
                 # the sorted-row paths only (the decode paths read every expert on one device)
-                ex.impl = "grouped" if grouped_mm_available(ex.up_proj.device) else "padded"
+                # (the mesh's device: the weights may still be on the meta device)
+                dev = torch.device(tp_mesh.device_type)
+                ex.impl = "grouped" if grouped_mm_available(dev) else "padded"
     plan = {
         "embeddings": RowwiseParallel(input_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
