@@ -1005,7 +1005,7 @@ def _communication(
             # again when recomputed), their gradients all-reduced (backward)
             e = cfg.moe
             rows = T * e.top_k * (e.latent_size or D) * c * ring(lay.tp)
-            key = "TP experts (rows all-gathered, gradients all-reduced)"
+            key = "TP experts (row all-gather + grad all-reduce)"
             comm[key] = moe_calls * rows * ((1 + recompute) + 2)
             status[key] = "modelled (implemented; balanced routing)"
     if lay.cp > 1:
