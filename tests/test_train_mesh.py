@@ -261,6 +261,14 @@ def test_tp2_olmo_world2_matches_single_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", [{"dp_shard": 2, "tp": 2}, {"dp_shard": 1, "cp": 2, "tp": 2}])
+def test_tp2_olmo_world4_layouts_match_single_process(tmp_path, layout):
+    """tiny-olmo under FSDP2 x TP 2 and TP 2 x CP 2."""
+    name = "_".join(f"{k}{v}" for k, v in layout.items()) + "_olmo"
+    _parity(tmp_path, name, world=4, batch_per_rank=2, model=tiny_olmo(), **layout)
+
+
+@pytest.mark.slow
 def test_fsdp2_tp2_world4_matches_single_process(tmp_path):
     """FSDP2 x TP 2: the tensor-parallel shards are FSDP-sharded over the other 2 ranks."""
     _parity(tmp_path, "fsdp2_tp2", world=4, batch_per_rank=2, dp_shard=2, tp=2)
