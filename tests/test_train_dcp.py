@@ -30,7 +30,6 @@ from hybridlm.io.checkpoint import (
 )
 from hybridlm.io.sharded import iter_model_tensors, model_tensor_specs
 from hybridlm.model.model import HybridLM
-from hybridlm.train import dcp
 from hybridlm.train.config import TrainConfig
 from hybridlm.train.dcp import load_sharded, save_sharded
 from hybridlm.train.pretrain import run_pretrain
@@ -255,7 +254,7 @@ def test_partial_save_is_never_used_and_damage_is_found(tmp_path, monkeypatch):
         _save(tmp_path, step, model, opt, keep_last_n=3)
     root = checkpoint_dir(tmp_path)
     # killed before the rename: the shards and even meta.json of step 4 stay in .tmp-*
-    monkeypatch.setattr(dcp.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         _save(tmp_path, 4, model, opt)
     monkeypatch.undo()

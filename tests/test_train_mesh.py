@@ -97,8 +97,11 @@ META_INIT_WORKER = textwrap.dedent(
     P.materialize_sharded(model, template, seed=11, device=dev)
     held = sum(getattr(p, "_local_tensor", p).numel() for p in model.parameters())
     full = P.full_model_state(model)
+    every = P.full_model_state(model, every_rank=True)  # what a finished Trainer hands back
+    ref = build_model(cfg, seed=11, device=torch.device("cpu")).state_dict()
+    assert every.keys() == ref.keys(), set(every) ^ set(ref)
+    assert not [k for k in ref if not torch.equal(every[k], ref[k])]
     if rank == 0:
-        ref = build_model(cfg, seed=11, device=torch.device("cpu")).state_dict()
         assert full.keys() == ref.keys(), set(full) ^ set(ref)
         bad = [k for k in ref if not torch.equal(full[k], ref[k])]
         assert not bad, bad

@@ -135,21 +135,12 @@ def save_checkpoint(
     """Write `<out>/checkpoints/step_<step>` atomically; keep the newest `keep_last_n` (0: all).
 
     `meta` (JSON-able) is stored with the format version, step, time and RNG states added."""
-    root = checkpoint_dir(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(TMP_PREFIX + "*"):  # leftovers of a crashed save
-        shutil.rmtree(stale, ignore_errors=True)
-    name = f"{PREFIX}{step:08d}"
-    tmp = root / f"{TMP_PREFIX}{name}-{os.getpid()}"
+    tmp = new_checkpoint_tmp(out_dir, step)
     tmp.mkdir()
     save_model(model, str(tmp / "model.safetensors"))  # drops tied duplicates
     if optimizer is not None:
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    files = {}
-    for file in sorted(tmp.iterdir()):
-        with open(file, "rb") as f:
-            os.fsync(f.fileno())
-        files[file.name] = {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
+    files = {file.name: file_record(file) for file in sorted(tmp.iterdir())}
     full = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -159,11 +150,37 @@ def save_checkpoint(
         "rng": rng_state(),
         "files": files,  # written last: the checksums of the files as they are on disk
     }
+    return publish_checkpoint(tmp, out_dir, step, full, keep_last_n)
+
+
+def new_checkpoint_tmp(out_dir: str | Path, step: int) -> Path:
+    """The temporary directory a save of `step` writes into (not created), after removing the
+    leftovers of a crashed save; only this directory's final rename publishes a checkpoint."""
+    root = checkpoint_dir(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(TMP_PREFIX + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return root / f"{TMP_PREFIX}{PREFIX}{step:08d}-{os.getpid()}"
+
+
+def file_record(file: Path) -> dict[str, Any]:
+    """A written file flushed to disk, and its size and SHA-256 for meta.json's `files`."""
+    with open(file, "rb") as f:
+        os.fsync(f.fileno())
+    return {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
+
+
+def publish_checkpoint(
+    tmp: Path, out_dir: str | Path, step: int, meta: Mapping[str, Any], keep_last_n: int
+) -> Path:
+    """Write `meta` as tmp/meta.json (last, fsynced), rename `tmp` into place as the step's
+    checkpoint (replacing an earlier save of the same step), keep the newest `keep_last_n`."""
     with open(tmp / "meta.json", "w") as f:
-        json.dump(full, f, indent=1)
+        json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    final = root / name
+    root = checkpoint_dir(out_dir)
+    final = root / f"{PREFIX}{step:08d}"
     if final.exists():  # re-saving a step (e.g. a resumed run reaching it again)
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -36,9 +36,6 @@ alike at the start, and the full format restores rank 0's everywhere too).
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -56,12 +53,11 @@ from ..io.checkpoint import (
     PREFIX,
     SHARDED_FORMAT,
     SHARDED_FORMAT_VERSION,
-    TMP_PREFIX,
     checkpoint_dir,
-    file_sha256,
-    fsync_dir,
+    file_record,
     is_sharded_checkpoint,
-    prune_checkpoints,
+    new_checkpoint_tmp,
+    publish_checkpoint,
     read_meta,
     rng_state,
     set_rng_state,
@@ -121,12 +117,6 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
-def _record(file: Path) -> dict[str, Any]:
-    with open(file, "rb") as f:
-        os.fsync(f.fileno())
-    return {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
-
-
 def save_sharded(
     out_dir: str | Path,
     *,
@@ -144,30 +134,23 @@ def save_sharded(
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
-    root = checkpoint_dir(out_dir)
-    name = f"{PREFIX}{step:08d}"
-    tmp_name = None
-    if is_main():
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(TMP_PREFIX + "*"):  # leftovers of a crashed save
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp_name = f"{TMP_PREFIX}{name}-{os.getpid()}"
-    tmp = root / broadcast_object(tmp_name)  # sent once rank 0 has cleaned up
+    tmp_name = new_checkpoint_tmp(out_dir, step).name if is_main() else None
+    tmp = checkpoint_dir(out_dir) / broadcast_object(tmp_name)  # once rank 0 has cleaned up
     writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
     with _single_process_quiet():
         dcp_save(_as_saved(_state(model, optimizer), model), storage_writer=writer)
     # DCP returns once the coordinator has written .metadata; each rank hashes its own shards
     rank = get_rank()
-    mine = {f.name: _record(f) for f in sorted(tmp.glob(f"__{rank}_*"))}
+    mine = {f.name: file_record(f) for f in sorted(tmp.glob(f"__{rank}_*"))}
     gathered = _all_gather((mine, rng_state()))
-    final = root / name
+    final = checkpoint_dir(out_dir) / f"{PREFIX}{step:08d}"
     if is_main():
         files: dict[str, Any] = {}
         for records, _ in gathered:
             files.update(records)
         for file in sorted(tmp.iterdir()):  # .metadata, and anything DCP named otherwise
             if file.name not in files:
-                files[file.name] = _record(file)
+                files[file.name] = file_record(file)
         assert DCP_METADATA in files, f"DCP wrote no {DCP_METADATA} in {tmp}"
         full = {
             "format": SHARDED_FORMAT,
@@ -180,15 +163,7 @@ def save_sharded(
             "rng": [r for _, r in gathered],  # rank r's at index r
             "files": dict(sorted(files.items())),  # written last: the files as they are on disk
         }
-        with open(tmp / "meta.json", "w") as f:
-            json.dump(full, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if final.exists():  # re-saving a step (e.g. a resumed run reaching it again)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        prune_checkpoints(out_dir, keep_last_n)
+        publish_checkpoint(tmp, out_dir, step, full, keep_last_n)
     barrier()  # the checkpoint is in place for every rank
     return final
 

@@ -175,12 +175,6 @@ class Layout:
             return "none"
         return "ddp" if self.dp_shard == 1 and self.cp == 1 and self.tp == 1 else "fsdp"
 
-    def describe(self) -> str:
-        return (
-            f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x cp {self.cp} "
-            f"x tp {self.tp} (ep {self.ep})"
-        )
-
 
 def resolve_layout(pc: ParallelConfig, world: int) -> Layout:
     """Fill the -1 size from `world` and check the layout covers exactly the world, with clear
@@ -326,11 +320,12 @@ def full_state_dicts(
     )
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    msd = _canonical(get_model_state_dict(model, options=opts), row_orders(model))
+    orders = row_orders(model)
+    msd = _canonical(get_model_state_dict(model, options=opts), orders)
     osd = get_optimizer_state_dict(model, optimizer, options=opts)
     if "param_groups" not in osd:  # cpu_offload: only rank 0 receives the full state
         return msd, osd
-    for fqn, rows in row_orders(model).items():
+    for fqn, rows in orders.items():
         state = osd["state"].get(fqn, {})
         for k, v in state.items():
             if torch.is_tensor(v) and v.dim() > 0:
@@ -345,15 +340,16 @@ def full_state_dicts(
     return msd, {"state": state, "param_groups": groups}
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's whole, unsharded weights on the CPU, e.g. for rollout workers: under FSDP2
-    a gather (collective: call on every rank; only rank 0 receives them, the others get an
-    empty dict), else the plain state dict."""
-    if not any(hasattr(p, "full_tensor") for p in model.parameters()):  # not sharded
+def full_model_state(model: nn.Module, *, every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """The model's whole, unsharded weights in canonical row order, e.g. for rollout workers:
+    for a sharded model a gather (collective: call on every rank); on the CPU and only on rank 0
+    (the others get an empty dict), or with `every_rank` on every rank, on the model's device.
+    An unsharded model: its plain state dict."""
+    if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank)
     return _canonical(get_model_state_dict(model, options=opts), row_orders(model))
 
 

@@ -67,6 +67,7 @@ from .parallel import (
     barrier,
     build_mesh,
     data_parallel_coordinates,
+    full_model_state,
     full_state_dicts,
     init_distributed,
     is_main,
@@ -516,10 +517,7 @@ class Trainer:
             for k, v in out.metrics.items():
                 metrics[k] = metrics.get(k, 0) + v
         if W > 1 or T > 1:
-
-            def reduce(x: float) -> float:
-                return float(all_reduce_sum(x)) / T
-
+            reduce = self.rt.reduce_sum  # over ranks, a tensor-parallel group counted once
             total = reduce(total) + reduce(mean_total) / W
             for k in list(metrics):
                 metrics[k] = reduce(metrics[k]) / (W if k in Loss.mean_keys else 1)
@@ -657,13 +655,8 @@ class Trainer:
         finished = self.step == self.total_steps
         if is_sharded(self.model) and finished:
             # the run is over: hand callers (sampling, export) a plain, unsharded model on
-            # every rank, as in a single process
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-            )
-
-            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+            # every rank, as in a single process (tensor-parallel rows in canonical order)
+            full = full_model_state(self.model, every_rank=True)
             m.model = m.forward_model = _plain_copy(self.model.config, full).to(self.device)
         if finished:
             for extra in m.end_rows():
