@@ -1,22 +1,27 @@
 """Inference benchmark: batch-1 decode vs transformers, MTP speculative decoding, cache memory.
 
     python benchmarks/decode.py                          # all three sections, runs/decode-bench/
-    python benchmarks/decode.py --only decode --new-tokens 64
+    python benchmarks/decode.py --only decode --new-tokens 64 --models super-150m
     python benchmarks/decode.py --only speculative --retrain --train-steps 400
     python benchmarks/decode.py --only memory --measure-to 16384
 
 Every figure is measured in one run and printed as one line; rows go to `OUT/metrics.jsonl`
 (a rerun of a section replaces that section's rows) and the PNGs are rendered from that file.
 
-decode       tiny-super (MTP off: transformers' NemotronH has no MTP module) and tiny-olmo, random
-             weights, converted with `interop.hf` so transformers holds identical weights. Greedy
-             decode of `--new-tokens` after a `--prompt-len` random prompt, batch 1, fp32;
-             `infer.generate.generate` vs `model.generate` (its own cache, no eos), interleaved
-             repeats, wall time of the whole call (prefill included), median tok/s each; also
-             hybridlm with `compile_decode()` (torch.compile of the one-token Mamba-2 / MoE
-             steps; compiled during the warm-up, --no-compile skips it). Exits 1 if any greedy
-             tokens differ. transformers runs its pure-torch Mamba path on CPU
-             (mamba_ssm / causal_conv1d are CUDA kernels), as hybridlm does.
+decode       tiny-super and tiny-olmo (random weights, MTP off: transformers' NemotronH has no
+             MTP module) and super-150m (`memory_bound_config`: ~150M active parameters, d 1024,
+             vocab 32000, whose batch-1 decode is bound by memory bandwidth), converted with
+             `interop.hf` so transformers holds identical weights. Greedy decode of
+             `--new-tokens` after a `--prompt-len` random prompt, batch 1, fp32;
+             `infer.generate.generate` (default path: the native kernels of `ops.native`),
+             the same with the kernels off (the pure-torch references) and transformers'
+             `model.generate` (its own cache, no eos), interleaved repeats, wall time of the
+             whole call (prefill included), median tok/s each; also hybridlm with
+             `compile_decode()` (torch.compile of the torch decode steps; compiled during the
+             warm-up, --no-compile skips it). The bandwidth limit is the weight bytes a token
+             reads (`active_weight_bytes`) over the copy bandwidth measured before and after
+             (`measure_bandwidth`). Exits 1 if any greedy tokens differ. transformers runs its
+             pure-torch Mamba path on CPU (mamba_ssm / causal_conv1d are CUDA kernels).
 speculative  a byte-level Super-shaped model with a "*E" MTP head trained on tinyshakespeare
              (`_tiny_train.py`; saved under OUT/spec-model and reused unless --retrain). On prompts
              from the held-out last 10% of the text: greedy `speculative_generate(draft_len=k)`
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -93,6 +99,67 @@ def _matching_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a[:n] == b[:n]).long().cumprod(0).sum()) if n else 0
 
 
+def memory_bound_config() -> ModelConfig:
+    """A ~150M-active-parameter hybrid whose batch-1 decode is bound by memory bandwidth on a
+    CPU: tiny-super's pattern and proportions at d 1024 (Mamba-2 32 heads x 64, state 128;
+    GQA 8 / 2 heads of 128; LatentMoE 32 experts top-4, latent 512, expert hidden 1024, shared
+    expert 2048), vocab 32000, no MTP."""
+    from hybridlm.config import AttentionConfig, MambaConfig, MoEConfig
+
+    cfg = get_preset("tiny-super")
+    cfg.d_model, cfg.vocab_size = 1024, 32000
+    cfg.mamba = MambaConfig(num_heads=32, head_dim=64, state_size=128, n_groups=2, chunk_size=128)
+    cfg.attention = AttentionConfig(num_heads=8, num_kv_heads=2, head_dim=128)
+    cfg.moe = MoEConfig(
+        num_experts=32,
+        top_k=4,
+        expert_hidden=1024,
+        shared_expert_hidden=2048,
+        latent_size=512,
+        routed_scaling_factor=2.5,
+    )
+    cfg.mtp.pattern = ""
+    return cfg
+
+
+def active_weight_bytes(model: HybridLM) -> int:
+    """Weight bytes one decoded token reads: every parameter, except one row of the embedding
+    table and top_k / num_experts of each layer's routed experts (the MTP module excluded)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            continue
+        n = p.numel() * p.element_size()
+        if name == "embeddings.weight":
+            n = p.shape[1] * p.element_size()
+        elif ".experts." in name:
+            moe = model.config.moe
+            n = n * moe.top_k // moe.num_experts
+        total += n
+    return total
+
+
+def measure_bandwidth(mib: int = 256, repeats: int = 7) -> dict[str, float]:
+    """Memory bandwidth in bytes/s, median of `repeats`, on initialised buffers far larger than
+    the caches: "copy" counts bytes read + written (STREAM's convention) by `b.copy_(a)`,
+    "read" the bytes read by `a.sum()`."""
+    a = torch.randn(mib * MiB // 4)
+    b = torch.randn_like(a)
+    out = {}
+    for name, fn, nbytes in (
+        ("copy", lambda: b.copy_(a), 2 * a.numel() * 4),
+        ("read", lambda: a.sum(), a.numel() * 4),
+    ):
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = nbytes / statistics.median(times)
+    return out
+
+
 def bench_decode_one(
     name: str,
     cfg: ModelConfig,
@@ -103,9 +170,14 @@ def bench_decode_one(
     seed: int = 0,
     compiled: bool = False,
 ) -> dict:
-    """`compiled`: also time a second copy of the model with `compile_decode()` (torch.compile
-    of the one-token Mamba-2 / MoE steps); skipped with a note if compilation fails."""
+    """Greedy batch-1 decode timed for hybridlm's default path (native kernels where they
+    qualify, `ops.native`), its pure-torch path (the kernels off: the references), and
+    transformers on the same weights, interleaved. `compiled`: also a copy of the model with
+    `compile_decode()` (torch.compile of the torch decode steps), skipped with a note if
+    compilation fails. The machine's memory bandwidth is measured before and after."""
     from transformers import GenerationConfig
+
+    from hybridlm.ops import native
 
     ours, theirs = _pair(cfg, seed)
     g = torch.Generator().manual_seed(1)
@@ -125,11 +197,21 @@ def bench_decode_one(
             out = theirs.generate(x, attention_mask=mask, generation_config=gen_cfg)
         return out[:, prompt_len:]
 
-    runners = {"hybridlm": lambda: generate(ours, x, new_tokens), "transformers": run_theirs}
+    def run_torch() -> torch.Tensor:
+        with native.enabled(False):
+            return generate(ours, x, new_tokens)
+
+    runners = {
+        "hybridlm": lambda: generate(ours, x, new_tokens),
+        "hybridlm-torch": run_torch,
+        "transformers": run_theirs,
+    }
     note = None
     if compiled:
         fast = HybridLM(cfg, seed=seed).eval().compile_decode()
         runners["hybridlm-compiled"] = lambda: generate(fast, x, new_tokens)
+    bw = [measure_bandwidth()]
+    load = [_loadavg()]
     tokens = {}
     for k, fn in list(runners.items()):  # warm-up (and compilation), and the tokens compared
         try:
@@ -145,11 +227,14 @@ def bench_decode_one(
             t0 = time.perf_counter()
             runners[k]()
             times[k].append(time.perf_counter() - t0)
-    a, b = tokens["hybridlm"][0], tokens["transformers"][0]
-    agree = _matching_prefix(a, b)
-    if "hybridlm-compiled" in tokens:  # the compiled steps must not change a greedy token
-        agree = min(agree, _matching_prefix(tokens["hybridlm-compiled"][0], b))
+    bw.append(measure_bandwidth())
+    load.append(_loadavg())
+    b = tokens["transformers"][0]
+    agree = {k: _matching_prefix(t[0], b) for k, t in tokens.items() if k != "transformers"}
     tps = {k: new_tokens / statistics.median(v) for k, v in times.items()}
+    nbytes = active_weight_bytes(ours)
+    copy_bw = statistics.median([m["copy"] for m in bw])
+    read_bw = statistics.median([m["read"] for m in bw])
     return {
         "section": "decode",
         "model": name,
@@ -158,16 +243,36 @@ def bench_decode_one(
         "prompt_len": prompt_len,
         "repeats": repeats,
         "threads": torch.get_num_threads(),
+        "native": native.status(),
+        "loadavg_1min": load,
         "tok_s": tps,
         "times_s": times,
         "ratio": tps["hybridlm"] / tps["transformers"],
+        "ratio_torch": tps["hybridlm-torch"] / tps["transformers"],
         "ratio_compiled": tps["hybridlm-compiled"] / tps["transformers"]
         if "hybridlm-compiled" in tps
         else None,
         "compile_note": note,
-        "tokens_agree": agree,
-        "tokens_compared": max(len(a), len(b)),
+        "active_weight_bytes": nbytes,
+        "copy_bw": copy_bw,
+        "read_bw": read_bw,
+        "limit_tok_s": copy_bw / nbytes,
+        "share_of_limit": tps["hybridlm"] * nbytes / copy_bw,
+        "share_of_read_limit": tps["hybridlm"] * nbytes / read_bw,
+        "tokens_agree": min(agree.values()),
+        "tokens_agree_each": agree,
+        "tokens_compared": len(b),
     }
+
+
+def _loadavg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+MODELS = ("tiny-super", "tiny-olmo", "super-150m")
 
 
 def section_decode(args) -> tuple[list[dict], bool]:
@@ -176,11 +281,13 @@ def section_decode(args) -> tuple[list[dict], bool]:
     transformers.logging.set_verbosity_error()  # the CUDA-kernel fallback notices
     transformers.logging.disable_progress_bar()
     cfgs = []
-    cfg = get_preset("tiny-super")
-    cfg.mtp.pattern = ""  # transformers' NemotronH has no MTP module
-    cfgs.append(("tiny-super", cfg))
-    if not args.no_olmo:
-        cfgs.append(("tiny-olmo", get_preset("tiny-olmo")))
+    for name in args.models:
+        if name == "super-150m":
+            cfg = memory_bound_config()
+        else:
+            cfg = get_preset(name)
+            cfg.mtp.pattern = ""  # transformers' NemotronH has no MTP module
+        cfgs.append((name, cfg))
     rows, ok = [], True
     for name, cfg in cfgs:
         row = bench_decode_one(
@@ -192,22 +299,34 @@ def section_decode(args) -> tuple[list[dict], bool]:
             compiled=not args.no_compile and any(c in cfg.pattern for c in "ME"),
         )
         rows.append(row)
-        peer = "NemotronH" if name == "tiny-super" else "Olmo3"
+        peer = "Olmo3" if name == "tiny-olmo" else "NemotronH"
         same = row["tokens_agree"] == row["tokens_compared"] == args.new_tokens
         ok &= same
+        t = row["tok_s"]
         print(
             f"[decode] {name} ({row['config']}; MTP off, fp32, {row['threads']} threads), batch 1,"
-            f" prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats}:"
-            f" hybridlm {row['tok_s']['hybridlm']:.1f} tok/s | transformers {peer}"
-            f" {row['tok_s']['transformers']:.1f} tok/s | ratio {row['ratio']:.2f}x"
+            f" prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.repeats},"
+            f" load {row['loadavg_1min'][0]:.1f}/{row['loadavg_1min'][1]:.1f}:"
+            f" hybridlm {t['hybridlm']:.1f} tok/s | transformers {peer}"
+            f" {t['transformers']:.1f} tok/s | ratio {row['ratio']:.2f}x"
             f" | greedy tokens agree {row['tokens_agree']}/{row['tokens_compared']}"
+            f" | hybridlm pure-torch path {t['hybridlm-torch']:.1f} tok/s"
+            f" ({row['ratio_torch']:.2f}x)"
             + (
-                f" | hybridlm compile_decode() {row['tok_s']['hybridlm-compiled']:.1f} tok/s,"
+                f" | hybridlm compile_decode() {t['hybridlm-compiled']:.1f} tok/s,"
                 f" ratio {row['ratio_compiled']:.2f}x"
                 if row["ratio_compiled"] is not None
                 else ""
             )
             + (f" | {row['compile_note']}" if row["compile_note"] else "")
+        )
+        print(
+            f"[decode] {name} bandwidth limit: {row['active_weight_bytes'] / MiB:.1f} MiB of"
+            f" weights per token / copy bandwidth {row['copy_bw'] / 1e9:.1f} GB/s ="
+            f" {row['limit_tok_s']:.1f} tok/s; hybridlm at {100 * row['share_of_limit']:.0f}%"
+            f" of it ({100 * row['share_of_read_limit']:.0f}% of the read-bandwidth limit,"
+            f" {row['read_bw'] / 1e9:.1f} GB/s), pure-torch path at"
+            f" {100 * t['hybridlm-torch'] * row['active_weight_bytes'] / row['copy_bw']:.0f}%"
         )
     return rows, ok
 
@@ -689,7 +808,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--new-tokens", type=int, default=128)
     g.add_argument("--prompt-len", type=int, default=16)
     g.add_argument("--repeats", type=int, default=5)
-    g.add_argument("--no-olmo", action="store_true", help="skip tiny-olmo vs Olmo3")
+    g.add_argument(
+        "--models",
+        type=lambda t: [m.strip() for m in t.split(",") if m.strip()],
+        default=list(MODELS),
+        help="comma list of " + "|".join(MODELS) + " (super-150m: the memory-bound model)",
+    )
     g.add_argument(
         "--no-compile", action="store_true", help="skip the compile_decode() (torch.compile) run"
     )
@@ -732,6 +856,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--spec-new-tokens, --spec-repeats and --spec-prompt-len must be positive")
     if not args.contexts or min(args.contexts) < 1 or not 1 <= min(args.ks) <= max(args.ks) <= 16:
         p.error("--contexts must be positive and --ks within 1..16")
+    if not args.models or set(args.models) - set(MODELS):
+        p.error(f"--models takes a comma list of {', '.join(MODELS)}; got {args.models}")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)

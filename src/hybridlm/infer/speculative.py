@@ -303,11 +303,13 @@ class SpeculativeDecoder:
         if self.finished:
             return []
         was_training = self.model.training
-        self.model.eval()
+        if was_training:  # train()/eval() walk every module: only when the mode changes
+            self.model.eval()
         try:
             new = self._prefill() if self._cache is None else self._round()
         finally:
-            self.model.train(was_training)
+            if was_training:
+                self.model.train()
         return self._emit(new)
 
     def _emit(self, new: list[int]) -> list[int]:

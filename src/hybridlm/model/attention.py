@@ -16,6 +16,7 @@ from ..ops.attention import attention
 from ..ops.rope import apply_rope, rope_cos_sin, rope_frequencies
 from .cache import KVState
 from .norm import RMSNorm
+from .stock import project
 
 
 class Attention(nn.Module):
@@ -75,7 +76,7 @@ class Attention(nn.Module):
         are gathered and the queries attend at their global offset (`train.context_parallel`)."""
         a = self.a
         Bsz, L, _ = x_BLD.shape
-        q, k, v = self.q_proj(x_BLD), self.k_proj(x_BLD), self.v_proj(x_BLD)
+        q, k, v = (project(p, x_BLD) for p in (self.q_proj, self.k_proj, self.v_proj))
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         # -1 heads: the projections may hold this rank's heads only (train.tensor_parallel)
@@ -99,4 +100,4 @@ class Attention(nn.Module):
         o_BHLE = attention(
             q_BHLE, k_BKLE, v_BKLE, q_offset=offset, window=self.window, extra_mask=attn_mask_B1LS
         )
-        return self.o_proj(o_BHLE.transpose(1, 2).reshape(Bsz, L, -1))
+        return project(self.o_proj, o_BHLE.transpose(1, 2).reshape(Bsz, L, -1))

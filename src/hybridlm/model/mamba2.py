@@ -16,14 +16,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LayerSpec, ModelConfig
+from ..ops import native
 from ..ops.conv1d import causal_conv1d, causal_conv1d_docs
 from ..ops.ssd import ssd_chunked, ssd_states, ssd_step
 from .cache import MambaState
 from .norm import GatedRMSNorm, gated_rms_norm
-from .stock import is_stock
+from .stock import is_stock, project
 
 
-def mamba2_decode_step(
+def mamba2_decode_step_torch(
     x_BD: torch.Tensor,
     conv_BSX: torch.Tensor,
     ssm_BHPN: torch.Tensor,
@@ -47,7 +48,8 @@ def mamba2_decode_step(
     """One decode step of the mixer as a single pure function of tensors (same math as
     `Mamba2Mixer.forward` with L = 1: conv tap sum, `ssd_step`, group-gated RMSNorm), so it can
     be compiled into a few fused kernels (`HybridLM.compile_decode`). Returns
-    (y_BD, new conv_BSX, new ssm_BHPN); parity with the generic path is tested."""
+    (y_BD, new conv_BSX, new ssm_BHPN); parity with the generic path is tested. The reference
+    of the native step (`mamba2_decode_step`)."""
     Bsz = x_BD.shape[0]
     I, GN = heads * head_dim, groups * state_size
     z_BI, xbc_BX, dt_BH = F.linear(x_BD, in_w).split([I, I + 2 * GN, heads], dim=-1)
@@ -70,6 +72,44 @@ def mamba2_decode_step(
     y_BI = gated_rms_norm(y_BHP.reshape(Bsz, I), z_BI, norm_w_I, I // groups, eps)
     y_BD = F.linear(y_BI.to(x_BD.dtype), out_w)
     return y_BD, xp_BKX[:, 1:], state_BHPN
+
+
+def mamba2_decode_step(
+    x_BD: torch.Tensor,
+    conv_BSX: torch.Tensor,
+    ssm_BHPN: torch.Tensor,
+    in_w: torch.Tensor,
+    conv_w_XK: torch.Tensor,
+    conv_b_X: torch.Tensor | None,
+    dt_bias_H: torch.Tensor,
+    A_log_H: torch.Tensor,
+    D_H: torch.Tensor,
+    norm_w_I: torch.Tensor,
+    out_w: torch.Tensor,
+    **kw: Any,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`mamba2_decode_step_torch` through the native kernels when they qualify (fp32 CPU
+    inference, `ops.native`): in_proj GEMV, one fused pass from the conv tap to the gated norm,
+    out_proj GEMV; otherwise the torch function itself."""
+    args = (in_w, conv_w_XK, conv_b_X, dt_bias_H, A_log_H, D_H, norm_w_I, out_w)
+    if not native.usable(x_BD, conv_BSX, ssm_BHPN, *args):
+        return mamba2_decode_step_torch(x_BD, conv_BSX, ssm_BHPN, *args, **kw)
+    y_BI, conv_BSX, ssm_BHPN = native.mamba_step(
+        native.linear(x_BD, in_w),
+        conv_BSX,
+        ssm_BHPN,
+        conv_w_XK,
+        conv_b_X,
+        dt_bias_H,
+        A_log_H,
+        D_H,
+        norm_w_I,
+        groups=kw["groups"],
+        dt_clamp_min=kw["dt_clamp_min"],
+        dt_clamp_max=kw["dt_clamp_max"],
+        eps=kw["eps"],
+    )
+    return native.linear(y_BI, out_w), conv_BSX, ssm_BHPN
 
 
 class Mamba2Mixer(nn.Module):
@@ -137,8 +177,17 @@ class Mamba2Mixer(nn.Module):
             and is_stock(self)
         ):
             return self._decode(x_BLD, state)
+        if (
+            state is not None
+            and state.conv_BSX is not None
+            and token_mask_BL is None
+            and self.decode_fn is not None
+            and native.usable(x_BLD, state.conv_BSX, self.in_proj.weight)
+            and is_stock(self)
+        ):
+            return self._short_segment(x_BLD, state)
         GN = m.n_groups * m.state_size
-        z_BLI, xbc_BLX, dt_BLH = self.in_proj(x_BLD).split(
+        z_BLI, xbc_BLX, dt_BLH = project(self.in_proj, x_BLD).split(
             [m.d_inner, m.conv_dim, m.num_heads], dim=-1
         )
 
@@ -195,7 +244,7 @@ class Mamba2Mixer(nn.Module):
             y_BLHP = y_BLHP + self._entering_state(cp, dt_BLH * A_H, Cm, ssm_out, doc_ids_BL)
 
         y_BLI = self.norm(y_BLHP.reshape(Bsz, L, m.d_inner), z_BLI)
-        return self.out_proj(y_BLI.to(x_BLD.dtype))
+        return project(self.out_proj, y_BLI.to(x_BLD.dtype))
 
     def _conv_across_shards(
         self, cp: Any, xbc_BLX: torch.Tensor, doc_ids_BL: torch.Tensor | None
@@ -243,6 +292,40 @@ class Mamba2Mixer(nn.Module):
         if reach_BL is not None:
             gain_BLH = gain_BLH * reach_BL[..., None]
         return torch.einsum("blhn,bhpn->blhp", C_BLHN, h_BHPN) * gain_BLH[..., None]
+
+    def _short_segment(self, x_BLD: torch.Tensor, state: MambaState) -> torch.Tensor:
+        """A few tokens continuing a cache (speculative verification, short appends): the
+        fused decode step of `ops.native` once per position, so no chunk is padded to
+        `chunk_size` and every position's state is the decode step's own. With
+        `record_history` the state after each position is kept for `MambaState.rewind`."""
+        m = self.m
+        L = x_BLD.shape[1]
+        zxbcdt_BLR = project(self.in_proj, x_BLD)
+        conv_in, conv, ssm = state.conv_BSX, state.conv_BSX, state.ssm_BHPN
+        ys, states = [], []
+        for t in range(L):
+            y_BI, conv, ssm = native.mamba_step(
+                zxbcdt_BLR[:, t].contiguous(),
+                conv,
+                ssm,
+                self.conv1d.weight[:, 0],
+                self.conv1d.bias,
+                self.dt_bias,
+                self.A_log,
+                self.D,
+                self.norm.weight,
+                groups=m.n_groups,
+                dt_clamp_min=m.dt_clamp_min,
+                dt_clamp_max=m.dt_clamp_max,
+                eps=self.eps,
+            )
+            ys.append(y_BI)
+            states.append(ssm)
+        if state.record_history:
+            xbc_BLX = zxbcdt_BLR[..., m.d_inner : m.d_inner + m.conv_dim]
+            state.set_history(conv_in, xbc_BLX, torch.stack(states, dim=1))
+        state.conv_BSX, state.ssm_BHPN = conv, ssm
+        return project(self.out_proj, torch.stack(ys, dim=1))
 
     def _decode(self, x_BLD: torch.Tensor, state: MambaState) -> torch.Tensor:
         m = self.m

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LayerSpec, ModelConfig
+from .stock import project
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -39,5 +40,6 @@ class MLP(nn.Module):
 
     def forward(self, x_BLD: torch.Tensor, **_: object) -> torch.Tensor:
         if self.activation == "swiglu":
-            return self.down_proj(F.silu(self.gate_proj(x_BLD)) * self.up_proj(x_BLD))
-        return self.down_proj(relu2(self.up_proj(x_BLD)))
+            gate = F.silu(project(self.gate_proj, x_BLD))
+            return project(self.down_proj, gate * project(self.up_proj, x_BLD))
+        return project(self.down_proj, relu2(project(self.up_proj, x_BLD)))

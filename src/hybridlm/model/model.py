@@ -30,10 +30,11 @@ from torch import nn
 from ..config import ModelConfig
 from .block import build_blocks
 from .cache import HybridCache
-from .mamba2 import Mamba2Mixer, mamba2_decode_step
-from .moe import AuxSink, MoE, moe_decode_step
+from .mamba2 import Mamba2Mixer, mamba2_decode_step, mamba2_decode_step_torch
+from .moe import AuxSink, MoE, moe_decode_step, moe_decode_step_torch
 from .mtp import MTP
 from .norm import RMSNorm
+from .stock import project
 
 IGNORE_INDEX = -100  # label of a position without a target (transformers' convention)
 
@@ -205,7 +206,7 @@ class HybridLM(nn.Module):
             cache.seen_tokens += L
         h = self.norm_f(h)
         out = ModelOutput(
-            logits=self.lm_head(h) if return_logits else None,
+            logits=project(self.lm_head, h) if return_logits else None,
             hidden=h if return_hidden or not return_logits else None,
         )
         if mtp_depth > 0:
@@ -220,7 +221,7 @@ class HybridLM(nn.Module):
                 h_k = self.mtp(h_k, emb, aux_sink=aux_sink, **ctx)
                 out.mtp_hidden.append(h_k)
                 if return_logits:
-                    out.mtp_logits.append(self.lm_head(h_k))
+                    out.mtp_logits.append(project(self.lm_head, h_k))
         moe_aux = aux_sink.total()
         if moe_aux is not None:
             out.aux["moe_aux"] = moe_aux
@@ -344,9 +345,11 @@ class HybridLM(nn.Module):
         restores the eager functions."""
         for module in self.modules():
             if isinstance(module, Mamba2Mixer):
-                module.decode_fn = _compiled(mamba2_decode_step) if enabled else mamba2_decode_step
+                module.decode_fn = (
+                    _compiled(mamba2_decode_step_torch) if enabled else mamba2_decode_step
+                )
             elif isinstance(module, MoE):
-                module.decode_fn = _compiled(moe_decode_step) if enabled else moe_decode_step
+                module.decode_fn = _compiled(moe_decode_step_torch) if enabled else moe_decode_step
         return self
 
     # ------------------------------------------------------------------ facts

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LayerSpec, ModelConfig
+from ..ops import native
 from .mlp import MLP, relu2
-from .stock import is_stock
+from .stock import is_stock, project
 
 
 class AuxSink:
@@ -89,12 +90,14 @@ def sigmoid_topk_route(
     topk_group: int,
     norm_topk_prob: bool,
     scaling: float,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The router as a pure function (shared by `TopKRouter` and `moe_decode_step`): sigmoid
     scores in fp32 (fp64 for reference runs); the correction bias steers selection only;
-    optional group-limited routing; chosen scores renormalised and scaled."""
+    optional group-limited routing; chosen scores renormalised and scaled. `linear` computes
+    the scores (`ops.native.linear` on the decode path)."""
     ct = torch.promote_types(x_TD.dtype, torch.float32)
-    scores_TE = F.linear(x_TD.to(ct), weight_ED.to(ct)).sigmoid()
+    scores_TE = linear(x_TD.to(ct), weight_ED.to(ct)).sigmoid()
     choice_TE = scores_TE.detach() + bias_E.to(ct)
     if n_group > 1:  # group-limited routing: keep the topk_group groups with best top-2 sums
         grouped = choice_TE.view(-1, n_group, choice_TE.shape[-1] // n_group)
@@ -180,19 +183,36 @@ def moe_decode_step(
     fc2_DW: torch.Tensor | None,
     shared_up: torch.Tensor | None,
     shared_down: torch.Tensor | None,
+    *,
+    use_native: bool = True,
     **route: int | float | bool,
 ) -> torch.Tensor:
-    """The MoE forward for a few tokens (decoding) as one pure function of tensors (router,
-    gathered experts, latent projections, shared expert), so it can be compiled
-    (`HybridLM.compile_decode`). `route` are the keyword arguments of `sigmoid_topk_route`.
-    Same math as `MoE.forward`; parity is tested."""
-    _, idx_TK, w_TK = sigmoid_topk_route(x_TD, gate_w_ED, bias_E, **route)
-    z_TW = F.linear(x_TD, fc1_WD) if fc1_WD is not None else x_TD
-    y_TW = experts_gathered(z_TW, idx_TK, w_TK, up_EFW, down_EWF).to(x_TD.dtype)
-    y_TD = F.linear(y_TW, fc2_DW) if fc2_DW is not None else y_TW
+    """The MoE forward for a few tokens (decoding, speculative verification) as one pure
+    function of tensors (router, gathered experts, latent projections, shared expert). Same
+    math as `MoE.forward`; parity is tested. `route` are the keyword arguments of
+    `sigmoid_topk_route`. With `use_native` and fp32 CPU inference the projections and the
+    experts run through `ops.native` (each chosen expert's weights read once for all tokens);
+    otherwise, and under `torch.compile` (`HybridLM.compile_decode`), pure torch."""
+    weights = (gate_w_ED, up_EFW, down_EWF, fc1_WD, fc2_DW, shared_up, shared_down)
+    fast = use_native and native.usable(x_TD, *weights)
+    linear = native.linear if fast else F.linear
+    x_TD = x_TD.contiguous() if fast else x_TD
+    _, idx_TK, w_TK = sigmoid_topk_route(x_TD, gate_w_ED, bias_E, linear=linear, **route)
+    z_TW = linear(x_TD, fc1_WD) if fc1_WD is not None else x_TD
+    if fast:
+        y_TW = native.experts(z_TW, idx_TK, w_TK, up_EFW, down_EWF)
+    else:
+        y_TW = experts_gathered(z_TW, idx_TK, w_TK, up_EFW, down_EWF).to(x_TD.dtype)
+    y_TD = linear(y_TW, fc2_DW) if fc2_DW is not None else y_TW
     if shared_up is not None:
-        y_TD = y_TD + F.linear(relu2(F.linear(x_TD, shared_up)), shared_down)
+        y_TD = y_TD + linear(relu2(linear(x_TD, shared_up)), shared_down)
     return y_TD
+
+
+def moe_decode_step_torch(*args: Any, **kw: Any) -> torch.Tensor:
+    """`moe_decode_step` in pure torch (the reference of its native path; compiled by
+    `HybridLM.compile_decode`)."""
+    return moe_decode_step(*args, use_native=False, **kw)
 
 
 def run_local(
@@ -298,7 +318,7 @@ class MoE(nn.Module):
             self.decode_fn is not None
             and not self.training
             and not torch.is_grad_enabled()
-            and Bsz * L * c.top_k <= c.num_experts
+            and (Bsz * L * c.top_k <= c.num_experts or native.usable(x_TD, self.experts.up_proj))
             and self.experts.impl == "auto"
             and is_stock(self)
         ):
@@ -314,9 +334,9 @@ class MoE(nn.Module):
                 if aux is not None:
                     aux_sink.add(aux)
 
-        z_TW = self.fc1_latent_proj(x_TD) if c.latent_size else x_TD
+        z_TW = project(self.fc1_latent_proj, x_TD) if c.latent_size else x_TD
         y_TW = self.experts(z_TW, idx_TK, w_TK)
-        y_TD = self.fc2_latent_proj(y_TW) if c.latent_size else y_TW
+        y_TD = project(self.fc2_latent_proj, y_TW) if c.latent_size else y_TW
         if c.shared_expert_hidden:  # shared expert at full width, added in d-space
             y_TD = y_TD + self.shared_experts(x_TD)
         return y_TD.view(Bsz, L, D)

@@ -19,6 +19,7 @@ from torch import nn
 from ..config import ModelConfig
 from .block import build_blocks
 from .norm import RMSNorm
+from .stock import project
 
 
 class MTP(nn.Module):
@@ -39,7 +40,7 @@ class MTP(nn.Module):
         states: list | None = None,
         **ctx: object,
     ) -> torch.Tensor:
-        x = self.eh_proj(torch.cat([self.enorm(emb_BLD), self.hnorm(h_BLD)], dim=-1))
+        x = project(self.eh_proj, torch.cat([self.enorm(emb_BLD), self.hnorm(h_BLD)], dim=-1))
         for i, block in enumerate(self.layers):
             x = block(x, state=None if states is None else states[i], **ctx)
         return self.final_layernorm(x)

@@ -1,0 +1,228 @@
+/* Inference kernels for few rows (decoding, speculative verification) on the CPU, fp32.
+ *
+ * Batch-1 decoding reads every active weight once per token, so its speed limit is memory
+ * bandwidth. A BLAS GEMM called with 1-8 rows reaches well under that limit (about half for one
+ * row, a fifth for four on a 2-core AVX2/AVX-512 machine; benchmarks/README.md), and an
+ * elementwise chain of tiny torch ops costs more in dispatch than in arithmetic. These kernels
+ * stream each weight row once for all rows of the call and fuse the Mamba-2 step into one pass.
+ * Each has a pure-torch reference it is tested against (tests/test_native_kernels.py); the
+ * Python side (`hybridlm.ops.native`) compiles this file on first use and falls back to the
+ * references when no C compiler is present.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define VL 16 /* floats per vector: AVX-512 width; GCC splits it on narrower machines */
+typedef float vf __attribute__((vector_size(VL * sizeof(float)), aligned(4)));
+#define MAXM 8
+/* Below about a megabyte of weights one thread finishes before a sleeping OpenMP worker wakes
+ * up (tens of microseconds on a virtual machine), so small calls run on the calling thread. */
+#define PARALLEL_MIN_FLOATS (1L << 18)
+
+static inline float hsum(vf v) {
+  float s = 0.f;
+  for (int j = 0; j < VL; j++) s += v[j];
+  return s;
+}
+
+/* dot products of one weight row with m (<= MAXM) input rows, the row read once */
+static inline void dots(const float *w, const float *x, long ldx, long m, long n, float *out) {
+  vf acc[MAXM];
+  for (long r = 0; r < m; r++) acc[r] = (vf){0};
+  long i = 0;
+  for (; i + VL <= n; i += VL) {
+    vf wv;
+    memcpy(&wv, w + i, sizeof(vf));
+    for (long r = 0; r < m; r++) {
+      vf xv;
+      memcpy(&xv, x + r * ldx + i, sizeof(vf));
+      acc[r] += wv * xv;
+    }
+  }
+  for (long r = 0; r < m; r++) {
+    float s = hsum(acc[r]);
+    for (long j = i; j < n; j++) s += w[j] * x[r * ldx + j];
+    out[r] = s;
+  }
+}
+
+/* one input row against 4 weight rows: 4 independent accumulator chains */
+static inline void dots4(const float *w, long ldw, const float *x, long n, float *out) {
+  vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+  long i = 0;
+  for (; i + VL <= n; i += VL) {
+    vf xv, w0, w1, w2, w3;
+    memcpy(&xv, x + i, sizeof(vf));
+    memcpy(&w0, w + i, sizeof(vf));
+    memcpy(&w1, w + ldw + i, sizeof(vf));
+    memcpy(&w2, w + 2 * ldw + i, sizeof(vf));
+    memcpy(&w3, w + 3 * ldw + i, sizeof(vf));
+    a0 += w0 * xv;
+    a1 += w1 * xv;
+    a2 += w2 * xv;
+    a3 += w3 * xv;
+  }
+  out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
+  for (; i < n; i++) {
+    for (int r = 0; r < 4; r++) out[r] += w[r * ldw + i] * x[i];
+  }
+}
+
+/* y[M, O] = x[M, I] @ W[O, I]^T (+ bias[O]); rows of W split over threads */
+void hl_linear(const float *x, const float *W, const float *bias, float *y, long M, long O,
+               long I, int nthreads) {
+  if (M == 1) { /* decoding: four weight rows per step keep four FMA chains in flight */
+    long O4 = O / 4 * 4;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (O * I >= PARALLEL_MIN_FLOATS)
+    for (long o = 0; o < O4; o += 4) {
+      float out[4];
+      dots4(W + o * I, I, x, I, out);
+      for (int r = 0; r < 4; r++) y[o + r] = out[r] + (bias ? bias[o + r] : 0.f);
+    }
+    for (long o = O4; o < O; o++) {
+      float out[1];
+      dots(W + o * I, x, I, 1, I, out);
+      y[o] = out[0] + (bias ? bias[o] : 0.f);
+    }
+    return;
+  }
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (O * I >= PARALLEL_MIN_FLOATS)
+  for (long o = 0; o < O; o++) {
+    float out[MAXM];
+    for (long m0 = 0; m0 < M; m0 += MAXM) {
+      long m = M - m0 < MAXM ? M - m0 : MAXM;
+      dots(W + o * I, x + m0 * I, I, m, I, out);
+      for (long r = 0; r < m; r++) y[(m0 + r) * O + o] = out[r] + (bias ? bias[o] : 0.f);
+    }
+  }
+}
+
+/* y[M, D] = x / sqrt(mean(x^2) + eps) * w (RMSNorm; statistics in double) */
+void hl_rms_norm(const float *x, const float *w, float *y, long M, long D, float eps) {
+  for (long r = 0; r < M; r++) {
+    const float *xr = x + r * D;
+    double ss = 0.0;
+    for (long i = 0; i < D; i++) ss += (double)xr[i] * xr[i];
+    float inv = 1.f / sqrtf((float)(ss / D) + eps);
+    for (long i = 0; i < D; i++) y[r * D + i] = xr[i] * inv * w[i];
+  }
+}
+
+/* Routed experts for T tokens with K choices each (relu^2 MLPs, W -> F -> W):
+ * y[t] = sum_k gate[t, k] * down[e] relu2(up[e] z[t]), e = idx[t, k].
+ * Assignments are grouped by expert so each chosen expert's weights are read once per call;
+ * one parallel region covers all groups (a barrier between the up and down products).
+ * h: scratch of T*K*F floats, zs: scratch of T*K*W floats. */
+void hl_experts(const float *z, const int64_t *idx, const float *gate, const float *up,
+                const float *down, float *y, float *h, float *zs, long T, long K, long E, long W,
+                long F, int nthreads) {
+  long A = T * K;
+  long order[A > 0 ? A : 1], start[A + 1], n = 0, groups = 0;
+  for (long e = 0; e < E && n < A; e++) { /* assignments sorted by expert, stable */
+    long before = n;
+    for (long a = 0; a < A; a++)
+      if (idx[a] == e) order[n++] = a;
+    if (n > before) start[groups++] = before;
+  }
+  start[groups] = n;
+  for (long j = 0; j < n; j++) memcpy(zs + j * W, z + (order[j] / K) * W, W * sizeof(float));
+  memset(y, 0, sizeof(float) * T * W);
+  long work = groups * 2 * F * W;
+#pragma omp parallel num_threads(nthreads) if (work >= PARALLEL_MIN_FLOATS)
+  for (long g = 0; g < groups; g++) {
+    long e = idx[order[start[g]]];
+    const float *U = up + e * F * W, *Dn = down + e * W * F;
+    for (long c0 = start[g]; c0 < start[g + 1]; c0 += MAXM) {
+      long m = start[g + 1] - c0 < MAXM ? start[g + 1] - c0 : MAXM;
+#pragma omp for schedule(static)
+      for (long f = 0; f < F; f++) {
+        float out[MAXM];
+        dots(U + f * W, zs + c0 * W, W, m, W, out);
+        for (long r = 0; r < m; r++) {
+          float v = out[r] > 0.f ? out[r] : 0.f;
+          h[(c0 + r) * F + f] = v * v;
+        }
+      }
+#pragma omp for schedule(static)
+      for (long o = 0; o < W; o++) {
+        float out[MAXM];
+        dots(Dn + o * F, h + c0 * F, F, m, F, out);
+        for (long r = 0; r < m; r++) {
+          long a = order[c0 + r];
+          y[(a / K) * W + o] += gate[a] * out[r];
+        }
+      }
+    }
+  }
+}
+
+static inline float silu(float v) { return v / (1.f + expf(-v)); }
+
+/* One Mamba-2 decode step after in_proj, for Bsz rows (Mamba2Mixer with L = 1):
+ * zxbcdt[B, I + X + H] = [z | x B C | dt], X = I + 2 G N. Writes
+ *   conv_out[B, S, X]  the conv window shifted by the new input (S = taps - 1),
+ *   ssm_out[B, H, P, N] exp(dt A) ssm_in + dt x (outer) B,
+ *   y[B, I]            rmsnorm_per_group((ssm_out C + D x) * silu(z)) * norm_w,
+ * with dt = clamp(softplus(dt + dt_bias)), A = -exp(A_log), x B C = silu(causal conv).
+ * xbc: scratch of B * X floats. */
+void hl_mamba_step(const float *zxbcdt, const float *conv_in, const float *conv_w,
+                   const float *conv_b, const float *dt_bias, const float *A_log, const float *Dp,
+                   const float *norm_w, const float *ssm_in, float *conv_out, float *ssm_out,
+                   float *y, float *xbc, long Bsz, long H, long P, long G, long N, long S,
+                   float dt_min, float dt_max, float eps, int nthreads) {
+  long I = H * P, X = I + 2 * G * N, R = H / G, Kt = S + 1, row = I + X + H;
+  long gsize = I / G;
+  for (long b = 0; b < Bsz; b++) {
+    const float *in = zxbcdt + b * row;
+    const float *cin = conv_in + b * S * X;
+    float *cout = conv_out + b * S * X, *xb = xbc + b * X;
+    int par = H * P * N >= PARALLEL_MIN_FLOATS;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (par)
+    for (long c = 0; c < X; c++) {
+      float v = in[I + c], acc = 0.f;
+      for (long j = 0; j < S; j++) acc += cin[j * X + c] * conv_w[c * Kt + j];
+      acc += v * conv_w[c * Kt + S];
+      if (conv_b) acc += conv_b[c];
+      xb[c] = silu(acc);
+      for (long j = 0; j + 1 < S; j++) cout[j * X + c] = cin[(j + 1) * X + c];
+      if (S > 0) cout[(S - 1) * X + c] = v;
+    }
+    const float *Bv = xb + I, *Cv = xb + I + G * N;
+    float *yb = y + b * I;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (par)
+    for (long h = 0; h < H; h++) {
+      float d = in[I + X + h] + dt_bias[h];
+      d = d > 20.f ? d : log1pf(expf(d)); /* softplus, torch's threshold 20 */
+      if (d < dt_min) d = dt_min;
+      if (d > dt_max) d = dt_max;
+      float decay = expf(d * -expf(A_log[h]));
+      long g = h / R;
+      const float *Bg = Bv + g * N, *Cg = Cv + g * N;
+      for (long p = 0; p < P; p++) {
+        const float *s0 = ssm_in + ((b * H + h) * P + p) * N;
+        float *s1 = ssm_out + ((b * H + h) * P + p) * N;
+        float xv = xb[h * P + p], xdt = xv * d, acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (long k = 0; k < N; k++) {
+          float s = s0[k] * decay + xdt * Bg[k];
+          s1[k] = s;
+          acc += s * Cg[k];
+        }
+        yb[h * P + p] = acc + Dp[h] * xv;
+      }
+    }
+    const float *z = in;
+    for (long g = 0; g < G; g++) {
+      double ss = 0.0;
+      for (long i = g * gsize; i < (g + 1) * gsize; i++) {
+        float v = yb[i] * silu(z[i]);
+        yb[i] = v;
+        ss += (double)v * v;
+      }
+      float r = 1.f / sqrtf((float)(ss / gsize) + eps);
+      for (long i = g * gsize; i < (g + 1) * gsize; i++) yb[i] = norm_w[i] * (yb[i] * r);
+    }
+  }
+}
