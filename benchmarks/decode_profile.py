@@ -13,7 +13,9 @@ default, with `ops.native`; `torch`: the kernels off), after a 16-token prefill 
 - torch.profiler's self time of every aten op (count per token and microseconds per token);
   the native kernels are ctypes calls that the profiler does not see, so they are timed by
   wrapping `ops.native`'s functions, each call's weight bytes giving its bandwidth;
-- Python and dispatch overhead = wall - aten self time - native kernel time.
+- Python and dispatch overhead = wall - aten self time - native kernel time (three passes over
+  the same steps: the wall and native times of the timed pass, the aten time of the profiled
+  one; the machine's noise between passes shows up here).
 
 The copy bandwidth (read + written, STREAM's convention) and read bandwidth are measured in the
 same run (`decode.measure_bandwidth`). Rows go to `OUT/metrics.jsonl`.
@@ -169,10 +171,74 @@ def profile_model(name: str, cfg, path: str, tokens: int, seed: int = 0) -> dict
         "aten_ops_per_token": aten_calls,
         "aten_self_ms": aten_us / 1e3,
         "native_ms": native_s * 1e3,
-        "overhead_ms": per_token * 1e3 - aten_us / 1e3 - native_s * 1e3,
+        # the timed pass's wall minus its native time minus the profiled pass's aten time
+        "overhead_ms": (wall_timed / tokens - native_s) * 1e3 - aten_us / 1e3,
         "top_ops": [{"op": k, "calls": c, "us": u} for k, c, u in ops[:8]],
         "kernels": gemv,
         "active_weight_bytes": active_weight_bytes(model),
+    }
+
+
+def speculative_costs(name: str, cfg, draft_lens=range(1, 8), repeats: int = 30) -> dict:
+    """The costs a speculative round is made of, measured on random weights with an MTP head
+    `*E` (acceptance does not change them): one plain decode step, one verification forward of
+    k + 1 tokens (with the per-position Mamba history and a rewind of half the drafts, as in a
+    round), one MTP draft position. A round with draft length k costs about
+    verify(k + 1) + k * draft and emits the acceptance length AL, so the speed-up over plain
+    decoding is AL * step / (verify(k + 1) + k * draft) (Python bookkeeping of a round aside)."""
+    from hybridlm.infer.speculative import _mtp
+
+    cfg = type(cfg).from_dict(cfg.to_dict())
+    cfg.mtp.pattern, cfg.mtp.depth = "*E", 1
+    model = HybridLM(cfg, seed=0).eval()
+    cache = HybridCache.for_pattern(cfg.pattern)
+    mtp_cache = HybridCache.for_pattern(cfg.mtp.pattern)
+
+    def median_ms(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    with torch.no_grad():
+        pre = model(torch.randint(0, cfg.vocab_size, (1, 16)), cache=cache, return_hidden=True)
+        _mtp(model, pre.hidden, torch.randint(0, cfg.vocab_size, (1, 16)), mtp_cache)
+        snap = cache.snapshot()
+        tok = torch.tensor([[7]])
+
+        def step() -> None:
+            cache.restore(snap)
+            model(tok, cache=cache)
+
+        def verify(j: int):
+            seq = torch.arange(7, 7 + j)[None]
+
+            def run() -> None:
+                cache.restore(snap)
+                cache.record_history(True)
+                model(seq, cache=cache, return_hidden=True)
+                cache.record_history(False)
+                cache.rewind(j // 2)
+
+            return run
+
+        h = pre.hidden[:, -1:]
+
+        def draft() -> None:
+            _mtp(model, h, tok, mtp_cache)
+            mtp_cache.truncate(mtp_cache.seen_tokens - 1)
+
+        step_ms, draft_ms = median_ms(step), median_ms(draft)
+        verify_ms = {k: median_ms(verify(k + 1)) for k in draft_lens}
+    return {
+        "model": name,
+        "kind": "speculative_costs",
+        "step_ms": step_ms,
+        "draft_ms": draft_ms,
+        "verify_ms": verify_ms,
     }
 
 
@@ -226,6 +292,17 @@ def main(argv: list[str] | None = None) -> int:
                     f" {k['us_per_call']:.0f} us, {k['bytes_per_call'] / MB:.2f} MB ->"
                     f" {k['gb_s']:.1f} GB/s"
                 )
+        c = speculative_costs(name, cfg)
+        rows.append(c)
+        ver = " ".join(f"{k + 1}:{v / c['step_ms']:.2f}" for k, v in c["verify_ms"].items())
+        be = " ".join(
+            f"k={k}:{(v + k * c['draft_ms']) / c['step_ms']:.2f}" for k, v in c["verify_ms"].items()
+        )
+        print(
+            f"[profile] {name} speculative costs, in plain decode steps ({c['step_ms']:.2f} ms):"
+            f" one MTP draft {c['draft_ms'] / c['step_ms']:.2f} | verify of J tokens {ver}"
+            f" | a round with k drafts (= the acceptance length needed to break even) {be}"
+        )
     with open(out / "metrics.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

@@ -47,6 +47,38 @@ def test_rms_norm_equals_torch(rows, D):
     _close(native.rms_norm(x, w, 1e-5), F.rms_norm(x, (D,), w, 1e-5))
 
 
+@pytest.mark.parametrize("L,window", [(1, None), (4, None), (3, 5), (1, 2)])
+def test_attention_equals_sdpa_against_a_cache(L, window):
+    """Queries = the last L of S positions, keys read in place from a KVState's buffer."""
+    from hybridlm.model.cache import KVState
+    from hybridlm.ops.attention import attention
+
+    g = torch.Generator().manual_seed(L)
+    B, H, Kh, E, S0 = 2, 6, 2, 16, 9
+    st = KVState(capacity=32)
+    st.update(torch.randn(B, Kh, S0, E, generator=g), torch.randn(B, Kh, S0, E, generator=g))
+    k, v = st.update(torch.randn(B, Kh, L, E, generator=g), torch.randn(B, Kh, L, E, generator=g))
+    q = torch.randn(B, H, L, E, generator=g)
+    assert native.attention_usable(q, k, v) and not k.is_contiguous()
+    ref = attention(q, k.contiguous(), v.contiguous(), q_offset=S0, window=window)
+    _close(native.attention(q, k, v, window=window), ref)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_equals_sigmoid_topk(norm):
+    from hybridlm.model.moe import sigmoid_topk_route
+
+    g = torch.Generator().manual_seed(int(norm))
+    x, w = torch.randn(5, 24, generator=g), torch.randn(16, 24, generator=g)
+    bias = torch.randn(16, generator=g) / 10
+    kw = dict(top_k=4, norm_topk_prob=norm, scaling=2.5)
+    _, idx_ref, gate_ref = sigmoid_topk_route(x, w, bias, n_group=1, topk_group=1, **kw)
+    idx, gate = native.route(F.linear(x, w), bias, **kw)
+    order_ref, order = idx_ref.sort(-1).indices, idx.sort(-1).indices
+    assert torch.equal(idx_ref.gather(1, order_ref), idx.gather(1, order))
+    _close(gate.gather(1, order), gate_ref.gather(1, order_ref))
+
+
 def test_usable_only_for_plain_inference_calls():
     x, w = torch.randn(2, 8), torch.randn(4, 8, requires_grad=True)
     assert not native.usable(x, w)  # autograd would be bypassed

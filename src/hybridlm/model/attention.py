@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..config import LayerSpec, ModelConfig
+from ..ops import native
 from ..ops.attention import attention
 from ..ops.rope import apply_rope, rope_cos_sin, rope_frequencies
 from .cache import KVState
@@ -93,6 +94,11 @@ class Attention(nn.Module):
         offset = state.length if state is not None else 0  # cache columns before this call
         if state is not None:
             k_BKLE, v_BKLE = state.update(k_BKLE, v_BKLE)
+            if attn_mask_B1LS is None and context_parallel is None:
+                q = q_BHLE if L == 1 else q_BHLE.contiguous()
+                if native.attention_usable(q, k_BKLE, v_BKLE):  # decoding, verification
+                    o_BHLE = native.attention(q, k_BKLE, v_BKLE, window=self.window)
+                    return project(self.o_proj, o_BHLE.transpose(1, 2).reshape(Bsz, L, -1))
         if context_parallel is not None:
             offset = context_parallel.offset(L)
             k_BKLE = context_parallel.gather_seq(k_BKLE, dim=2)

@@ -197,7 +197,16 @@ def moe_decode_step(
     fast = use_native and native.usable(x_TD, *weights)
     linear = native.linear if fast else F.linear
     x_TD = x_TD.contiguous() if fast else x_TD
-    _, idx_TK, w_TK = sigmoid_topk_route(x_TD, gate_w_ED, bias_E, linear=linear, **route)
+    if fast and route["n_group"] == 1 and bias_E.dtype == torch.float32:
+        idx_TK, w_TK = native.route(
+            native.linear(x_TD, gate_w_ED),
+            bias_E,
+            top_k=int(route["top_k"]),
+            norm_topk_prob=bool(route["norm_topk_prob"]),
+            scaling=float(route["scaling"]),
+        )
+    else:
+        _, idx_TK, w_TK = sigmoid_topk_route(x_TD, gate_w_ED, bias_E, linear=linear, **route)
     z_TW = linear(x_TD, fc1_WD) if fc1_WD is not None else x_TD
     if fast:
         y_TW = native.experts(z_TW, idx_TK, w_TK, up_EFW, down_EWF)

@@ -101,7 +101,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hl_experts.argtypes = [p] * 8 + [L] * 5 + [i]
     lib.hl_mamba_step.argtypes = [p] * 13 + [L] * 6 + [f, f, f, i]
     lib.hl_rms_norm.argtypes = [p, p, p, L, L, f]
-    for fn in (lib.hl_linear, lib.hl_experts, lib.hl_mamba_step, lib.hl_rms_norm):
+    lib.hl_attention.argtypes = [p] * 5 + [L] * 9 + [f, i]
+    lib.hl_route.argtypes = [p, p, p, p, L, L, L, i, f]
+    kernels = (lib.hl_linear, lib.hl_experts, lib.hl_mamba_step, lib.hl_rms_norm)
+    for fn in (*kernels, lib.hl_attention, lib.hl_route):
         fn.restype = None
 
 
@@ -248,3 +251,62 @@ def mamba_step(
         torch.get_num_threads(),
     )  # fmt: skip
     return y, conv_out, ssm_out
+
+
+def attention_usable(q_BHLE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor) -> bool:
+    """Whether `attention` can read these tensors in place: fp32 CPU, queries contiguous, keys
+    and values laid out as the valid prefix of a [B, K, capacity, E] buffer (`KVState`)."""
+    Bsz, _, L, _ = q_BHLE.shape
+    if Bsz * L > MAX_ROWS or not q_BHLE.is_contiguous():
+        return False
+    if not usable(q_BHLE.view(Bsz * L, -1)):  # fp32 CPU inference; rows: B * L
+        return False
+    for t in (k_BKSE, v_BKSE):
+        if (
+            type(t) not in _PLAIN_TYPES
+            or t.dtype != torch.float32
+            or not t.is_cpu
+            or t.stride(3) != 1
+            or t.stride(2) != t.shape[3]
+            or t.stride(0) != t.shape[1] * t.stride(1)
+        ):
+            return False
+    return True
+
+
+def attention(
+    q_BHLE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor, *, window: int | None = None
+) -> Tensor:
+    """Causal grouped-query attention of a few query rows that are the last L positions of the
+    S keys (a decode step or a verification against a cache; `ops.attention.attention` with
+    q_offset = S - L); `window`: the sliding window. Check `attention_usable` first."""
+    lib = library()
+    Bsz, H, L, E = q_BHLE.shape
+    Kh, S = k_BKSE.shape[1], k_BKSE.shape[2]
+    if H % Kh or S < L or v_BKSE.shape != k_BKSE.shape:
+        raise ValueError("attention: query / key / value shapes do not match")
+    o = q_BHLE.new_empty(Bsz, H, L, E)
+    scores = q_BHLE.new_empty(Bsz * H * max(S, 1))
+    lib.hl_attention(
+        _ptr(q_BHLE), _ptr(k_BKSE), _ptr(v_BKSE), _ptr(o), _ptr(scores), Bsz, H, Kh, L, S, E,
+        k_BKSE.stride(1), v_BKSE.stride(1), window or 0, E**-0.5, torch.get_num_threads(),
+    )  # fmt: skip
+    return o
+
+
+def route(
+    logits_TE: Tensor, bias_E: Tensor, *, top_k: int, norm_topk_prob: bool, scaling: float
+) -> tuple[Tensor, Tensor]:
+    """Sigmoid top-k routing of router logits (`model.moe.sigmoid_topk_route` without group
+    limits): (expert ids [T, K] int64, gates [T, K])."""
+    lib = library()
+    T, E = logits_TE.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"route: top_k {top_k} for {E} experts")
+    idx = torch.empty(T, top_k, dtype=torch.int64)
+    gate = logits_TE.new_empty(T, top_k)
+    lib.hl_route(
+        _ptr(logits_TE.contiguous()), _ptr(bias_E.contiguous()), _ptr(idx), _ptr(gate),
+        T, E, top_k, int(norm_topk_prob), scaling,
+    )  # fmt: skip
+    return idx, gate

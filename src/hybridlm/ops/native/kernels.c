@@ -136,22 +136,41 @@ void hl_experts(const float *z, const int64_t *idx, const float *gate, const flo
     const float *U = up + e * F * W, *Dn = down + e * W * F;
     for (long c0 = start[g]; c0 < start[g + 1]; c0 += MAXM) {
       long m = start[g + 1] - c0 < MAXM ? start[g + 1] - c0 : MAXM;
+      /* rows in steps of 4: one input row uses dots4's four chains, more rows their own */
+      long step = m == 1 ? 4 : 1;
 #pragma omp for schedule(static)
-      for (long f = 0; f < F; f++) {
-        float out[MAXM];
-        dots(U + f * W, zs + c0 * W, W, m, W, out);
-        for (long r = 0; r < m; r++) {
-          float v = out[r] > 0.f ? out[r] : 0.f;
-          h[(c0 + r) * F + f] = v * v;
+      for (long f0 = 0; f0 < F; f0 += step) {
+        float out[MAXM > 4 ? MAXM : 4];
+        long nf = F - f0 < step ? F - f0 : step;
+        for (long f = f0; f < f0 + nf; f += (nf == 4 ? 4 : 1)) {
+          if (nf == 4) {
+            dots4(U + f * W, W, zs + c0 * W, W, out);
+            for (int r = 0; r < 4; r++) h[c0 * F + f + r] = out[r] > 0.f ? out[r] * out[r] : 0.f;
+          } else {
+            dots(U + f * W, zs + c0 * W, W, m, W, out);
+            for (long r = 0; r < m; r++) {
+              float v = out[r] > 0.f ? out[r] : 0.f;
+              h[(c0 + r) * F + f] = v * v;
+            }
+          }
         }
       }
 #pragma omp for schedule(static)
-      for (long o = 0; o < W; o++) {
-        float out[MAXM];
-        dots(Dn + o * F, h + c0 * F, F, m, F, out);
-        for (long r = 0; r < m; r++) {
-          long a = order[c0 + r];
-          y[(a / K) * W + o] += gate[a] * out[r];
+      for (long o0 = 0; o0 < W; o0 += step) {
+        float out[MAXM > 4 ? MAXM : 4];
+        long no = W - o0 < step ? W - o0 : step;
+        for (long o = o0; o < o0 + no; o += (no == 4 ? 4 : 1)) {
+          if (no == 4) {
+            long a = order[c0];
+            dots4(Dn + o * F, F, h + c0 * F, F, out);
+            for (int r = 0; r < 4; r++) y[(a / K) * W + o + r] += gate[a] * out[r];
+          } else {
+            dots(Dn + o * F, h + c0 * F, F, m, F, out);
+            for (long r = 0; r < m; r++) {
+              long a = order[c0 + r];
+              y[(a / K) * W + o] += gate[a] * out[r];
+            }
+          }
         }
       }
     }
@@ -224,5 +243,71 @@ void hl_mamba_step(const float *zxbcdt, const float *conv_in, const float *conv_
       float r = 1.f / sqrtf((float)(ss / gsize) + eps);
       for (long i = g * gsize; i < (g + 1) * gsize; i++) yb[i] = norm_w[i] * (yb[i] * r);
     }
+  }
+}
+
+/* Causal grouped-query attention of L (few) query rows against S cached keys, fp32:
+ * q[B, H, L, E], k / v [B, Kh, S, E] (row strides ldk / ldv between (b, kv-head) blocks, so the
+ * valid prefix of a preallocated cache is read in place), o[B, H, L, E]. Query i sits at
+ * position S - L + i and sees keys j <= S - L + i (and, with window > 0, S - L + i - j < window).
+ * scores: scratch of B * H * S floats per query row, reused. */
+void hl_attention(const float *q, const float *k, const float *v, float *o, float *scores,
+                  long Bsz, long H, long Kh, long L, long S, long E, long ldk, long ldv,
+                  long window, float scale, int nthreads) {
+  long R = H / Kh;
+#pragma omp parallel for collapse(2) num_threads(nthreads) schedule(static) if (Bsz * Kh * S * E >= PARALLEL_MIN_FLOATS)
+  for (long b = 0; b < Bsz; b++)
+    for (long h = 0; h < H; h++) {
+      const float *kb = k + (b * Kh + h / R) * ldk, *vb = v + (b * Kh + h / R) * ldv;
+      float *sc = scores + (b * H + h) * S;
+      for (long i = 0; i < L; i++) {
+        const float *qi = q + ((b * H + h) * L + i) * E;
+        float *oi = o + ((b * H + h) * L + i) * E;
+        long last = S - L + i, first = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+        float mx = -INFINITY;
+        for (long j = first; j <= last; j++) {
+          float d = 0.f;
+          for (long e = 0; e < E; e++) d += qi[e] * kb[j * E + e];
+          sc[j] = d * scale;
+          if (sc[j] > mx) mx = sc[j];
+        }
+        double den = 0.0;
+        for (long j = first; j <= last; j++) {
+          sc[j] = expf(sc[j] - mx);
+          den += sc[j];
+        }
+        float inv = (float)(1.0 / den);
+        for (long e = 0; e < E; e++) oi[e] = 0.f;
+        for (long j = first; j <= last; j++) {
+          float w = sc[j] * inv;
+          for (long e = 0; e < E; e++) oi[e] += w * vb[j * E + e];
+        }
+      }
+    }
+}
+
+/* Sigmoid top-k router for T tokens (group-limited routing not included): scores = sigmoid(
+ * logits[T, E]); experts = the top_k of scores + bias (ties to the lower index); gates = the
+ * chosen scores, renormalised when norm (+1e-20), times scaling. */
+void hl_route(const float *logits, const float *bias, int64_t *idx, float *gate, long T, long E,
+              long top_k, int norm, float scaling) {
+  for (long t = 0; t < T; t++) {
+    float s[E], c[E];
+    for (long e = 0; e < E; e++) {
+      s[e] = 1.f / (1.f + expf(-logits[t * E + e]));
+      c[e] = s[e] + bias[e];
+    }
+    float sum = 0.f;
+    for (long r = 0; r < top_k; r++) {
+      long best = -1;
+      for (long e = 0; e < E; e++)
+        if (c[e] != -INFINITY && (best < 0 || c[e] > c[best])) best = e;
+      idx[t * top_k + r] = best;
+      gate[t * top_k + r] = s[best];
+      sum += s[best];
+      c[best] = -INFINITY;
+    }
+    for (long r = 0; r < top_k; r++)
+      gate[t * top_k + r] = (norm ? gate[t * top_k + r] / (sum + 1e-20f) : gate[t * top_k + r]) * scaling;
   }
 }
