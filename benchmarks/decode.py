@@ -150,14 +150,19 @@ def measure_bandwidth(mib: int = 256, repeats: int = 7) -> dict[str, float]:
         ("copy", lambda: b.copy_(a), 2 * a.numel() * 4),
         ("read", lambda: a.sum(), a.numel() * 4),
     ):
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[name] = nbytes / statistics.median(times)
+        out[name] = nbytes / median_seconds(fn, repeats)
     return out
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of `repeats` calls of `fn`, after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def bench_decode_one(

@@ -35,7 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode import active_weight_bytes, measure_bandwidth, memory_bound_config  # noqa: E402
+from decode import (  # noqa: E402
+    active_weight_bytes,
+    measure_bandwidth,
+    median_seconds,
+    memory_bound_config,
+)
 from hybridlm import HybridLM  # noqa: E402
 from hybridlm.model.cache import HybridCache  # noqa: E402
 from hybridlm.ops import native  # noqa: E402
@@ -195,13 +200,7 @@ def speculative_costs(name: str, cfg, draft_lens=range(1, 8), repeats: int = 30)
     mtp_cache = HybridCache.for_pattern(cfg.mtp.pattern)
 
     def median_ms(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+        return median_seconds(fn, repeats) * 1e3
 
     with torch.no_grad():
         pre = model(torch.randint(0, cfg.vocab_size, (1, 16)), cache=cache, return_hidden=True)

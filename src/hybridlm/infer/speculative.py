@@ -61,6 +61,7 @@ import torch
 
 from ..model.cache import HybridCache
 from ..model.model import HybridLM
+from ..model.stock import project
 from .sampling import SamplingParams, filtered_probs
 
 Tensor = torch.Tensor
@@ -161,7 +162,7 @@ def _mtp(model: HybridLM, h_BLD: Tensor, next_BL: Tensor, cache: HybridCache):
     pos = torch.arange(cache.seen_tokens, cache.seen_tokens + L, device=next_BL.device)
     out = model.mtp(h_BLD, model.embeddings(next_BL), states=cache.layers, positions_L=pos)
     cache.seen_tokens += L
-    return out, model.lm_head(out)
+    return out, project(model.lm_head, out)
 
 
 def _prompt_BL(prompt_ids: Sequence[int] | Tensor, vocab_size: int, device) -> Tensor:

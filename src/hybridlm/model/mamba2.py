@@ -75,25 +75,14 @@ def mamba2_decode_step_torch(
 
 
 def mamba2_decode_step(
-    x_BD: torch.Tensor,
-    conv_BSX: torch.Tensor,
-    ssm_BHPN: torch.Tensor,
-    in_w: torch.Tensor,
-    conv_w_XK: torch.Tensor,
-    conv_b_X: torch.Tensor | None,
-    dt_bias_H: torch.Tensor,
-    A_log_H: torch.Tensor,
-    D_H: torch.Tensor,
-    norm_w_I: torch.Tensor,
-    out_w: torch.Tensor,
-    **kw: Any,
+    x_BD: torch.Tensor, conv_BSX: torch.Tensor, ssm_BHPN: torch.Tensor, *weights: Any, **kw: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`mamba2_decode_step_torch` through the native kernels when they qualify (fp32 CPU
-    inference, `ops.native`): in_proj GEMV, one fused pass from the conv tap to the gated norm,
-    out_proj GEMV; otherwise the torch function itself."""
-    args = (in_w, conv_w_XK, conv_b_X, dt_bias_H, A_log_H, D_H, norm_w_I, out_w)
-    if not native.usable(x_BD, conv_BSX, ssm_BHPN, *args):
-        return mamba2_decode_step_torch(x_BD, conv_BSX, ssm_BHPN, *args, **kw)
+    """`mamba2_decode_step_torch` (same arguments) through the native kernels when they
+    qualify (fp32 CPU inference, `ops.native`): in_proj GEMV, one fused pass from the conv tap
+    to the gated norm, out_proj GEMV; otherwise the torch function itself."""
+    if not native.usable(x_BD, conv_BSX, ssm_BHPN, *weights):
+        return mamba2_decode_step_torch(x_BD, conv_BSX, ssm_BHPN, *weights, **kw)
+    in_w, conv_w_XK, conv_b_X, dt_bias_H, A_log_H, D_H, norm_w_I, out_w = weights
     y_BI, conv_BSX, ssm_BHPN = native.mamba_step(
         native.linear(x_BD, in_w),
         conv_BSX,
