@@ -44,12 +44,16 @@ def test_bad_arguments_exit_with_usage():
 def test_decode_section_reports_ratio_and_agreement(tmp_path, capsys):
     pytest.importorskip("transformers")
     args = ["--only", "decode", "--new-tokens", "8", "--prompt-len", "4", "--repeats", "1"]
-    rc = decode.main([*args, "--out", str(tmp_path)])
+    models = ["--models", "tiny-super,tiny-olmo", "--no-compile"]
+    rc = decode.main([*args, *models, "--out", str(tmp_path)])
     text = capsys.readouterr().out
     lines = re.findall(r"ratio ([\d.]+)x \| greedy tokens agree (\d+)/(\d+)", text)
     assert len(lines) == 2, text  # tiny-super vs NemotronH, tiny-olmo vs Olmo3
     for ratio, agree, total in lines:
         assert float(ratio) > 0 and agree == total == "8", text
+    # the bandwidth limit: weight bytes per token / copy bandwidth, and the share reached
+    shares = re.findall(r"hybridlm at (\d+)% of it", text)
+    assert len(shares) == 2 and all(0 < int(s) <= 100 for s in shares), text
     assert rc == 0
     assert (tmp_path / "metrics.jsonl").is_file()
 
@@ -106,3 +110,18 @@ def test_memory_section_measured_equals_computed(tmp_path, capsys):
     assert "measured == computed at 2/2 contexts" in text, text
     assert len(re.findall(r"^\[memory\] nemotron-3", text, re.M)) == 2
     assert (tmp_path / "memory.png").stat().st_size > 0
+
+
+def test_active_weight_bytes_counts_one_embedding_row_and_the_chosen_experts():
+    from hybridlm import HybridLM
+
+    cfg = decode.memory_bound_config()
+    cfg.d_model, cfg.vocab_size = 64, 100
+    cfg.mamba.num_heads, cfg.mamba.head_dim, cfg.mamba.state_size = 4, 32, 16
+    cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.attention.head_dim = 4, 2, 16
+    cfg.moe.expert_hidden, cfg.moe.latent_size, cfg.moe.shared_expert_hidden = 32, 16, 64
+    model = HybridLM(cfg, seed=0)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    rest = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    expected = 4 * (rest - 100 * 64 + 64 + experts * cfg.moe.top_k // cfg.moe.num_experts)
+    assert decode.active_weight_bytes(model) == expected

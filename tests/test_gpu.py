@@ -39,5 +39,17 @@ def test_model_on_cuda_equals_cpu():
         depth = model.train_mtp_depth
         ref = causal_lm_loss(model, model(x, mtp_depth=depth), x)[0]
         out = causal_lm_loss(model, model.cuda()(x.cuda(), mtp_depth=depth), x.cuda())[0]
-    torch.testing.assert_close(out.logits.cpu(), ref.logits, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_mm_experts_under_bf16_autocast():
+    """bf16 training: grouped_mm is not on autocast's lists, so the experts cast their fp32
+    master weights (and relu^2's fp32 output) to the activations' dtype themselves."""
+    cfg = get_preset("tiny-super")
+    model = HybridLM(cfg, seed=0).cuda().train()
+    x = torch.randint(0, cfg.vocab_size, (2, 64), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(x, return_logits=False)
+        loss = causal_lm_loss(model, out, x)[0]
+    loss.backward()
+    assert torch.isfinite(loss) and model.layers[1].mixer.experts.up_proj.grad is not None

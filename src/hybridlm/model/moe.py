@@ -131,10 +131,14 @@ def _experts_loop(
 def _experts_grouped(
     z_AW: torch.Tensor, counts: list[int], up_EFW: torch.Tensor, down_EWF: torch.Tensor
 ) -> torch.Tensor:
-    """Fast path: two grouped GEMMs over the same sorted layout (torch grouped_mm)."""
+    """Fast path: two grouped GEMMs over the same sorted layout (torch grouped_mm). grouped_mm
+    is not on autocast's lists, so the weights are cast to the activations' dtype here, as
+    autocast casts them for every other matmul (bf16 training keeps fp32 master weights)."""
     offs = torch.tensor(counts, device=z_AW.device).cumsum(0).to(torch.int32)
-    h_AF = relu2(F.grouped_mm(z_AW, up_EFW.transpose(1, 2), offs=offs))
-    return F.grouped_mm(h_AF, down_EWF.transpose(1, 2), offs=offs)
+    dtype = z_AW.dtype  # also for relu^2's output: autocast runs pow in fp32
+    up, down = up_EFW.to(dtype), down_EWF.to(dtype)
+    h_AF = relu2(F.grouped_mm(z_AW, up.transpose(1, 2), offs=offs)).to(dtype)
+    return F.grouped_mm(h_AF, down.transpose(1, 2), offs=offs)
 
 
 def _experts_padded(
