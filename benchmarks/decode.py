@@ -165,6 +165,20 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def greedy_config(new_tokens: int):
+    """transformers' `GenerationConfig` for exactly `new_tokens` greedy tokens (no eos)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        use_cache=True,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+
+
 def bench_decode_one(
     name: str,
     cfg: ModelConfig,
@@ -180,21 +194,12 @@ def bench_decode_one(
     transformers on the same weights, interleaved. `compiled`: also a copy of the model with
     `compile_decode()` (torch.compile of the torch decode steps), skipped with a note if
     compilation fails. The machine's memory bandwidth is measured before and after."""
-    from transformers import GenerationConfig
-
     from hybridlm.ops import native
 
     ours, theirs = _pair(cfg, seed)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g)
-    gen_cfg = GenerationConfig(
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        use_cache=True,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    gen_cfg = greedy_config(new_tokens)
     mask = torch.ones_like(x)
 
     def run_theirs() -> torch.Tensor:

@@ -189,9 +189,9 @@ def section_train(
 
 
 def section_decode(device: torch.device, new_tokens: int, repeats: int) -> None:
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
-    from decode import memory_bound_config
+    from decode import greedy_config, memory_bound_config
     from hybridlm import HybridLM
     from hybridlm.infer.generate import generate
     from hybridlm.interop.hf import save_pretrained
@@ -209,14 +209,7 @@ def section_decode(device: torch.device, new_tokens: int, repeats: int) -> None:
     g = torch.Generator().manual_seed(1)
     for bsz in (1, 64):
         x = torch.randint(0, cfg.vocab_size, (bsz, 16), generator=g).to(device)
-        gen_cfg = GenerationConfig(
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            use_cache=True,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
+        gen_cfg = greedy_config(new_tokens)
 
         def run_theirs(x=x, gen_cfg=gen_cfg):
             with torch.no_grad():

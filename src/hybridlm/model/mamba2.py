@@ -297,12 +297,7 @@ class Mamba2Mixer(nn.Module):
                 zxbcdt_BLR[:, t].contiguous(),
                 conv,
                 ssm,
-                self.conv1d.weight[:, 0],
-                self.conv1d.bias,
-                self.dt_bias,
-                self.A_log,
-                self.D,
-                self.norm.weight,
+                *self._step_params(),
                 groups=m.n_groups,
                 dt_clamp_min=m.dt_clamp_min,
                 dt_clamp_max=m.dt_clamp_max,
@@ -316,6 +311,18 @@ class Mamba2Mixer(nn.Module):
         state.conv_BSX, state.ssm_BHPN = conv, ssm
         return project(self.out_proj, torch.stack(ys, dim=1))
 
+    def _step_params(self) -> tuple[torch.Tensor | None, ...]:
+        """The tensors of the step between in_proj and out_proj, in the decode steps' order:
+        conv weight [X, K], conv bias, dt_bias, A_log, D, gated-norm weight."""
+        return (
+            self.conv1d.weight[:, 0],
+            self.conv1d.bias,
+            self.dt_bias,
+            self.A_log,
+            self.D,
+            self.norm.weight,
+        )
+
     def _decode(self, x_BLD: torch.Tensor, state: MambaState) -> torch.Tensor:
         m = self.m
         y_BD, state.conv_BSX, state.ssm_BHPN = self.decode_fn(
@@ -323,12 +330,7 @@ class Mamba2Mixer(nn.Module):
             state.conv_BSX,
             state.ssm_BHPN,
             self.in_proj.weight,
-            self.conv1d.weight[:, 0],
-            self.conv1d.bias,
-            self.dt_bias,
-            self.A_log,
-            self.D,
-            self.norm.weight,
+            *self._step_params(),
             self.out_proj.weight,
             heads=m.num_heads,
             head_dim=m.head_dim,
