@@ -285,21 +285,23 @@ def _loadavg() -> float:
 MODELS = ("tiny-super", "tiny-olmo", "super-150m")
 
 
+def bench_config(name: str) -> ModelConfig:
+    """The config of one of MODELS, MTP off (transformers' NemotronH has no MTP module)."""
+    if name == "super-150m":
+        return memory_bound_config()
+    cfg = get_preset(name)
+    cfg.mtp.pattern = ""
+    return cfg
+
+
 def section_decode(args) -> tuple[list[dict], bool]:
     import transformers
 
     transformers.logging.set_verbosity_error()  # the CUDA-kernel fallback notices
     transformers.logging.disable_progress_bar()
-    cfgs = []
-    for name in args.models:
-        if name == "super-150m":
-            cfg = memory_bound_config()
-        else:
-            cfg = get_preset(name)
-            cfg.mtp.pattern = ""  # transformers' NemotronH has no MTP module
-        cfgs.append((name, cfg))
     rows, ok = [], True
-    for name, cfg in cfgs:
+    for name in args.models:
+        cfg = bench_config(name)
         row = bench_decode_one(
             name,
             cfg,

@@ -37,14 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode import (  # noqa: E402
     active_weight_bytes,
+    bench_config,
     measure_bandwidth,
     median_seconds,
-    memory_bound_config,
 )
 from hybridlm import HybridLM  # noqa: E402
 from hybridlm.model.cache import HybridCache  # noqa: E402
 from hybridlm.ops import native  # noqa: E402
-from hybridlm.presets import get_preset  # noqa: E402
 
 LETTERS = {"M": "Mamba-2", "*": "attention", "E": "MoE", "-": "MLP"}
 
@@ -262,11 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows = []
     for name in models:
-        if name == "super-150m":
-            cfg = memory_bound_config()
-        else:
-            cfg = get_preset(name)
-            cfg.mtp.pattern = ""
+        cfg = bench_config(name)
         for path in ("native", "torch"):
             r = profile_model(name, cfg, path, args.tokens)
             r["copy_bw"], r["read_bw"] = bw["copy"], bw["read"]

@@ -73,7 +73,8 @@ def test_route_equals_sigmoid_topk(norm):
     bias = torch.randn(16, generator=g) / 10
     kw = dict(top_k=4, norm_topk_prob=norm, scaling=2.5)
     _, idx_ref, gate_ref = sigmoid_topk_route(x, w, bias, n_group=1, topk_group=1, **kw)
-    idx, gate = native.route(F.linear(x, w), bias, **kw)
+    logits_ET = F.linear(x, w).t().contiguous()  # a non-contiguous view of [T, E] goes in
+    idx, gate = native.route(logits_ET.t(), bias, **kw)
     order_ref, order = idx_ref.sort(-1).indices, idx.sort(-1).indices
     assert torch.equal(idx_ref.gather(1, order_ref), idx.gather(1, order))
     _close(gate.gather(1, order), gate_ref.gather(1, order_ref))

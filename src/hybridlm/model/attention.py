@@ -95,7 +95,7 @@ class Attention(nn.Module):
         if state is not None:
             k_BKLE, v_BKLE = state.update(k_BKLE, v_BKLE)
             if attn_mask_B1LS is None and context_parallel is None:
-                q = q_BHLE if L == 1 else q_BHLE.contiguous()
+                q = q_BHLE.contiguous()  # a view for one token, a copy for a few
                 if native.attention_usable(q, k_BKLE, v_BKLE):  # decoding, verification
                     o_BHLE = native.attention(q, k_BKLE, v_BKLE, window=self.window)
                     return project(self.o_proj, o_BHLE.transpose(1, 2).reshape(Bsz, L, -1))

@@ -200,7 +200,6 @@ def moe_decode_step(
     weights = (gate_w_ED, up_EFW, down_EWF, fc1_WD, fc2_DW, shared_up, shared_down)
     fast = use_native and native.usable(x_TD, *weights)
     linear = native.linear if fast else F.linear
-    x_TD = x_TD.contiguous() if fast else x_TD
     if fast and route["n_group"] == 1 and bias_E.dtype == torch.float32:
         idx_TK, w_TK = native.route(
             native.linear(x_TD, gate_w_ED),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module
 
 from ..ops import native
 
@@ -20,8 +21,7 @@ def is_stock(*modules: nn.Module | None) -> bool:
     hybridlm.model (none is a converter's) and none has forward hooks (calibration observers
     expect their modules to be called)."""
     return not _global_hooks() and all(
-        type(sub).__module__.startswith(("torch.nn.", "hybridlm.model."))
-        and not (sub._forward_hooks or sub._forward_pre_hooks)
+        type(sub).__module__.startswith(("torch.nn.", "hybridlm.model.")) and not _hooked(sub)
         for m in modules
         if m is not None
         for sub in m.modules()
@@ -36,13 +36,15 @@ def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if (
         type(linear) is nn.Linear
         and native.usable(x, linear.weight, linear.bias)
-        and not (linear._forward_hooks or linear._forward_pre_hooks or _global_hooks())
+        and not (_hooked(linear) or _global_hooks())
     ):
-        return native.linear(x.contiguous(), linear.weight, linear.bias)
+        return native.linear(x, linear.weight, linear.bias)
     return linear(x)
 
 
-def _global_hooks() -> bool:
-    from torch.nn.modules import module as nn_module
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
 
+
+def _global_hooks() -> bool:
     return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)

@@ -3,7 +3,7 @@ decode step (`kernels.c`).
 
 Batch-1 decoding is bound by memory bandwidth: every active weight is read once per token.
 torch's BLAS path for a [1..8, I] x [O, I]^T product reaches about half of the machine's read
-bandwidth with one row and a fifth with four (measured in `benchmarks/decode.py --only gemv`),
+bandwidth with one row and a fifth with four (`benchmarks/README.md`, `decode_profile.py`),
 and the Mamba-2 step is ~40 tiny elementwise ops. `kernels.c` streams every weight row once for
 all rows of a call (register-blocked, OpenMP over output rows) and fuses the Mamba-2 step.
 
@@ -103,9 +103,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hl_rms_norm.argtypes = [p, p, p, L, L, f]
     lib.hl_attention.argtypes = [p] * 5 + [L] * 9 + [f, i]
     lib.hl_route.argtypes = [p, p, p, p, L, L, L, i, f]
-    kernels = (lib.hl_linear, lib.hl_experts, lib.hl_mamba_step, lib.hl_rms_norm)
-    for fn in (*kernels, lib.hl_attention, lib.hl_route):
+    for fn in (lib.hl_linear, lib.hl_mamba_step, lib.hl_rms_norm, lib.hl_attention, lib.hl_route):
         fn.restype = None
+    lib.hl_experts.restype = L  # assignments with a valid expert index
 
 
 def library() -> ctypes.CDLL | None:
@@ -147,6 +147,11 @@ def _ptr(t: Tensor | None) -> int | None:
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 
+def _fp32_cpu(t: Tensor) -> bool:
+    """A plain (not a tensor subclass) fp32 CPU tensor."""
+    return type(t) in _PLAIN_TYPES and t.dtype == torch.float32 and t.is_cpu
+
+
 def usable(x: Tensor, *weights: Tensor | None) -> bool:
     """True when the native kernels may compute this inference call: no autograd, contiguous
     fp32 CPU tensors (plain, not tensor subclasses), at most MAX_ROWS rows of `x`. Called on
@@ -157,13 +162,7 @@ def usable(x: Tensor, *weights: Tensor | None) -> bool:
     for t in (x, *weights):
         if t is None:
             continue
-        if (
-            type(t) not in _PLAIN_TYPES
-            or t.dtype != torch.float32
-            or not t.is_cpu
-            or not t.is_contiguous()
-            or (grad and t.requires_grad)
-        ):
+        if not _fp32_cpu(t) or not t.is_contiguous() or (grad and t.requires_grad):
             return False
     return not torch.compiler.is_compiling() and library() is not None
 
@@ -201,16 +200,16 @@ def experts(z_TW: Tensor, idx_TK: Tensor, w_TK: Tensor, up_EFW: Tensor, down_EWF
     T, K = idx_TK.shape
     E, F, W = up_EFW.shape
     idx = idx_TK.to(torch.int64).contiguous()
-    if T and (int(idx.min()) < 0 or int(idx.max()) >= E):
-        raise ValueError(f"expert index out of range [0, {E})")
     gate = w_TK.to(torch.float32).contiguous()
     y = z_TW.new_empty(T, W)
     h = z_TW.new_empty(T * K, F)
     zs = z_TW.new_empty(T * K, W)
-    lib.hl_experts(
+    matched = lib.hl_experts(
         _ptr(z_TW), _ptr(idx), _ptr(gate), _ptr(up_EFW), _ptr(down_EWF), _ptr(y), _ptr(h),
         _ptr(zs), T, K, E, W, F, torch.get_num_threads(),
     )  # fmt: skip
+    if matched != T * K:
+        raise ValueError(f"expert index out of range [0, {E})")
     return y
 
 
@@ -263,9 +262,7 @@ def attention_usable(q_BHLE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor) -> bool:
         return False
     for t in (k_BKSE, v_BKSE):
         if (
-            type(t) not in _PLAIN_TYPES
-            or t.dtype != torch.float32
-            or not t.is_cpu
+            not _fp32_cpu(t)
             or t.stride(3) != 1
             or t.stride(2) != t.shape[3]
             or t.stride(0) != t.shape[1] * t.stride(1)
@@ -303,10 +300,11 @@ def route(
     T, E = logits_TE.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"route: top_k {top_k} for {E} experts")
+    # bound to names: a temporary copy would be freed before the kernel reads it
+    logits, bias = logits_TE.contiguous(), bias_E.contiguous()
     idx = torch.empty(T, top_k, dtype=torch.int64)
     gate = logits_TE.new_empty(T, top_k)
     lib.hl_route(
-        _ptr(logits_TE.contiguous()), _ptr(bias_E.contiguous()), _ptr(idx), _ptr(gate),
-        T, E, top_k, int(norm_topk_prob), scaling,
-    )  # fmt: skip
+        _ptr(logits), _ptr(bias), _ptr(idx), _ptr(gate), T, E, top_k, int(norm_topk_prob), scaling
+    )
     return idx, gate

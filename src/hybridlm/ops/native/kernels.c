@@ -70,31 +70,34 @@ static inline void dots4(const float *w, long ldw, const float *x, long n, float
   }
 }
 
-/* y[M, O] = x[M, I] @ W[O, I]^T (+ bias[O]); rows of W split over threads */
-void hl_linear(const float *x, const float *W, const float *bias, float *y, long M, long O,
-               long I, int nthreads) {
-  if (M == 1) { /* decoding: four weight rows per step keep four FMA chains in flight */
-    long O4 = O / 4 * 4;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (O * I >= PARALLEL_MIN_FLOATS)
-    for (long o = 0; o < O4; o += 4) {
-      float out[4];
-      dots4(W + o * I, I, x, I, out);
-      for (int r = 0; r < 4; r++) y[o + r] = out[r] + (bias ? bias[o + r] : 0.f);
-    }
-    for (long o = O4; o < O; o++) {
-      float out[1];
-      dots(W + o * I, x, I, 1, I, out);
-      y[o] = out[0] + (bias ? bias[o] : 0.f);
-    }
+/* out[j][r] = W[j] . x[r] for the nr (<= 4) weight rows at W (row stride ldw) and the m
+ * (<= MAXM) input rows at x (row stride ldx): a single input row keeps four FMA chains in flight
+ * over four weight rows (dots4), more input rows one chain each (dots). Every weight-row loop
+ * below walks the rows in blocks of 4 through this. */
+static inline void block_dots(const float *W, long ldw, long nr, const float *x, long ldx, long m,
+                              long n, float out[4][MAXM]) {
+  if (m == 1 && nr == 4) {
+    float o4[4];
+    dots4(W, ldw, x, n, o4);
+    for (int j = 0; j < 4; j++) out[j][0] = o4[j];
     return;
   }
+  for (long j = 0; j < nr; j++) dots(W + j * ldw, x, ldx, m, n, out[j]);
+}
+
+/* y[M, O] = x[M, I] @ W[O, I]^T (+ bias[O]); blocks of 4 rows of W split over threads */
+void hl_linear(const float *x, const float *W, const float *bias, float *y, long M, long O,
+               long I, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (O * I >= PARALLEL_MIN_FLOATS)
-  for (long o = 0; o < O; o++) {
-    float out[MAXM];
+  for (long o0 = 0; o0 < O; o0 += 4) {
+    long nr = O - o0 < 4 ? O - o0 : 4;
+    float out[4][MAXM];
     for (long m0 = 0; m0 < M; m0 += MAXM) {
       long m = M - m0 < MAXM ? M - m0 : MAXM;
-      dots(W + o * I, x + m0 * I, I, m, I, out);
-      for (long r = 0; r < m; r++) y[(m0 + r) * O + o] = out[r] + (bias ? bias[o] : 0.f);
+      block_dots(W + o0 * I, I, nr, x + m0 * I, I, m, I, out);
+      for (long j = 0; j < nr; j++)
+        for (long r = 0; r < m; r++)
+          y[(m0 + r) * O + o0 + j] = out[j][r] + (bias ? bias[o0 + j] : 0.f);
     }
   }
 }
@@ -114,8 +117,9 @@ void hl_rms_norm(const float *x, const float *w, float *y, long M, long D, float
  * y[t] = sum_k gate[t, k] * down[e] relu2(up[e] z[t]), e = idx[t, k].
  * Assignments are grouped by expert so each chosen expert's weights are read once per call;
  * one parallel region covers all groups (a barrier between the up and down products).
- * h: scratch of T*K*F floats, zs: scratch of T*K*W floats. */
-void hl_experts(const float *z, const int64_t *idx, const float *gate, const float *up,
+ * h: scratch of T*K*F floats, zs: scratch of T*K*W floats. Returns the number of assignments
+ * with an expert in [0, E); the others are skipped (the caller reports them). */
+long hl_experts(const float *z, const int64_t *idx, const float *gate, const float *up,
                 const float *down, float *y, float *h, float *zs, long T, long K, long E, long W,
                 long F, int nthreads) {
   long A = T * K;
@@ -136,45 +140,29 @@ void hl_experts(const float *z, const int64_t *idx, const float *gate, const flo
     const float *U = up + e * F * W, *Dn = down + e * W * F;
     for (long c0 = start[g]; c0 < start[g + 1]; c0 += MAXM) {
       long m = start[g + 1] - c0 < MAXM ? start[g + 1] - c0 : MAXM;
-      /* rows in steps of 4: one input row uses dots4's four chains, more rows their own */
-      long step = m == 1 ? 4 : 1;
 #pragma omp for schedule(static)
-      for (long f0 = 0; f0 < F; f0 += step) {
-        float out[MAXM > 4 ? MAXM : 4];
-        long nf = F - f0 < step ? F - f0 : step;
-        for (long f = f0; f < f0 + nf; f += (nf == 4 ? 4 : 1)) {
-          if (nf == 4) {
-            dots4(U + f * W, W, zs + c0 * W, W, out);
-            for (int r = 0; r < 4; r++) h[c0 * F + f + r] = out[r] > 0.f ? out[r] * out[r] : 0.f;
-          } else {
-            dots(U + f * W, zs + c0 * W, W, m, W, out);
-            for (long r = 0; r < m; r++) {
-              float v = out[r] > 0.f ? out[r] : 0.f;
-              h[(c0 + r) * F + f] = v * v;
-            }
-          }
-        }
+      for (long f0 = 0; f0 < F; f0 += 4) {
+        long nr = F - f0 < 4 ? F - f0 : 4;
+        float out[4][MAXM];
+        block_dots(U + f0 * W, W, nr, zs + c0 * W, W, m, W, out);
+        for (long j = 0; j < nr; j++)
+          for (long r = 0; r < m; r++)
+            h[(c0 + r) * F + f0 + j] = out[j][r] > 0.f ? out[j][r] * out[j][r] : 0.f;
       }
 #pragma omp for schedule(static)
-      for (long o0 = 0; o0 < W; o0 += step) {
-        float out[MAXM > 4 ? MAXM : 4];
-        long no = W - o0 < step ? W - o0 : step;
-        for (long o = o0; o < o0 + no; o += (no == 4 ? 4 : 1)) {
-          if (no == 4) {
-            long a = order[c0];
-            dots4(Dn + o * F, F, h + c0 * F, F, out);
-            for (int r = 0; r < 4; r++) y[(a / K) * W + o + r] += gate[a] * out[r];
-          } else {
-            dots(Dn + o * F, h + c0 * F, F, m, F, out);
-            for (long r = 0; r < m; r++) {
-              long a = order[c0 + r];
-              y[(a / K) * W + o] += gate[a] * out[r];
-            }
+      for (long o0 = 0; o0 < W; o0 += 4) {
+        long nr = W - o0 < 4 ? W - o0 : 4;
+        float out[4][MAXM];
+        block_dots(Dn + o0 * F, F, nr, h + c0 * F, F, m, F, out);
+        for (long j = 0; j < nr; j++)
+          for (long r = 0; r < m; r++) {
+            long a = order[c0 + r];
+            y[(a / K) * W + o0 + j] += gate[a] * out[j][r];
           }
-        }
       }
     }
   }
+  return n;
 }
 
 static inline float silu(float v) { return v / (1.f + expf(-v)); }
