@@ -372,3 +372,24 @@ def test_update_weights_in_flight_tags_tokens_and_drops_stale_prefixes():
         eng.update_weights(other.state_dict(), version=0)
     with pytest.raises(ValueError, match="speculative"):
         SamplingParams(logprobs=True, speculative=2).validate()
+
+
+def test_speculative_requests_with_a_draft_vocab_and_weight_updates():
+    """`Engine(draft_vocab=)`: speculative requests draft from its ids and still emit the plain
+    greedy tokens; `update_weights` re-gathers its LM-head rows (in place, so decoders in
+    flight draft with the new head)."""
+    from hybridlm.infer.speculative import DraftVocab
+
+    model = _model("tiny-super")
+    prompts = _prompts([5, 11])
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+    ref = Engine(model, ByteTokenizer()).generate(prompts, [greedy, greedy])
+    dv = DraftVocab(model, range(0, 300, 2))
+    eng = Engine(model, ByteTokenizer(), draft_vocab=dv)
+    spec = SamplingParams(max_tokens=10, ignore_eos=True, speculative=3)
+    out = eng.generate(prompts, [spec, spec])
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert all(o.spec_stats.steps >= 1 for o in out)
+    other = _model("tiny-super", seed=1)
+    eng.update_weights(other.state_dict())
+    assert torch.equal(dv.head.weight, other.lm_head.weight[dv.ids_N])

@@ -79,3 +79,87 @@ def test_stats_and_errors():
     model = _model("tiny-super", 0)
     with pytest.raises(ValueError, match="one non-empty prompt"):
         speculative_generate(model, torch.zeros(2, 3, dtype=torch.long), 4)
+
+
+def test_draft_vocab_greedy_equals_greedy_and_drafts_only_its_ids(monkeypatch):
+    """A reduced draft vocabulary (FR-Spec) changes what is drafted, never the output: greedy
+    speculative == plain greedy, every draft is one of its ids, and with every id it drafts
+    exactly as the full head."""
+    from hybridlm.infer import speculative
+    from hybridlm.infer.speculative import DraftVocab, SpeculativeDecoder
+
+    model = _model("tiny-super", 0)
+    x = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(3))
+    ref = generate(model, x, 24)
+    _, full = speculative_generate(model, x, 24, draft_len=3)
+    every = DraftVocab(model, range(300))
+    out, same = speculative_generate(model, x, 24, draft_len=3, draft_vocab=every)
+    assert torch.equal(out, ref) and same.to_dict() == full.to_dict()
+    top = DraftVocab.from_tokens(model, [ref[0].tolist()], 40)  # the 40 ids emitted most
+    assert set(ref[0].tolist()) <= set(top.ids_N.tolist()) and len(top) == 40
+    drafted: list[int] = []
+
+    def spy(*a, _mtp=speculative._mtp, **kw):
+        h, logits = _mtp(*a, **kw)
+        assert logits.shape[-1] == len(kw.get("draft_vocab") or a[4])
+        drafted.append(int(top.ids_N[logits[0, -1].argmax()]))
+        return h, logits
+
+    monkeypatch.setattr(speculative, "_mtp", spy)
+    dec = SpeculativeDecoder(model, x, draft_len=3, max_new_tokens=24, draft_vocab=top)
+    while not dec.finished:
+        dec.step()
+    assert dec.tokens == ref[0].tolist()
+    assert len(drafted) >= 24 and set(drafted) <= set(top.ids_N.tolist())
+
+
+def test_draft_vocab_without_the_target_token_is_never_accepted():
+    """Final norm gains zeroed: backbone and MTP both always choose token 0 (every full-head
+    draft is accepted). A draft vocabulary that holds 0 keeps that; one without it drafts
+    other ids, all rejected, and the output is still the greedy one."""
+    from hybridlm.infer.speculative import DraftVocab
+
+    model = _model("tiny-super", 0)
+    with torch.no_grad():
+        model.norm_f.weight.zero_()
+        model.mtp.final_layernorm.weight.zero_()
+    x = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(0))
+    ref = generate(model, x, 20)
+    for ids, rate in (([0, 5, 9], 1.0), ([5, 9], 0.0)):
+        out, st = speculative_generate(
+            model, x, 20, draft_len=4, draft_vocab=DraftVocab(model, ids)
+        )
+        assert torch.equal(out, ref) and st.acceptance_by_position()[0] == rate
+
+
+def test_draft_vocab_construction_refresh_and_errors():
+    from hybridlm.infer.speculative import DraftVocab
+
+    model = _model("tiny-super", 0)
+    counts = torch.zeros(300, dtype=torch.long)
+    counts[[7, 3, 250]] = torch.tensor([5, 9, 5])
+    dv = DraftVocab.from_counts(model, counts, 3, always=[1])
+    assert dv.ids_N.tolist() == [1, 3, 7, 250] and len(dv) == 4  # ties by id, sorted
+    assert torch.equal(dv.head.weight, model.lm_head.weight[dv.ids_N])
+    h = torch.randn(2, 1, model.config.d_model, dtype=torch.float64)
+    assert torch.allclose(dv.logits(h), model.lm_head(h)[..., dv.ids_N])
+    q = torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
+    full = dv.full_probs(q)
+    assert full.shape == (1, 300) and full[0, [1, 3, 7, 250]].tolist() == q[0].tolist()
+    assert float(full.sum()) == pytest.approx(1.0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    dv.refresh()
+    assert torch.equal(dv.head.weight, model.lm_head.weight[dv.ids_N])
+    with pytest.raises(ValueError, match="at least one"):
+        DraftVocab(model, [])
+    with pytest.raises(ValueError, match=r"in \[0, 300\)"):
+        DraftVocab(model, [0, 300])
+    with pytest.raises(ValueError, match="size"):
+        DraftVocab.from_counts(model, counts, 0)
+    with pytest.raises(ValueError, match="one entry per token"):
+        DraftVocab.from_counts(model, counts[:10], 3)
+    with pytest.raises(ValueError, match="different model"):
+        speculative_generate(
+            _model("tiny-lightning", 0), torch.zeros(1, 3, dtype=torch.long), 4, draft_vocab=dv
+        )

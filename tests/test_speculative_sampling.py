@@ -13,6 +13,7 @@ from hybridlm import HybridLM
 from hybridlm.infer.generate import generate
 from hybridlm.infer.sampling import SamplingParams, filtered_probs
 from hybridlm.infer.speculative import (
+    DraftVocab,
     SpeculativeDecoder,
     rejection_verify,
     residual_probs,
@@ -141,7 +142,8 @@ def test_rejection_step_emits_target_distribution():
         assert _chi2(dist, counts)[0] > ALPHA
 
 
-def test_speculative_sampling_matches_the_target_distribution():
+@pytest.mark.parametrize("reduced", [False, True], ids=["full-vocab", "draft-vocab"])
+def test_speculative_sampling_matches_the_target_distribution(reduced):
     """The joint of the first 5 tokens over 300 seeded requests against the exact target joint
     p(x_1)·p(x_2|x_1)···p(x_5|x_<5), temperature 0.05 with top-k 3 and top-p 0.8 (21 outcomes).
     draft_len 3 and 5 tokens: the first round drafts 3 (4 tokens left: 3 drafts + the bonus),
@@ -150,14 +152,20 @@ def test_speculative_sampling_matches_the_target_distribution():
     checked by hand with these seeds: drawing the token after a rejection from p instead of the
     residual gives a p-value ~1e-32; accepting every draft, inverting the ratio, drawing the bonus
     from the previous row or the token after a rejection from q put samples outside the support.
+    With a reduced draft vocabulary (`DraftVocab`, 9 of the 12 ids, some of the target's support
+    outside it) the output distribution is the same: q is zero outside the ids and the residual
+    covers them.
     """
     filt = dict(temperature=0.05, top_k=3, top_p=0.8)
     model = _small_model()
+    dv = DraftVocab(model, [1, 3, 4, 5, 7, 8, 9, 10, 11]) if reduced else None
     dist = _exact_joint(model, PROMPT, 5, **filt)
     counts, n = Counter(), 300
     accepted = rejected = all_accepted = 0
     for seed in range(n):
-        dec = SpeculativeDecoder(model, PROMPT, draft_len=3, max_new_tokens=5, seed=seed, **filt)
+        dec = SpeculativeDecoder(
+            model, PROMPT, draft_len=3, max_new_tokens=5, seed=seed, draft_vocab=dv, **filt
+        )
         while not dec.finished:
             assert 1 <= len(dec.step()) <= 4
         counts[tuple(dec.tokens)] += 1
@@ -166,6 +174,8 @@ def test_speculative_sampling_matches_the_target_distribution():
         rejected += sum(st.drafted_at) - st.accepted
         all_accepted += st.accepted_at[2]  # all 3 drafts of the first round, then a bonus
     assert accepted > 100 and rejected > 100 and all_accepted > 10, (accepted, rejected)
+    if reduced:  # some emitted tokens were only reachable through the residual
+        assert any(set(k) & {0, 2, 6} for k in counts)
     pvalue, cells = _chi2(dist, counts)
     assert cells >= 8 and pvalue > ALPHA, (cells, pvalue)
 

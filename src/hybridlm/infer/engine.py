@@ -18,7 +18,8 @@ Each `step()`:
    finished constraint) and drops their rows with `HybridCache.select`.
 
 Requests with `params.speculative = k > 0` decode on their own with the MTP drafter
-(`infer.speculative`), one draft-and-verify round per step, interleaved with the batch.
+(`infer.speculative`), one draft-and-verify round per step, interleaved with the batch; with
+`draft_vocab` (a `DraftVocab`) their drafts score only its token ids.
 
 Prefix reuse: prompts are prefilled in segments that end on multiples of `prefix_block` tokens
 and the cache at each boundary is kept (attention KV as views of the request's buffers, so no
@@ -78,7 +79,7 @@ from .sampling import (
     sampled_logprobs,
     top_logprobs,
 )
-from .speculative import SpeculativeDecoder
+from .speculative import DraftVocab, SpeculativeDecoder
 
 log = logging.getLogger("hybridlm.engine")
 
@@ -150,6 +151,7 @@ class Engine:
         ssm_precision: str = "fp32",
         prefix_block: int = 64,
         prefix_cache_size: int = 32,
+        draft_vocab: DraftVocab | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -167,6 +169,7 @@ class Engine:
         self.ssm_precision = check_precision(ssm_precision)
         self.prefix_block = prefix_block
         self.prefix_cache_size = prefix_cache_size
+        self.draft_vocab = draft_vocab
         self.device = model.embeddings.weight.device
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
@@ -252,6 +255,8 @@ class Engine:
                 f"weight version {version} is older than the engine's {self.weight_version}"
             )
         self.model.load_state_dict(state_dict, strict=True)
+        if self.draft_vocab is not None:
+            self.draft_vocab.refresh()
         self._prefixes.clear()
         self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
@@ -519,6 +524,7 @@ class Engine:
             generator=req.generator,
             eos_id=None if p.ignore_eos else self.tokenizer.eos_id,
             stop_token_ids=p.stop_token_ids,
+            draft_vocab=self.draft_vocab,
         )
         self._spec.append(req)
 

@@ -44,6 +44,15 @@ the last processed position t and the next token x_{t+1} (emitted, not yet run):
    The MTP cache is truncated to its last exact position; the accepted positions rerun with true
    hiddens in the same MTP call as the next round's first draft.
 
+Reduced draft vocabulary (`DraftVocab`; FR-Spec, Zhao et al. 2025, "FR-Spec: Accelerating
+Large-Vocabulary Language Models via Frequency-Ranked Speculative Sampling"): the drafter scores
+only the N most frequent token ids (rows of the LM head gathered once), so a draft reads N x D
+head weights instead of V x D, the largest part of a draft's cost at a 32k+ vocabulary. A draft
+is the argmax / a draw over the N ids; the verify pass still scores the full vocabulary, so the
+output is unchanged: greedy equals plain greedy, and rejection sampling stays exact with q zero
+outside the N ids (the residual covers them). Only the acceptance can drop, when the target's
+token is outside the N.
+
 Drafts are capped so a request never emits more than `max_new_tokens`: with r tokens left a
 round drafts min(K, max(r - 1, 1)) (a full round emits its drafts plus one), and emitted tokens
 stop after the first stop token.
@@ -156,13 +165,93 @@ def greedy_verify(target_logits_JV: Tensor, drafts_K: Tensor) -> tuple[int, int]
     return m, int(best_J[m])
 
 
-def _mtp(model: HybridLM, h_BLD: Tensor, next_BL: Tensor, cache: HybridCache):
-    """Run the MTP module over len(next) new positions; returns (hidden, logits)."""
+class DraftVocab:
+    """A reduced draft vocabulary (module docstring, FR-Spec): token `ids` (distinct, sorted) and
+    the LM head's rows for them, gathered from the weights at construction (`refresh()` after
+    the head's weights change). `from_counts` / `from_tokens` pick the N most frequent ids."""
+
+    def __init__(self, model: HybridLM, ids: Sequence[int] | Tensor) -> None:
+        V = model.config.vocab_size
+        ids_N = torch.as_tensor(ids, dtype=torch.long).flatten().unique()  # sorted
+        if ids_N.numel() == 0:
+            raise ValueError("a draft vocabulary needs at least one token id")
+        if int(ids_N[0]) < 0 or int(ids_N[-1]) >= V:
+            raise ValueError(f"draft vocabulary ids must be in [0, {V}), got {ids_N.tolist()[:8]}")
+        W = model.lm_head.weight
+        self.model = model
+        self.vocab_size = V
+        self.ids_N = ids_N.to(W.device)
+        self.head = torch.nn.Linear(W.shape[1], len(ids_N), bias=False, device=W.device)
+        self.head.requires_grad_(False)
+        self.head.weight.data = W.detach()[self.ids_N].to(W.dtype).contiguous()
+
+    def refresh(self) -> None:
+        """Gather the rows again from the model's current LM head, in place (decoders holding
+        this vocabulary see the new weights)."""
+        with torch.no_grad():
+            self.head.weight.copy_(self.model.lm_head.weight[self.ids_N])
+
+    def __len__(self) -> int:
+        return self.ids_N.numel()
+
+    @classmethod
+    def from_counts(
+        cls, model: HybridLM, counts_V: Tensor, size: int, always: Iterable[int] = ()
+    ) -> DraftVocab:
+        """The `size` ids with the highest counts (ties: lower id first), plus `always` (e.g.
+        EOS and the chat's stop tokens, so drafts can end a turn)."""
+        V = model.config.vocab_size
+        if counts_V.numel() != V:
+            n = counts_V.numel()
+            raise ValueError(f"counts must have one entry per token id ({V}), got {n}")
+        if not 1 <= size <= V:
+            raise ValueError(f"draft vocabulary size must be in [1, {V}], got {size}")
+        # stable sort of -count: the most frequent first, ties by id
+        order = torch.sort(-counts_V.double(), stable=True).indices[:size]
+        return cls(model, torch.cat([order.cpu(), torch.tensor(list(always), dtype=torch.long)]))
+
+    @classmethod
+    def from_tokens(
+        cls, model: HybridLM, tokens: Iterable[Sequence[int] | Tensor], size: int, **kw
+    ) -> DraftVocab:
+        """`from_counts` with the counts of the token id sequences `tokens` (a corpus, or the
+        model's own generations)."""
+        V = model.config.vocab_size
+        counts = torch.zeros(V, dtype=torch.long)
+        for seq in tokens:
+            t = torch.as_tensor(seq, dtype=torch.long).flatten().cpu()
+            if t.numel() and (int(t.min()) < 0 or int(t.max()) >= V):
+                raise ValueError(f"token ids must be in [0, {V})")
+            counts += torch.bincount(t, minlength=V)
+        return cls.from_counts(model, counts, size, **kw)
+
+    def logits(self, h_BLD: Tensor) -> Tensor:
+        """Draft logits over the N ids [..., N]."""
+        return project(self.head, h_BLD)
+
+    def full_probs(self, q_BN: Tensor) -> Tensor:
+        """Probabilities over the N ids scattered into the full vocabulary (zero elsewhere)."""
+        out = q_BN.new_zeros(*q_BN.shape[:-1], self.vocab_size)
+        return out.index_copy_(-1, self.ids_N, q_BN)
+
+
+def _mtp(
+    model: HybridLM,
+    h_BLD: Tensor,
+    next_BL: Tensor,
+    cache: HybridCache,
+    draft_vocab: DraftVocab | None = None,
+):
+    """Run the MTP module over len(next) new positions; returns (hidden, logits of the last
+    position: over the vocabulary, or over `draft_vocab`'s ids)."""
     L = next_BL.shape[1]
     pos = torch.arange(cache.seen_tokens, cache.seen_tokens + L, device=next_BL.device)
     out = model.mtp(h_BLD, model.embeddings(next_BL), states=cache.layers, positions_L=pos)
     cache.seen_tokens += L
-    return out, project(model.lm_head, out)
+    last = out[:, -1:]  # only the newest position's draft is used
+    if draft_vocab is not None:
+        return out, draft_vocab.logits(last)
+    return out, project(model.lm_head, last)
 
 
 def _prompt_BL(prompt_ids: Sequence[int] | Tensor, vocab_size: int, device) -> Tensor:
@@ -193,6 +282,7 @@ class SpeculativeDecoder:
     temperature, top_k, top_p)`. Randomness comes from `generator`, else a generator seeded by
     `seed` (unseeded: nondeterministic). Decoding ends after `max_new_tokens` (None: no limit)
     or after emitting `eos_id` or one of `stop_token_ids` (the stop token is emitted).
+    `draft_vocab` restricts the drafts to a `DraftVocab` (cheaper drafts, same output).
     `tokens` holds everything emitted so far, `stats` the acceptance statistics."""
 
     def __init__(
@@ -210,6 +300,7 @@ class SpeculativeDecoder:
         eos_id: int | None = None,
         stop_token_ids: Iterable[int] = (),
         rollback: str = "history",
+        draft_vocab: DraftVocab | None = None,
     ) -> None:
         cfg = model.config
         if rollback not in ROLLBACKS:
@@ -230,6 +321,12 @@ class SpeculativeDecoder:
         if seed is not None and generator is not None:
             raise ValueError("pass either seed or generator, not both")
         device = model.embeddings.weight.device
+        if draft_vocab is not None and (
+            draft_vocab.vocab_size != cfg.vocab_size
+            or draft_vocab.head.weight.shape[1] != cfg.d_model
+        ):
+            raise ValueError("draft_vocab was built for a different model")
+        self.draft_vocab = draft_vocab
         self.model = model
         self.prompt_BL = _prompt_BL(prompt_ids, cfg.vocab_size, device)
         self.draft_len = draft_len
@@ -264,6 +361,7 @@ class SpeculativeDecoder:
         params: SamplingParams,
         *,
         eos_id: int | None = None,
+        draft_vocab: DraftVocab | None = None,
     ) -> SpeculativeDecoder:
         """A decoder for a request's `SamplingParams` (draft length `params.speculative`; stop
         strings are the caller's, they need the detokenizer)."""
@@ -283,6 +381,7 @@ class SpeculativeDecoder:
             top_p=params.top_p,
             seed=params.seed,
             stop_token_ids=stops,
+            draft_vocab=draft_vocab,
         )
 
     @property
@@ -357,16 +456,19 @@ class SpeculativeDecoder:
         # tokens: the previous round's accepted ones), so they cost no extra MTP pass
         exact = mtp_cache.seen_tokens + self._mtp_h_BLD.shape[1]
         h_BLD, tok_BL = self._mtp_h_BLD, self._mtp_tok_BL
+        dv = self.draft_vocab
         drafts, q_rows = [], []
         for _ in range(K):
-            h_BLD, logits_BLV = _mtp(model, h_BLD, tok_BL, mtp_cache)
+            h_BLD, logits_B1V = _mtp(model, h_BLD, tok_BL, mtp_cache, dv)
             h_BLD = h_BLD[:, -1:]  # the recursion continues from the newest position
             if self.greedy:
-                tok_BL = logits_BLV[:, -1].argmax(-1, keepdim=True)
+                tok_BL = logits_B1V[:, -1].argmax(-1, keepdim=True)
             else:
-                q_1V = self._probs(logits_BLV[:, -1])
+                q_1V = self._probs(logits_B1V[:, -1])
                 tok_BL = torch.multinomial(q_1V, 1, generator=self.generator)
-                q_rows.append(q_1V)
+                q_rows.append(q_1V if dv is None else dv.full_probs(q_1V))
+            if dv is not None:
+                tok_BL = dv.ids_N[tok_BL]
             drafts.append(tok_BL)
         # 2) verify all drafts in one backbone forward
         seq_BJ = torch.cat([self._next_BL, *drafts], dim=1)
@@ -414,6 +516,7 @@ def speculative_generate(
     top_p: float = 1.0,
     seed: int | None = None,
     rollback: str = "history",
+    draft_vocab: DraftVocab | None = None,
 ) -> tuple[Tensor, SpecStats]:
     """Speculative decoding of one prompt [1, L] to the end; returns (tokens [1, n], stats).
     At temperature 0 the tokens equal greedy `generate`; above 0 they are a sample of the
@@ -431,6 +534,7 @@ def speculative_generate(
         seed=seed,
         eos_id=eos_id,
         rollback=rollback,
+        draft_vocab=draft_vocab,
     )
     while not dec.finished:
         dec.step()
