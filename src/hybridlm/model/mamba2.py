@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import LayerSpec, ModelConfig
 from ..ops import native
-from ..ops.conv1d import causal_conv1d, causal_conv1d_docs
+from ..ops.conv1d import causal_conv1d, causal_conv1d_docs, causal_conv1d_silu
 from ..ops.ssd import ssd_chunked, ssd_states, ssd_step
 from .cache import MambaState
 from .norm import GatedRMSNorm, gated_rms_norm
@@ -187,20 +187,19 @@ class Mamba2Mixer(nn.Module):
         if cp is not None:
             if state is not None:
                 raise ValueError("context parallelism is for training rows, not a cache")
-            xbc_BLX = self._conv_across_shards(cp, xbc_BLX, doc_ids_BL)
+            xbc_BLX = F.silu(self._conv_across_shards(cp, xbc_BLX, doc_ids_BL))
             conv_out = None
         elif doc_ids_BL is not None:
             if state is not None:
                 raise ValueError("doc_ids (packed training documents) do not combine with a cache")
-            xbc_BLX = causal_conv1d_docs(
-                xbc_BLX, self.conv1d.weight[:, 0], self.conv1d.bias, doc_ids_BL
+            xbc_BLX = F.silu(
+                causal_conv1d_docs(xbc_BLX, self.conv1d.weight[:, 0], self.conv1d.bias, doc_ids_BL)
             )
             conv_out = None
-        else:
-            xbc_BLX, conv_out = causal_conv1d(
+        else:  # conv and SiLU fused (one pass each way on fp32 CPU tensors)
+            xbc_BLX, conv_out = causal_conv1d_silu(
                 xbc_BLX, self.conv1d.weight[:, 0], self.conv1d.bias, conv_in
             )
-        xbc_BLX = F.silu(xbc_BLX)
         xs_BLI, B_BLG, C_BLG = xbc_BLX.split([m.d_inner, GN, GN], dim=-1)
 
         ct = torch.promote_types(x_BLD.dtype, torch.float32)  # fp32 at least, fp64 stays fp64

@@ -5,13 +5,18 @@ Channels-last, the layout in_proj produces, so no transposes. `causal_conv1d` is
 K fused multiply-adds with a hand-written backward that accumulates in place (no per-tap
 allocations); `causal_conv1d_ref` is `F.conv1d` with groups=D, which it must equal. Both take the
 last S inputs of a previous segment as `state_BSD` (zeros when absent) and return
-(y_BLD, new_state_BSD), so prefill and decode share one code path.
+(y_BLD, new_state_BSD), so prefill and decode share one code path. `causal_conv1d_silu` is
+the conv followed by SiLU (Mamba-2's activation on x, B and C): one pass forward and one
+backward through the native training kernels (`ops.native.conv_silu_*`) on fp32 CPU tensors,
+else `silu(causal_conv1d(...))`.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import native
 
 Tensor = torch.Tensor
 
@@ -72,6 +77,34 @@ def causal_conv1d(
         None if bias_D is None else bias_D.to(dtype),
         x_BLD.shape[1],
     )
+    return y, xp[:, xp.shape[1] - (K - 1) :]
+
+
+class _ConvSiLUNative(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xp_BTD: Tensor, w_KD: Tensor, b_D: Tensor | None, L: int) -> Tensor:
+        ctx.save_for_backward(xp_BTD, w_KD, b_D)
+        return native.conv_silu_fwd(xp_BTD, w_KD, b_D, L)
+
+    @staticmethod
+    def backward(ctx, g_BLD: Tensor):
+        xp_BTD, w_KD, b_D = ctx.saved_tensors
+        g_xp, g_w, g_b = native.conv_silu_bwd(xp_BTD, w_KD, b_D, g_BLD.contiguous())
+        return g_xp, g_w, g_b, None
+
+
+def causal_conv1d_silu(
+    x_BLD: Tensor, weight_DK: Tensor, bias_D: Tensor | None, state_BSD: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """(silu(causal_conv1d(x, weight, bias, state)), new state): the native fused kernels on
+    fp32 CPU tensors (`native.trainable`), the torch path otherwise."""
+    K = weight_DK.shape[-1]
+    if not native.trainable(x_BLD, weight_DK, bias_D, state_BSD):
+        y, state = causal_conv1d(x_BLD, weight_DK, bias_D, state_BSD)
+        return F.silu(y), state
+    xp = _padded(x_BLD, state_BSD, K - 1).contiguous()
+    b = None if bias_D is None else bias_D.contiguous()
+    y = _ConvSiLUNative.apply(xp, weight_DK.t().contiguous(), b, x_BLD.shape[1])
     return y, xp[:, xp.shape[1] - (K - 1) :]
 
 

@@ -16,7 +16,12 @@ already loaded (same soname), so the two share threads. Without a compiler, or w
 the kernels are tested against (`tests/test_native_kernels.py`).
 
 Every function here takes contiguous fp32 CPU tensors and returns new tensors; `usable` says
-whether a call qualifies (inference only: no autograd).
+whether an inference call qualifies (no autograd, few rows).
+
+Training kernels (`conv_silu_*`, `gated_norm_*`, any number of rows, forward and backward)
+fuse the Mamba-2 mixer's elementwise chains over whole sequences; `trainable` says whether a
+call qualifies, and their autograd wrappers (`ops.conv1d.causal_conv1d_silu`,
+`model.norm.GatedRMSNorm`) are tested against autograd of the references.
 """
 
 from __future__ import annotations
@@ -103,7 +108,21 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hl_rms_norm.argtypes = [p, p, p, L, L, f]
     lib.hl_attention.argtypes = [p] * 5 + [L] * 9 + [f, i]
     lib.hl_route.argtypes = [p, p, p, p, L, L, L, i, f]
-    for fn in (lib.hl_linear, lib.hl_mamba_step, lib.hl_rms_norm, lib.hl_attention, lib.hl_route):
+    lib.hl_conv_silu_fwd.argtypes = [p] * 4 + [L] * 4 + [i]
+    lib.hl_conv_silu_bwd.argtypes = [p] * 7 + [L] * 4 + [i]
+    lib.hl_gated_norm_fwd.argtypes = [p] * 5 + [L] * 3 + [f, i]
+    lib.hl_gated_norm_bwd.argtypes = [p] * 8 + [L] * 3 + [i]
+    for fn in (
+        lib.hl_linear,
+        lib.hl_mamba_step,
+        lib.hl_rms_norm,
+        lib.hl_attention,
+        lib.hl_route,
+        lib.hl_conv_silu_fwd,
+        lib.hl_conv_silu_bwd,
+        lib.hl_gated_norm_fwd,
+        lib.hl_gated_norm_bwd,
+    ):
         fn.restype = None
     lib.hl_experts.restype = L  # assignments with a valid expert index
 
@@ -164,6 +183,17 @@ def usable(x: Tensor, *weights: Tensor | None) -> bool:
             continue
         if not _fp32_cpu(t) or not t.is_contiguous() or (grad and t.requires_grad):
             return False
+    return not torch.compiler.is_compiling() and library() is not None
+
+
+def trainable(*tensors: Tensor | None) -> bool:
+    """True when the training kernels may compute a call on these tensors: plain fp32 CPU
+    tensors (any number of rows, autograd allowed: the caller's Function does the backward),
+    kernels available, not inside torch.compile."""
+    if not _enabled:
+        return False
+    if not all(t is None or _fp32_cpu(t) for t in tensors):
+        return False
     return not torch.compiler.is_compiling() and library() is not None
 
 
@@ -308,3 +338,71 @@ def route(
         _ptr(logits), _ptr(bias), _ptr(idx), _ptr(gate), T, E, top_k, int(norm_topk_prob), scaling
     )
     return idx, gate
+
+
+# ---------------------------------------------------------------------- training kernels
+def conv_silu_fwd(xp_BTD: Tensor, w_KD: Tensor, b_D: Tensor | None, L: int) -> Tensor:
+    """silu(causal depthwise conv) [B, L, D] of the padded inputs xp [B, L + K - 1, D] with taps
+    w [K, D] (tap k multiplies xp[:, l + k]) and bias [D]."""
+    lib = library()
+    B, T, D = xp_BTD.shape
+    K = w_KD.shape[0]
+    if T != L + K - 1 or w_KD.shape != (K, D) or (b_D is not None and b_D.shape != (D,)):
+        raise ValueError("conv_silu_fwd: shapes do not match [B, L + K - 1, D], [K, D], [D]")
+    y = xp_BTD.new_empty(B, L, D)
+    lib.hl_conv_silu_fwd(
+        _ptr(xp_BTD), _ptr(w_KD), _ptr(b_D), _ptr(y), B, L, D, K, torch.get_num_threads()
+    )
+    return y
+
+
+def conv_silu_bwd(
+    xp_BTD: Tensor, w_KD: Tensor, b_D: Tensor | None, g_BLD: Tensor
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Gradients (xp [B, T, D], w [K, D], bias [D] or None) of `conv_silu_fwd` given the
+    output's gradient g [B, L, D]."""
+    lib = library()
+    B, T, D = xp_BTD.shape
+    K, L = w_KD.shape[0], g_BLD.shape[1]
+    n = torch.get_num_threads()
+    g_xp, da = torch.empty_like(xp_BTD), g_BLD.new_empty(B, L, D)
+    part = g_BLD.new_zeros(n, K + 1, D)
+    lib.hl_conv_silu_bwd(
+        _ptr(xp_BTD), _ptr(w_KD), _ptr(b_D), _ptr(g_BLD), _ptr(g_xp), _ptr(da), _ptr(part),
+        B, L, D, K, n,
+    )  # fmt: skip
+    sums = part.sum(0)
+    return g_xp, sums[:K], (sums[K] if b_D is not None else None)
+
+
+def gated_norm_fwd(
+    x: Tensor, z: Tensor, w: Tensor, group_size: int, eps: float
+) -> tuple[Tensor, Tensor]:
+    """(w * rmsnorm_per_group(x * silu(z)) [..., I], the inverse RMS per row and group)."""
+    lib = library()
+    I = x.shape[-1]
+    if z.shape != x.shape or w.shape != (I,) or I % group_size:
+        raise ValueError("gated_norm_fwd: x, z [..., I], w [I], I a multiple of group_size")
+    M = x.numel() // max(I, 1)
+    y, rs = x.new_empty(x.shape), x.new_empty(M, I // group_size)
+    lib.hl_gated_norm_fwd(
+        _ptr(x), _ptr(z), _ptr(w), _ptr(y), _ptr(rs), M, I, group_size, eps,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y, rs
+
+
+def gated_norm_bwd(
+    x: Tensor, z: Tensor, w: Tensor, rs: Tensor, g: Tensor, group_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (x, z, w) of `gated_norm_fwd` given the output's gradient g."""
+    lib = library()
+    I = x.shape[-1]
+    M = x.numel() // max(I, 1)
+    n = torch.get_num_threads()
+    gx, gz, part = torch.empty_like(x), torch.empty_like(z), x.new_zeros(n, I)
+    lib.hl_gated_norm_bwd(
+        _ptr(x), _ptr(z), _ptr(w), _ptr(rs), _ptr(g), _ptr(gx), _ptr(gz), _ptr(part),
+        M, I, group_size, n,
+    )  # fmt: skip
+    return gx, gz, part.sum(0)

@@ -8,11 +8,18 @@
  * Each has a pure-torch reference it is tested against (tests/test_native_kernels.py); the
  * Python side (`hybridlm.ops.native`) compiles this file on first use and falls back to the
  * references when no C compiler is present.
+ *
+ * The training kernels at the end fuse the Mamba-2 mixer's elementwise chains over whole
+ * sequences (causal conv + SiLU, the group-gated RMSNorm), forward and backward; their autograd
+ * wrappers are tested against autograd of the references.
  */
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define VL 16 /* floats per vector: AVX-512 width; GCC splits it on narrower machines */
 typedef float vf __attribute__((vector_size(VL * sizeof(float)), aligned(4)));
@@ -48,41 +55,66 @@ static inline void dots(const float *w, const float *x, long ldx, long m, long n
   }
 }
 
-/* one input row against 4 weight rows: 4 independent accumulator chains */
-static inline void dots4(const float *w, long ldw, const float *x, long n, float *out) {
-  vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+/* Input rows per register tile. A 4 x MR tile holds 4 * MR accumulators, 4 weight vectors and
+ * one input vector: 21 of AVX-512's 32 zmm registers for MR = 4. Without AVX-512 a vf is two
+ * ymm halves of 16 registers, so MR = 2 (26 halves: a few spill, far fewer than an accumulator
+ * array of runtime length, which the compiler keeps in memory). */
+#ifdef __AVX512F__
+#define MR 4
+#else
+#define MR 2
+#endif
+
+/* out[j][r0 + r] = W[j] . x[r] for 4 weight rows and mr (<= MR, a constant after inlining)
+ * input rows: every weight vector loaded once feeds mr FMAs, every input vector 4 */
+static inline __attribute__((always_inline)) void tile(const float *W, long ldw, const float *x,
+                                                       long ldx, long n, const int mr,
+                                                       float out[4][MAXM], long r0) {
+  vf acc[4][MR];
+  for (int j = 0; j < 4; j++)
+    for (int r = 0; r < mr; r++) acc[j][r] = (vf){0};
   long i = 0;
   for (; i + VL <= n; i += VL) {
-    vf xv, w0, w1, w2, w3;
-    memcpy(&xv, x + i, sizeof(vf));
-    memcpy(&w0, w + i, sizeof(vf));
-    memcpy(&w1, w + ldw + i, sizeof(vf));
-    memcpy(&w2, w + 2 * ldw + i, sizeof(vf));
-    memcpy(&w3, w + 3 * ldw + i, sizeof(vf));
-    a0 += w0 * xv;
-    a1 += w1 * xv;
-    a2 += w2 * xv;
-    a3 += w3 * xv;
+    vf w[4];
+    for (int j = 0; j < 4; j++) memcpy(&w[j], W + j * ldw + i, sizeof(vf));
+    for (int r = 0; r < mr; r++) {
+      vf xv;
+      memcpy(&xv, x + r * ldx + i, sizeof(vf));
+      for (int j = 0; j < 4; j++) acc[j][r] += w[j] * xv;
+    }
   }
-  out[0] = hsum(a0), out[1] = hsum(a1), out[2] = hsum(a2), out[3] = hsum(a3);
-  for (; i < n; i++) {
-    for (int r = 0; r < 4; r++) out[r] += w[r * ldw + i] * x[i];
-  }
+  for (int j = 0; j < 4; j++)
+    for (int r = 0; r < mr; r++) {
+      float s = hsum(acc[j][r]);
+      for (long t = i; t < n; t++) s += W[j * ldw + t] * x[r * ldx + t];
+      out[j][r0 + r] = s;
+    }
 }
 
 /* out[j][r] = W[j] . x[r] for the nr (<= 4) weight rows at W (row stride ldw) and the m
- * (<= MAXM) input rows at x (row stride ldx): a single input row keeps four FMA chains in flight
- * over four weight rows (dots4), more input rows one chain each (dots). Every weight-row loop
- * below walks the rows in blocks of 4 through this. */
+ * (<= MAXM) input rows at x (row stride ldx). Full blocks of 4 weight rows go through register
+ * tiles of up to MR input rows (the 4 rows stay in L1 between tiles, so memory reads them once);
+ * a last block of fewer rows takes one row at a time. Every weight-row loop below walks the
+ * rows in blocks of 4 through this. */
 static inline void block_dots(const float *W, long ldw, long nr, const float *x, long ldx, long m,
                               long n, float out[4][MAXM]) {
-  if (m == 1 && nr == 4) {
-    float o4[4];
-    dots4(W, ldw, x, n, o4);
-    for (int j = 0; j < 4; j++) out[j][0] = o4[j];
+  if (nr < 4) {
+    for (long j = 0; j < nr; j++) dots(W + j * ldw, x, ldx, m, n, out[j]);
     return;
   }
-  for (long j = 0; j < nr; j++) dots(W + j * ldw, x, ldx, m, n, out[j]);
+  for (long r0 = 0; r0 < m; r0 += MR) {
+    const float *xr = x + r0 * ldx;
+    switch (m - r0 < MR ? m - r0 : MR) {
+    case 1: tile(W, ldw, xr, ldx, n, 1, out, r0); break;
+#if MR >= 2
+    case 2: tile(W, ldw, xr, ldx, n, 2, out, r0); break;
+#endif
+#if MR >= 4
+    case 3: tile(W, ldw, xr, ldx, n, 3, out, r0); break;
+    case 4: tile(W, ldw, xr, ldx, n, 4, out, r0); break;
+#endif
+    }
+  }
 }
 
 /* y[M, O] = x[M, I] @ W[O, I]^T (+ bias[O]); blocks of 4 rows of W split over threads */
@@ -297,5 +329,208 @@ void hl_route(const float *logits, const float *bias, int64_t *idx, float *gate,
     }
     for (long r = 0; r < top_k; r++)
       gate[t * top_k + r] = (norm ? gate[t * top_k + r] / (sum + 1e-20f) : gate[t * top_k + r]) * scaling;
+  }
+}
+
+/* ------------------------------------------------------------------ training kernels */
+
+typedef int32_t vi __attribute__((vector_size(VL * sizeof(int32_t)), aligned(4)));
+
+static inline vf vsel(vi mask, vf a, vf b) { /* mask ? a : b, lanewise */
+  return (vf)(((vi)a & mask) | ((vi)b & ~mask));
+}
+
+/* exp(x), lanewise: x = n ln2 + r with n = round(x / ln2) and r in [-ln2/2, ln2/2] (two-part
+ * ln2, Cody-Waite), exp(r) by Cephes' expf polynomial (about 1 ulp), 2^n built in the exponent
+ * bits. x is clamped to [-87.3, 88.4] (the finite, normal results). */
+static inline vf vexp(vf x) {
+  const vf hi = (vf){0} + 88.3762626647949f, lo = (vf){0} - 87.3365447505531f;
+  x = vsel(x > hi, hi, x);
+  x = vsel(x < lo, lo, x);
+  vf t = x * 1.44269504088896341f + 0.5f;
+  vi n = __builtin_convertvector(t, vi);
+  n += (vi)(__builtin_convertvector(n, vf) > t); /* truncation -> floor (true is -1) */
+  vf nf = __builtin_convertvector(n, vf);
+  vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vf p = 1.9875691500E-4f * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.f;
+  return p * (vf)((n + 127) << 23);
+}
+
+static inline vf vsigmoid(vf a) { return 1.f / (1.f + vexp(-a)); }
+
+static inline vf vload(const float *p) {
+  vf v;
+  memcpy(&v, p, sizeof(vf));
+  return v;
+}
+
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof(vf)); }
+
+static inline int thread_id(void) {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+/* Causal depthwise conv + SiLU over whole sequences (Mamba2Mixer's conv over x B C):
+ *   y[b, l, d] = silu(a[b, l, d]),  a = sum_k xp[b, l + k, d] w[k, d] + bias[d]
+ * xp [B, T = L + K - 1, D] (the inputs after the S = K - 1 carried ones), w [K, D]. */
+void hl_conv_silu_fwd(const float *xp, const float *w, const float *bias, float *y, long Bsz,
+                      long L, long D, long K, int nthreads) {
+  long T = L + K - 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (Bsz * L * D >= PARALLEL_MIN_FLOATS)
+  for (long row = 0; row < Bsz * L; row++) {
+    long b = row / L, l = row % L;
+    const float *x0 = xp + (b * T + l) * D;
+    float *yr = y + row * D;
+    long d = 0;
+    for (; d + VL <= D; d += VL) {
+      vf a = bias ? vload(bias + d) : (vf){0};
+      for (long k = 0; k < K; k++) a += vload(x0 + k * D + d) * vload(w + k * D + d);
+      vstore(yr + d, a * vsigmoid(a));
+    }
+    for (; d < D; d++) {
+      float a = bias ? bias[d] : 0.f;
+      for (long k = 0; k < K; k++) a += x0[k * D + d] * w[k * D + d];
+      yr[d] = a / (1.f + expf(-a));
+    }
+  }
+}
+
+/* Backward of hl_conv_silu_fwd given gy [B, L, D]. With a recomputed, s = sigmoid(a) and
+ * da = gy s (1 + a (1 - s)):
+ *   gxp[b, t, d] = sum_k da[b, t - k, d] w[k, d]  (0 <= t - k < L),
+ *   gw[k, d] = sum_{b,l} da[b, l, d] xp[b, l + k, d],  gb[d] = sum_{b,l} da[b, l, d].
+ * da: scratch [B, L, D]; part: zeroed [nthreads, K + 1, D] per-thread sums of gw (rows 0..K-1)
+ * and gb (row K), which the caller adds up. */
+void hl_conv_silu_bwd(const float *xp, const float *w, const float *bias, const float *gy,
+                      float *gxp, float *da, float *part, long Bsz, long L, long D, long K,
+                      int nthreads) {
+  long T = L + K - 1;
+  int par = Bsz * L * D >= PARALLEL_MIN_FLOATS;
+#pragma omp parallel num_threads(nthreads) if (par)
+  {
+    float *pw = part + (long)thread_id() * (K + 1) * D, *pb = pw + K * D;
+#pragma omp for schedule(static)
+    for (long row = 0; row < Bsz * L; row++) {
+      long b = row / L, l = row % L;
+      const float *x0 = xp + (b * T + l) * D, *g = gy + row * D;
+      float *dr = da + row * D;
+      long d = 0;
+      for (; d + VL <= D; d += VL) {
+        vf a = bias ? vload(bias + d) : (vf){0};
+        for (long k = 0; k < K; k++) a += vload(x0 + k * D + d) * vload(w + k * D + d);
+        vf s = vsigmoid(a);
+        vf dv = vload(g + d) * s * (1.f + a * (1.f - s));
+        vstore(dr + d, dv);
+        for (long k = 0; k < K; k++) vstore(pw + k * D + d, vload(pw + k * D + d) + dv * vload(x0 + k * D + d));
+        vstore(pb + d, vload(pb + d) + dv);
+      }
+      for (; d < D; d++) {
+        float a = bias ? bias[d] : 0.f;
+        for (long k = 0; k < K; k++) a += x0[k * D + d] * w[k * D + d];
+        float s = 1.f / (1.f + expf(-a)), dv = g[d] * s * (1.f + a * (1.f - s));
+        dr[d] = dv;
+        for (long k = 0; k < K; k++) pw[k * D + d] += dv * x0[k * D + d];
+        pb[d] += dv;
+      }
+    }
+#pragma omp for schedule(static)
+    for (long row = 0; row < Bsz * T; row++) {
+      long b = row / T, t = row % T;
+      float *gr = gxp + row * D;
+      memset(gr, 0, sizeof(float) * D);
+      for (long k = 0; k < K; k++) {
+        long l = t - k;
+        if (l < 0 || l >= L) continue;
+        const float *dr = da + (b * L + l) * D, *wk = w + k * D;
+        long d = 0;
+        for (; d + VL <= D; d += VL) vstore(gr + d, vload(gr + d) + vload(dr + d) * vload(wk + d));
+        for (; d < D; d++) gr[d] += dr[d] * wk[d];
+      }
+    }
+  }
+}
+
+/* Group-gated RMSNorm over rows (Mamba-2's norm before out_proj, norm_before_gate=False):
+ *   g = x silu(z),  y = w g rs,  rs = 1 / sqrt(mean_group(g^2) + eps)  per group of gs channels
+ * x, z, y [M, I], w [I], rs [M, I / gs] (kept for the backward). */
+void hl_gated_norm_fwd(const float *x, const float *z, const float *w, float *y, float *rs,
+                       long M, long I, long gs, float eps, int nthreads) {
+  long G = I / gs;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M * I >= PARALLEL_MIN_FLOATS)
+  for (long r = 0; r < M * G; r++) {
+    const float *xr = x + r * gs, *zr = z + r * gs, *wr = w + (r % G) * gs;
+    float *yr = y + r * gs;
+    vf acc = {0};
+    float tail = 0.f;
+    long i = 0;
+    for (; i + VL <= gs; i += VL) {
+      vf zv = vload(zr + i), g = vload(xr + i) * zv * vsigmoid(zv);
+      vstore(yr + i, g);
+      acc += g * g;
+    }
+    for (; i < gs; i++) {
+      float g = xr[i] * zr[i] / (1.f + expf(-zr[i]));
+      yr[i] = g;
+      tail += g * g;
+    }
+    float inv = 1.f / sqrtf((hsum(acc) + tail) / gs + eps);
+    rs[r] = inv;
+    for (i = 0; i < gs; i++) yr[i] *= inv * wr[i];
+  }
+}
+
+/* Backward of hl_gated_norm_fwd given gy [M, I] and its rs. With n = g rs, e = gy w and
+ * c = mean_group(e n): dg = rs (e - n c); gx = dg silu(z); gz = dg x s (1 + z (1 - s)),
+ * s = sigmoid(z); gw = sum over rows of gy n. part: zeroed [nthreads, I] per-thread sums of
+ * gw, which the caller adds up. */
+void hl_gated_norm_bwd(const float *x, const float *z, const float *w, const float *rs,
+                       const float *gy, float *gx, float *gz, float *part, long M, long I,
+                       long gs, int nthreads) {
+  long G = I / gs;
+#pragma omp parallel num_threads(nthreads) if (M * I >= PARALLEL_MIN_FLOATS)
+  {
+    float *pw = part + (long)thread_id() * I;
+#pragma omp for schedule(static)
+    for (long r = 0; r < M * G; r++) {
+      long off = r * gs, c0 = (r % G) * gs;
+      const float *xr = x + off, *zr = z + off, *gr = gy + off, *wr = w + c0;
+      float inv = rs[r];
+      vf acc = {0};
+      float tail = 0.f;
+      long i = 0;
+      for (; i + VL <= gs; i += VL) { /* c = mean(e n) */
+        vf zv = vload(zr + i), n = vload(xr + i) * zv * vsigmoid(zv) * inv;
+        acc += vload(gr + i) * vload(wr + i) * n;
+      }
+      for (; i < gs; i++) {
+        float n = xr[i] * zr[i] / (1.f + expf(-zr[i])) * inv;
+        tail += gr[i] * wr[i] * n;
+      }
+      float c = (hsum(acc) + tail) / gs;
+      for (i = 0; i + VL <= gs; i += VL) {
+        vf zv = vload(zr + i), xv = vload(xr + i), s = vsigmoid(zv), sz = zv * s;
+        vf n = xv * sz * inv, gv = vload(gr + i);
+        vf dg = inv * (gv * vload(wr + i) - n * c);
+        vstore(gx + off + i, dg * sz);
+        vstore(gz + off + i, dg * xv * s * (1.f + zv * (1.f - s)));
+        vstore(pw + c0 + i, vload(pw + c0 + i) + gv * n);
+      }
+      for (; i < gs; i++) {
+        float zv = zr[i], s = 1.f / (1.f + expf(-zv)), sz = zv * s, n = xr[i] * sz * inv;
+        float dg = inv * (gr[i] * wr[i] - n * c);
+        gx[off + i] = dg * sz;
+        gz[off + i] = dg * xr[i] * s * (1.f + zv * (1.f - s));
+        pw[c0 + i] += gr[i] * n;
+      }
+    }
   }
 }
