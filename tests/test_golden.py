@@ -2,7 +2,8 @@
 seeded fp32 run recorded in `tests/golden/<stage>.json` and must reproduce every recorded number
 (the loss and its logged parts at every step, and the stage's other rows) to a relative 1e-6
 (absolute 1e-7 near zero; `golden/stages.py` says why), or 1e-4 on a CPU whose kernel family
-(AVX2 / AVX512) differs from the recording's. They pin the behaviour of the training
+(AVX2 / AVX512) differs from the recording's, or that runs without the native CPU kernels the
+recording used (no C compiler, `HYBRIDLM_NATIVE=0`). They pin the behaviour of the training
 code so that a refactor can show it changed nothing; `python tests/golden/record.py` re-records
 them after an intended change. ~15 s on 2 cores for all six."""
 
@@ -14,6 +15,7 @@ import torch
 
 from golden.stages import (
     OTHER_KERNELS_RTOL,
+    OTHER_NATIVE_RTOL,
     RTOL,
     STAGES,
     mismatches,
@@ -21,6 +23,7 @@ from golden.stages import (
     settings_diff,
     split_rows,
 )
+from hybridlm.ops import native
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -32,9 +35,13 @@ def test_stage_replays_its_golden_run(stage, tmp_path):
     settings, rows = run_stage(stage, tmp_path)
     steps, other = split_rows(rows)
     assert steps, f"{stage} logged no per-step rows"
-    recorded_on = golden["recorded_with"].get("cpu_capability")
-    here = torch.backends.cpu.get_cpu_capability()
-    rtol = RTOL if recorded_on == here else OTHER_KERNELS_RTOL
+    rec = golden["recorded_with"]
+    recorded_on, here = rec.get("cpu_capability"), torch.backends.cpu.get_cpu_capability()
+    native_then, native_now = rec.get("native_kernels", False), native.available()
+    if native_then != native_now:
+        rtol = OTHER_NATIVE_RTOL
+    else:
+        rtol = RTOL if recorded_on == here else OTHER_KERNELS_RTOL
     bad = mismatches("steps", golden["steps"], steps, rtol)
     bad += mismatches("other_rows", golden["other_rows"], other, rtol)
     if bad:
@@ -44,6 +51,12 @@ def test_stage_replays_its_golden_run(stage, tmp_path):
             if changed
             else "\nthe run's settings are the recorded ones"
         )
+        if native_then != native_now:
+            hint += (
+                f"\nrecorded {'with' if native_then else 'without'} the native CPU kernels,"
+                f" replayed {'with' if native_now else 'without'} them: compared at a relative"
+                f" {OTHER_NATIVE_RTOL:g}"
+            )
         if recorded_on != here:
             hint += (
                 f"\nrecorded on {recorded_on} CPU kernels, replayed on {here}: compared at a "

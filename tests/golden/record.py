@@ -16,8 +16,11 @@ Where they repeat: bit for bit across torch 2.13 and 2.14.1 and across thread co
 on the recording machine (x86-64, AVX512 kernels). Not across CPU kernel families: softmax,
 log_softmax and SDPA round differently per vector width: replayed with
 `ATEN_CPU_CAPABILITY=avx2` the SFT, DPO and RL runs drift past 1e-6 (up to 2e-5 by step 20;
-with `default`, distillation too). `--compare` names the kernel family of the recording and of
-the replay; compare on a machine of the recorded kind.
+with `default`, distillation too). Nor between runs with and without the native CPU kernels
+(`hybridlm.ops.native`, the default when a C compiler is present; `HYBRIDLM_NATIVE=0` turns
+them off): their fused Mamba-2 conv + SiLU and gated norm round differently from torch's
+composite ops. `--compare` names the kernel family of the recording and of the replay; compare
+on a machine of the recorded kind.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ configure_threads(1)  # before torch starts its pool; as tests/conftest.py pins 
 import torch  # noqa: E402
 
 from golden.stages import RTOL, STAGES, largest_difference, run_stage, split_rows  # noqa: E402
+from hybridlm.ops import native  # noqa: E402
 
 
 def golden_path(stage: str) -> Path:
@@ -64,6 +68,7 @@ def recorded_with() -> dict[str, str]:
         "python": platform.python_version(),
         "hybridlm_commit": _git("rev-parse", "HEAD") + (" (src/ modified)" if changed else ""),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_kernels": native.available(),
         "machine": platform.machine(),
     }
 

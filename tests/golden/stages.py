@@ -56,6 +56,11 @@ ATOL = 1e-7
 # softmax, log_softmax and SDPA round differently per vector width, ~1e-7 on the first forward,
 # up to 2e-5 by step 20 (measured with ATEN_CPU_CAPABILITY=avx2); counts must still be equal.
 OTHER_KERNELS_RTOL = 1e-4
+# A replay without the native CPU kernels the recording used (or with them, when it used none)
+# drifts further: their fused Mamba-2 chains and GEMVs round differently from torch's ops, which
+# the RL stage's 20 steps amplify to 2.5e-4 (grad_norm; SFT 3e-5, the others < 1e-6; measured
+# with `HYBRIDLM_NATIVE=0 python tests/golden/record.py --compare`).
+OTHER_NATIVE_RTOL = 1e-3
 
 # wall-clock fields: throughput, MFU and the seconds a phase took are not behaviour
 _TIMING = re.compile(r"(^|[._])(mfu|\w*_s)$")
