@@ -261,13 +261,15 @@ def sweep(
 # ====================================================================== report
 def plot(rows: list[dict], png: Path) -> Path:
     plt = pyplot()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 4.8), width_ratios=(1, 1.2))
     tiny = [r for r in rows if r["section"] == "tiny"]
     proj = [r for r in rows if r["section"] == "projection"]
     for v in sorted({(r["head"], r["vocab"]) for r in tiny}):
         rs = sorted((r for r in tiny if (r["head"], r["vocab"]) == v), key=lambda r: r["k"])
         ks, name = [r["k"] for r in rs], "/".join(v)
-        a1.plot(ks, [r["acceptance_length"] for r in rs], "o-", label=f"{name} head/draft vocab")
+        a1.plot(
+            ks, [r["acceptance_length"] for r in rs], "o-", label=f"{v[0]} head, draft vocab {v[1]}"
+        )
         a2.plot(ks, [r["speedup"] for r in rs], "o-", label=f"tiny {name}, measured")
         a2.plot(ks, [r["predicted_speedup"] for r in rs], "x:", label=f"tiny {name}, cost model")
     for v in sorted({(r["head"], r["vocab"]) for r in proj}):
@@ -286,8 +288,9 @@ def plot(rows: list[dict], png: Path) -> Path:
     a2.axhline(TARGET, color="red", lw=0.8, ls="--", label=f"target {TARGET:g}x")
     a2.set(xlabel="draft length k", ylabel="wall speed-up over plain decode", ylim=(0, None))
     a2.set_title("speed-up")
+    a1.legend(fontsize=7, loc="upper left")
+    a2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: no overlap
     for a in (a1, a2):
-        a.legend(fontsize=7)
         a.grid(alpha=0.3)
     return save_figure(fig, png)
 
