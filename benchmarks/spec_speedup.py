@@ -45,10 +45,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _tiny_train import load_or_train, load_split  # noqa: E402
+from _tiny_train import load_or_train, load_split, read_rows  # noqa: E402
 from decode import (  # noqa: E402
     DEFAULT_DATA,
     _describe,
+    _ints,
     _loadavg,
     _prompts,
     memory_bound_config,
@@ -70,14 +71,6 @@ from hybridlm.train.mtp_boost import (  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 2.0  # the issue's wall speed-up target on the memory-bound model
-
-
-def _ints(s: str) -> list[int]:
-    out: list[int] = []
-    for part in s.split(","):
-        a, _, b = part.partition("-")
-        out.extend(range(int(a), int(b or a) + 1))
-    return out
 
 
 # ====================================================================== models
@@ -208,19 +201,20 @@ def sweep(
     decode phase only: each time minus the prompt's prefill (`generate` of 1 token), sums of
     per-prompt medians."""
     base = next(iter(variants.values()))[0]
-    refs = [generate(base, x, new_tokens) for x in prompts]
     pre, plain = 0.0, 0.0
     runs = {(k, n): {"s": 0.0, "stats": [], "same": 0} for k in ks for n in variants}
-    for i, x in enumerate(prompts):
+    for x in prompts:
         t_pre, t_plain, t_spec = [], [], {key: [] for key in runs}
         for r in range(repeats):
             order = list(runs) if r % 2 == 0 else list(runs)[::-1]
             t0 = time.perf_counter()
             generate(base, x, 1)
             t1 = time.perf_counter()
-            generate(base, x, new_tokens)
+            out = generate(base, x, new_tokens)
             t_pre.append(t1 - t0)
             t_plain.append(time.perf_counter() - t1)
+            if r == 0:  # the first plain run is the greedy reference
+                ref = out
             for key in order:
                 k, n = key
                 model, dv = variants[n]
@@ -229,7 +223,7 @@ def sweep(
                 t_spec[key].append(time.perf_counter() - t0)
                 if r == 0:
                     runs[key]["stats"].append(st)
-                    runs[key]["same"] += int(torch.equal(got, refs[i]))
+                    runs[key]["same"] += int(torch.equal(got, ref))
         p = statistics.median(t_pre)
         pre, plain = pre + p, plain + statistics.median(t_plain) - p
         for key in runs:
@@ -327,7 +321,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     metrics = out / "metrics.jsonl"
     if args.plot_only:
-        rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        if not metrics.is_file():
+            p.error(f"--plot-only needs {metrics} from an earlier run")
+        rows = read_rows(metrics)
         print(plot(rows, out / "spec_speedup.png"))
         return 0
     if not Path(args.data).is_file():

@@ -181,9 +181,9 @@ class DraftVocab:
         self.model = model
         self.vocab_size = V
         self.ids_N = ids_N.to(W.device)
-        self.head = torch.nn.Linear(W.shape[1], len(ids_N), bias=False, device=W.device)
-        self.head.requires_grad_(False)
-        self.head.weight.data = W.detach()[self.ids_N].to(W.dtype).contiguous()
+        # built on the meta device: its weight is the gathered rows, no initialisation to discard
+        self.head = torch.nn.Linear(W.shape[1], len(ids_N), bias=False, device="meta")
+        self.head.weight = torch.nn.Parameter(W.detach()[self.ids_N], requires_grad=False)
 
     def refresh(self) -> None:
         """Gather the rows again from the model's current LM head, in place (decoders holding
