@@ -30,6 +30,14 @@ go to OUT/metrics.jsonl and `spec_speedup.png` is rendered from that file.
    end-to-end run of super-150m with its random head (AL ~ 1). super-150m's speed-up at the
    tiny model's measured acceptance lengths is then a projection (labelled as such), with the
    acceptance length each k would need for the issue's 2x.
+4. engine      Serving throughput of the healed model in `infer.engine.Engine` for batches of B
+   held-out prompts (`--engine-batches`), interleaved: plain greedy requests (one [B, 1] decode
+   step each), speculative requests in the batch (k = `--engine-k`: the drafts of all rows in
+   one MTP call per position, one [B, k + 1] verify forward), and the same speculative requests
+   decoded one at a time at batch 1 (`speculative_generate`, how the engine ran them before
+   they joined the batch), and speculative requests with `spec_max_batch=1` (speculation only
+   when alone); generated tokens per second of wall time, prefills included, every output
+   checked against plain greedy.
 """
 
 from __future__ import annotations
@@ -57,7 +65,9 @@ from decode import (  # noqa: E402
 from hybridlm import HybridLM  # noqa: E402
 from hybridlm.data.tokenizer import ByteTokenizer  # noqa: E402
 from hybridlm.infer import speculative as spec  # noqa: E402
+from hybridlm.infer.engine import Engine  # noqa: E402
 from hybridlm.infer.generate import generate  # noqa: E402
+from hybridlm.infer.sampling import SamplingParams  # noqa: E402
 from hybridlm.infer.speculative import DraftVocab, speculative_generate  # noqa: E402
 from hybridlm.io import load_model  # noqa: E402
 from hybridlm.model.cache import HybridCache  # noqa: E402
@@ -252,10 +262,83 @@ def sweep(
     return rows, ok
 
 
+def engine_throughput(
+    model: HybridLM,
+    prompts: list[torch.Tensor],
+    batches: list[int],
+    k: int,
+    new_tokens: int,
+    repeats: int,
+) -> tuple[list[dict], bool]:
+    """Section 4: tokens/s of plain and speculative requests in one engine batch of B, and of
+    the speculative requests decoded one at a time (batch 1), interleaved; medians."""
+    tok = ByteTokenizer()
+    lists = [x[0].tolist() for x in prompts]
+
+    def engine(b: int, spec: int, limit: int | None = None) -> list[list[int]]:
+        eng = Engine(model, tok, max_batch_size=b, prefix_cache_size=0, spec_max_batch=limit)
+        sp = SamplingParams(max_tokens=new_tokens, ignore_eos=True, speculative=spec)
+        return [o.token_ids for o in eng.generate(lists[:b], sp)]
+
+    def alone(b: int) -> list[list[int]]:
+        return [
+            speculative_generate(model, x, new_tokens, draft_len=k)[0][0].tolist()
+            for x in prompts[:b]
+        ]
+
+    rows, ok = [], True
+    for b in batches:
+        modes = {"plain": lambda b=b: engine(b, 0), "spec": lambda b=b: engine(b, k)}
+        modes["spec_max1"] = lambda b=b: engine(b, k, limit=1)
+        modes["spec_batch1"] = lambda b=b: alone(b)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        outs = {}
+        for r in range(repeats):
+            for m in list(modes) if r % 2 == 0 else list(modes)[::-1]:
+                t0 = time.perf_counter()
+                outs[m] = modes[m]()
+                times[m].append(time.perf_counter() - t0)
+        same = all(outs[m] == outs["plain"] for m in modes)
+        ok &= same
+        med = {m: statistics.median(t) for m, t in times.items()}
+        rows.append(
+            {
+                "section": "engine",
+                "batch": b,
+                "k": k,
+                "tokens": b * new_tokens,
+                **{f"{m}_tok_s": b * new_tokens / t for m, t in med.items()},
+                "identical": same,
+            }
+        )
+    return rows, ok
+
+
 # ====================================================================== report
 def plot(rows: list[dict], png: Path) -> Path:
     plt = pyplot()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 4.8), width_ratios=(1, 1.2))
+    eng = sorted((r for r in rows if r["section"] == "engine"), key=lambda r: r["batch"])
+    fig, axes = plt.subplots(
+        1,
+        3 if eng else 2,
+        figsize=(20 if eng else 14, 4.8),
+        width_ratios=(1, 1.2, 1)[: 2 + bool(eng)],
+    )
+    a1, a2 = axes[:2]
+    if eng:
+        a3, bs = axes[2], [r["batch"] for r in eng]
+        for key, label in (
+            ("plain_tok_s", "plain requests, one batch"),
+            ("spec_tok_s", f"speculative (k={eng[0]['k']}), one batch"),
+            ("spec_max1_tok_s", f"speculative (k={eng[0]['k']}), spec_max_batch=1"),
+            ("spec_batch1_tok_s", f"speculative (k={eng[0]['k']}), one at a time"),
+        ):
+            a3.plot(bs, [r[key] for r in eng], "o-", label=label)
+        a3.set(xlabel="requests in the batch", ylabel="generated tokens / s", ylim=(0, None))
+        a3.set_xticks(bs)
+        a3.set_title("engine throughput, tiny healed model")
+        a3.legend(fontsize=7, loc="upper left")
+        a3.grid(alpha=0.3)
     tiny = [r for r in rows if r["section"] == "tiny"]
     proj = [r for r in rows if r["section"] == "projection"]
     for v in sorted({(r["head"], r["vocab"]) for r in tiny}):
@@ -314,6 +397,8 @@ def main(argv=None) -> int:
     p.add_argument("--draft-vocab", type=int, default=4096, help="super-150m's reduced head")
     p.add_argument("--tiny-draft-vocab", type=int, default=64, help="the byte model's")
     p.add_argument("--e2e-tokens", type=int, default=48, help="super-150m end-to-end check")
+    p.add_argument("--engine-batches", type=_ints, default=[1, 4, 8], help="e.g. 1,4,8")
+    p.add_argument("--engine-k", type=int, default=3)
     p.add_argument("--plot-only", action="store_true")
     args = p.parse_args(argv)
     if min(args.ks) < 1 or max(args.ks) > 7:
@@ -462,6 +547,28 @@ def main(argv=None) -> int:
             f"[projection] {r['k']} | {r['head']} | {vocab} | {r['acceptance_length']:.2f} |"
             f" {rnd:.2f} |"
             f" {sp:.2f}x | {need:.2f}{reach}"
+        )
+    # 4. serving: speculative requests in the engine's batch
+    eng_rows, same = engine_throughput(
+        model, prompts, args.engine_batches, args.engine_k, args.new_tokens, args.repeats
+    )
+    ok &= same
+    rows += eng_rows
+    print(
+        f"[engine] healed model, greedy, {args.new_tokens} new tokens per request, prefills"
+        f" included; k={args.engine_k}; tokens/s (speculative in one batch / plain in one batch,"
+        " / speculative with spec_max_batch=1 / speculative one at a time)"
+    )
+    print(
+        "[engine] batch | plain | spec, batched | spec_max_batch=1 | spec, one at a time"
+        " | identical"
+    )
+    for r in eng_rows:
+        print(
+            f"[engine] {r['batch']} | {r['plain_tok_s']:.0f} | {r['spec_tok_s']:.0f}"
+            f" ({r['spec_tok_s'] / r['plain_tok_s']:.2f}x) | {r['spec_max1_tok_s']:.0f} |"
+            f" {r['spec_batch1_tok_s']:.0f}"
+            f" ({r['spec_tok_s'] / r['spec_batch1_tok_s']:.2f}x batched) | {r['identical']}"
         )
     best = max((r for r in rows if r["section"] == "projection"), key=lambda r: r["speedup"])
     verdict = "met" if best["speedup"] >= TARGET else "missed"

@@ -112,15 +112,45 @@ def test_prefix_cache_entry_equals_full_prefill():
     model = _model("tiny-super")
     prompt = _prompts([40])[0]
     eng = Engine(model, ByteTokenizer(), prefix_block=16)
-    cache, logits, _ = eng._prefill(prompt)
+    cache, logits, _, _ = eng._prefill(prompt)
     assert eng.stats["prefix_hit_tokens"] == 0
-    cache2, logits2, _ = eng._prefill(prompt[:32] + [5, 6, 7])
+    cache2, logits2, _, _ = eng._prefill(prompt[:32] + [5, 6, 7])
     assert eng.stats["prefix_hit_tokens"] == 32
     ref = model(torch.tensor([prompt[:32] + [5, 6, 7]])).logits[0, -1]
     torch.testing.assert_close(logits2, ref, atol=1e-10, rtol=0)
     # the first request's cache is untouched by the fork
     nxt = model(torch.tensor([[9]]), cache=cache).logits[0, -1]
     torch.testing.assert_close(nxt, model(torch.tensor([prompt + [9]])).logits[0, -1])
+
+
+def test_prefix_cache_keeps_the_mtp_cache_for_speculative_prefills():
+    """A speculative prefill runs the MTP module over the prompt as it goes and keeps its cache
+    in the prefix entries; entries kept by plain prefills do not serve it (no MTP part), and a
+    hit continues exactly as an MTP pass over the whole prompt's hidden states."""
+    from hybridlm.infer.speculative import MTPDrafter
+
+    model = _model("tiny-super")
+    prompt = _prompts([40])[0]
+    eng = Engine(model, ByteTokenizer(), prefix_block=16)
+    eng._prefill(prompt)  # plain: entries without the MTP part
+    d1 = MTPDrafter(model)
+    eng._prefill(prompt, drafter=d1)
+    assert eng.stats["prefix_hit_tokens"] == 0  # the plain entries could not serve it
+    eng._prefill(prompt)  # plain again: hits, and keeps the entries that have the MTP part
+    assert eng.stats["prefix_hit_tokens"] == 32
+    short = prompt[:32] + [5, 6, 7]
+    d2 = MTPDrafter(model)
+    _, _, _, h_11D = eng._prefill(short, drafter=d2)
+    assert eng.stats["prefix_hit_tokens"] == 64 and d2.cache.seen_tokens == len(short) - 1
+    full = model(torch.tensor([short]), return_hidden=True).hidden
+    torch.testing.assert_close(h_11D, full[:, -1:], atol=1e-10, rtol=0)
+    ref = MTPDrafter(model)
+    ref.feed(full[:, :-1], torch.tensor([short[1:]]))
+    ref.consume()
+    for got, want in zip(d2.cache.layers, ref.cache.layers, strict=True):
+        if got is not None:
+            torch.testing.assert_close(got.k_BKSE, want.k_BKSE, atol=1e-10, rtol=0)
+            torch.testing.assert_close(got.v_BKSE, want.v_BKSE, atol=1e-10, rtol=0)
 
 
 def test_sampling_is_per_request_and_reproducible():
@@ -393,3 +423,191 @@ def test_speculative_requests_with_a_draft_vocab_and_weight_updates():
     other = _model("tiny-super", seed=1)
     eng.update_weights(other.state_dict())
     assert torch.equal(dv.head.weight, other.lm_head.weight[dv.ids_N])
+
+
+def _windowed_super(window: int = 3) -> HybridLM:
+    cfg = get_preset("tiny-super")
+    cfg.vocab_size, cfg.mamba.chunk_size = 300, 8
+    cfg.attention.sliding_window = window
+    cfg.attention.window_pattern = "S" * cfg.pattern.count("*")
+    return HybridLM(cfg, seed=0).double().eval()
+
+
+@pytest.mark.parametrize(
+    "name,compact",
+    [
+        ("tiny-super", False),
+        ("tiny-super", True),
+        ("tiny-lightning", False),
+        ("sliding-window", True),  # windows count columns: only exact once compacted
+    ],
+)
+def test_rewind_rows_keeps_each_rows_prefix(name, compact):
+    """A batch whose rows verified different numbers of tokens in one call: after
+    `rewind_rows` (and `compact`, which closes the holes it leaves) each row continues exactly
+    as its prompt + kept tokens alone."""
+    model = _windowed_super() if name == "sliding-window" else _model(name)
+    prompts = _prompts([11, 4, 7])
+    caches = []
+    for p in prompts:
+        caches.append(HybridCache.for_pattern(model.config.pattern))
+        model(torch.tensor([p]), cache=caches[-1])
+    cache = HybridCache.cat(caches)
+    seq = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    keep = torch.tensor([1, 4, 2])
+    cache.record_history(True)
+    model(seq, cache=cache)
+    cache.record_history(False)
+    cache.rewind_rows(keep, 4)
+    lengths = [len(p) + k for p, k in zip(prompts, keep.tolist(), strict=True)]
+    assert cache.positions_B.tolist() == lengths
+    if compact:
+        cache.compact()
+        assert cache.seen_tokens == max(lengths)
+    for _ in range(2):  # the step after, and one after that (holes stay masked)
+        got = model(torch.tensor([[42], [43], [44]]), cache=cache).logits[:, -1]
+    for i, (p, k) in enumerate(zip(prompts, keep.tolist(), strict=True)):
+        ids = torch.tensor([p + seq[i, :k].tolist() + [42 + i, 42 + i]])
+        torch.testing.assert_close(got[i], model(ids).logits[0, -1], atol=1e-10, rtol=0)
+    with pytest.raises(ValueError, match="keep one count"):
+        cache.rewind_rows(torch.tensor([0, 1, 1]), 1)
+
+
+def _oracle_drafts(monkeypatch, refs: dict[tuple[int, ...], list[int]]):
+    """Let speculative rows draft the true greedy continuation (`refs`: prompt -> tokens) with
+    a wrong token at a varying position, so that rows accept 0..k drafts. The batched MTP
+    drafter still runs; only its tokens are replaced. Returns the accepted counts planned."""
+    from hybridlm.infer import engine as engine_mod
+
+    real, seen = engine_mod.draft_batch, []
+
+    def draft_batch(decoders, cache):
+        out = []
+        for dec, (drafts, q) in zip(decoders, real(decoders, cache), strict=True):
+            ref = refs[tuple(dec.prompt_BL[0].tolist())]
+            n = len(dec.tokens)
+            wrong = (n * 7 + len(ref) + len(dec.prompt_BL[0])) % (len(drafts) + 2)
+            true = (ref + [0] * 32)[n : n + len(drafts)]
+            out.append(([(t + 1) % 256 if j == wrong else t for j, t in enumerate(true)], q))
+            seen.append(min(wrong, len(drafts)))
+        return out
+
+    monkeypatch.setattr(engine_mod, "draft_batch", draft_batch)
+    return seen
+
+
+@pytest.mark.parametrize("windowed", [False, True], ids=["full", "sliding-window"])
+def test_speculative_rows_join_the_batch_and_the_prefix_cache(monkeypatch, windowed):
+    """Speculative requests of different draft lengths share the running batch with plain
+    requests (one verify forward per step) and the prefix cache (their prefill keeps and
+    reuses the MTP cache too); each emits exactly its plain greedy tokens whatever it accepts.
+    With a sliding window the batch is compacted every step (windows count columns)."""
+    model = _windowed_super(6) if windowed else _model("tiny-super")
+    prefix = _prompts([9], seed=1)[0]
+    prompts = _prompts([3, 12, 1, 7, 20, 5], prefix=prefix)
+    greedy = SamplingParams(max_tokens=14, ignore_eos=True)
+    refs = {}
+    for p in prompts:
+        refs[tuple(p)] = (
+            Engine(model, ByteTokenizer(), prefix_cache_size=0).generate([p], greedy)[0].token_ids
+        )
+    accepted = _oracle_drafts(monkeypatch, refs)
+    compacted = []
+    real_compact = HybridCache.compact
+    monkeypatch.setattr(HybridCache, "compact", lambda c: compacted.append(1) or real_compact(c))
+    eng = Engine(model, ByteTokenizer(), max_batch_size=4, prefix_block=4)
+    ks = [3, 0, 5, 1, 0, 2]
+    params = [SamplingParams(max_tokens=14, ignore_eos=True, speculative=k) for k in ks]
+    outs = eng.generate(prompts, params)
+    for out, p, k in zip(outs, prompts, ks, strict=True):
+        assert out.token_ids == refs[tuple(p)], k
+        assert (out.spec_stats is not None) == (k > 0)
+    assert set(accepted) >= {0, 1, 2, 3}  # rejections at several positions and full accepts
+    assert sum(o.spec_stats.steps for o in outs if o.spec_stats) < 13 * 4  # it paid
+    assert eng.stats["verify_steps"] > 0 and eng.stats["max_running"] == 4
+    assert eng.stats["prefix_hit_tokens"] >= 8 * 3  # later prompts reuse the shared prefix
+    assert compacted if windowed else True
+    # a later speculative request hits the entries its predecessors kept, MTP cache included
+    again = eng.generate([prompts[0]], params[0])[0]
+    assert again.token_ids == refs[tuple(prompts[0])]
+
+
+class _SmallTokenizer:
+    """Token ids 0..11 as text, EOS 11: for a model with a 12-token vocabulary."""
+
+    vocab_size, eos_id = 12, 11
+
+    def decode(self, ids):
+        return "".join(chr(97 + i) for i in ids)
+
+
+@pytest.mark.parametrize("compact_slack", [64, 0], ids=["holes", "compacted"])
+def test_sampled_speculative_rows_equal_the_decoder_alone(compact_slack):
+    """Sampled speculative requests in a batch (with plain requests beside them) draw from
+    their own seeded generators in the decoder's order, so each equals `SpeculativeDecoder`
+    alone with the same seed token for token; that decoder's output distribution is the
+    target's (test_speculative_sampling), so the batched one is too."""
+    from hybridlm.infer.speculative import SpeculativeDecoder
+    from test_speculative_sampling import PROMPT, _small_model
+
+    model = _small_model()
+    filt = dict(temperature=0.7, top_k=6, top_p=0.95)
+    eng = Engine(model, _SmallTokenizer(), max_batch_size=6, prefix_block=2)
+    eng.compact_slack = compact_slack  # 0: the caches are compacted after every step
+    n = 24
+    params = [
+        SamplingParams(max_tokens=9, ignore_eos=True, seed=s, speculative=1 + s % 4, **filt)
+        if s % 3
+        else SamplingParams(max_tokens=9, ignore_eos=True, seed=s, **filt)
+        for s in range(n)
+    ]
+    prompts = [(PROMPT + [s % 5] * (s % 3))[: 1 + s % 7] for s in range(n)]  # 1-token ones too
+    outs = eng.generate(prompts, params)
+    steps = 0
+    for p, sp, out in zip(prompts, params, outs, strict=True):
+        if not sp.speculative:
+            continue
+        dec = SpeculativeDecoder(
+            model, p, draft_len=sp.speculative, max_new_tokens=9, seed=sp.seed, **filt
+        )
+        while not dec.finished:
+            dec.step()
+        assert out.token_ids == dec.tokens
+        assert out.spec_stats.to_dict() == dec.stats.to_dict()
+        steps += dec.stats.steps
+    assert steps < 16 * 9 and eng.stats["verify_steps"] > 0
+
+
+def test_speculation_pauses_above_spec_max_batch(monkeypatch):
+    """`spec_max_batch=2`: while more than 2 requests run, speculative rows decode one token
+    per step like plain ones (their MTP inputs queued, and run once `mtp_queue_limit` pile up),
+    and speculate again once the batch shrinks; every output is still plain greedy."""
+    model = _model("tiny-super")
+    prompts = _prompts([5, 9, 3, 12], seed=2)
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    refs = {}
+    for p in prompts:
+        refs[tuple(p)] = Engine(model, ByteTokenizer()).generate([p], greedy)[0].token_ids
+    _oracle_drafts(monkeypatch, refs)
+    from hybridlm.infer import engine as engine_mod
+
+    consumed = []
+    real_consume = engine_mod.consume_batch
+    monkeypatch.setattr(
+        engine_mod, "consume_batch", lambda d, c: consumed.append(len(d)) or real_consume(d, c)
+    )
+    eng = Engine(model, ByteTokenizer(), max_batch_size=4, spec_max_batch=2)
+    eng.mtp_queue_limit = 2
+    ks, lengths = [3, 0, 2, 0], [16, 5, 16, 7]
+    params = [
+        SamplingParams(max_tokens=n, ignore_eos=True, speculative=k)
+        for k, n in zip(ks, lengths, strict=True)
+    ]
+    outs = eng.generate(prompts, params)
+    for out, p, n in zip(outs, prompts, lengths, strict=True):
+        assert out.token_ids == refs[tuple(p)][:n]
+    st = eng.stats
+    assert 0 < st["verify_steps"] < st["decode_steps"] and consumed, (st, consumed)
+    assert all(o.spec_stats.steps > 0 for o, k in zip(outs, ks, strict=True) if k)
+    with pytest.raises(ValueError, match="spec_max_batch"):
+        Engine(model, ByteTokenizer(), spec_max_batch=0)

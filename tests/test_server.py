@@ -344,6 +344,9 @@ def test_chat_cli_with_piped_stdin(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     assert main(["chat", "--preset", "tiny-olmo", "--top-p", "0"]) == 2
     assert "top_p" in capsys.readouterr().err
+    # serve's engine flags are checked before anything listens
+    assert main(["serve", "--preset", "tiny-super", "--spec-max-batch", "0"]) == 2
+    assert "spec_max_batch must be >= 1" in capsys.readouterr().err
 
 
 def test_json_error_body_is_parseable_by_clients(srv):

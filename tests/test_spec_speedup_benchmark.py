@@ -1,6 +1,6 @@
 """benchmarks/spec_speedup.py end to end on reduced settings (slow): trains and heals a tiny
 model, then reuses both; every greedy speculative output equals plain greedy; the cost, check and
-projection lines exist and are sane."""
+projection and engine lines exist and are sane."""
 
 import json
 import re
@@ -44,6 +44,8 @@ def test_spec_speedup_trains_heals_reuses_and_projects(tmp_path, capsys):
         "32",
         "--draft-vocab",
         "512",
+        "--engine-batches",
+        "1,2",
     ]
     train = ["--train-steps", "3", "--train-batch", "2", "--train-seq", "64"]
     heal = ["--heal-steps", "2", "--heal-sequences", "4"]
@@ -64,7 +66,9 @@ def test_spec_speedup_trains_heals_reuses_and_projects(tmp_path, capsys):
     kinds = {
         json.loads(x)["section"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()
     }
-    assert kinds == {"tiny", "costs", "check", "projection"}
+    assert kinds == {"tiny", "costs", "check", "projection", "engine"}
+    eng = re.findall(r"^\[engine\] (\d) \| \d+ \| \d+ .* \| (True|False)$", text, re.M)
+    assert eng == [("1", "True"), ("2", "True")], text
     assert (tmp_path / "spec_speedup.png").stat().st_size > 0
     # a second run with the same healing settings reuses the trained and healed model
     rc = spec_speedup.main([*small, *heal])

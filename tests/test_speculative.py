@@ -163,3 +163,62 @@ def test_draft_vocab_construction_refresh_and_errors():
         speculative_generate(
             _model("tiny-lightning", 0), torch.zeros(1, 3, dtype=torch.long), 4, draft_vocab=dv
         )
+
+
+def test_batched_mtp_drafts_equal_each_row_alone():
+    """`draft_batch` over rows whose MTP caches and queues have different lengths (one empty
+    cache), after `consume_batch` ran all but the last queued pair, drafts what each row's own
+    `MTPDrafter` drafts alone; the batch cache's valid columns equal each row's own cache."""
+    from hybridlm.infer.speculative import (
+        MTPDrafter,
+        SpeculativeDecoder,
+        consume_batch,
+        draft_batch,
+    )
+    from hybridlm.model.cache import HybridCache
+
+    cfg = get_preset("tiny-super")
+    cfg.vocab_size = 300
+    model = HybridLM(cfg, seed=0).double().eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    D = cfg.d_model
+    decs, alone = [], []
+    for cached, queued in ((0, 1), (7, 5), (3, 2)):
+        dec = SpeculativeDecoder(model, [1, 2], draft_len=4)
+        if cached:
+            dec.drafter.feed(
+                torch.randn(1, cached, D, generator=g, dtype=torch.float64),
+                torch.randint(0, 256, (1, cached), generator=g),
+            )
+            dec.drafter.consume()
+        dec.drafter.feed(
+            torch.randn(1, queued, D, generator=g, dtype=torch.float64),
+            torch.randint(0, 256, (1, queued), generator=g),
+        )
+        ref = MTPDrafter(model, cache=dec.drafter.cache.fork())
+        ref.feed(dec.drafter._h_BLD, dec.drafter._tok_BL)
+        alone.append(ref)
+        decs.append(dec)
+    cache = HybridCache.cat([d.drafter.cache for d in decs])
+    with torch.no_grad():
+        consume_batch(decs, cache)
+        assert [d.drafter.queued() for d in decs] == [1, 1, 1]
+        for b, ref in enumerate(alone):
+            n = ref.queued()
+            solo = MTPDrafter(model, cache=ref.cache.fork())
+            solo.feed(ref._h_BLD[:, : n - 1], ref._tok_BL[:, : n - 1])
+            solo.consume()
+            valid = cache.key_mask_BS[b]
+            for got, want in zip(cache.layers, solo.cache.layers, strict=True):
+                if got is not None and want.k_BKSE is None:  # nothing has run for row b
+                    assert not bool(valid.any())
+                elif got is not None:
+                    torch.testing.assert_close(
+                        got.k_BKSE[b][:, valid], want.k_BKSE[0], atol=1e-10, rtol=0
+                    )
+        batched = draft_batch(decs, cache)
+    for (drafts, q), ref in zip(batched, alone, strict=True):
+        assert q is None and len(drafts) == 4
+        with torch.no_grad():
+            assert drafts == ref.draft(4, None, g)[0]
+    assert cache.positions_B.tolist() == [1 + 0, 7 + 5, 3 + 2]  # drafts dropped again

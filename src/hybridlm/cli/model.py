@@ -107,6 +107,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
     p.add_argument(
+        "--spec-max-batch",
+        type=int,
+        default=None,
+        help="speculate only while at most this many requests run (default: always)",
+    )
+    p.add_argument(
         "--model-name",
         default=None,
         help="the model id clients send (default: the preset/checkpoint name)",
@@ -330,6 +336,7 @@ def _engine(args: argparse.Namespace, *, max_batch_size: int) -> Any:
         max_batch_size=max_batch_size,
         max_model_len=args.max_model_len,
         ssm_precision=args.ssm_precision,
+        spec_max_batch=getattr(args, "spec_max_batch", None),
     )
 
 

@@ -17,9 +17,22 @@ Each `step()`:
 3. retires finished requests (EOS, stop token, stop string, max_tokens, max_model_len, a
    finished constraint) and drops their rows with `HybridCache.select`.
 
-Requests with `params.speculative = k > 0` decode on their own with the MTP drafter
-(`infer.speculative`), one draft-and-verify round per step, interleaved with the batch; with
-`draft_vocab` (a `DraftVocab`) their drafts score only its token ids.
+Speculative requests (`params.speculative = k > 0`, `infer.speculative`) run in the same batch
+and prefix cache. Their prefill also runs the MTP module over the prompt (so a prefix entry
+keeps the MTP cache at its boundary too). In a step where any row speculates, the speculative
+rows draft together, one MTP call per draft position over their MTP caches kept as one batch
+(`speculative.draft_batch`; each row drafts its own k, scoring only `draft_vocab`'s ids when
+given), and one [B, J] forward, J = 1 + the longest draft, verifies every row at once: a
+speculative row feeds [next token, drafts], a plain row its next token followed by padding it
+then drops. The forward keeps every Mamba state per position (`HybridCache.record_history`) and
+`rewind_rows` keeps each row's accepted prefix: Mamba states picked per row, dropped attention
+columns masked as padding (`compact` closes those holes when they outgrow the valid columns,
+and every step for models with sliding windows, which count columns). Greedy speculative rows
+emit exactly the plain greedy tokens; sampled ones follow the target distribution (rejection
+sampling). With `spec_max_batch=N` speculation runs only while at most N requests run (vLLM's
+`disable_by_batch_size`): a larger batch decodes one token per row, the speculative rows
+sampling theirs from the backbone's logits and queueing the MTP inputs (run in one call per
+`mtp_queue_limit` steps) until speculation resumes.
 
 Prefix reuse: prompts are prefilled in segments that end on multiples of `prefix_block` tokens
 and the cache at each boundary is kept (attention KV as views of the request's buffers, so no
@@ -64,9 +77,11 @@ import itertools
 import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
+from ..model.attention import Attention
 from ..model.cache import HybridCache
 from ..model.model import HybridLM
 from ..model.state_precision import check_precision
@@ -79,7 +94,7 @@ from .sampling import (
     sampled_logprobs,
     top_logprobs,
 )
-from .speculative import DraftVocab, SpeculativeDecoder
+from .speculative import DraftVocab, MTPDrafter, SpeculativeDecoder, consume_batch, draft_batch
 
 log = logging.getLogger("hybridlm.engine")
 
@@ -113,6 +128,12 @@ class RequestOutput:
         return len(self.prompt_token_ids)
 
 
+class _Prefix(NamedTuple):
+    cache: HybridCache  # a `prefix_view`, forked on use
+    logits: torch.Tensor  # of the last prefix position
+    mtp: tuple[HybridCache, torch.Tensor] | None  # MTP cache view, last position's hidden
+
+
 @dataclass
 class _Request:
     id: str
@@ -126,7 +147,7 @@ class _Request:
     finished: bool = False
     finish_reason: str | None = None
     next_token: int | None = None  # sampled, not yet fed to the model
-    spec: object | None = None  # SpeculativeDecoder
+    spec: SpeculativeDecoder | None = None  # speculative requests: drafts and acceptance
     logprobs: list[float] = field(default_factory=list)  # aligned with tokens (params.logprobs)
     versions: list[int] = field(default_factory=list)  # aligned with tokens
     stop_token: tuple[int, float | None] | None = None
@@ -152,11 +173,14 @@ class Engine:
         prefix_block: int = 64,
         prefix_cache_size: int = 32,
         draft_vocab: DraftVocab | None = None,
+        spec_max_batch: int | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if prefix_block < 1:
             raise ValueError(f"prefix_block must be >= 1, got {prefix_block}")
+        if spec_max_batch is not None and spec_max_batch < 1:
+            raise ValueError(f"spec_max_batch must be >= 1 or None, got {spec_max_batch}")
         if model.config.vocab_size < tokenizer.vocab_size:
             raise ValueError(
                 f"the tokenizer has {tokenizer.vocab_size} ids but the model only "
@@ -170,20 +194,30 @@ class Engine:
         self.prefix_block = prefix_block
         self.prefix_cache_size = prefix_cache_size
         self.draft_vocab = draft_vocab
+        self.spec_max_batch = spec_max_batch
+        self.mtp_queue_limit = 32  # MTP pairs a row queues without drafting before they run
+        # a cache with holes is compacted once its columns exceed twice its longest row + this
+        self.compact_slack = 64
         self.device = model.embeddings.weight.device
+        # sliding windows count cache columns: batches with holes are compacted every step
+        self._windowed = any(
+            isinstance(m, Attention) and m.window is not None for m in model.modules()
+        )
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # rows of self._cache, in order
-        self._spec: list[_Request] = []
         self._cache: HybridCache | None = None
-        self._prefixes: OrderedDict[tuple[int, ...], tuple[HybridCache, torch.Tensor]] = (
-            OrderedDict()
-        )
+        # the MTP caches of the speculative rows, in their order in `_running`
+        self._mtp_cache: HybridCache | None = None
+        # prefix tokens -> (cache view, last logits, MTP part or None: the MTP cache view over
+        # the positions before the last one and that position's backbone hidden state)
+        self._prefixes: OrderedDict[tuple[int, ...], _Prefix] = OrderedDict()
         self.weight_version = 0
         self.stats = {
             "prefill_tokens": 0,
             "prefix_hit_tokens": 0,
             "decode_steps": 0,
+            "verify_steps": 0,  # decode steps in which speculative rows verified drafts
             "max_running": 0,
         }
 
@@ -231,15 +265,15 @@ class Engine:
         return rid
 
     def abort(self, request_id: str) -> None:
-        for r in [*self._waiting, *self._running, *self._spec]:
+        for r in [*self._waiting, *self._running]:
             if r.id == request_id and not r.finished:
                 r.finished, r.finish_reason = True, "abort"
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running or self._spec)
+        return bool(self._waiting or self._running)
 
     def num_running(self) -> int:
-        return len(self._running) + len(self._spec)
+        return len(self._running)
 
     @torch.no_grad()
     def update_weights(
@@ -276,15 +310,11 @@ class Engine:
                     req.prompt_logprobs = self._prefill(req.prompt, req.params.prompt_logprobs)[2]
                 self._finish(req, "length")
                 outputs.append(self._output(req))
-            elif req.params.speculative:
-                self._start_speculative(req)
             else:
                 self._admit(req, outputs)
         self.stats["max_running"] = max(self.stats["max_running"], self.num_running())
         if self._running:
             self._decode(outputs)
-        for req in list(self._spec):
-            outputs.extend(self._speculative_round(req))
         return outputs
 
     def generate(
@@ -304,35 +334,58 @@ class Engine:
 
     # ------------------------------------------------------------------ prefill
     def _admit(self, req: _Request, outputs: list[RequestOutput]) -> None:
-        cache, logits, req.prompt_logprobs = self._prefill(req.prompt, req.params.prompt_logprobs)
-        toks, lps, api = self._sample(logits[None], [req])
-        if req.finished:  # its constraint allowed nothing, or failed
-            outputs.append(self._output(req))
-            return
-        tok = int(toks[0])
-        outputs.extend(self._append(req, [tok], lps, api))
+        if req.params.speculative:
+            req.spec = self._decoder(req)
+            cache, logits, _, h_11D = self._prefill(req.prompt, drafter=req.spec.drafter)
+            tok = req.spec.sample(logits[None])
+            req.spec.advance(h_11D, [tok])  # MTP's last prompt position sees the first token
+            outputs.extend(self._append(req, req.spec.emit([tok])))
+        else:
+            cache, logits, req.prompt_logprobs, _ = self._prefill(
+                req.prompt, req.params.prompt_logprobs
+            )
+            toks, lps, api = self._sample(logits[None], [req])
+            if req.finished:  # its constraint allowed nothing, or failed
+                outputs.append(self._output(req))
+                return
+            tok = int(toks[0])
+            outputs.extend(self._append(req, [tok], lps, api))
         if req.finished:
             return
         req.next_token = tok
         self._running.append(req)
         self._cache = cache if self._cache is None else HybridCache.cat([self._cache, cache])
+        if req.spec is not None:
+            mtp = req.spec.drafter.cache
+            self._mtp_cache = (
+                mtp if self._mtp_cache is None else HybridCache.cat([self._mtp_cache, mtp])
+            )
 
     def _prefill(
-        self, prompt: list[int], prompt_logprobs: int | None = None
-    ) -> tuple[HybridCache, torch.Tensor, list[TokenLogprob | None] | None]:
-        """Batch-1 prefill with prefix reuse; returns (cache, logits of the last position, and
-        with `prompt_logprobs=k` every prompt token's `TokenLogprob` with its top k, None for the
-        first: then every position is computed, so the prefix cache is not read)."""
+        self,
+        prompt: list[int],
+        prompt_logprobs: int | None = None,
+        drafter: MTPDrafter | None = None,
+    ) -> tuple[HybridCache, torch.Tensor, list[TokenLogprob | None] | None, torch.Tensor | None]:
+        """Batch-1 prefill with prefix reuse; returns (cache, logits of the last position, with
+        `prompt_logprobs=k` every prompt token's `TokenLogprob` with its top k, None for the
+        first: then every position is computed, so the prefix cache is not read; and with a
+        `drafter` the last position's hidden state [1, 1, D]). A `drafter` (speculative
+        requests) has the MTP module run over the prompt as it is prefilled, up to the last
+        position, which waits for the first generated token; only prefix entries that kept
+        the MTP cache serve such a prefill."""
         blk = self.prefix_block
-        start, cache, logits = 0, None, None
+        start, cache, logits, h_11D = 0, None, None, None
         scored: list[TokenLogprob | None] | None = None
         if prompt_logprobs is not None:
             scored = [None]
         for b in range((len(prompt) // blk) * blk if scored is None else 0, 0, -blk):
             hit = self._prefixes.get(tuple(prompt[:b]))
-            if hit is not None:
+            if hit is not None and (drafter is None or hit.mtp is not None):
                 self._prefixes.move_to_end(tuple(prompt[:b]))
-                cache, logits = hit[0].fork(), hit[1]
+                cache, logits = hit.cache.fork(), hit.logits
+                if drafter is not None:
+                    drafter.cache, h_11D = hit.mtp[0].fork(), hit.mtp[1]
                 start = b
                 self.stats["prefix_hit_tokens"] += b
                 break
@@ -345,27 +398,84 @@ class Engine:
             bounds.append(len(prompt))
         for end in bounds:
             ids = torch.tensor([prompt[start:end]], device=self.device)
-            logits_TV = self.model(ids, cache=cache).logits[0]
+            out = self.model(ids, cache=cache, return_hidden=drafter is not None)
+            logits_TV = out.logits[0]
             logits = logits_TV[-1]
             if scored is not None:  # position t predicts prompt[t + 1]
                 targets = torch.tensor(prompt[start + 1 : end + 1], device=self.device)
                 scored += top_logprobs(logits_TV[: len(targets)], targets, prompt_logprobs)
+            if drafter is not None:  # MTP position t sees (h_t, x_{t+1}), x_{t+1} in the prompt
+                h_BLD = out.hidden if h_11D is None else torch.cat([h_11D, out.hidden], dim=1)
+                if h_BLD.shape[1] > 1:
+                    first = end - h_BLD.shape[1]  # position of h_BLD's first row
+                    drafter.feed(h_BLD[:, :-1], ids.new_tensor([prompt[first + 1 : end]]))
+                    drafter.consume()
+                h_11D = h_BLD[:, -1:]
             self.stats["prefill_tokens"] += end - start
             if end % blk == 0 and self.prefix_cache_size > 0:
-                self._prefixes[tuple(prompt[:end])] = (cache.prefix_view(), logits)
-                while len(self._prefixes) > self.prefix_cache_size:
-                    self._prefixes.popitem(last=False)
+                self._keep_prefix(prompt[:end], cache, logits, drafter, h_11D)
             start = end
-        return cache, logits, scored
+        return cache, logits, scored, h_11D
+
+    def _keep_prefix(
+        self,
+        prefix: list[int],
+        cache: HybridCache,
+        logits: torch.Tensor,
+        drafter: MTPDrafter | None,
+        h_11D: torch.Tensor | None,
+    ) -> None:
+        key = tuple(prefix)
+        old = self._prefixes.get(key)
+        if old is not None and old.mtp is not None and drafter is None:
+            self._prefixes.move_to_end(key)  # keep the entry that also serves speculation
+            return
+        mtp = None if drafter is None else (drafter.cache.prefix_view(), h_11D)
+        self._prefixes[key] = _Prefix(cache.prefix_view(), logits, mtp)
+        self._prefixes.move_to_end(key)
+        while len(self._prefixes) > self.prefix_cache_size:
+            self._prefixes.popitem(last=False)
 
     # ------------------------------------------------------------------ decode
     def _decode(self, outputs: list[RequestOutput]) -> None:
         reqs = self._running
-        x_B1 = torch.tensor([[r.next_token] for r in reqs], device=self.device)
-        logits_BV = self.model(x_B1, cache=self._cache).logits[:, -1]
+        spec = [i for i, r in enumerate(reqs) if r.spec is not None]
+        if spec and (self.spec_max_batch is None or len(reqs) <= self.spec_max_batch):
+            self._verify(outputs)
+            return
+        # one token per row; speculative rows (speculation paused: more rows than
+        # `spec_max_batch`) sample theirs without drafts and queue its MTP input
+        x_B1 = torch.tensor(
+            [[r.spec.next_token if r.spec is not None else r.next_token] for r in reqs],
+            device=self.device,
+        )
+        out = self.model(x_B1, cache=self._cache, return_hidden=bool(spec))
+        logits_BV = out.logits[:, -1]
         self.stats["decode_steps"] += 1
-        toks, lps, api = self._sample(logits_BV, reqs)
-        for i, (r, t) in enumerate(zip(reqs, toks.tolist(), strict=True)):
+        plain = [i for i in range(len(reqs)) if reqs[i].spec is None]
+        if plain:
+            self._emit_sampled(reqs, plain, logits_BV[plain], outputs)
+        for i in spec:
+            r = reqs[i]
+            new = [r.spec.sample(logits_BV[i : i + 1])]
+            if not r.spec.finishes(new):
+                r.spec.advance(out.hidden[i : i + 1], new)
+            outputs.extend(self._append(r, r.spec.emit(new)))
+        if spec and any(reqs[i].spec.drafter.queued() >= self.mtp_queue_limit for i in spec):
+            consume_batch([reqs[i].spec for i in spec], self._mtp_cache)
+        self._retire_finished()
+
+    def _emit_sampled(
+        self,
+        reqs: list[_Request],
+        rows: list[int],
+        logits_BV: torch.Tensor,
+        outputs: list[RequestOutput],
+    ) -> None:
+        """Sample one token for each of `rows` (of `reqs`) from its logits row and append it."""
+        sub = [reqs[i] for i in rows]
+        toks, lps, api = self._sample(logits_BV, sub)
+        for j, (r, t) in enumerate(zip(sub, toks.tolist(), strict=True)):
             if r.finished:  # its constraint allowed nothing, or failed, in `_sample`
                 outputs.append(self._output(r))
                 continue
@@ -373,12 +483,50 @@ class Engine:
                 self._append(
                     r,
                     [t],
-                    lps[i : i + 1] if lps is not None else None,
-                    api[i : i + 1] if api is not None else None,
+                    lps[j : j + 1] if lps is not None else None,
+                    api[j : j + 1] if api is not None else None,
                 )
             )
             r.next_token = t
+
+    def _verify(self, outputs: list[RequestOutput]) -> None:
+        """One step of a batch with speculative rows (module docstring): drafts of every
+        speculative row in one MTP call per position, one [B, J] forward, per-row acceptance,
+        per-row rollback of the cache."""
+        reqs, cache = self._running, self._cache
+        spec_rows = [i for i, r in enumerate(reqs) if r.spec is not None]
+        batch = draft_batch([reqs[i].spec for i in spec_rows], self._mtp_cache)
+        drafts = dict(zip(spec_rows, batch, strict=True))
+        J = 1 + max(len(d) for d, _ in drafts.values())
+        rows = []
+        for i, r in enumerate(reqs):
+            seq = [r.spec.next_token, *drafts[i][0]] if i in drafts else [r.next_token]
+            rows.append(seq + [seq[-1]] * (J - len(seq)))  # padding, dropped by rewind_rows
+        cache.record_history(True)
+        out = self.model(torch.tensor(rows, device=self.device), cache=cache, return_hidden=True)
+        cache.record_history(False)
+        self.stats["decode_steps"] += 1
+        self.stats["verify_steps"] += 1
+        keep = [1] * len(reqs)
+        plain = [i for i in range(len(reqs)) if i not in drafts]
+        if plain:
+            self._emit_sampled(reqs, plain, out.logits[plain, 0], outputs)
+        for i, (d, q_KV) in drafts.items():
+            r = reqs[i]
+            m, new = r.spec.judge(out.logits[i, : len(d) + 1], d, q_KV)
+            keep[i] = m + 1
+            if not r.spec.finishes(new):
+                r.spec.advance(out.hidden[i : i + 1, : m + 1], new)
+            outputs.extend(self._append(r, r.spec.emit(new)))
+        cache.rewind_rows(torch.tensor(keep), J)
         self._retire_finished()
+        for c, windowed in ((self._cache, self._windowed), (self._mtp_cache, False)):
+            if (
+                c is not None
+                and c.padded
+                and (windowed or c.seen_tokens > 2 * int(c.positions_B.max()) + self.compact_slack)
+            ):
+                c.compact()
 
     def _sample(
         self, logits_BV: torch.Tensor, reqs: list[_Request]
@@ -496,10 +644,6 @@ class Engine:
         self._finish(req, "abort")
 
     def _drop_aborted(self, outputs: list[RequestOutput]) -> None:
-        for r in self._spec:
-            if r.finished:
-                outputs.append(self._output(r))
-        self._spec = [r for r in self._spec if not r.finished]
         outputs.extend(self._output(r) for r in self._running if r.finished)
         self._retire_finished()
 
@@ -507,13 +651,19 @@ class Engine:
         """Drop finished requests from the running batch and their rows from its cache."""
         keep = [i for i, r in enumerate(self._running) if not r.finished]
         if len(keep) < len(self._running):
+            spec = [r for r in self._running if r.spec is not None]
+            keep_spec = [j for j, r in enumerate(spec) if not r.finished]
+            if len(keep_spec) < len(spec):
+                self._mtp_cache = self._mtp_cache.select(keep_spec) if keep_spec else None
             self._running = [self._running[i] for i in keep]
             self._cache = self._cache.select(keep) if keep else None
 
     # ------------------------------------------------------------------ speculative
-    def _start_speculative(self, req: _Request) -> None:
+    def _decoder(self, req: _Request) -> SpeculativeDecoder:
+        """The drafting and acceptance state of a speculative request; its backbone rows live
+        in the batch cache."""
         p = req.params
-        req.spec = SpeculativeDecoder(
+        return SpeculativeDecoder(
             self.model,
             req.prompt,
             draft_len=p.speculative,
@@ -526,14 +676,6 @@ class Engine:
             stop_token_ids=p.stop_token_ids,
             draft_vocab=self.draft_vocab,
         )
-        self._spec.append(req)
-
-    def _speculative_round(self, req: _Request) -> list[RequestOutput]:
-        # the decoder caps its own drafts at max_tokens / max_model_len (`_start_speculative`)
-        outs = self._append(req, req.spec.step())
-        if req.finished and req in self._spec:
-            self._spec.remove(req)
-        return outs
 
     # ------------------------------------------------------------------ bookkeeping
     def _append(

@@ -53,6 +53,12 @@ output is unchanged: greedy equals plain greedy, and rejection sampling stays ex
 outside the N ids (the residual covers them). Only the acceptance can drop, when the target's
 token is outside the N.
 
+In a serving batch (`infer.engine`) the same pieces run per row (`SpeculativeDecoder.
+sample` / `draft` / `judge` / `advance`) while the engine owns the backbone cache: the
+drafts of all speculative rows come from one MTP call per draft position (`draft_batch`, the
+rows' MTP caches kept as one right-aligned batch), one forward verifies every row, and the batch
+cache keeps each row's accepted prefix (`HybridCache.rewind_rows`).
+
 Drafts are capped so a request never emits more than `max_new_tokens`: with r tokens left a
 round drafts min(K, max(r - 1, 1)) (a full round emits its drafts plus one), and emitted tokens
 stop after the first stop token.
@@ -63,7 +69,7 @@ drafts + 1), and the acceptance rate of each draft position.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -241,17 +247,92 @@ def _mtp(
     next_BL: Tensor,
     cache: HybridCache,
     draft_vocab: DraftVocab | None = None,
+    *,
+    logits: bool = True,
 ):
     """Run the MTP module over len(next) new positions; returns (hidden, logits of the last
-    position: over the vocabulary, or over `draft_vocab`'s ids)."""
+    position: over the vocabulary, over `draft_vocab`'s ids, or None with `logits=False`)."""
     L = next_BL.shape[1]
     pos = torch.arange(cache.seen_tokens, cache.seen_tokens + L, device=next_BL.device)
     out = model.mtp(h_BLD, model.embeddings(next_BL), states=cache.layers, positions_L=pos)
     cache.seen_tokens += L
+    if not logits:
+        return out, None
     last = out[:, -1:]  # only the newest position's draft is used
     if draft_vocab is not None:
         return out, draft_vocab.logits(last)
     return out, project(model.lm_head, last)
+
+
+class MTPDrafter:
+    """The MTP side of one request (module docstring, step 1): its MTP cache over the exact
+    positions and the exact inputs not yet run, (backbone hidden h_t, token x_{t+1}) pairs.
+    `feed` queues pairs, `consume` runs the queued pairs now (a prompt's positions, so that a
+    prefix cache can keep the MTP cache at a block boundary), `draft` runs the queue and K
+    recursive draft positions and forgets the latter."""
+
+    def __init__(
+        self,
+        model: HybridLM,
+        draft_vocab: DraftVocab | None = None,
+        cache: HybridCache | None = None,
+    ) -> None:
+        self.model = model
+        self.draft_vocab = draft_vocab
+        self.cache = cache or HybridCache.for_pattern(model.config.mtp.pattern)
+        self._h_BLD: Tensor | None = None
+        self._tok_BL: Tensor | None = None
+
+    def feed(self, h_BLD: Tensor, tok_BL: Tensor) -> None:
+        """Queue exact (hidden, next token) pairs of the next positions."""
+        if h_BLD.shape[:2] != tok_BL.shape:
+            raise ValueError("feed one next token per hidden state")
+        if h_BLD.shape[1] == 0:
+            return
+        if self._h_BLD is None:
+            self._h_BLD, self._tok_BL = h_BLD, tok_BL
+        else:
+            self._h_BLD = torch.cat([self._h_BLD, h_BLD], dim=1)
+            self._tok_BL = torch.cat([self._tok_BL, tok_BL], dim=1)
+
+    def queued(self) -> int:
+        """Exact pairs queued, not yet run."""
+        return 0 if self._h_BLD is None else self._h_BLD.shape[1]
+
+    def consume(self) -> None:
+        """Run the queued pairs through the MTP module (no logits)."""
+        if self._h_BLD is not None:
+            _mtp(self.model, self._h_BLD, self._tok_BL, self.cache, logits=False)
+            self._h_BLD = self._tok_BL = None
+
+    def draft(
+        self, k: int, probs: Callable[[Tensor], Tensor] | None, generator: torch.Generator
+    ) -> tuple[list[int], Tensor | None]:
+        """K drafts: argmax (`probs` None) or draws from `probs(logits)` over the full or the
+        reduced vocabulary. Returns (drafts, the [K, V] distributions they were drawn from or
+        None). The first MTP call also runs the queued exact pairs; the drafted positions are
+        forgotten afterwards (they rerun with true hiddens once verified)."""
+        if self._h_BLD is None:
+            raise ValueError("draft needs the last position's hidden state and next token")
+        exact = self.cache.seen_tokens + self._h_BLD.shape[1]
+        h_BLD, tok_BL = self._h_BLD, self._tok_BL
+        dv = self.draft_vocab
+        drafts, q_rows = [], []
+        for _ in range(k):
+            h_BLD, logits_B1V = _mtp(self.model, h_BLD, tok_BL, self.cache, dv)
+            h_BLD = h_BLD[:, -1:]  # the recursion continues from the newest position
+            if probs is None:
+                tok_BL = logits_B1V[:, -1].argmax(-1, keepdim=True)
+            else:
+                q_1V = probs(logits_B1V[:, -1])
+                tok_BL = torch.multinomial(q_1V, 1, generator=generator)
+                q_rows.append(q_1V if dv is None else dv.full_probs(q_1V))
+            if dv is not None:
+                tok_BL = dv.ids_N[tok_BL]
+            drafts.append(int(tok_BL))
+        self.cache.truncate(exact)
+        self._h_BLD = self._tok_BL = None
+        return drafts, (torch.cat(q_rows) if q_rows else None)
 
 
 def _prompt_BL(prompt_ids: Sequence[int] | Tensor, vocab_size: int, device) -> Tensor:
@@ -345,13 +426,9 @@ class SpeculativeDecoder:
         self.tokens: list[int] = []
         self.stats = SpecStats(draft_len)
         self.finished = max_new_tokens == 0
-        self._cache: HybridCache | None = None  # backbone
-        self._mtp_cache: HybridCache | None = None
-        # MTP inputs with exact values not yet run: backbone hiddens of the processed positions
-        # and the tokens after them; the last pair is (h of the last position, emitted token)
-        self._mtp_h_BLD: Tensor | None = None
-        self._mtp_tok_BL: Tensor | None = None
-        self._next_BL: Tensor | None = None  # emitted token not yet run through the backbone
+        self.drafter = MTPDrafter(model, draft_vocab)
+        self._cache: HybridCache | None = None  # backbone (`step()`; a serving batch holds its own)
+        self.next_token: int | None = None  # emitted, not yet run through the backbone
 
     @classmethod
     def from_params(
@@ -410,9 +487,51 @@ class SpeculativeDecoder:
         finally:
             if was_training:
                 self.model.train()
-        return self._emit(new)
+        return self.emit(new)
 
-    def _emit(self, new: list[int]) -> list[int]:
+    # The pieces of a round, shared by `step()` and a serving engine that verifies the drafts
+    # of many requests in one batched forward (`infer.engine`): sample (the first token, or a
+    # step without drafts) / draft / judge / advance; the caller runs the backbone and rolls
+    # its cache back to the accepted prefix.
+    def sample(self, logits_1V: Tensor) -> int:
+        """A token from the backbone's logits without drafts (argmax or a draw): the first
+        token after the prompt, or a step decoded without speculation."""
+        if self.greedy:
+            return int(logits_1V.argmax(-1))
+        return _draw(self._probs(logits_1V)[0], self.generator)
+
+    def round_drafts(self) -> int:
+        """Drafts this round makes: `draft_len`, capped by the tokens left."""
+        r = self._remaining()
+        return self.draft_len if r is None else min(self.draft_len, max(r - 1, 1))
+
+    def draft(self) -> tuple[list[int], Tensor | None]:
+        """This round's drafts and, when sampling, the [K, V] distributions they were drawn
+        from."""
+        probs = None if self.greedy else self._probs
+        return self.drafter.draft(self.round_drafts(), probs, self.generator)
+
+    def judge(
+        self, logits_JV: Tensor, drafts: list[int], q_KV: Tensor | None
+    ) -> tuple[int, list[int]]:
+        """Verify the drafts against the backbone logits of [next_token, *drafts] (J = K + 1
+        rows): returns (accepted m, the m accepted drafts followed by the next token)."""
+        drafts_K = torch.tensor(drafts, dtype=torch.long, device=logits_JV.device)
+        if self.greedy:
+            m, nxt = greedy_verify(logits_JV, drafts_K)
+        else:
+            m, nxt = rejection_verify(self._probs(logits_JV), q_KV, drafts_K, self.generator)
+        self.stats.record(len(drafts), m)
+        return m, drafts[:m] + [nxt]
+
+    def advance(self, hidden_1MD: Tensor, new: list[int]) -> None:
+        """After the backbone kept [next_token, *accepted drafts] (hidden states [1, m + 1, D]):
+        queue their exact MTP inputs; the last of `new` is the next token."""
+        tok_1M = torch.tensor([new], dtype=torch.long, device=hidden_1MD.device)
+        self.drafter.feed(hidden_1MD, tok_1M)
+        self.next_token = new[-1]
+
+    def emit(self, new: list[int]) -> list[int]:
         """Append `new` up to the token limit and the first stop token; set `finished`."""
         out = []
         for tok in new:
@@ -427,52 +546,27 @@ class SpeculativeDecoder:
             self.finished = True
         return out
 
-    def _finishes(self, new: list[int]) -> bool:
+    def finishes(self, new: list[int]) -> bool:
+        """Whether emitting `new` ends the request (its caches are then not used again)."""
         r = self._remaining()
         return (r is not None and len(new) >= r) or any(t in self.stop_ids for t in new)
 
     def _prefill(self) -> list[int]:
         model, x_BL = self.model, self.prompt_BL
         self._cache = HybridCache.for_pattern(model.config.pattern)
-        self._mtp_cache = HybridCache.for_pattern(model.config.mtp.pattern)
         pre = model(x_BL, cache=self._cache, return_hidden=True)
-        logits_1V = pre.logits[:, -1]
-        if self.greedy:
-            nxt = int(logits_1V.argmax(-1))
-        else:
-            nxt = _draw(self._probs(logits_1V)[0], self.generator)
-        self._next_BL = x_BL.new_full((1, 1), nxt)
+        nxt = self.sample(pre.logits[:, -1])
         # MTP position t sees (h_t, x_{t+1}); run with the first draft of the next round
-        self._mtp_h_BLD = pre.hidden
-        self._mtp_tok_BL = torch.cat([x_BL[:, 1:], self._next_BL], dim=1)
+        self.drafter.feed(pre.hidden, torch.cat([x_BL[:, 1:], x_BL.new_full((1, 1), nxt)], 1))
+        self.next_token = nxt
         return [nxt]
 
     def _round(self) -> list[int]:
-        model, cache, mtp_cache = self.model, self._cache, self._mtp_cache
-        assert cache is not None and mtp_cache is not None
-        r = self._remaining()
-        K = self.draft_len if r is None else min(self.draft_len, max(r - 1, 1))
-        # 1) draft; the first call also runs the pending exact positions (true hiddens, true
-        # tokens: the previous round's accepted ones), so they cost no extra MTP pass
-        exact = mtp_cache.seen_tokens + self._mtp_h_BLD.shape[1]
-        h_BLD, tok_BL = self._mtp_h_BLD, self._mtp_tok_BL
-        dv = self.draft_vocab
-        drafts, q_rows = [], []
-        for _ in range(K):
-            h_BLD, logits_B1V = _mtp(model, h_BLD, tok_BL, mtp_cache, dv)
-            h_BLD = h_BLD[:, -1:]  # the recursion continues from the newest position
-            if self.greedy:
-                tok_BL = logits_B1V[:, -1].argmax(-1, keepdim=True)
-            else:
-                q_1V = self._probs(logits_B1V[:, -1])
-                tok_BL = torch.multinomial(q_1V, 1, generator=self.generator)
-                q_rows.append(q_1V if dv is None else dv.full_probs(q_1V))
-            if dv is not None:
-                tok_BL = dv.ids_N[tok_BL]
-            drafts.append(tok_BL)
+        model, cache = self.model, self._cache
+        assert cache is not None
+        drafts, q_KV = self.draft()  # 1) draft
         # 2) verify all drafts in one backbone forward
-        seq_BJ = torch.cat([self._next_BL, *drafts], dim=1)
-        drafts_K = seq_BJ[0, 1:]
+        seq_BJ = torch.tensor([[self.next_token, *drafts]], device=self.prompt_BL.device)
         history = self.rollback == "history"
         if history:
             cache.record_history(True)
@@ -481,26 +575,109 @@ class SpeculativeDecoder:
         ver = model(seq_BJ, cache=cache, return_hidden=True)
         if history:
             cache.record_history(False)
-        if self.greedy:
-            m, nxt = greedy_verify(ver.logits[0], drafts_K)
-        else:
-            p_JV = self._probs(ver.logits[0])
-            m, nxt = rejection_verify(p_JV, torch.cat(q_rows), drafts_K, self.generator)
-        self.stats.record(K, m)
-        new = drafts_K[:m].tolist() + [nxt]
-        if self._finishes(new):
+        m, new = self.judge(ver.logits[0], drafts, q_KV)
+        if self.finishes(new):
             return new  # the caches are not used again
         # 3) rollback of rejected drafts: to the states kept per position, or by recompute
+        K = len(drafts)
         if m < K and history:
             cache.rewind(K - m)
         elif m < K:
             cache.restore(snap)
             ver = model(seq_BJ[:, : m + 1], cache=cache, return_hidden=True)
-        mtp_cache.truncate(exact)  # drop the drafted positions; they rerun with true hiddens
-        self._next_BL = seq_BJ.new_full((1, 1), nxt)
-        self._mtp_h_BLD = ver.hidden[:, : m + 1]
-        self._mtp_tok_BL = torch.cat([seq_BJ[:, 1 : m + 1], self._next_BL], dim=1)
+        self.advance(ver.hidden[:, : m + 1], new)
         return new
+
+
+@torch.no_grad()
+def draft_batch(
+    decoders: list[SpeculativeDecoder], cache: HybridCache
+) -> list[tuple[list[int], Tensor | None]]:
+    """`draft()` of several requests in one MTP call per draft position: `cache` holds their
+    MTP caches as the rows of one batch (right-aligned, `HybridCache.cat`), in the order of
+    `decoders`, whose own drafter caches are then unused. The queued exact pairs of the rows
+    (one or more each) run right-padded in the first call (the padding stays masked in the
+    cache), every row drafts max(K) positions, and the draft columns are dropped at the end. A
+    row samples only its own K drafts, from its own generator in `draft()`'s order, so each
+    row's drafts are those `draft()` would make alone (up to batched float rounding)."""
+    dec0 = decoders[0]
+    model, dv = dec0.model, dec0.drafter.draft_vocab
+    B = len(decoders)
+    ks = [d.round_drafts() for d in decoders]
+    K = max(ks)
+    x_BPD, n_B = _run_queued(decoders, cache, keep_last=False)
+    h_B1D = x_BPD[torch.arange(B), n_B - 1][:, None]  # each row's last real position
+    drafts: list[list[int]] = [[] for _ in range(B)]
+    q_rows: list[list[Tensor]] = [[] for _ in range(B)]
+    tok_B = n_B  # each position's drafts, set below before the next position reads them
+    for j in range(K):
+        if j > 0:
+            h_B1D = _mtp_batch(model, h_B1D, tok_B[:, None], cache, None)
+        if dv is not None:
+            logits_BN = dv.logits(h_B1D)[:, 0]
+        else:
+            logits_BN = project(model.lm_head, h_B1D)[:, 0]
+        tok_B = logits_BN.argmax(-1)
+        for b, d in enumerate(decoders):
+            if j < ks[b] and not d.greedy:
+                q_1N = d._probs(logits_BN[b : b + 1])
+                tok_B[b] = torch.multinomial(q_1N, 1, generator=d.generator)[0, 0]
+                q_rows[b].append(q_1N if dv is None else dv.full_probs(q_1N))
+        if dv is not None:
+            tok_B = dv.ids_N[tok_B]
+        for b, t in enumerate(tok_B.tolist()):
+            if j < ks[b]:
+                drafts[b].append(t)
+    cache.drop_last(K - 1)  # the draft positions; they rerun with true hiddens once verified
+    return [(drafts[b], torch.cat(q_rows[b]) if q_rows[b] else None) for b in range(B)]
+
+
+@torch.no_grad()
+def consume_batch(decoders: list[SpeculativeDecoder], cache: HybridCache) -> None:
+    """Run every row's queued exact pairs but the last (the next draft starts from it) through
+    the MTP module in one call, so that queues stay short while rows decode without drafting
+    (a serving engine that pauses speculation under load)."""
+    if any(d.drafter._h_BLD is not None and d.drafter._h_BLD.shape[1] > 1 for d in decoders):
+        _run_queued(decoders, cache, keep_last=True)
+
+
+def _run_queued(
+    decoders: list[SpeculativeDecoder], cache: HybridCache, *, keep_last: bool
+) -> tuple[Tensor, Tensor]:
+    """One MTP call over the rows' queued pairs, right-padded to the longest (`keep_last`: all
+    but each row's last pair, which stays queued). Returns (outputs [B, P, D], pairs per row)."""
+    pend = []
+    for d in decoders:
+        dr = d.drafter
+        if dr._h_BLD is None:
+            raise ValueError("draft needs each row's last hidden state and next token")
+        n = dr._h_BLD.shape[1] - int(keep_last)
+        pend.append((dr._h_BLD[:, :n], dr._tok_BL[:, :n]))
+        if keep_last:
+            dr._h_BLD, dr._tok_BL = dr._h_BLD[:, n:], dr._tok_BL[:, n:]
+        else:
+            dr._h_BLD = dr._tok_BL = None
+    n_B = torch.tensor([h.shape[1] for h, _ in pend])
+    P = int(n_B.max())
+    pad = torch.nn.functional.pad
+    h_BPD = torch.cat([pad(h, (0, 0, 0, P - h.shape[1])) for h, _ in pend])
+    tok_BP = torch.cat([pad(t, (0, P - t.shape[1])) for _, t in pend])
+    ragged = bool((n_B < P).any())  # rows queued different numbers of pairs
+    mask = (torch.arange(P)[None] < n_B[:, None]).to(tok_BP.device) if ragged else None
+    return _mtp_batch(decoders[0].model, h_BPD, tok_BP, cache, mask), n_B
+
+
+def _mtp_batch(
+    model: HybridLM, h_BLD: Tensor, tok_BL: Tensor, cache: HybridCache, mask_BL: Tensor | None
+) -> Tensor:
+    """The MTP module over L new columns of a batch cache (padded rows: per-row positions and
+    masks as `HybridLM.forward` builds them; `mask_BL` False on padding in this call)."""
+    L = tok_BL.shape[1]
+    pos = torch.arange(cache.seen_tokens, cache.seen_tokens + L, device=tok_BL.device)
+    ctx = model._padding_context(tok_BL, mask_BL, cache, pos)
+    out = model.mtp(h_BLD, model.embeddings(tok_BL), states=cache.layers, **ctx)
+    cache.seen_tokens += L
+    return out
 
 
 @torch.no_grad()

@@ -136,21 +136,26 @@ class MambaState:
         conv state after position j is the last S inputs up to j) and every position's state."""
         self._history = (conv_in_BSX, xbc_BLX, ssm_BLHPN)
 
-    def rewind(self, keep: int) -> None:
-        """Keep only the first `keep` (>= 1) positions of the last recorded call."""
+    def rewind(self, keep: int | torch.Tensor) -> None:
+        """Keep only the first `keep` (>= 1) positions of the last recorded call: one count for
+        every row, or a [B] tensor of counts per row (a batch whose rows verified different
+        numbers of drafts)."""
         if self._history is None:
             raise ValueError("rewind needs a call made with record_history on")
         conv_in, xbc, ssm = self._history
-        L = xbc.shape[1]
-        if not 1 <= keep <= L:
+        Bsz, L = xbc.shape[:2]
+        keep_B = torch.as_tensor(keep, device=xbc.device).long().expand(Bsz)
+        if not bool(((keep_B >= 1) & (keep_B <= L)).all()):
             raise ValueError(f"can keep 1..{L} positions of the last call, not {keep}")
         S = self.conv_BSX.shape[1]
         if conv_in is None:
             xp = F.pad(xbc, (0, 0, S, 0))
         else:
             xp = torch.cat([conv_in.to(xbc.dtype), xbc], dim=1)
-        self.conv_BSX = xp[:, keep : keep + S]
-        self.ssm_BHPN = ssm[:, keep - 1]
+        # the conv state after position keep - 1 is the S inputs ending there
+        cols_BS = keep_B[:, None] + torch.arange(S, device=xbc.device)
+        self.conv_BSX = xp.gather(1, cols_BS[..., None].expand(-1, -1, xp.shape[2]))
+        self.ssm_BHPN = ssm[torch.arange(Bsz, device=ssm.device), keep_B - 1]
         self._history = None
 
     def ssm_nbytes(self) -> int:
@@ -240,28 +245,51 @@ class HybridCache:
     @classmethod
     def cat(cls, caches: list[HybridCache]) -> HybridCache:
         """Rows of several caches in one, right-aligned: shorter caches are padded on the left
-        (masked columns), so every row's last token sits in the last column."""
+        (masked columns), so every row's last token sits in the last column. An attention-only
+        cache that has seen no tokens yet joins as one row of padding."""
         S = max(c.seen_tokens for c in caches)
+        rows = [c.batch_size() if c.seen_tokens else 1 for c in caches]
         layers: list[KVState | MambaState | None] = []
         for states in zip(*(c.layers for c in caches), strict=True):
             first = states[0]
             if isinstance(first, KVState):
-                kv = [
-                    st.padded_left(S - c.seen_tokens) for st, c in zip(states, caches, strict=True)
-                ]
-                layers.append(
-                    KVState.from_tensors(
-                        torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])
-                    )
-                )
+                ref = next((st.k_BKSE for st in states if st.k_BKSE is not None), None)
+                if ref is None:  # no row has a token yet
+                    layers.append(KVState())
+                    continue
+                ks, vs = [], []
+                for st, c, n in zip(states, caches, rows, strict=True):
+                    if st.k_BKSE is None:
+                        ks.append(ref.new_zeros(n, ref.shape[1], S, ref.shape[3]))
+                        vs.append(ks[-1])
+                    else:
+                        k, v = st.padded_left(S - c.seen_tokens)
+                        ks.append(k)
+                        vs.append(v)
+                layers.append(KVState.from_tensors(torch.cat(ks), torch.cat(vs)))
             elif isinstance(first, MambaState):
                 layers.append(MambaState.cat(list(states)))
             else:
                 layers.append(None)
-        masks = [F.pad(c._full_mask(), (S - c.seen_tokens, 0), value=False) for c in caches]
+        device = next(
+            (
+                st.k_BKSE.device
+                for st in layers
+                if isinstance(st, KVState) and st.k_BKSE is not None
+            ),
+            None,
+        )
+        masks, positions = [], []
+        for c, n in zip(caches, rows, strict=True):
+            if c.seen_tokens:
+                masks.append(F.pad(c._full_mask(), (S - c.seen_tokens, 0), value=False))
+                positions.append(c._full_positions())
+            else:
+                masks.append(torch.zeros(n, S, dtype=torch.bool, device=device))
+                positions.append(torch.zeros(n, dtype=torch.long, device=device))
         out = cls(layers, S)
         out.key_mask_BS = torch.cat(masks)
-        out.positions_B = torch.cat([c._full_positions() for c in caches])
+        out.positions_B = torch.cat(positions)
         return out
 
     def trim(self) -> None:
@@ -375,6 +403,86 @@ class HybridCache:
             if isinstance(st, MambaState):
                 st._history = None
         self.seen_tokens -= drop
+
+    def rewind_rows(self, keep_B: torch.Tensor, length: int) -> None:
+        """Keep the first keep_B[b] (>= 1) of the `length` positions the last call fed every
+        row (made with `record_history`): Mamba states are set to those after each row's last
+        kept position; the attention columns a row drops become padding in `key_mask_BS`
+        (columns no row keeps are truncated), and `positions_B` advances by keep_B. Used when
+        the rows of one forward verified different numbers of speculative drafts."""
+        L = length
+        device = self._device()
+        keep_B = keep_B.to(device=device, dtype=torch.long)
+        if keep_B.shape != (self.batch_size(),) or not bool(((keep_B >= 1) & (keep_B <= L)).all()):
+            raise ValueError(f"keep one count in 1..{L} per row, got {keep_B.tolist()}")
+        if not self.padded and bool((keep_B == keep_B[0]).all()):
+            self.rewind(L - int(keep_B[0]))  # the same for every row: no padding needed
+            return
+        base_B = self._full_positions() - L  # positions before the call
+        mask_BS = self._full_mask().clone()
+        for st in self.layers:
+            if isinstance(st, MambaState):
+                st.rewind(keep_B)
+        drop = L - int(keep_B.max())  # trailing columns no row keeps
+        cols_L = torch.arange(L, device=device)
+        mask_BS[:, self.seen_tokens - L :] &= cols_L[None] < keep_B[:, None]
+        if drop:
+            for st in self.layers:
+                if isinstance(st, KVState):
+                    st.truncate(st.length - drop)
+            mask_BS = mask_BS[:, : self.seen_tokens - drop]
+            self.seen_tokens -= drop
+        self.key_mask_BS = mask_BS
+        self.positions_B = base_B + keep_B
+        self.trim()
+
+    def compact(self) -> None:
+        """Move every row's valid attention columns together, right-aligned (as `cat` lays
+        rows out), dropping the padding between them; positions are unchanged (RoPE is
+        applied before caching). Needed after `rewind_rows` left holes: for sliding windows,
+        which count columns, and to bound the columns a step attends over."""
+        if self.key_mask_BS is None:
+            return
+        mask_BS = self.key_mask_BS
+        n_B = mask_BS.sum(1)
+        S = int(n_B.max())
+        if S == mask_BS.shape[1]:
+            return
+        # each row's valid column indices, right-aligned in S slots (the left slots repeat a
+        # column but are masked)
+        rank_BS = mask_BS.long().cumsum(1) - 1 + (S - n_B)[:, None]  # target slot of each column
+        src_BS = torch.zeros(mask_BS.shape[0], S, dtype=torch.long, device=mask_BS.device)
+        b_idx, s_idx = mask_BS.nonzero(as_tuple=True)
+        src_BS[b_idx, rank_BS[b_idx, s_idx]] = s_idx
+        new_mask = torch.arange(S, device=mask_BS.device)[None] >= (S - n_B)[:, None]
+        for st in self.layers:
+            if isinstance(st, KVState) and st._k is not None:
+                k, v = st.k_BKSE, st.v_BKSE
+                idx = src_BS[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+                k_new, v_new = k.gather(2, idx), v.gather(2, idx)
+                st._k, st._v, st.length = None, None, 0
+                st.update(k_new, v_new)
+        self.key_mask_BS = new_mask
+        self.seen_tokens = S
+        self.trim()
+
+    def drop_last(self, n: int) -> None:
+        """Forget the last `n` columns of an attention-only cache, in which every row had a
+        token (e.g. the draft positions of a batch of MTP caches)."""
+        if n <= 0:
+            return
+        if any(isinstance(st, MambaState) for st in self.layers):
+            raise ValueError("a cache with Mamba states rewinds through snapshot()/restore()")
+        if not 0 < n <= self.seen_tokens:
+            raise ValueError(f"cannot drop {n} of {self.seen_tokens} columns")
+        for st in self.layers:
+            if isinstance(st, KVState):
+                st.truncate(st.length - n)
+        self.seen_tokens -= n
+        if self.key_mask_BS is not None:
+            self.key_mask_BS = self.key_mask_BS[:, : self.seen_tokens]
+            self.positions_B = self.positions_B - n
+            self.trim()
 
     def truncate(self, length: int) -> None:
         """Forget positions from `length` on; only attention-only caches can (Mamba states
