@@ -337,7 +337,7 @@ def plot(rows: list[dict], png: Path) -> Path:
         a3.set(xlabel="requests in the batch", ylabel="generated tokens / s", ylim=(0, None))
         a3.set_xticks(bs)
         a3.set_title("engine throughput, tiny healed model")
-        a3.legend(fontsize=7, loc="upper left")
+        a3.legend(fontsize=7, loc="lower right")
         a3.grid(alpha=0.3)
     tiny = [r for r in rows if r["section"] == "tiny"]
     proj = [r for r in rows if r["section"] == "projection"]
