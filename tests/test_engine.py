@@ -454,7 +454,7 @@ def test_rewind_rows_keeps_each_rows_prefix(name, compact):
         model(torch.tensor([p]), cache=caches[-1])
     cache = HybridCache.cat(caches)
     seq = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
-    keep = torch.tensor([1, 4, 2])
+    keep = torch.tensor([4, 1, 2])  # the longest row keeps all: only the others have holes
     cache.record_history(True)
     model(seq, cache=cache)
     cache.record_history(False)
@@ -481,9 +481,9 @@ def _oracle_drafts(monkeypatch, refs: dict[tuple[int, ...], list[int]]):
 
     real, seen = engine_mod.draft_batch, []
 
-    def draft_batch(decoders, cache):
+    def draft_batch(decoders, cache, limits=None):
         out = []
-        for dec, (drafts, q) in zip(decoders, real(decoders, cache), strict=True):
+        for dec, (drafts, q) in zip(decoders, real(decoders, cache, limits), strict=True):
             ref = refs[tuple(dec.prompt_BL[0].tolist())]
             n = len(dec.tokens)
             wrong = (n * 7 + len(ref) + len(dec.prompt_BL[0])) % (len(drafts) + 2)
@@ -611,3 +611,19 @@ def test_speculation_pauses_above_spec_max_batch(monkeypatch):
     assert all(o.spec_stats.steps > 0 for o, k in zip(outs, ks, strict=True) if k)
     with pytest.raises(ValueError, match="spec_max_batch"):
         Engine(model, ByteTokenizer(), spec_max_batch=0)
+
+
+def test_speculative_one_token_prompts_admitted_together():
+    """Speculative requests whose prompts are one token (an MTP cache with no positions yet)
+    join the batch in the same step: each is a row of the batched MTP cache."""
+    model = _model("tiny-super")
+    prompts = [[5], [7], [9], [11, 12]]
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    refs = [Engine(model, ByteTokenizer()).generate([p], greedy)[0].token_ids for p in prompts]
+    eng = Engine(model, ByteTokenizer(), max_batch_size=4)
+    spec = SamplingParams(max_tokens=6, ignore_eos=True, speculative=2)
+    outs = eng.generate(prompts, spec)
+    assert [o.token_ids for o in outs] == refs and eng.stats["verify_steps"] > 0
+    empty = [HybridCache.for_pattern(model.config.mtp.pattern) for _ in range(3)]
+    both = HybridCache.cat([HybridCache.cat(empty[:2]), empty[2]])
+    assert both.batch_size() == 3 and both.positions_B.tolist() == [0, 0, 0]

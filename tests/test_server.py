@@ -344,6 +344,8 @@ def test_chat_cli_with_piped_stdin(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     assert main(["chat", "--preset", "tiny-olmo", "--top-p", "0"]) == 2
     assert "top_p" in capsys.readouterr().err
+    assert main(["chat", "--preset", "tiny-olmo", "--max-thinking-tokens", "-1"]) == 2
+    assert "max_thinking_tokens" in capsys.readouterr().err
     # serve's engine flags are checked before anything listens
     assert main(["serve", "--preset", "tiny-super", "--spec-max-batch", "0"]) == 2
     assert "spec_max_batch must be >= 1" in capsys.readouterr().err

@@ -340,6 +340,8 @@ BAD = [
     ),
     ("/completions", {"prompt": "x", "min_tokens": 1, "speculative": 2}, "min_tokens"),
     ("/completions", {"prompt": "x", "echo": 1}, "echo"),
+    ("/completions", {"prompt": "x", "max_thinking_tokens": -1}, "max_thinking_tokens"),
+    ("/chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort"),
     (
         "/completions",
         {"prompt": "x", "return_tokens_as_token_ids": "yes"},
@@ -366,3 +368,18 @@ def test_bad_values_name_the_field(srv, path, body, param):
     assert res.status_code == 400, res.text
     err = res.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error", res.text
+
+
+@pytest.mark.parametrize(
+    "extra,budget",
+    [({"max_thinking_tokens": 3}, 3), ({"reasoning_effort": "minimal"}, 0)],
+)
+def test_reasoning_budget_closes_the_think_block(srv, extra, budget):
+    """`max_thinking_tokens` / `reasoning_effort`: a prompt that ends inside `<think>` gets
+    exactly `budget` reasoning tokens, then the closing tag on its own line."""
+    kw = {"max_tokens": 20, "ignore_eos": True, "return_tokens_as_token_ids": True}
+    res = _complete(srv, "Q: 2+2?\n<think>\n", logprobs=0, extra_body={**kw, **extra})
+    ids = _ids(res.choices[0].logprobs.tokens)
+    text = "\n" + bytes(i for i in ids[:budget] if i < 256).decode("utf-8", "replace")
+    close = "</think>\n" if text.endswith("\n") else "\n</think>\n"
+    assert bytes(ids[budget : budget + len(close)]) == close.encode()

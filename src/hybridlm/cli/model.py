@@ -140,6 +140,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="K",
         help="draft K tokens per step with the MTP head",
     )
+    p.add_argument(
+        "--max-thinking-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="reasoning budget: close a reply's <think> block after N tokens",
+    )
     p.set_defaults(fn=cmd_chat, model_name=None)
 
 
@@ -394,6 +401,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         stop=[chat_template.STOP],
         speculative=args.speculative,
+        max_thinking_tokens=args.max_thinking_tokens,
     ).validate()
     engine = _engine(args, max_batch_size=1)
     tok = engine.tokenizer

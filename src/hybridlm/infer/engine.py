@@ -62,6 +62,14 @@ logits; it is advanced with every appended token and ends the request with "stop
 finished. A constraint that allows nothing ends its request with "stop"; one that raises ends
 only its request (finish reason "abort", `RequestOutput.error` set).
 
+Reasoning budget (`SamplingParams.max_thinking_tokens=N`, Nemotron 3 Super §4.4): once N tokens
+were generated inside the reply's `<think>` block (opened by the reply, or by the prompt when it
+ends inside one), the next tokens are forced to close it, `</think>` on its own line as the chat
+template writes it, and decoding continues with the answer. Forced tokens override the other
+logits processors (their log-probs are the model's, as for sampled tokens); a speculative row's
+round that would run past the budget keeps only the tokens before the cut, and the closing tag
+is then verified as known drafts. A reply that opens no block is not affected.
+
 For RL rollouts: `SamplingParams(logprobs=True)` returns each sampled token's log-prob under
 softmax(logits / T) (what the trainer recomputes; `sampled_logprobs`), including that of the EOS /
 stop token that ended the request; `update_weights` loads new weights between steps while
@@ -81,6 +89,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..data.chat import THINK_CLOSE, THINK_OPEN
 from ..model.attention import Attention
 from ..model.cache import HybridCache
 from ..model.model import HybridLM
@@ -128,6 +137,17 @@ class RequestOutput:
         return len(self.prompt_token_ids)
 
 
+@dataclass
+class _Thinking:
+    """A request's reasoning budget (`SamplingParams.max_thinking_tokens`): "before" until the
+    reply shows whether it opens a `<think>` block, "open" inside it (`start`: tokens generated
+    before its first reasoning token), "closed" after it, or when the reply opens none."""
+
+    budget: int
+    state: str = "before"
+    start: int = 0
+
+
 class _Prefix(NamedTuple):
     cache: HybridCache  # a `prefix_view`, forked on use
     logits: torch.Tensor  # of the last prefix position
@@ -159,6 +179,8 @@ class _Request:
     bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, values) of logit_bias
     stop_from: int | None = None  # stop strings must end after this character (min_tokens)
     error: str | None = None
+    think: _Thinking | None = None  # params.max_thinking_tokens
+    forced: list[int] = field(default_factory=list)  # tokens the next steps must emit
 
 
 class Engine:
@@ -261,6 +283,14 @@ class Engine:
             )
         if params.constraint is not None:
             req.constraint = params.constraint()  # one per sequence
+        if params.max_thinking_tokens is not None:
+            req.think = _Thinking(params.max_thinking_tokens)
+            text = self.tokenizer.decode(prompt)
+            opened = text.rfind(THINK_OPEN)
+            if opened >= 0 and THINK_CLOSE not in text[opened:]:
+                req.think.state = "open"  # the prompt ends inside a reasoning block
+                if params.max_thinking_tokens == 0:
+                    self._force_close(req, text)
         self._waiting.append(req)
         return rid
 
@@ -337,7 +367,7 @@ class Engine:
         if req.params.speculative:
             req.spec = self._decoder(req)
             cache, logits, _, h_11D = self._prefill(req.prompt, drafter=req.spec.drafter)
-            tok = req.spec.sample(logits[None])
+            tok = req.forced[0] if req.forced else req.spec.sample(logits[None])
             req.spec.advance(h_11D, [tok])  # MTP's last prompt position sees the first token
             outputs.extend(self._append(req, req.spec.emit([tok])))
         else:
@@ -353,13 +383,13 @@ class Engine:
         if req.finished:
             return
         req.next_token = tok
-        self._running.append(req)
-        self._cache = cache if self._cache is None else HybridCache.cat([self._cache, cache])
+        batch = cache if self._cache is None else HybridCache.cat([self._cache, cache])
+        mtp_batch = self._mtp_cache
         if req.spec is not None:
             mtp = req.spec.drafter.cache
-            self._mtp_cache = (
-                mtp if self._mtp_cache is None else HybridCache.cat([self._mtp_cache, mtp])
-            )
+            mtp_batch = mtp if mtp_batch is None else HybridCache.cat([mtp_batch, mtp], self.device)
+        self._running.append(req)
+        self._cache, self._mtp_cache = batch, mtp_batch
 
     def _prefill(
         self,
@@ -457,10 +487,12 @@ class Engine:
             self._emit_sampled(reqs, plain, logits_BV[plain], outputs)
         for i in spec:
             r = reqs[i]
-            new = [r.spec.sample(logits_BV[i : i + 1])]
+            new = [r.forced[0] if r.forced else r.spec.sample(logits_BV[i : i + 1])]
+            self._thinking_cut(r, new)  # one token: always taken
             if not r.spec.finishes(new):
                 r.spec.advance(out.hidden[i : i + 1], new)
-            outputs.extend(self._append(r, r.spec.emit(new)))
+            emitted = r.spec.emit(new)
+            outputs.extend(self._append(r, emitted, thinking_cut=len(emitted)))
         if spec and any(reqs[i].spec.drafter.queued() >= self.mtp_queue_limit for i in spec):
             consume_batch([reqs[i].spec for i in spec], self._mtp_cache)
         self._retire_finished()
@@ -495,8 +527,16 @@ class Engine:
         per-row rollback of the cache."""
         reqs, cache = self._running, self._cache
         spec_rows = [i for i, r in enumerate(reqs) if r.spec is not None]
-        batch = draft_batch([reqs[i].spec for i in spec_rows], self._mtp_cache)
+        # rows owing a spent reasoning budget's closing tag draft nothing: the tag goes in as
+        # known drafts (up to the tokens left)
+        limits = [0 if reqs[i].forced else None for i in spec_rows]
+        batch = draft_batch([reqs[i].spec for i in spec_rows], self._mtp_cache, limits)
         drafts = dict(zip(spec_rows, batch, strict=True))
+        for i in spec_rows:
+            r = reqs[i]
+            if r.forced:
+                left = r.spec.tokens_left()
+                drafts[i] = (r.forced[: left if left is not None else len(r.forced)], None)
         J = 1 + max(len(d) for d, _ in drafts.values())
         rows = []
         for i, r in enumerate(reqs):
@@ -513,11 +553,20 @@ class Engine:
             self._emit_sampled(reqs, plain, out.logits[plain, 0], outputs)
         for i, (d, q_KV) in drafts.items():
             r = reqs[i]
-            m, new = r.spec.judge(out.logits[i, : len(d) + 1], d, q_KV)
-            keep[i] = m + 1
+            if r.forced:  # all accepted, then (unless they end the request) a sampled token
+                new = list(d)
+                if len(d) == len(r.forced):
+                    new.append(r.spec.sample(out.logits[i, len(d) : len(d) + 1]))
+            else:
+                new = r.spec.judge(out.logits[i, : len(d) + 1], d, q_KV)[1]
+            # a reasoning budget may end the round early: the cache keeps [next token, the
+            # taken tokens but the last], the last is the next token
+            new = new[: self._thinking_cut(r, new)]
+            keep[i] = len(new)
             if not r.spec.finishes(new):
-                r.spec.advance(out.hidden[i : i + 1, : m + 1], new)
-            outputs.extend(self._append(r, r.spec.emit(new)))
+                r.spec.advance(out.hidden[i : i + 1, : len(new)], new)
+            emitted = r.spec.emit(new)
+            outputs.extend(self._append(r, emitted, thinking_cut=len(emitted)))
         cache.rewind_rows(torch.tensor(keep), J)
         self._retire_finished()
         for c, windowed in ((self._cache, self._windowed), (self._mtp_cache, False)):
@@ -567,12 +616,14 @@ class Engine:
     def _process(self, logits_BV: torch.Tensor, reqs: list[_Request]) -> torch.Tensor:
         """The logits processors, in vLLM's order (see `infer.sampling`), batched over the rows
         that need each: logit_bias, min_tokens' mask of EOS / stop_token_ids, the penalties,
-        the constraint's mask. Returns `logits_BV` itself when no row needs any."""
+        the constraint's mask, then forced tokens (a spent reasoning budget's closing tag).
+        Returns `logits_BV` itself when no row needs any."""
         bias = [i for i, r in enumerate(reqs) if r.bias is not None]
         early = [i for i, r in enumerate(reqs) if len(r.tokens) < r.params.min_tokens]
         pen = [i for i, r in enumerate(reqs) if r.counts is not None]
         masks = self._constraint_masks(reqs)
-        if not (bias or early or pen or masks):
+        forced = [i for i, r in enumerate(reqs) if r.forced and not r.finished]
+        if not (bias or early or pen or masks or forced):
             return logits_BV
         device = logits_BV.device
         logits = logits_BV.double() if logits_BV.dtype == torch.float64 else logits_BV.float()
@@ -611,6 +662,9 @@ class Engine:
             for i in rows:
                 if reqs[i].finished:  # nothing allowed: no NaN from an all -inf row
                     logits[i] = 0.0
+        for i in forced:  # the reasoning budget's closing tag overrides every other processor
+            logits[i] = float("-inf")
+            logits[i, reqs[i].forced[0]] = 0.0
         return logits
 
     def _constraint_masks(self, reqs: list[_Request]) -> dict[int, torch.Tensor]:
@@ -684,11 +738,17 @@ class Engine:
         toks: list[int],
         logprobs: list[float] | None = None,
         api: list[TokenLogprob | None] | None = None,
+        *,
+        thinking_cut: int | None = None,
     ) -> list[RequestOutput]:
         """Add sampled tokens (and their log-probs), advance the penalty counts and the
-        constraint, apply the stop conditions; returns the request's output."""
+        constraint, apply the stop conditions and the reasoning budget (`thinking_cut` tokens
+        were already cut by the caller); returns the request's output."""
         p = req.params
         eos = self.tokenizer.eos_id
+        if thinking_cut is None:
+            thinking_cut = self._thinking_cut(req, toks)
+        toks = toks[:thinking_cut]
         for j, t in enumerate(toks):
             lp = logprobs[j] if logprobs is not None and p.logprobs else None
             if (not p.ignore_eos and t == eos) or t in p.stop_token_ids:
@@ -740,6 +800,45 @@ class Engine:
                     self._finish(req, "stop", keep_reason=False)
         req.text = text
         return [self._output(req)]
+
+    def _thinking_cut(self, req: _Request, new: list[int]) -> int:
+        """How many of `new` (tokens about to be appended) the request takes under its
+        reasoning budget: all, unless the budget runs out inside an open `<think>` block after
+        the first c of them; then c, and the closing tag (`THINK_CLOSE` on its own line, the
+        chat template's layout) is queued in `req.forced` for the next steps. Forced tokens at
+        the front of `new` are taken off the queue; the thinking state follows the tokens."""
+        n_forced = 0
+        while n_forced < min(len(new), len(req.forced)) and new[n_forced] == req.forced[n_forced]:
+            n_forced += 1
+        del req.forced[:n_forced]
+        th = req.think
+        if th is None or th.state == "closed":
+            return len(new)
+        tokens = req.tokens + new
+        base = len(req.tokens)
+        for j in range(len(new)):
+            n = base + j + 1  # tokens generated with new[j]
+            if th.state == "before":
+                head = self.tokenizer.decode(tokens[:n]).lstrip()
+                if head.startswith(THINK_OPEN):
+                    th.state, th.start = "open", n
+                elif not THINK_OPEN.startswith(head.rstrip("\ufffd")):
+                    th.state = "closed"  # the reply does not reason
+                    return len(new)
+            elif THINK_CLOSE in self.tokenizer.decode(tokens[max(th.start, n - 16) : n]):
+                th.state = "closed"  # closed by the model (or by the forced tag)
+                return len(new)
+            if th.state == "open" and n - th.start >= th.budget and j >= n_forced:
+                before = self.tokenizer.decode(req.prompt) if th.start == 0 else THINK_OPEN
+                self._force_close(req, before + self.tokenizer.decode(tokens[th.start : n]))
+                return j + 1
+        return len(new)
+
+    def _force_close(self, req: _Request, reasoning: str) -> None:
+        """Queue the closing tag of the reasoning block, on its own line as the chat template
+        writes it (`reasoning` ends where the block now ends)."""
+        close = THINK_CLOSE + "\n" if reasoning.endswith("\n") else f"\n{THINK_CLOSE}\n"
+        req.forced = self.tokenizer.encode(close, add_bos=False)
 
     def _tokens_covering(self, tokens: list[int], n_chars: int) -> list[int]:
         """The shortest token prefix whose text covers the first `n_chars` characters."""

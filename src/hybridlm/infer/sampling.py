@@ -85,6 +85,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0, vLLM / CTRL; 1 = off
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> [-100, 100]
     speculative: int = 0  # MTP draft length; 0 = off
+    # reasoning budget: at most this many tokens inside the reply's `<think>` block, then the
+    # engine forces the closing tag and the answer follows (Nemotron 3 Super §4.4); None = off
+    max_thinking_tokens: int | None = None
     logprobs: bool = False  # return each sampled token's log-prob (RL: truncated IS needs them)
     # the API's log-probs of the raw model distribution (vLLM's default): None = off, k >= 0 =
     # each generated token's log-prob and the k most likely alternatives
@@ -123,6 +126,15 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
+        if self.max_thinking_tokens is not None and (
+            isinstance(self.max_thinking_tokens, bool)
+            or not isinstance(self.max_thinking_tokens, int)
+            or self.max_thinking_tokens < 0
+        ):
+            raise ValueError(
+                f"max_thinking_tokens must be an integer >= 0 (or unset), got "
+                f"{self.max_thinking_tokens!r}"
+            )
         if not 0 <= self.speculative <= 16:
             raise ValueError(f"speculative draft length must be in [0, 16], got {self.speculative}")
         if self.speculative:

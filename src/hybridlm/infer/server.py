@@ -21,7 +21,11 @@ Request fields (vLLM's OpenAI server is the reference; its extras go in the open
   log-probs), `structured_outputs` (exactly one of `json`, `regex`, `choice`, `grammar` (Lark,
   llguidance's dialect), `json_object`); and `speculative` (MTP draft length, 0 = off; also the
   header `X-Speculative-Draft-Length`), which refuses what the drafter cannot honour (log-probs,
-  penalties, bias, min-p, min_tokens, structured outputs) with a 400 naming the field.
+  penalties, bias, min-p, min_tokens, structured outputs) with a 400 naming the field; the
+  reasoning budget `max_thinking_tokens` (at most that many tokens inside the reply's `<think>`
+  block, then the engine writes the closing tag and the answer follows) or OpenAI's
+  `reasoning_effort` mapped to one (`REASONING_EFFORT`: none / minimal 0, low 256, medium 1024,
+  high unbounded; an explicit `max_thinking_tokens` wins).
 - completions: `prompt` (text, token ids, or lists of either), `echo`, `logprobs` (0-5: each
   token's log-prob, a {token: log-prob} dict of the k most likely plus the token itself, and
   `text_offset`, the token's character offset in the choice's text; with `echo` the prompt's
@@ -124,6 +128,14 @@ MAX_CHOICES = 128  # OpenAI's limit on n; also bounds prompts x n for list promp
 # take; a bigger body is refused before it is read, so it costs no memory
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 MAX_JSON_DEPTH = 64  # a chat request nests about 6 deep (tool-call arguments a few more)
+# reasoning_effort -> the reasoning budget in tokens (None: unbounded)
+REASONING_EFFORT: dict[str, int | None] = {
+    "none": 0,
+    "minimal": 0,
+    "low": 256,
+    "medium": 1024,
+    "high": None,
+}
 MAX_STOP = 16  # OpenAI takes 4; each one is searched for after every token
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # int64, as vLLM
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on completions' logprobs
@@ -346,6 +358,8 @@ class _Request(_Body):
     user: str | None = None
     ignore_eos: bool = False
     speculative: int | None = None
+    max_thinking_tokens: int | None = None
+    reasoning_effort: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -794,6 +808,18 @@ def _params(
             f"min_tokens ({extras['min_tokens']}) must be <= {max_tokens_param} ({max_tokens})",
             "min_tokens",
         )
+    budget = req.max_thinking_tokens
+    if budget is not None and budget < 0:
+        raise _bad(f"max_thinking_tokens must be >= 0, got {_short(budget)}", "max_thinking_tokens")
+    if req.reasoning_effort is not None:
+        if req.reasoning_effort not in REASONING_EFFORT:
+            raise _bad(
+                f"reasoning_effort must be one of {', '.join(REASONING_EFFORT)}, got "
+                f"{_short(req.reasoning_effort)}",
+                "reasoning_effort",
+            )
+        if budget is None:
+            budget = REASONING_EFFORT[req.reasoning_effort]
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -803,6 +829,7 @@ def _params(
         stop=stop + extra_stop,
         ignore_eos=req.ignore_eos,
         speculative=speculative,
+        max_thinking_tokens=budget,
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
         constraint=constraint,

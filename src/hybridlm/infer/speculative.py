@@ -465,6 +465,10 @@ class SpeculativeDecoder:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    def tokens_left(self) -> int | None:
+        """Tokens this request may still emit (None: no limit)."""
+        return self._remaining()
+
     def _remaining(self) -> int | None:
         return None if self.max_new_tokens is None else self.max_new_tokens - len(self.tokens)
 
@@ -591,7 +595,9 @@ class SpeculativeDecoder:
 
 @torch.no_grad()
 def draft_batch(
-    decoders: list[SpeculativeDecoder], cache: HybridCache
+    decoders: list[SpeculativeDecoder],
+    cache: HybridCache,
+    limits: Sequence[int | None] | None = None,
 ) -> list[tuple[list[int], Tensor | None]]:
     """`draft()` of several requests in one MTP call per draft position: `cache` holds their
     MTP caches as the rows of one batch (right-aligned, `HybridCache.cat`), in the order of
@@ -599,11 +605,14 @@ def draft_batch(
     (one or more each) run right-padded in the first call (the padding stays masked in the
     cache), every row drafts max(K) positions, and the draft columns are dropped at the end. A
     row samples only its own K drafts, from its own generator in `draft()`'s order, so each
-    row's drafts are those `draft()` would make alone (up to batched float rounding)."""
+    row's drafts are those `draft()` would make alone (up to batched float rounding).
+    `limits[b]` (not None) caps row b's drafts this round (0: it only runs its queue)."""
     dec0 = decoders[0]
     model, dv = dec0.model, dec0.drafter.draft_vocab
     B = len(decoders)
     ks = [d.round_drafts() for d in decoders]
+    if limits is not None:
+        ks = [k if cap is None else min(k, cap) for k, cap in zip(ks, limits, strict=True)]
     K = max(ks)
     x_BPD, n_B = _run_queued(decoders, cache, keep_last=False)
     h_B1D = x_BPD[torch.arange(B), n_B - 1][:, None]  # each row's last real position

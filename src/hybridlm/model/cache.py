@@ -243,12 +243,20 @@ class HybridCache:
         return out
 
     @classmethod
-    def cat(cls, caches: list[HybridCache]) -> HybridCache:
+    def cat(cls, caches: list[HybridCache], device: torch.device | None = None) -> HybridCache:
         """Rows of several caches in one, right-aligned: shorter caches are padded on the left
         (masked columns), so every row's last token sits in the last column. An attention-only
-        cache that has seen no tokens yet joins as one row of padding."""
+        cache that has seen no tokens yet joins as one row of padding (`device`: where such
+        rows' masks live when no cache holds a tensor yet; default: the caches' device)."""
         S = max(c.seen_tokens for c in caches)
-        rows = [c.batch_size() if c.seen_tokens else 1 for c in caches]
+        rows = [c.batch_size() if c.seen_tokens or c.key_mask_BS is not None else 1 for c in caches]
+        if device is None:
+            device = next((c._device() for c in caches if c.seen_tokens), None)
+            if device is None:
+                device = next(
+                    (c.key_mask_BS.device for c in caches if c.key_mask_BS is not None),
+                    torch.device("cpu"),
+                )
         layers: list[KVState | MambaState | None] = []
         for states in zip(*(c.layers for c in caches), strict=True):
             first = states[0]
@@ -271,14 +279,6 @@ class HybridCache:
                 layers.append(MambaState.cat(list(states)))
             else:
                 layers.append(None)
-        device = next(
-            (
-                st.k_BKSE.device
-                for st in layers
-                if isinstance(st, KVState) and st.k_BKSE is not None
-            ),
-            None,
-        )
         masks, positions = [], []
         for c, n in zip(caches, rows, strict=True):
             if c.seen_tokens:
@@ -446,7 +446,9 @@ class HybridCache:
         mask_BS = self.key_mask_BS
         n_B = mask_BS.sum(1)
         S = int(n_B.max())
-        if S == mask_BS.shape[1]:
+        cols = torch.arange(mask_BS.shape[1], device=mask_BS.device)
+        if bool((mask_BS == (cols[None] >= mask_BS.shape[1] - n_B[:, None])).all()):
+            self.trim()  # already right-aligned: at most leading padding to drop
             return
         # each row's valid column indices, right-aligned in S slots (the left slots repeat a
         # column but are masked)
