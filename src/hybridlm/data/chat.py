@@ -258,6 +258,15 @@ def generation_prompt() -> str:
     return f"{IM_START}assistant\n"
 
 
+def continuation(messages: Sequence[Message]) -> str:
+    """The text that follows a generated assistant turn ending in `STOP` when `messages` (tool
+    results, a user's follow-up) come next and the assistant answers again: the end of the
+    turn's line, their turns, and the generation prompt. Appended to the turn's own tokens, the
+    conversation equals `render` of it (multi-turn rollouts never re-tokenise what was
+    generated)."""
+    return "\n" + render(messages, add_generation_prompt=True)
+
+
 # `render` as a Jinja chat template (transformers' `apply_chat_template`: `messages`, `tools`,
 # `add_generation_prompt`, `bos_token`, `raise_exception`, `tojson` without HTML escaping).
 # Every tag trims the template's own whitespace, so the output does not depend on the

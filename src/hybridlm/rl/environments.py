@@ -46,6 +46,8 @@ from hybridlm.rl.verifiers import (
     gsm8k_reference,
 )
 
+from .episodes import Episode, SingleTurnEpisode, ToolEpisode
+from .tools import Calculator, Search
 from .verifiers import INSTRUCTIONS, extract_boxed
 
 
@@ -98,6 +100,11 @@ class Environment(ABC):
         if len(problems) != len(completions):
             raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
         return [self.score(p, c) for p, c in zip(problems, completions, strict=True)]
+
+    def episode(self) -> Episode:
+        """A fresh episode state for one rollout (`rl.episodes`): single-turn by default, the
+        reply scored by `score`."""
+        return SingleTurnEpisode(self)
 
     def sample(self, n: int, *, seed: int = 0) -> list[Problem]:
         """`n` problems drawn uniformly with replacement, deterministic in `seed`."""
@@ -214,6 +221,138 @@ class ArithmeticEnvironment(DatasetEnvironment):
 
 
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+class CalculatorEnvironment(DatasetEnvironment):
+    """Multiplication the model cannot do in its head, which it can solve by calling the
+    calculator (issue: agentic RL, environment (a)): `digits`-digit x `digits`-digit products,
+    seeded. Episodes are `ToolEpisode`s with a `Calculator`; the final reply (the one without
+    tool calls) is scored on its final number."""
+
+    SYSTEM = (
+        "You can call the calculator tool. Use it for any multiplication, then give the result "
+        "as 'The answer is N.'"
+    )
+
+    def __init__(
+        self,
+        *,
+        num_problems: int = 1000,
+        digits: int = 5,
+        seed: int = 0,
+        max_turns: int = 4,
+        name: str = "calculator",
+    ) -> None:
+        if not 1 <= digits <= 12:
+            raise ValueError(f"digits must be in 1..12, got {digits}")
+        if num_problems < 1:
+            raise ValueError(f"num_problems must be >= 1, got {num_problems}")
+        rng = random.Random(seed)
+        lo, hi = 10 ** (digits - 1), 10**digits - 1
+        problems = []
+        for i in range(num_problems):
+            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+            problems.append(
+                Problem(
+                    id=f"{name}/{seed}/{i}",
+                    messages=_user(f"What is {a} * {b}?", system=self.SYSTEM),
+                    answer=str(a * b),
+                    metadata={"a": a, "b": b},
+                )
+            )
+        super().__init__(problems, name=name)
+        self.verifier = GSM8KVerifier()
+        self.max_turns = max_turns
+
+    def episode(self) -> Episode:
+        return ToolEpisode(self, [Calculator()], max_turns=self.max_turns)
+
+    def score(self, problem: Problem, completion: str) -> Reward:
+        return self.verifier(completion, problem.answer)
+
+
+class SearchQAEnvironment(DatasetEnvironment):
+    """Questions a model cannot answer from memory, answerable by searching a local corpus
+    (issue: agentic RL, environment (b)): a seeded corpus of made-up towns, one document each
+    (founding year, population, elevation), and questions on one fact of one town. Episodes
+    are `ToolEpisode`s with a BM25 `Search` over the corpus (built once, shared); the final
+    reply is scored on its final number."""
+
+    SYSTEM = (
+        "You can call the search tool to look things up in the reference documents. Search "
+        "before answering, then give the answer as 'The answer is N.'"
+    )
+    QUESTIONS = {
+        "year": "In which year was {town} founded?",
+        "population": "How many thousand people live in {town}?",
+        "elevation": "How many meters above sea level is {town}?",
+    }
+
+    def __init__(
+        self,
+        *,
+        num_problems: int = 500,
+        num_towns: int = 200,
+        seed: int = 0,
+        max_turns: int = 4,
+        name: str = "search_qa",
+    ) -> None:
+        if num_problems < 1 or num_towns < 1:
+            raise ValueError("num_problems and num_towns must be >= 1")
+        rng = random.Random(seed)
+        towns: dict[str, dict[str, int]] = {}
+        regions = [self._name(rng, 3) for _ in range(max(2, num_towns // 20))]
+        while len(towns) < num_towns:
+            town = self._name(rng, rng.choice((2, 3)))
+            if town in towns or town in regions:
+                continue
+            towns[town] = {
+                "year": rng.randint(1000, 1999),
+                "population": rng.randint(5, 900),
+                "elevation": rng.randint(10, 3000),
+                "region": rng.randrange(len(regions)),
+            }
+        self.corpus = [
+            f"{town} is a town in {regions[f['region']]}. It was founded in {f['year']}. About "
+            f"{f['population']} thousand people live there. It lies {f['elevation']} meters "
+            "above sea level."
+            for town, f in towns.items()
+        ]
+        names = list(towns)
+        problems = []
+        for i in range(num_problems):
+            town = names[rng.randrange(len(names))]
+            fact = rng.choice(list(self.QUESTIONS))
+            problems.append(
+                Problem(
+                    id=f"{name}/{seed}/{i}",
+                    messages=_user(self.QUESTIONS[fact].format(town=town), system=self.SYSTEM),
+                    answer=str(towns[town][fact]),
+                    metadata={"town": town, "fact": fact},
+                )
+            )
+        super().__init__(problems, name=name)
+        self.verifier = GSM8KVerifier()
+        self.max_turns = max_turns
+        self._search: Search | None = None
+
+    @staticmethod
+    def _name(rng: random.Random, syllables: int) -> str:
+        onsets, vowels = "bdfgklmnprstvz", "aeiou"
+        parts = [rng.choice(onsets) + rng.choice(vowels) for _ in range(syllables)]
+        return ("".join(parts) + rng.choice(("n", "r", "s", "l", ""))).capitalize()
+
+    @property
+    def search(self) -> Search:
+        if self._search is None:  # built on first use: one index for every episode
+            self._search = Search(self.corpus)
+        return self._search
+
+    def episode(self) -> Episode:
+        return ToolEpisode(self, [self.search], max_turns=self.max_turns)
+
+    def score(self, problem: Problem, completion: str) -> Reward:
+        return self.verifier(completion, problem.answer)
 
 
 class MathEnvironment(DatasetEnvironment):
@@ -570,6 +709,11 @@ class MixtureEnvironment(Environment):
             if index >= start:
                 return env[index - start]
         raise IndexError(index)
+
+    def episode(self) -> Episode:
+        """A fresh episode state for one rollout (`rl.episodes`): single-turn by default, the
+        reply scored by `score`."""
+        return SingleTurnEpisode(self)
 
     def sample(self, n: int, *, seed: int = 0) -> list[Problem]:
         """Environment by weight, then a problem uniformly within it; deterministic in seed."""
