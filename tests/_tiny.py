@@ -1,6 +1,9 @@
-"""Tiny model and run configurations shared by the training tests."""
+"""Tiny model and run configurations shared by the training tests, and a forced-token policy
+double for the engine tests."""
 
 from pathlib import Path
+
+import torch
 
 from hybridlm.config import ModelConfig
 from hybridlm.data.config import DataConfig, SourceConfig
@@ -107,3 +110,25 @@ def lowercase_first_env(n: int = 64, name: str = "lower"):
         for i in range(n)
     ]
     return LowercaseFirst(problems, name=name)
+
+
+class ForcedTokens:
+    """A structured-output constraint (`infer.sampling.TokenConstraint`) that forces `ids`
+    token by token, then allows anything (`then_free`) or ends the request: a scripted policy,
+    since random models never open a reasoning block or call a tool."""
+
+    def __init__(self, ids: list[int], vocab_size: int, *, then_free: bool = False) -> None:
+        self.ids, self.vocab_size, self.then_free, self.n = list(ids), vocab_size, then_free, 0
+
+    def allowed(self) -> torch.Tensor | None:
+        if self.n >= len(self.ids):
+            return None
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[self.ids[self.n]] = True
+        return mask
+
+    def accept(self, token: int) -> None:
+        self.n += 1
+
+    def finished(self) -> bool:
+        return not self.then_free and self.n >= len(self.ids)

@@ -4,8 +4,8 @@ and the answer continues from it. The cut-off is exact for plain, speculative (r
 run past it end early) and sampled requests; replies that do not reason are untouched."""
 
 import pytest
-import torch
 
+from _tiny import ForcedTokens
 from hybridlm import HybridLM
 from hybridlm.data.chat import THINK_CLOSE
 from hybridlm.data.tokenizer import ByteTokenizer
@@ -49,32 +49,12 @@ def test_budget_cuts_the_reasoning_and_the_answer_follows(budget):
     assert out[len(head) :] == _greedy(model, THINKING + head, 30 - len(head))
 
 
-class _Prefix:
-    """A constraint that forces `ids` first, then allows anything (makes the model open the
-    block itself)."""
-
-    def __init__(self, ids):
-        self.ids, self.n = ids, 0
-
-    def allowed(self):
-        if self.n >= len(self.ids):
-            return None
-        mask = torch.zeros(300, dtype=torch.bool)
-        mask[self.ids[self.n]] = True
-        return mask
-
-    def accept(self, token):
-        self.n += 1
-
-    def finished(self):
-        return False
-
-
 def test_budget_counts_from_the_block_the_reply_opens():
     model = _model()
     prompt = TOK.encode("<|im_start|>assistant\n")
     opener = TOK.encode("<think>", add_bos=False)
-    out = _greedy(model, prompt, 24, max_thinking_tokens=4, constraint=lambda: _Prefix(opener))
+    force = lambda: ForcedTokens(opener, 300, then_free=True)  # noqa: E731
+    out = _greedy(model, prompt, 24, max_thinking_tokens=4, constraint=force)
     n = len(opener) + 4
     assert out[: len(opener)] == opener
     close = _close(out[len(opener) : n], lead="")

@@ -6,8 +6,8 @@ and weight versions kept per generated token."""
 import json
 
 import pytest
-import torch
 
+from _tiny import ForcedTokens
 from hybridlm import HybridLM
 from hybridlm.data.chat import STOP, continuation, render
 from hybridlm.data.tokenizer import ByteTokenizer
@@ -37,23 +37,7 @@ class _Script:
         self.replies = list(replies)
 
     def __call__(self):
-        return _Forced(TOK.encode(self.replies.pop(0), add_bos=False))
-
-
-class _Forced:
-    def __init__(self, ids):
-        self.ids, self.n = ids, 0
-
-    def allowed(self):
-        mask = torch.zeros(258, dtype=torch.bool)
-        mask[self.ids[self.n]] = True
-        return mask
-
-    def accept(self, token):
-        self.n += 1
-
-    def finished(self):
-        return self.n >= len(self.ids)
+        return ForcedTokens(TOK.encode(self.replies.pop(0), add_bos=False), 258)
 
 
 def test_continuation_appends_to_a_generated_turn_as_render_does():

@@ -47,7 +47,7 @@ from hybridlm.rl.verifiers import (
 )
 
 from .episodes import Episode, SingleTurnEpisode, ToolEpisode
-from .tools import Calculator, Search
+from .tools import Calculator, Search, Tool
 from .verifiers import INSTRUCTIONS, extract_boxed
 
 
@@ -223,7 +223,26 @@ class ArithmeticEnvironment(DatasetEnvironment):
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-class CalculatorEnvironment(DatasetEnvironment):
+class ToolUseEnvironment(DatasetEnvironment):
+    """Problems solved with tools: episodes are `ToolEpisode`s over `tools()`, and the final
+    reply (the one without tool calls) is scored on its final number."""
+
+    def __init__(self, problems: Sequence[Problem], *, name: str, max_turns: int) -> None:
+        super().__init__(problems, name=name)
+        self.verifier = GSM8KVerifier()
+        self.max_turns = max_turns
+
+    def tools(self) -> list[Tool]:
+        raise NotImplementedError
+
+    def episode(self) -> Episode:
+        return ToolEpisode(self, self.tools(), max_turns=self.max_turns)
+
+    def score(self, problem: Problem, completion: str) -> Reward:
+        return self.verifier(completion, problem.answer)
+
+
+class CalculatorEnvironment(ToolUseEnvironment):
     """Multiplication the model cannot do in its head, which it can solve by calling the
     calculator (issue: agentic RL, environment (a)): `digits`-digit x `digits`-digit products,
     seeded. Episodes are `ToolEpisode`s with a `Calculator`; the final reply (the one without
@@ -260,18 +279,13 @@ class CalculatorEnvironment(DatasetEnvironment):
                     metadata={"a": a, "b": b},
                 )
             )
-        super().__init__(problems, name=name)
-        self.verifier = GSM8KVerifier()
-        self.max_turns = max_turns
+        super().__init__(problems, name=name, max_turns=max_turns)
 
-    def episode(self) -> Episode:
-        return ToolEpisode(self, [Calculator()], max_turns=self.max_turns)
-
-    def score(self, problem: Problem, completion: str) -> Reward:
-        return self.verifier(completion, problem.answer)
+    def tools(self) -> list[Tool]:
+        return [Calculator()]
 
 
-class SearchQAEnvironment(DatasetEnvironment):
+class SearchQAEnvironment(ToolUseEnvironment):
     """Questions a model cannot answer from memory, answerable by searching a local corpus
     (issue: agentic RL, environment (b)): a seeded corpus of made-up towns, one document each
     (founding year, population, elevation), and questions on one fact of one town. Episodes
@@ -331,10 +345,8 @@ class SearchQAEnvironment(DatasetEnvironment):
                     metadata={"town": town, "fact": fact},
                 )
             )
-        super().__init__(problems, name=name)
-        self.verifier = GSM8KVerifier()
-        self.max_turns = max_turns
         self._search: Search | None = None
+        super().__init__(problems, name=name, max_turns=max_turns)
 
     @staticmethod
     def _name(rng: random.Random, syllables: int) -> str:
@@ -348,11 +360,8 @@ class SearchQAEnvironment(DatasetEnvironment):
             self._search = Search(self.corpus)
         return self._search
 
-    def episode(self) -> Episode:
-        return ToolEpisode(self, [self.search], max_turns=self.max_turns)
-
-    def score(self, problem: Problem, completion: str) -> Reward:
-        return self.verifier(completion, problem.answer)
+    def tools(self) -> list[Tool]:
+        return [self.search]
 
 
 class MathEnvironment(DatasetEnvironment):
