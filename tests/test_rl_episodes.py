@@ -114,7 +114,8 @@ def test_budgets_end_episodes():
     )
     (res,) = run_episodes(eng, env, list(env), forced)
     assert res.turns == 1 and res.reward == 0.0 and res.info["unfinished"]
-    (cut,) = run_episodes(eng, env, list(env), SamplingParams(max_tokens=3, ignore_eos=True))
+    cut_params = SamplingParams(max_tokens=3, ignore_eos=True, stop="never")  # a str: one stop
+    (cut,) = run_episodes(eng, env, list(env), cut_params)
     assert cut.truncated and cut.turns == 1 and cut.generated == 3
     (capped,) = run_episodes(
         eng, env, list(env), SamplingParams(max_tokens=50, ignore_eos=True), max_episode_tokens=5

@@ -210,7 +210,8 @@ def run_episodes(
     """Roll one episode out per problem on `engine` (module docstring); results in problem
     order. Turn t of episode i samples with seed `params.seed + 1000 * i + t` when a seed is
     set. Each reply is generated until `data.chat.STOP` (kept in the tokens: the policy learns
-    to end its turn)."""
+    to end its turn). The call steps the engine until its episodes end: requests that others
+    added to the same engine advance too, but their outputs are not returned to anyone."""
     tok = engine.tokenizer
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -228,10 +229,11 @@ def run_episodes(
             finish(st, truncated=True)
             return
         seed = None if params.seed is None else params.seed + 1000 * st.index + st.turn
+        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop)
         sp = replace(
             params,
             max_tokens=n,
-            stop=[*params.stop, STOP],
+            stop=[*stops, STOP],
             include_stop_str_in_output=True,
             logprobs=True,
             seed=seed,
@@ -254,7 +256,7 @@ def run_episodes(
         )
         results.append(res)
         submit(_Live(i, episode, problem, res))
-    while engine.has_unfinished():
+    while live:
         for out in engine.step():
             if not out.finished or out.request_id not in live:
                 continue
