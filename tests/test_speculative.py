@@ -85,7 +85,6 @@ def test_draft_vocab_greedy_equals_greedy_and_drafts_only_its_ids(monkeypatch):
     """A reduced draft vocabulary (FR-Spec) changes what is drafted, never the output: greedy
     speculative == plain greedy, every draft is one of its ids, and with every id it drafts
     exactly as the full head."""
-    from hybridlm.infer import speculative
     from hybridlm.infer.speculative import DraftVocab, SpeculativeDecoder
 
     model = _model("tiny-super", 0)
@@ -99,13 +98,13 @@ def test_draft_vocab_greedy_equals_greedy_and_drafts_only_its_ids(monkeypatch):
     assert set(ref[0].tolist()) <= set(top.ids_N.tolist()) and len(top) == 40
     drafted: list[int] = []
 
-    def spy(*a, _mtp=speculative._mtp, **kw):
-        h, logits = _mtp(*a, **kw)
-        assert logits.shape[-1] == len(kw.get("draft_vocab") or a[4])
+    def spy(h_BLD, _logits=top.logits):  # every draft is scored by the reduced head
+        logits = _logits(h_BLD)
+        assert logits.shape[-1] == len(top)
         drafted.append(int(top.ids_N[logits[0, -1].argmax()]))
-        return h, logits
+        return logits
 
-    monkeypatch.setattr(speculative, "_mtp", spy)
+    monkeypatch.setattr(top, "logits", spy)
     dec = SpeculativeDecoder(model, x, draft_len=3, max_new_tokens=24, draft_vocab=top)
     while not dec.finished:
         dec.step()
@@ -167,8 +166,9 @@ def test_draft_vocab_construction_refresh_and_errors():
 
 def test_batched_mtp_drafts_equal_each_row_alone():
     """`draft_batch` over rows whose MTP caches and queues have different lengths (one empty
-    cache), after `consume_batch` ran all but the last queued pair, drafts what each row's own
-    `MTPDrafter` drafts alone; the batch cache's valid columns equal each row's own cache."""
+    cache), after `consume_batch` ran all but the last queued pair, drafts what each row drafts
+    alone (`SpeculativeDecoder.draft`: an unpadded one-row batch on the row's own MTP cache);
+    the batch cache's valid columns equal each row's own cache."""
     from hybridlm.infer.speculative import (
         MTPDrafter,
         SpeculativeDecoder,
@@ -195,8 +195,9 @@ def test_batched_mtp_drafts_equal_each_row_alone():
             torch.randn(1, queued, D, generator=g, dtype=torch.float64),
             torch.randint(0, 256, (1, queued), generator=g),
         )
-        ref = MTPDrafter(model, cache=dec.drafter.cache.fork())
-        ref.feed(dec.drafter._h_BLD, dec.drafter._tok_BL)
+        ref = SpeculativeDecoder(model, [1, 2], draft_len=4)
+        ref.drafter = MTPDrafter(model, cache=dec.drafter.cache.fork())
+        ref.drafter.feed(dec.drafter._h_BLD, dec.drafter._tok_BL)
         alone.append(ref)
         decs.append(dec)
     cache = HybridCache.cat([d.drafter.cache for d in decs])
@@ -204,9 +205,9 @@ def test_batched_mtp_drafts_equal_each_row_alone():
         consume_batch(decs, cache)
         assert [d.drafter.queued() for d in decs] == [1, 1, 1]
         for b, ref in enumerate(alone):
-            n = ref.queued()
-            solo = MTPDrafter(model, cache=ref.cache.fork())
-            solo.feed(ref._h_BLD[:, : n - 1], ref._tok_BL[:, : n - 1])
+            n = ref.drafter.queued()
+            solo = MTPDrafter(model, cache=ref.drafter.cache.fork())
+            solo.feed(ref.drafter._h_BLD[:, : n - 1], ref.drafter._tok_BL[:, : n - 1])
             solo.consume()
             valid = cache.key_mask_BS[b]
             for got, want in zip(cache.layers, solo.cache.layers, strict=True):
@@ -219,6 +220,5 @@ def test_batched_mtp_drafts_equal_each_row_alone():
         batched = draft_batch(decs, cache)
     for (drafts, q), ref in zip(batched, alone, strict=True):
         assert q is None and len(drafts) == 4
-        with torch.no_grad():
-            assert drafts == ref.draft(4, None, g)[0]
+        assert drafts == ref.draft()[0]
     assert cache.positions_B.tolist() == [1 + 0, 7 + 5, 3 + 2]  # drafts dropped again

@@ -471,14 +471,11 @@ class Engine:
         reqs = self._running
         spec = [i for i, r in enumerate(reqs) if r.spec is not None]
         if spec and (self.spec_max_batch is None or len(reqs) <= self.spec_max_batch):
-            self._verify(outputs)
+            self._verify(outputs, spec)
             return
         # one token per row; speculative rows (speculation paused: more rows than
         # `spec_max_batch`) sample theirs without drafts and queue its MTP input
-        x_B1 = torch.tensor(
-            [[r.spec.next_token if r.spec is not None else r.next_token] for r in reqs],
-            device=self.device,
-        )
+        x_B1 = torch.tensor([[r.next_token] for r in reqs], device=self.device)
         out = self.model(x_B1, cache=self._cache, return_hidden=bool(spec))
         logits_BV = out.logits[:, -1]
         self.stats["decode_steps"] += 1
@@ -488,11 +485,7 @@ class Engine:
         for i in spec:
             r = reqs[i]
             new = [r.forced[0] if r.forced else r.spec.sample(logits_BV[i : i + 1])]
-            self._thinking_cut(r, new)  # one token: always taken
-            if not r.spec.finishes(new):
-                r.spec.advance(out.hidden[i : i + 1], new)
-            emitted = r.spec.emit(new)
-            outputs.extend(self._append(r, emitted, thinking_cut=len(emitted)))
+            self._emit_speculative(r, new, out.hidden[i : i + 1], outputs)
         if spec and any(reqs[i].spec.drafter.queued() >= self.mtp_queue_limit for i in spec):
             consume_batch([reqs[i].spec for i in spec], self._mtp_cache)
         self._retire_finished()
@@ -521,12 +514,26 @@ class Engine:
             )
             r.next_token = t
 
-    def _verify(self, outputs: list[RequestOutput]) -> None:
-        """One step of a batch with speculative rows (module docstring): drafts of every
-        speculative row in one MTP call per position, one [B, J] forward, per-row acceptance,
-        per-row rollback of the cache."""
+    def _emit_speculative(
+        self, r: _Request, new: list[int], hidden_1LD: torch.Tensor, outputs: list[RequestOutput]
+    ) -> int:
+        """Append the tokens a speculative row's step produced, after [its next token, new but
+        the last] ran through the backbone with hidden states `hidden_1LD`; a reasoning budget
+        may take only the first of them. Returns how many were taken: the cache keeps
+        [next token, the taken ones but the last], and the last is the next token."""
+        new = new[: self._thinking_cut(r, new)]
+        if not r.spec.finishes(new):
+            r.spec.advance(hidden_1LD[:, : len(new)], new)
+            r.next_token = new[-1]
+        emitted = r.spec.emit(new)
+        outputs.extend(self._append(r, emitted, thinking_cut=len(emitted)))
+        return len(new)
+
+    def _verify(self, outputs: list[RequestOutput], spec_rows: list[int]) -> None:
+        """One step of a batch with speculative rows (`spec_rows`; module docstring): drafts of
+        every speculative row in one MTP call per position, one [B, J] forward, per-row
+        acceptance, per-row rollback of the cache."""
         reqs, cache = self._running, self._cache
-        spec_rows = [i for i, r in enumerate(reqs) if r.spec is not None]
         # rows owing a spent reasoning budget's closing tag draft nothing: the tag goes in as
         # known drafts (up to the tokens left)
         limits = [0 if reqs[i].forced else None for i in spec_rows]
@@ -540,7 +547,7 @@ class Engine:
         J = 1 + max(len(d) for d, _ in drafts.values())
         rows = []
         for i, r in enumerate(reqs):
-            seq = [r.spec.next_token, *drafts[i][0]] if i in drafts else [r.next_token]
+            seq = [r.next_token, *drafts.get(i, ((), None))[0]]
             rows.append(seq + [seq[-1]] * (J - len(seq)))  # padding, dropped by rewind_rows
         cache.record_history(True)
         out = self.model(torch.tensor(rows, device=self.device), cache=cache, return_hidden=True)
@@ -559,14 +566,7 @@ class Engine:
                     new.append(r.spec.sample(out.logits[i, len(d) : len(d) + 1]))
             else:
                 new = r.spec.judge(out.logits[i, : len(d) + 1], d, q_KV)[1]
-            # a reasoning budget may end the round early: the cache keeps [next token, the
-            # taken tokens but the last], the last is the next token
-            new = new[: self._thinking_cut(r, new)]
-            keep[i] = len(new)
-            if not r.spec.finishes(new):
-                r.spec.advance(out.hidden[i : i + 1, : len(new)], new)
-            emitted = r.spec.emit(new)
-            outputs.extend(self._append(r, emitted, thinking_cut=len(emitted)))
+            keep[i] = self._emit_speculative(r, new, out.hidden[i : i + 1], outputs)
         cache.rewind_rows(torch.tensor(keep), J)
         self._retire_finished()
         for c, windowed in ((self._cache, self._windowed), (self._mtp_cache, False)):

@@ -69,7 +69,7 @@ drafts + 1), and the acceptance rate of each draft position.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -252,10 +252,7 @@ def _mtp(
 ):
     """Run the MTP module over len(next) new positions; returns (hidden, logits of the last
     position: over the vocabulary, over `draft_vocab`'s ids, or None with `logits=False`)."""
-    L = next_BL.shape[1]
-    pos = torch.arange(cache.seen_tokens, cache.seen_tokens + L, device=next_BL.device)
-    out = model.mtp(h_BLD, model.embeddings(next_BL), states=cache.layers, positions_L=pos)
-    cache.seen_tokens += L
+    out = _mtp_batch(model, h_BLD, next_BL, cache, None)
     if not logits:
         return out, None
     last = out[:, -1:]  # only the newest position's draft is used
@@ -268,8 +265,8 @@ class MTPDrafter:
     """The MTP side of one request (module docstring, step 1): its MTP cache over the exact
     positions and the exact inputs not yet run, (backbone hidden h_t, token x_{t+1}) pairs.
     `feed` queues pairs, `consume` runs the queued pairs now (a prompt's positions, so that a
-    prefix cache can keep the MTP cache at a block boundary), `draft` runs the queue and K
-    recursive draft positions and forgets the latter."""
+    prefix cache can keep the MTP cache at a block boundary); `draft_batch` runs the queue and
+    K recursive draft positions, and forgets the latter."""
 
     def __init__(
         self,
@@ -304,35 +301,6 @@ class MTPDrafter:
         if self._h_BLD is not None:
             _mtp(self.model, self._h_BLD, self._tok_BL, self.cache, logits=False)
             self._h_BLD = self._tok_BL = None
-
-    def draft(
-        self, k: int, probs: Callable[[Tensor], Tensor] | None, generator: torch.Generator
-    ) -> tuple[list[int], Tensor | None]:
-        """K drafts: argmax (`probs` None) or draws from `probs(logits)` over the full or the
-        reduced vocabulary. Returns (drafts, the [K, V] distributions they were drawn from or
-        None). The first MTP call also runs the queued exact pairs; the drafted positions are
-        forgotten afterwards (they rerun with true hiddens once verified)."""
-        if self._h_BLD is None:
-            raise ValueError("draft needs the last position's hidden state and next token")
-        exact = self.cache.seen_tokens + self._h_BLD.shape[1]
-        h_BLD, tok_BL = self._h_BLD, self._tok_BL
-        dv = self.draft_vocab
-        drafts, q_rows = [], []
-        for _ in range(k):
-            h_BLD, logits_B1V = _mtp(self.model, h_BLD, tok_BL, self.cache, dv)
-            h_BLD = h_BLD[:, -1:]  # the recursion continues from the newest position
-            if probs is None:
-                tok_BL = logits_B1V[:, -1].argmax(-1, keepdim=True)
-            else:
-                q_1V = probs(logits_B1V[:, -1])
-                tok_BL = torch.multinomial(q_1V, 1, generator=generator)
-                q_rows.append(q_1V if dv is None else dv.full_probs(q_1V))
-            if dv is not None:
-                tok_BL = dv.ids_N[tok_BL]
-            drafts.append(int(tok_BL))
-        self.cache.truncate(exact)
-        self._h_BLD = self._tok_BL = None
-        return drafts, (torch.cat(q_rows) if q_rows else None)
 
 
 def _prompt_BL(prompt_ids: Sequence[int] | Tensor, vocab_size: int, device) -> Tensor:
@@ -511,9 +479,8 @@ class SpeculativeDecoder:
 
     def draft(self) -> tuple[list[int], Tensor | None]:
         """This round's drafts and, when sampling, the [K, V] distributions they were drawn
-        from."""
-        probs = None if self.greedy else self._probs
-        return self.drafter.draft(self.round_drafts(), probs, self.generator)
+        from (`draft_batch` of this request alone, on its own MTP cache)."""
+        return draft_batch([self], self.drafter.cache)[0]
 
     def judge(
         self, logits_JV: Tensor, drafts: list[int], q_KV: Tensor | None
@@ -637,7 +604,8 @@ def draft_batch(
         for b, t in enumerate(tok_B.tolist()):
             if j < ks[b]:
                 drafts[b].append(t)
-    cache.drop_last(K - 1)  # the draft positions; they rerun with true hiddens once verified
+    # forget the draft positions; they rerun with true hiddens once verified
+    cache.truncate(cache.seen_tokens - max(K - 1, 0))
     return [(drafts[b], torch.cat(q_rows[b]) if q_rows[b] else None) for b in range(B)]
 
 

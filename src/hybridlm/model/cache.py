@@ -97,9 +97,12 @@ class KVState:
     def drop_left(self, n: int) -> None:
         """Forget the first `n` columns (all-padding columns after rows left the batch)."""
         if n:
-            k, v = self.k_BKSE[:, :, n:].clone(), self.v_BKSE[:, :, n:].clone()
-            self._k, self._v, self.length = None, None, 0
-            self.update(k, v)
+            self.reset(self.k_BKSE[:, :, n:].clone(), self.v_BKSE[:, :, n:].clone())
+
+    def reset(self, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> None:
+        """Hold exactly these keys and values (in a fresh buffer)."""
+        self._k, self._v, self.length = None, None, 0
+        self.update(k_BKSE, v_BKSE)
 
 
 class MambaState:
@@ -461,39 +464,26 @@ class HybridCache:
             if isinstance(st, KVState) and st._k is not None:
                 k, v = st.k_BKSE, st.v_BKSE
                 idx = src_BS[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-                k_new, v_new = k.gather(2, idx), v.gather(2, idx)
-                st._k, st._v, st.length = None, None, 0
-                st.update(k_new, v_new)
+                st.reset(k.gather(2, idx), v.gather(2, idx))
         self.key_mask_BS = new_mask
         self.seen_tokens = S
         self.trim()
 
-    def drop_last(self, n: int) -> None:
-        """Forget the last `n` columns of an attention-only cache, in which every row had a
-        token (e.g. the draft positions of a batch of MTP caches)."""
-        if n <= 0:
-            return
-        if any(isinstance(st, MambaState) for st in self.layers):
-            raise ValueError("a cache with Mamba states rewinds through snapshot()/restore()")
-        if not 0 < n <= self.seen_tokens:
-            raise ValueError(f"cannot drop {n} of {self.seen_tokens} columns")
-        for st in self.layers:
-            if isinstance(st, KVState):
-                st.truncate(st.length - n)
-        self.seen_tokens -= n
-        if self.key_mask_BS is not None:
-            self.key_mask_BS = self.key_mask_BS[:, : self.seen_tokens]
-            self.positions_B = self.positions_B - n
-            self.trim()
-
     def truncate(self, length: int) -> None:
-        """Forget positions from `length` on; only attention-only caches can (Mamba states
-        cannot be rewound without a snapshot)."""
+        """Forget the columns from `length` on; only attention-only caches can (Mamba states
+        cannot be rewound without a snapshot). In a padded batch every row must have had a token
+        in each dropped column (e.g. the draft positions of a batch of MTP caches): each row's
+        next position goes back by the columns dropped."""
         if any(isinstance(st, MambaState) for st in self.layers):
             raise ValueError("a cache with Mamba states rewinds through snapshot()/restore()")
-        if self.key_mask_BS is not None:
-            raise ValueError("truncate applies to unpadded caches")
+        if not 0 <= length <= self.seen_tokens:
+            raise ValueError(f"cannot truncate a cache of {self.seen_tokens} columns to {length}")
+        drop = self.seen_tokens - length
         for st in self.layers:
             if isinstance(st, KVState):
-                st.truncate(length)
+                st.truncate(st.length - drop)
         self.seen_tokens = length
+        if self.key_mask_BS is not None and drop:
+            self.key_mask_BS = self.key_mask_BS[:, :length]
+            self.positions_B = self.positions_B - drop
+            self.trim()

@@ -85,6 +85,14 @@ class Episode(ABC):
         return [t.spec() for t in self.tools]
 
 
+def _score(env: Environment, problem: Problem | None, reply: Mapping[str, Any]) -> Any:
+    """The environment's reward for a final reply: its generated text when given (`text`),
+    else its content."""
+    if problem is None:
+        raise RuntimeError("step() before reset()")
+    return env.score(problem, reply.get("text", reply.get("content") or ""))
+
+
 class SingleTurnEpisode(Episode):
     """The one-step case: the reply's text is scored by the environment's verifier."""
 
@@ -97,9 +105,7 @@ class SingleTurnEpisode(Episode):
         return [dict(m) for m in problem.messages]
 
     def step(self, reply: Mapping[str, Any]) -> Step:
-        if self.problem is None:
-            raise RuntimeError("step() before reset()")
-        reward = self.env.score(self.problem, reply.get("text", reply.get("content") or ""))
+        reward = _score(self.env, self.problem, reply)
         return Step([], reward.value, True, {"reason": reward.reason})
 
 
@@ -132,7 +138,7 @@ class ToolEpisode(Episode):
         self.turns += 1
         calls = list(reply.get("tool_calls") or [])
         if not calls:
-            reward = self.env.score(self.problem, reply.get("text", reply.get("content") or ""))
+            reward = _score(self.env, self.problem, reply)
             info = {"reason": reward.reason, "turns": self.turns, "tool_calls": self.calls}
             return Step([], reward.value, True, info)
         if self.turns >= self.max_turns:

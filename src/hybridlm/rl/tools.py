@@ -66,6 +66,17 @@ class Tool(ABC):
     def run(self, arguments: Mapping[str, Any]) -> str:
         """The result text; raise `ToolError` to refuse."""
 
+    @staticmethod
+    def _only_string(arguments: Mapping[str, Any], name: str) -> str:
+        """The tool's one argument `name`, a string; `ToolError` for anything else."""
+        extra = sorted(set(arguments) - {name})
+        if extra:
+            raise ToolError(f"unknown argument {extra[0]!r}; the only argument is {name!r}")
+        value = arguments.get(name)
+        if not isinstance(value, str):
+            raise ToolError(f"{name!r} must be a string")
+        return value
+
 
 _BINARY = {
     ast.Add: operator.add,
@@ -109,13 +120,7 @@ class Calculator(Tool):
         self._max_bits = math.ceil(max_digits * math.log2(10)) + 1
 
     def run(self, arguments: Mapping[str, Any]) -> str:
-        extra = sorted(set(arguments) - {"expression"})
-        if extra:
-            raise ToolError(f"unknown argument {extra[0]!r}; the only argument is 'expression'")
-        expr = arguments.get("expression")
-        if not isinstance(expr, str):
-            raise ToolError("'expression' must be a string")
-        return self.format(self.evaluate(expr))
+        return self.format(self.evaluate(self._only_string(arguments, "expression")))
 
     def evaluate(self, expression: str) -> int | float:
         """The value of `expression`; `ToolError` for anything else."""
@@ -229,11 +234,8 @@ class Search(Tool):
         self._index.index(tokens, show_progress=False)
 
     def run(self, arguments: Mapping[str, Any]) -> str:
-        extra = sorted(set(arguments) - {"query"})
-        if extra:
-            raise ToolError(f"unknown argument {extra[0]!r}; the only argument is 'query'")
-        query = arguments.get("query")
-        if not isinstance(query, str) or not query.strip():
+        query = self._only_string(arguments, "query")
+        if not query.strip():
             raise ToolError("'query' must be a non-empty string")
         if len(query) > self.max_query_chars:
             raise ToolError(f"the query is longer than {self.max_query_chars} characters")
