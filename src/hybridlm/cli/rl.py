@@ -1,4 +1,5 @@
-"""`hybridlm rl`: GRPO with verifiable rewards (rl/learner.py)."""
+"""`hybridlm rl`: GRPO with verifiable rewards (rl/learner.py); `hybridlm tool-demos`: solved
+tool-use episodes of an environment as SFT data (the short tool-use SFT before agentic RL)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_resume_args(p)
     add_overrides_arg(p, "steps=20 --set grpo.eps_high=0.28")
     p.set_defaults(fn=cmd_rl)
+    p = sub.add_parser(
+        "tool-demos", help="write solved tool-use episodes as SFT chat data (JSONL: messages)"
+    )
+    p.add_argument("--env", default="calculator", help="a tool-use environment kind")
+    p.add_argument("--num", type=int, default=2000, help="conversations to write")
+    p.add_argument("--out", required=True, help="the JSONL file to write")
+    add_overrides_arg(p, "digits=5 --set seed=0 (fields of an RL config's envs[] entry)")
+    p.set_defaults(fn=cmd_tool_demos)
 
 
 def cmd_rl(args: argparse.Namespace) -> None:
@@ -45,3 +54,26 @@ def cmd_rl(args: argparse.Namespace) -> None:
     )
     print(f"metrics: {res['metrics']}\nplot:    {res['plot']}\nmodel:   {res['model']}")
     parallel.destroy()
+
+
+def cmd_tool_demos(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from ..config import apply_overrides
+    from ..rl.environments import ToolUseEnvironment
+    from ..rl.learner import EnvConfig, build_environment
+
+    spec = apply_overrides(EnvConfig(kind=args.env), args.overrides)
+    env = build_environment(spec)
+    if not isinstance(env, ToolUseEnvironment):
+        raise ValueError(f"environment {args.env!r} has no tools; use calculator or search_qa")
+    if args.num < 1:
+        raise ValueError(f"--num must be >= 1, got {args.num}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    convs = env.demonstrations(args.num, seed=spec.seed)
+    with out.open("w") as f:
+        for messages in convs:
+            f.write(json.dumps({"messages": messages}) + "\n")
+    print(f"[tool-demos] {len(convs)} solved {env.name} episodes -> {out}")

@@ -160,15 +160,31 @@ def tools_section(tools: Sequence[Any]) -> str:
     return TOOLS_INTRO + "".join(lines) + TOOLS_OUTRO
 
 
+def _system_with(first: str, section: str) -> str:
+    return f"{first}\n\n{section}" if first else section
+
+
 def _with_tools(turns: list[Turn], tools: Sequence[Any] | None) -> list[Turn]:
     """`turns` with the tools section appended to the leading system turn (or in a new one)."""
     if not tools:
         return turns
     section = tools_section(tools)
     if turns[0].role == "system":
-        first = turns[0].body
-        return [Turn("system", f"{first}\n\n{section}" if first else section), *turns[1:]]
+        return [Turn("system", _system_with(turns[0].body, section)), *turns[1:]]
     return [Turn("system", section), *turns]
+
+
+def offer_tools(messages: Sequence[Message], tools: Sequence[Any]) -> list[dict[str, Any]]:
+    """`messages` with the tools section written into the system message, as `render(...,
+    tools=tools)` shows it: a conversation that needs no `tools` argument (SFT data of tool
+    use renders exactly as the rollouts that offer the same tools)."""
+    msgs = [dict(m) for m in messages]
+    section = tools_section(tools)
+    if msgs and msgs[0].get("role") == "system":
+        msgs[0] = {"role": "system", "content": _system_with(validate(msgs[:1])[0].body, section)}
+    else:
+        msgs.insert(0, {"role": "system", "content": section})
+    return msgs
 
 
 def validate(messages: Sequence[Message]) -> list[Turn]:

@@ -18,18 +18,24 @@ Executors: `"ray"` runs each worker as a Ray actor process (`ray.init()` on a la
 local cluster; `ray_address` joins an existing one); the actor runs two calls at once
 (`max_concurrency=2`) so that a weight update can arrive while `generate` runs. `"inline"` runs
 the worker in this process, synchronously (no overlap; on-policy), for debugging and tests.
+
+A request with a `problem` is rolled out as a multi-turn episode of the worker's environment
+(`roll_out`: each turn a request of the continuous batch, tool results appended between turns,
+`Completion.mask` 0 on them); a request without one is a plain completion of its prompt.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 
 from ..config import ModelConfig
+from ..data.chat import STOP, continuation, parse_assistant, render
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
 from ..model.model import HybridLM
@@ -39,32 +45,234 @@ Executor = Literal["ray", "inline"]
 
 @dataclass
 class RolloutRequest:
-    """One prompt to sample `group_size` completions for (a GRPO group)."""
+    """One prompt to sample `group_size` completions for (a GRPO group). With a `problem`, each
+    completion is a multi-turn episode of the worker's environment on it (`rl.episodes`; the
+    prompt is then rendered by the episode and `prompt_ids` is ignored)."""
 
     key: str  # the problem's id, carried back to the learner
     prompt_ids: list[int]
     group_size: int = 1
+    problem: Any = None
 
 
 @dataclass
 class Completion:
     """One sampled completion. `token_ids` include the EOS / stop token that ended it (a policy
-    must learn to stop), with `logprobs` and `versions` aligned to them; `text` excludes it."""
+    must learn to stop), with `logprobs` and `versions` aligned to them; `text` excludes it.
+
+    An episode's completion is everything after its opening prompt: the generated turns and,
+    between them, the environment's tokens (tool results, the next turn's header), which `mask`
+    marks 0 (their `logprobs` 0.0, `versions` -1); `reward` is the episode's, `turns` its replies
+    and `info` the environment's last answer. A plain completion has `mask` None (every token
+    generated) and `reward` None (scored by the learner)."""
 
     key: str
     index: int  # position in its group
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]  # the engine's log-probs (behaviour policy) under softmax(logits / T)
-    versions: list[int]  # the weight version that sampled each token
+    versions: list[int]  # the weight version that sampled each token (-1: not sampled)
     finish_reason: str
     text: str
     worker: int = 0
+    mask: list[int] | None = None
+    reward: float | None = None
+    turns: int = 1
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def loss_mask(self) -> list[int]:
+        """1 on the tokens the policy generated."""
+        return [1] * len(self.token_ids) if self.mask is None else self.mask
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) if self.mask is None else sum(self.mask)
 
     @property
     def lag_versions(self) -> tuple[int, int]:
-        """(oldest, newest) weight version among the tokens (both -1 for an empty completion)."""
-        return (min(self.versions), max(self.versions)) if self.versions else (-1, -1)
+        """(oldest, newest) weight version among the sampled tokens (both -1 for none)."""
+        v = [x for x in self.versions if x >= 0]
+        return (min(v), max(v)) if v else (-1, -1)
+
+
+# ---------------------------------------------------------------------- episodes
+# Multi-turn rollouts (Nemotron 3 Super §3.2.5: the model alternates with an environment). The
+# environments and episodes are `rl.environments` / `rl.episodes`, which build on this module,
+# so they are named here by what the loop uses: an Environment has `episode()`; an Episode has
+# `reset(problem) -> messages`, `tool_specs()` and `step(reply) -> (observation, reward, done,
+# info)` (`rl.episodes.Step`); a Problem is whatever the environment's episodes take.
+Environment = Any
+Episode = Any
+Problem = Any
+
+
+@dataclass
+class EpisodeResult:
+    """A finished episode: the whole token sequence (prompt, generated turns, the tokens
+    between turns), `loss_mask` 1 on generated tokens, and per token the behaviour log-prob and
+    weight version (None / -1 where not generated). `finish_reason` is the last turn's ("stop",
+    or "length" when a budget cut it) and `text` the last reply's text."""
+
+    problem: Problem
+    tokens: list[int]
+    loss_mask: list[int]
+    logprobs: list[float | None]
+    versions: list[int]
+    reward: float
+    turns: int
+    messages: list[dict[str, Any]]
+    truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    finish_reason: str = "stop"
+    text: str = ""
+
+    @classmethod
+    def start(
+        cls, problem: Problem, prompt_ids: Sequence[int], messages: Sequence[Mapping] = ()
+    ) -> EpisodeResult:
+        """An episode (or one plain generation) before its first turn."""
+        n = len(prompt_ids)
+        return cls(
+            problem,
+            list(prompt_ids),
+            [0] * n,
+            [None] * n,
+            [-1] * n,
+            0.0,
+            0,
+            [dict(m) for m in messages],
+        )
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens before the first generated one."""
+        return self.loss_mask.index(1) if 1 in self.loss_mask else len(self.tokens)
+
+    @property
+    def generated(self) -> int:
+        return sum(self.loss_mask)
+
+
+def start_episode(
+    env: Environment, problem: Problem, tokenizer: Any
+) -> tuple[EpisodeResult, Episode]:
+    """A fresh episode of `env` reset on `problem`, and its result holding the rendered opening
+    messages (the tools, if any, offered in the system prompt)."""
+    episode = env.episode()
+    messages = episode.reset(problem)
+    ids = tokenizer.encode(render(messages, tools=episode.tool_specs() or None))
+    return EpisodeResult.start(problem, ids, messages), episode
+
+
+@dataclass
+class _Live:
+    index: int
+    episode: Episode | None
+    result: EpisodeResult
+    seed: int | None
+    turn: int = 0
+
+
+def roll_out(
+    engine: Engine,
+    starts: Sequence[tuple[EpisodeResult, Episode | None]],
+    params: SamplingParams,
+    *,
+    max_turns: int = 4,
+    max_episode_tokens: int | None = None,
+    seeds: Sequence[int | None] | None = None,
+    between_steps: Callable[[], None] | None = None,
+) -> None:
+    """The rollout loop under `run_episodes` and the rollout workers: every start is an
+    `EpisodeResult` holding its prompt and the `Episode` that answers its replies, or None for
+    one plain generation (the prompt's continuation under `params` as given, one turn, reward
+    0). Results are filled in place. `between_steps` runs after every engine step (a rollout
+    worker loads new weights there)."""
+    tok = engine.tokenizer
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if max_episode_tokens is not None and max_episode_tokens < 1:
+        raise ValueError(f"max_episode_tokens must be >= 1, got {max_episode_tokens}")
+    if seeds is not None and len(seeds) != len(starts):
+        raise ValueError(f"{len(seeds)} seeds for {len(starts)} episodes")
+    stops = [params.stop] if isinstance(params.stop, str) else list(params.stop)
+    live: dict[str, _Live] = {}
+
+    def submit(st: _Live) -> None:
+        left = None
+        if max_episode_tokens is not None:
+            left = max_episode_tokens - st.result.generated
+        room = engine.max_model_len - len(st.result.tokens)
+        n = min(params.max_tokens, room, left if left is not None else room)
+        if n < 1:
+            finish(st, truncated=True)
+            return
+        sp = replace(
+            params,
+            max_tokens=n,
+            logprobs=True,
+            seed=None if st.seed is None else st.seed + st.turn,
+        )
+        if st.episode is not None:  # a chat turn: it ends at the end-of-turn string
+            sp = replace(sp, stop=[*stops, STOP], include_stop_str_in_output=True)
+        live[engine.add_request(list(st.result.tokens), sp)] = st
+
+    def finish(st: _Live, *, truncated: bool = False, reward: float = 0.0, info=None) -> None:
+        st.result.truncated = truncated
+        st.result.reward = reward
+        st.result.turns = st.turn
+        st.result.info.update(info or {})
+
+    for i, (result, episode) in enumerate(starts):
+        if seeds is not None:
+            seed = seeds[i]
+        else:
+            seed = None if params.seed is None else params.seed + 1000 * i
+        submit(_Live(i, episode, result, seed))
+    while live:
+        for out in engine.step():
+            if not out.finished or out.request_id not in live:
+                continue
+            st = live.pop(out.request_id)
+            res = st.result
+            st.turn += 1
+            gen, lps = list(out.token_ids), list(out.logprobs or [None] * len(out.token_ids))
+            versions = list(out.token_versions)
+            if out.stop_token_id is not None:  # EOS / a stop token ended the turn: keep it
+                gen.append(out.stop_token_id)
+                lps.append(out.stop_token_logprob)
+                versions.append(engine.weight_version)
+            res.tokens += gen
+            res.loss_mask += [1] * len(gen)
+            res.logprobs += lps
+            res.versions += versions
+            res.finish_reason, res.text = out.finish_reason, out.text
+            if st.episode is None:  # one plain generation
+                finish(st, truncated=out.finish_reason == "length")
+                continue
+            reply = parse_assistant(out.text)
+            reply["text"] = out.text
+            res.messages.append({k: v for k, v in reply.items() if k != "text"})
+            if out.finish_reason != "stop":  # cut by a budget while the model was writing
+                finish(st, truncated=True)
+                continue
+            step = st.episode.step(reply)
+            if step.done or st.turn >= max_turns:
+                info = dict(step.info)
+                if not step.done:
+                    info["unfinished"] = True
+                finish(st, reward=step.reward, info=info)
+                continue
+            between = tok.encode(continuation(step.observation), add_bos=False)
+            res.messages += step.observation
+            res.tokens += between
+            res.loss_mask += [0] * len(between)
+            res.logprobs += [None] * len(between)
+            res.versions += [-1] * len(between)
+            submit(st)
+        if between_steps is not None:
+            between_steps()
 
 
 @dataclass
@@ -89,6 +297,7 @@ class RolloutWorker:
         threads: int = 1,
         seed: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
+        env: Any = None,
     ) -> None:
         if threads > 0:
             torch.set_num_threads(threads)
@@ -100,6 +309,7 @@ class RolloutWorker:
         self.engine.weight_version = version
         self.worker_id = worker_id
         self.seed = seed
+        self.env = env  # steps the episodes of requests with a problem (rl.environments)
         self._calls = 0
         self._pending = _Pending()
         # the engine is not thread-safe: one generate at a time; set_weights may come meanwhile
@@ -133,55 +343,76 @@ class RolloutWorker:
             self.engine.update_weights(state, version)
 
     # -- generation
-    def generate(self, requests: list[RolloutRequest], params: dict[str, Any]) -> list[Completion]:
+    def generate(
+        self,
+        requests: list[RolloutRequest],
+        params: dict[str, Any],
+        *,
+        max_turns: int = 1,
+        max_episode_tokens: int | None = None,
+    ) -> list[Completion]:
         """Sample every request's group in one continuous batch; returns the completions in
-        request order, group members in index order."""
+        request order, group members in index order. `params` bound each reply; episodes also
+        end after `max_turns` replies or `max_episode_tokens` generated tokens."""
         with self._generating:
-            return self._generate(requests, params)
+            return self._generate(requests, params, max_turns, max_episode_tokens)
 
-    def _generate(self, requests: list[RolloutRequest], params: dict[str, Any]) -> list[Completion]:
+    def _generate(
+        self,
+        requests: list[RolloutRequest],
+        params: dict[str, Any],
+        max_turns: int,
+        max_episode_tokens: int | None,
+    ) -> list[Completion]:
         self._apply_pending()
         self._calls += 1
-        keys: dict[str, tuple[int, int]] = {}
+        sp = SamplingParams(**{**params, "logprobs": True})
+        starts, seeds, keys = [], [], []
         for r, req in enumerate(requests):
+            if req.problem is not None and self.env is None:
+                raise ValueError(f"request {req.key!r} has a problem but the worker no environment")
             for g in range(req.group_size):
+                if req.problem is None:
+                    starts.append((EpisodeResult.start(None, req.prompt_ids), None))
+                else:
+                    starts.append(start_episode(self.env, req.problem, self.engine.tokenizer))
                 # distinct, reproducible streams: (seed, worker, call, request, member)
-                seed = hash((self.seed, self.worker_id, self._calls, r, g)) % 2**62
-                sp = SamplingParams(**{**params, "seed": seed, "logprobs": True})
-                rid = self.engine.add_request(req.prompt_ids, sp, request_id=f"{r}/{g}")
-                keys[rid] = (r, g)
-        done: dict[str, Any] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-            self._apply_pending()  # in-flight update between steps
-        completions = []
-        for rid, (r, g) in keys.items():
-            out, req = done[rid], requests[r]
-            tokens, logprobs, versions = (
-                list(out.token_ids),
-                list(out.logprobs),
-                list(out.token_versions),
-            )
-            if out.stop_token_id is not None:
-                tokens.append(out.stop_token_id)
-                logprobs.append(out.stop_token_logprob)
-                versions.append(versions[-1] if versions else self.engine.weight_version)
-            completions.append(
-                Completion(
-                    key=req.key,
-                    index=g,
-                    prompt_ids=req.prompt_ids,
-                    token_ids=tokens,
-                    logprobs=logprobs,
-                    versions=versions,
-                    finish_reason=out.finish_reason,
-                    text=out.text,
-                    worker=self.worker_id,
-                )
-            )
-        return completions
+                seeds.append(hash((self.seed, self.worker_id, self._calls, r, g)) % 2**62)
+                keys.append((r, g))
+        roll_out(
+            self.engine,
+            starts,
+            sp,
+            max_turns=max_turns,
+            max_episode_tokens=max_episode_tokens,
+            seeds=seeds,
+            between_steps=self._apply_pending,  # in-flight update between steps
+        )
+        return [
+            _completion(requests[r], g, res, episodic, self.worker_id)
+            for (r, g), (res, episodic) in zip(keys, starts, strict=True)
+        ]
+
+
+def _completion(req: RolloutRequest, g: int, res: Any, episode: Any, worker: int) -> Completion:
+    """An `rl.episodes.EpisodeResult` as the learner's `Completion` (class docstring)."""
+    p = res.prompt_len if episode is not None else len(req.prompt_ids)
+    mask = res.loss_mask[p:]
+    return Completion(
+        key=req.key,
+        index=g,
+        prompt_ids=res.tokens[:p],
+        token_ids=res.tokens[p:],
+        logprobs=[0.0 if lp is None else lp for lp in res.logprobs[p:]],
+        versions=res.versions[p:],
+        finish_reason=res.finish_reason,
+        text=res.text,
+        worker=worker,
+        mask=None if episode is None else mask,
+        reward=None if episode is None else res.reward,
+        turns=res.turns,
+        info=dict(res.info) if episode is not None else {},
+    )
 
 
 class _InlineHandle:
@@ -191,7 +422,9 @@ class _InlineHandle:
 
 class RolloutPool:
     """`num_workers` rollout workers behind one interface: `submit` (non-blocking on Ray),
-    `wait` (completed calls), `set_weights` (broadcast with a timeout), `shutdown`."""
+    `wait` (completed calls), `set_weights` (broadcast with a timeout), `shutdown`. `env`: the
+    environment whose episodes the workers step (requests with a `problem`); each Ray worker
+    gets its own copy."""
 
     def __init__(
         self,
@@ -207,6 +440,7 @@ class RolloutPool:
         seed: int = 0,
         version: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
+        env: Any = None,
     ) -> None:
         if executor not in ("ray", "inline"):
             raise ValueError(f"executor must be 'ray' or 'inline', got {executor!r}")
@@ -219,7 +453,11 @@ class RolloutPool:
         self._inflight: list[Any] = []
         state = {k: v.detach().cpu() for k, v in state_dict.items()}
         kw = dict(
-            threads=threads_per_worker, seed=seed, version=version, engine_kwargs=engine_kwargs
+            threads=threads_per_worker,
+            seed=seed,
+            version=version,
+            engine_kwargs=engine_kwargs,
+            env=env,
         )
         if executor == "inline":
             self.workers = [RolloutWorker(model_cfg, tokenizer, state, worker_id=0, **kw)]
@@ -246,15 +484,16 @@ class RolloutPool:
     def _check(versions: list[int]) -> None:
         assert len(set(versions)) == 1, versions
 
-    def submit(self, requests: list[RolloutRequest], params: dict[str, Any]) -> Any:
-        """Start one generation call on the next worker (round robin); returns a handle."""
+    def submit(self, requests: list[RolloutRequest], params: dict[str, Any], **budgets: Any) -> Any:
+        """Start one generation call on the next worker (round robin); returns a handle.
+        `budgets`: the episodes' `max_turns` / `max_episode_tokens` (`RolloutWorker.generate`)."""
         SamplingParams(**params).validate()  # a bad setting fails here, not in a worker
         w = self.workers[self._next % len(self.workers)]
         self._next += 1
         if self.executor == "inline":
-            handle: Any = _InlineHandle(w.generate(requests, params))
+            handle: Any = _InlineHandle(w.generate(requests, params, **budgets))
         else:
-            handle = w.generate.remote(requests, params)
+            handle = w.generate.remote(requests, params, **budgets)
         self._inflight.append(handle)
         return handle
 

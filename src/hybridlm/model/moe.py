@@ -399,7 +399,11 @@ class MoE(nn.Module):
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:
         """Aux-loss-free balancing step: raise the bias of under-loaded experts, lower the
-        over-loaded ones (DeepSeek-V3 §2.1.2; rate 1e-3 in Nemotron 3 Super)."""
+        over-loaded ones (DeepSeek-V3 §2.1.2; rate 1e-3 in Nemotron 3 Super). A frozen router
+        (`gate.weight` not requiring grad, e.g. during RL) keeps its bias too."""
+        if not self.gate.weight.requires_grad:
+            self.load_E.zero_()
+            return
         load = self.load_E if load_E is None else load_E.to(self.load_E)
         bias = self.gate.e_score_correction_bias
         bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load).to(bias.dtype)

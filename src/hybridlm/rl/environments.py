@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import math
 import random
 import re
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridlm.data.builtin import read_jsonl
-from hybridlm.data.chat import render
+from hybridlm.data.chat import offer_tools, render
 from hybridlm.rl.sandbox import humaneval_test
 from hybridlm.rl.verifiers import (
     CodeVerifier,
@@ -46,7 +47,7 @@ from hybridlm.rl.verifiers import (
     gsm8k_reference,
 )
 
-from .episodes import Episode, SingleTurnEpisode, ToolEpisode
+from .episodes import Episode, SingleTurnEpisode, Step, ToolEpisode
 from .tools import Calculator, Search, Tool
 from .verifiers import INSTRUCTIONS, extract_boxed
 
@@ -82,6 +83,7 @@ class Environment(ABC):
     `score`; `score_many` may batch (the code environment runs its sandbox pool)."""
 
     name: str = "env"
+    multi_turn: bool = False  # episodes take several replies (tools): rolled out by the workers
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -227,6 +229,8 @@ class ToolUseEnvironment(DatasetEnvironment):
     """Problems solved with tools: episodes are `ToolEpisode`s over `tools()`, and the final
     reply (the one without tool calls) is scored on its final number."""
 
+    multi_turn = True
+
     def __init__(self, problems: Sequence[Problem], *, name: str, max_turns: int) -> None:
         super().__init__(problems, name=name)
         self.verifier = GSM8KVerifier()
@@ -237,6 +241,32 @@ class ToolUseEnvironment(DatasetEnvironment):
 
     def episode(self) -> Episode:
         return ToolEpisode(self, self.tools(), max_turns=self.max_turns)
+
+    def calls(self, problem: Problem) -> list[tuple[str, dict[str, Any]]]:
+        """The tool calls (name, arguments) that solve `problem`, for demonstrations."""
+        raise NotImplementedError
+
+    def demonstrations(self, n: int, *, seed: int = 0) -> list[list[dict[str, Any]]]:
+        """`n` solved episodes as chat conversations (tool-use SFT data): each calls the tools
+        of `calls(problem)` one per turn, gets their real results, then answers "The answer is
+        N." The tools section is written into the system message (`data.chat.offer_tools`), so
+        a conversation renders as the rollouts of this environment do."""
+        tools = {t.name: t for t in self.tools()}
+        specs = [t.spec() for t in tools.values()]
+        out = []
+        for k, problem in enumerate(self.sample(n, seed=seed)):
+            msgs = offer_tools(problem.messages, specs)
+            for j, (name, args) in enumerate(self.calls(problem)):
+                call = {"id": f"call_{j}", "type": "function",
+                        "function": {"name": name, "arguments": json.dumps(args)}}  # fmt: skip
+                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                msgs.append({"role": "tool", "tool_call_id": f"call_{j}",
+                             "content": tools[name](args)})  # fmt: skip
+            msgs.append({"role": "assistant", "content": f"The answer is {problem.answer}."})
+            if self.score(problem, msgs[-1]["content"]).value != 1.0:
+                raise AssertionError(f"demonstration {k} of {self.name} does not solve it")
+            out.append(msgs)
+        return out
 
     def score(self, problem: Problem, completion: str) -> Reward:
         return self.verifier(completion, problem.answer)
@@ -283,6 +313,10 @@ class CalculatorEnvironment(ToolUseEnvironment):
 
     def tools(self) -> list[Tool]:
         return [Calculator()]
+
+    def calls(self, problem: Problem) -> list[tuple[str, dict[str, Any]]]:
+        a, b = problem.metadata["a"], problem.metadata["b"]
+        return [("calculator", {"expression": f"{a} * {b}"})]
 
 
 class SearchQAEnvironment(ToolUseEnvironment):
@@ -362,6 +396,9 @@ class SearchQAEnvironment(ToolUseEnvironment):
 
     def tools(self) -> list[Tool]:
         return [self.search]
+
+    def calls(self, problem: Problem) -> list[tuple[str, dict[str, Any]]]:
+        return [("search", {"query": problem.metadata["town"]})]
 
 
 class MathEnvironment(DatasetEnvironment):
@@ -719,10 +756,13 @@ class MixtureEnvironment(Environment):
                 return env[index - start]
         raise IndexError(index)
 
+    @property
+    def multi_turn(self) -> bool:  # type: ignore[override]
+        return any(e.multi_turn for e in self.envs.values())
+
     def episode(self) -> Episode:
-        """A fresh episode state for one rollout (`rl.episodes`): single-turn by default, the
-        reply scored by `score`."""
-        return SingleTurnEpisode(self)
+        """An episode of the environment its problem comes from (chosen at `reset`)."""
+        return _RoutedEpisode(self)
 
     def sample(self, n: int, *, seed: int = 0) -> list[Problem]:
         """Environment by weight, then a problem uniformly within it; deterministic in seed."""
@@ -758,6 +798,24 @@ class MixtureEnvironment(Environment):
             for i, r in zip(idx, got, strict=True):
                 out[i] = r
         return out  # type: ignore[return-value]
+
+
+class _RoutedEpisode(Episode):
+    """A mixture's episode: at `reset` it becomes an episode of the problem's environment."""
+
+    def __init__(self, mixture: MixtureEnvironment) -> None:
+        self.mixture = mixture
+        self.inner: Episode | None = None
+
+    def reset(self, problem: Problem) -> list[dict[str, Any]]:
+        self.inner = self.mixture.env_of(problem).episode()
+        self.tools = self.inner.tools
+        return self.inner.reset(problem)
+
+    def step(self, reply: Mapping[str, Any]) -> Step:
+        if self.inner is None:
+            raise RuntimeError("step() before reset()")
+        return self.inner.step(reply)
 
 
 def reward_metrics(problems: Sequence[Problem], rewards: Sequence[Reward]) -> dict[str, float]:

@@ -28,10 +28,10 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..data.chat import STOP, continuation, parse_assistant, render
+from ..infer.rollout import EpisodeResult, roll_out, start_episode
 from .tools import Tool
 
 if TYPE_CHECKING:
@@ -168,42 +168,6 @@ class ToolEpisode(Episode):
         return tool(args)
 
 
-@dataclass
-class EpisodeResult:
-    """A finished episode: the whole token sequence (prompt, generated turns, the tokens
-    between turns), `loss_mask` 1 on generated tokens, and per token the behaviour log-prob and
-    weight version (None / -1 where not generated)."""
-
-    problem: Problem
-    tokens: list[int]
-    loss_mask: list[int]
-    logprobs: list[float | None]
-    versions: list[int]
-    reward: float
-    turns: int
-    messages: list[dict[str, Any]]
-    truncated: bool = False
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def prompt_len(self) -> int:
-        """Tokens before the first generated one."""
-        return self.loss_mask.index(1) if 1 in self.loss_mask else len(self.tokens)
-
-    @property
-    def generated(self) -> int:
-        return sum(self.loss_mask)
-
-
-@dataclass
-class _Live:
-    index: int
-    episode: Episode
-    problem: Problem
-    result: EpisodeResult
-    turn: int = 0
-
-
 def run_episodes(
     engine: Engine,
     env: Environment,
@@ -212,91 +176,21 @@ def run_episodes(
     *,
     max_turns: int = 4,
     max_episode_tokens: int | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> list[EpisodeResult]:
     """Roll one episode out per problem on `engine` (module docstring); results in problem
-    order. Turn t of episode i samples with seed `params.seed + 1000 * i + t` when a seed is
-    set. Each reply is generated until `data.chat.STOP` (kept in the tokens: the policy learns
-    to end its turn). The call steps the engine until its episodes end: requests that others
-    added to the same engine advance too, but their outputs are not returned to anyone."""
-    tok = engine.tokenizer
-    if max_turns < 1:
-        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-    if max_episode_tokens is not None and max_episode_tokens < 1:
-        raise ValueError(f"max_episode_tokens must be >= 1, got {max_episode_tokens}")
-    live: dict[str, _Live] = {}
-
-    def submit(st: _Live) -> None:
-        left = None
-        if max_episode_tokens is not None:
-            left = max_episode_tokens - st.result.generated
-        room = engine.max_model_len - len(st.result.tokens)
-        n = min(params.max_tokens, room, left if left is not None else room)
-        if n < 1:
-            finish(st, truncated=True)
-            return
-        seed = None if params.seed is None else params.seed + 1000 * st.index + st.turn
-        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop)
-        sp = replace(
-            params,
-            max_tokens=n,
-            stop=[*stops, STOP],
-            include_stop_str_in_output=True,
-            logprobs=True,
-            seed=seed,
-        )
-        live[engine.add_request(list(st.result.tokens), sp)] = st
-
-    def finish(st: _Live, *, truncated: bool = False, reward: float = 0.0, info=None) -> None:
-        st.result.truncated = truncated
-        st.result.reward = reward
-        st.result.turns = st.turn
-        st.result.info.update(info or {})
-
-    results = []
-    for i, problem in enumerate(problems):
-        episode = env.episode()
-        messages = episode.reset(problem)
-        ids = tok.encode(render(messages, tools=episode.tool_specs() or None))
-        res = EpisodeResult(
-            problem, ids, [0] * len(ids), [None] * len(ids), [-1] * len(ids), 0.0, 0, messages
-        )
-        results.append(res)
-        submit(_Live(i, episode, problem, res))
-    while live:
-        for out in engine.step():
-            if not out.finished or out.request_id not in live:
-                continue
-            st = live.pop(out.request_id)
-            res = st.result
-            st.turn += 1
-            gen, lps = list(out.token_ids), list(out.logprobs or [None] * len(out.token_ids))
-            versions = list(out.token_versions)
-            if out.stop_token_id is not None:  # EOS / a stop token ended the turn: keep it
-                gen.append(out.stop_token_id)
-                lps.append(out.stop_token_logprob)
-                versions.append(engine.weight_version)
-            res.tokens += gen
-            res.loss_mask += [1] * len(gen)
-            res.logprobs += lps
-            res.versions += versions
-            reply = parse_assistant(out.text)
-            reply["text"] = out.text
-            res.messages.append({k: v for k, v in reply.items() if k != "text"})
-            if out.finish_reason != "stop":  # cut by a budget while the model was writing
-                finish(st, truncated=True)
-                continue
-            step = st.episode.step(reply)
-            if step.done or st.turn >= max_turns:
-                info = dict(step.info)
-                if not step.done:
-                    info["unfinished"] = True
-                finish(st, reward=step.reward, info=info)
-                continue
-            between = tok.encode(continuation(step.observation), add_bos=False)
-            res.messages += step.observation
-            res.tokens += between
-            res.loss_mask += [0] * len(between)
-            res.logprobs += [None] * len(between)
-            res.versions += [-1] * len(between)
-            submit(st)
-    return results
+    order. Turn t of episode i samples with seed `seeds[i] + t` (default `params.seed + 1000 *
+    i`; unseeded when neither is set). Each reply is generated until `data.chat.STOP` (kept in
+    the tokens: the policy learns to end its turn). The call steps the engine until its episodes
+    end: requests that others added to the same engine advance too, but their outputs are not
+    returned to anyone."""
+    starts = [start_episode(env, p, engine.tokenizer) for p in problems]
+    roll_out(
+        engine,
+        starts,
+        params,
+        max_turns=max_turns,
+        max_episode_tokens=max_episode_tokens,
+        seeds=seeds,
+    )
+    return [r for r, _ in starts]

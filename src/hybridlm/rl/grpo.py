@@ -41,6 +41,8 @@ class GRPOConfig:
     kl_coef: float = 0.0  # β of the k3 KL penalty to a reference policy (0: no reference)
     loss_agg: Literal["token", "sequence"] = "token"  # token: Σ/num tokens; sequence: mean of means
     std_normalize: bool = False  # divide advantages by the group std (original GRPO)
+    # mean: A_i = R_i - mean_j R_j (Dr GRPO); leave_one_out: R_i - mean_{j != i} R_j (RLOO)
+    baseline: Literal["mean", "leave_one_out"] = "mean"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eps_low < 1.0:
@@ -55,17 +57,31 @@ class GRPOConfig:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
         if self.loss_agg not in ("token", "sequence"):
             raise ValueError(f"loss_agg must be 'token' or 'sequence', got {self.loss_agg!r}")
+        if self.baseline not in ("mean", "leave_one_out"):
+            raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {self.baseline!r}")
 
 
 def group_advantages(
-    rewards_NG: Tensor, *, std_normalize: bool = False, eps: float = 1e-6
+    rewards_NG: Tensor,
+    *,
+    std_normalize: bool = False,
+    baseline: str = "mean",
+    eps: float = 1e-6,
 ) -> Tensor:
-    """A_ij = R_ij - mean_j R_ij (Dr GRPO: no std division, Olmo 3 §4.4.1); with
-    `std_normalize`, divided by the group's sample std (Bessel-corrected) + eps."""
+    """A_ij = R_ij - mean_j R_ij (Dr GRPO: no std division, Olmo 3 §4.4.1), or with
+    `baseline="leave_one_out"` R_ij - mean_{k != j} R_ik (RLOO, Ahmadian et al. 2024: the
+    baseline is independent of the sample it judges; = G/(G-1) times the mean-baseline
+    advantage); with `std_normalize`, divided by the group's sample std (Bessel-corrected) + eps."""
     if rewards_NG.ndim != 2 or rewards_NG.shape[1] < 2:
         raise ValueError(f"rewards must be [num_groups, group_size >= 2], got {rewards_NG.shape}")
     r = rewards_NG.float()
-    adv_NG = r - r.mean(dim=1, keepdim=True)
+    if baseline == "mean":
+        adv_NG = r - r.mean(dim=1, keepdim=True)
+    elif baseline == "leave_one_out":
+        G = r.shape[1]
+        adv_NG = r - (r.sum(dim=1, keepdim=True) - r) / (G - 1)
+    else:
+        raise ValueError(f"baseline must be 'mean' or 'leave_one_out', got {baseline!r}")
     if std_normalize:
         adv_NG = adv_NG / (r.std(dim=1, keepdim=True) + eps)
     return adv_NG

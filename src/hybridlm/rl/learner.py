@@ -10,8 +10,14 @@ The loop (OlmoRL, Olmo 3 §4.4; Nemotron 3 Super §3.2):
    weighted mixture of environments (`rl.environments`), each completion with the engine's
    log-probs and the weight version of every token. Generation ends at the chat template's
    end-of-turn string, which stays in the completion (the policy must learn to stop).
-2. **Rewards** from the environments' verifiers (or, for the negative control `reward: random`,
-   a fair coin per completion: no information, so no gain may follow).
+   Problems of multi-turn environments (`calculator`, `search_qa`) are rolled out as episodes
+   on the workers (`infer.rollout.roll_out`): each reply's tool calls are executed and their
+   results appended as tool turns until the model answers, within `max_turns` replies,
+   `max_new_tokens` per reply and `max_episode_tokens` per episode. The completion is
+   everything after the opening prompt; the loss covers only the generated tokens.
+2. **Rewards** from the environments' verifiers (an episode's when it ends; or, for the negative
+   control `reward: random`, a fair coin per completion: no information, so no gain may follow;
+   the verifier's rewards are logged for the control too, as `batch/...`).
 3. **Active sampling**: groups whose rewards are all equal carry no gradient and are dropped;
    more are drawn until `groups_per_step` groups are kept or `max_draws` groups were drawn.
 4. **Asynchrony with bounded lag**: while the learner trains step s, the workers already generate
@@ -22,7 +28,9 @@ The loop (OlmoRL, Olmo 3 §4.4; Nemotron 3 Super §3.2):
 5. **Update**: one optimizer step per batch on the GRPO loss (`rl.grpo.grpo_loss`): advantages
    centred per group without std, clip-higher, token-level aggregation over the whole batch,
    truncated importance sampling between the engine's and the trainer's log-probs (covers both
-   the numerical mismatch and the staleness), optional k3 KL to the initial policy.
+   the numerical mismatch and the staleness), optional k3 KL to the initial policy. Options:
+   `grpo.baseline: leave_one_out` (RLOO), `overlong_filter` (truncated samples carry no loss,
+   DAPO), `freeze_router` (MoE router weights and balancing bias fixed).
 
 Every step appends a row to `<out>/metrics.jsonl` (rewards per environment, kept/drawn groups,
 staleness histogram, engine−trainer log-prob difference, TIS truncation and clip fractions,
@@ -55,12 +63,14 @@ from ..infer.sampling import SamplingParams
 from ..interop.hf import save_pretrained
 from ..io import load, load_model
 from ..model.model import HybridLM
+from ..model.moe import TopKRouter
 from ..report.plot import pyplot, save_figure
 from ..train.config import TrainConfig
 from ..train.parallel import broadcast_object, full_model_state, is_main
 from ..train.trainer import Loss, Runtime, Step, Trainer, TrainModule
 from .environments import (
     ArithmeticEnvironment,
+    CalculatorEnvironment,
     CodeEnvironment,
     DatasetEnvironment,
     Environment,
@@ -70,8 +80,10 @@ from .environments import (
     MathEnvironment,
     MixtureEnvironment,
     Problem,
+    SearchQAEnvironment,
     reward_metrics,
 )
+from .episodes import run_episodes
 from .grpo import (
     ActiveSampler,
     ActiveSamplingStats,
@@ -82,14 +94,18 @@ from .grpo import (
 )
 from .verifiers import GSM8KVerifier, Reward
 
-EnvKind = Literal["arithmetic", "sft_arithmetic", "gsm8k", "math", "code", "ifeval"]
+EnvKind = Literal[
+    "arithmetic", "sft_arithmetic", "gsm8k", "math", "code", "ifeval", "calculator", "search_qa"
+]
 
 
 @dataclass(kw_only=True)
-class EnvConfig:
+class EnvConfig(Config):
     """One environment of the mixture. `path` is the dataset for gsm8k (JSONL; empty: the
     packaged train split, evaluated on the packaged test split), math (JSONL), code (HumanEval
     JSONL[.gz]; empty: the packaged copy) and ifeval (IFEval JSONL; empty: the generated set)."""
+
+    WHAT = "environment"
 
     kind: EnvKind = "arithmetic"
     weight: float = 1.0
@@ -100,6 +116,14 @@ class EnvConfig:
     digits: int = 2  # sft_arithmetic: operands below 10**digits
     seed: int = 0  # generated environments
     low_effort_fraction: float = 0.0  # prompts switched to low-effort mode (length penalty)
+    max_turns: int = 4  # tool-use environments (calculator, search_qa): replies per episode
+
+    def validate(self) -> EnvConfig:
+        if self.max_turns < 1:
+            raise ValueError(f"envs[].max_turns must be >= 1, got {self.max_turns}")
+        if self.weight < 0:
+            raise ValueError(f"envs[].weight must be >= 0, got {self.weight}")
+        return self
 
 
 @dataclass(kw_only=True)
@@ -118,7 +142,10 @@ class RLConfig(Config):
     groups_per_step: int = 8
     group_size: int = 8
     max_draws: int = 32  # active sampling: most groups drawn for one step
-    max_new_tokens: int = 64
+    max_new_tokens: int = 64  # per reply (per turn of a multi-turn episode)
+    max_episode_tokens: int = 0  # generated tokens per multi-turn episode (0: no bound)
+    overlong_filter: bool = False  # truncated samples carry no loss (DAPO overlong filtering)
+    freeze_router: bool = False  # MoE routers (weights and balancing bias) fixed during RL
     temperature: float = 1.0
     top_p: float = 1.0
     lr: float = 1e-5
@@ -157,6 +184,10 @@ class RLConfig(Config):
             raise ValueError("RL samples: temperature must be > 0")
         if not self.envs:
             raise ValueError("envs: at least one environment")
+        if self.max_episode_tokens < 0:
+            raise ValueError(f"max_episode_tokens must be >= 0, got {self.max_episode_tokens}")
+        for e in [*self.envs, *self.eval_envs]:
+            e.validate()
         return self
 
 
@@ -177,6 +208,17 @@ def build_environment(spec: EnvConfig, *, tokenizer: Any = None) -> Environment:
         env = MathEnvironment.from_jsonl(_need(spec))
     elif kind == "code":
         env = CodeEnvironment.from_humaneval(spec.path or builtin.path(builtin.HUMANEVAL))
+    elif kind == "calculator":  # multi-turn: 5-digit products with the calculator tool
+        env = CalculatorEnvironment(
+            num_problems=spec.num_problems,
+            digits=spec.digits,
+            seed=spec.seed,
+            max_turns=spec.max_turns,
+        )
+    elif kind == "search_qa":  # multi-turn: questions answered by BM25 search of a corpus
+        env = SearchQAEnvironment(
+            num_problems=spec.num_problems, seed=spec.seed, max_turns=spec.max_turns
+        )
     elif kind == "ifeval":
         env = (
             InstructionFollowingEnvironment.from_jsonl(spec.path)
@@ -269,7 +311,8 @@ def completion_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The policy's log-probs of every completion token under softmax(logits / T), teacher-forced
     on prompt + completion (right-padded rows: causal layers never see the padding). Returns
-    (logp_BT, mask_BT) over completion positions. `forward`: what runs the batch (a data-parallel
+    (logp_BT, mask_BT) over completion positions; the mask is the completion's loss mask (0 on
+    an episode's environment tokens). `forward`: what runs the batch (a data-parallel
     wrapper of `model`; default the model itself)."""
     device = model.embeddings.weight.device
     lengths = [len(c.prompt_ids) + len(c.token_ids) for c in comps]
@@ -285,7 +328,7 @@ def completion_logprobs(
         p, n = len(c.prompt_ids), len(c.token_ids)
         lp_NV = torch.log_softmax(logits_BLV[i, p - 1 : p - 1 + n].float() / temperature, -1)
         logp_BT[i, :n] = lp_NV.gather(-1, ids_BL[i, p : p + n, None])[:, 0]
-        mask_BT[i, :n] = True
+        mask_BT[i, :n] = torch.tensor(c.loss_mask, dtype=torch.bool)
     return logp_BT, mask_BT
 
 
@@ -312,6 +355,10 @@ class _Rollouts:
             "stop": [STOP],
             "include_stop_str_in_output": True,
         }
+        self.budgets = {  # of the multi-turn episodes (each environment caps its own turns)
+            "max_turns": max(s.max_turns for s in cfg.envs),
+            "max_episode_tokens": cfg.max_episode_tokens or None,
+        }
         self.pending: dict[int, tuple[int, int]] = {}  # id(handle) -> (draw, groups)
         self.ready: list[tuple[int, int, list[Completion]]] = []  # restored finished calls
         self.draws = 0
@@ -324,9 +371,12 @@ class _Rollouts:
         self.draws += 1
         problems = self.problems(self.draws, n_groups)
         reqs = [
-            RolloutRequest(p.id, self.tok.encode(p.prompt), self.cfg.group_size) for p in problems
+            RolloutRequest(p.id, [], self.cfg.group_size, problem=p)
+            if self.env.env_of(p).multi_turn
+            else RolloutRequest(p.id, self.tok.encode(p.prompt), self.cfg.group_size)
+            for p in problems
         ]
-        handle = self.pool.submit(reqs, self.params)
+        handle = self.pool.submit(reqs, self.params, **self.budgets)
         self.pending[id(handle)] = (self.draws, n_groups)
 
     @property
@@ -357,13 +407,11 @@ class _Rollouts:
     def groups(self, draw: int, n_groups: int, comps: list[Completion], step: int) -> list[Group]:
         problems = self.problems(draw, n_groups)
         G = self.cfg.group_size
-        texts = [c.text.removesuffix(STOP) for c in comps]
         expanded = [problems[i // G] for i in range(len(comps))]
+        scored = self.score(expanded, comps)  # logged in the control too: what it really earns
         if self.cfg.reward == "random":  # negative control: a fair coin, blind to the text
             rewards = [float(_coin(f"{self.cfg.seed}/{step}/{c.key}/{c.index}")) for c in comps]
-            scored = None
         else:
-            scored = self.env.score_many(expanded, texts)
             rewards = [r.value for r in scored]
         out = []
         for g, problem in enumerate(problems):
@@ -371,22 +419,31 @@ class _Rollouts:
             data = {
                 "problem": problem,
                 "completions": comps[sl],
-                "scored": scored and scored[sl],
+                "scored": scored[sl],
                 "draw": (draw, n_groups, g),
             }
             out.append(Group(prompt_id=problem.id, rewards=rewards[sl], data=data))
         return out
+
+    def score(self, problems: list[Problem], comps: list[Completion]) -> list[Reward]:
+        """The verifier's rewards: an episode's comes with it (scored by its environment as it
+        ended), a plain completion's text is scored here (batched per environment)."""
+        out: list[Reward | None] = [episode_reward(c) for c in comps]
+        plain = [i for i, r in enumerate(out) if r is None]
+        if plain:
+            got = self.env.score_many(
+                [problems[i] for i in plain], [comps[i].text.removesuffix(STOP) for i in plain]
+            )
+            for i, r in zip(plain, got, strict=True):
+                out[i] = r
+        return out  # type: ignore[return-value]
 
     def regroup(self, state: dict[str, Any]) -> Group:
         """A group kept in the active sampler, rebuilt from its checkpointed form."""
         draw, n_groups, g = state["draw"]
         problem = self.problems(draw, n_groups)[g]
         comps = [Completion(**c) for c in state["completions"]]
-        scored = None
-        if self.cfg.reward != "random":
-            scored = self.env.score_many(
-                [problem] * len(comps), [c.text.removesuffix(STOP) for c in comps]
-            )
+        scored = self.score([problem] * len(comps), comps)
         data = {
             "problem": problem,
             "completions": comps,
@@ -394,6 +451,16 @@ class _Rollouts:
             "draw": (draw, n_groups, g),
         }
         return Group(prompt_id=problem.id, rewards=state["rewards"], data=data)
+
+
+def episode_reward(c: Completion) -> Reward | None:
+    """A multi-turn episode's reward as a `Reward` with its turns and tool calls (None for a
+    plain completion)."""
+    if c.reward is None:
+        return None
+    metrics = {"turns": float(c.turns), "tool_calls": float(c.info.get("tool_calls", 0))}
+    metrics["truncated"] = float(c.finish_reason == "length")
+    return Reward(c.reward, str(c.info.get("reason", "")), metrics)
 
 
 def _coin(key: str) -> bool:
@@ -409,17 +476,41 @@ def evaluate_policy(
     env: MixtureEnvironment,
     *,
     max_new_tokens: int,
+    max_episode_tokens: int | None = None,
 ) -> dict[str, float]:
-    """Greedy completions of held-out problems, scored: `all/solved`, per-environment metrics."""
+    """Greedy completions of held-out problems, scored: `all/solved`, per-environment metrics
+    (for multi-turn environments, greedy episodes with their mean turns and tool calls).
+    `max_new_tokens` bounds each reply."""
     was_training = model.training
     model.eval()
     engine = Engine(model, tok, max_batch_size=32)
     params = SamplingParams(max_tokens=max_new_tokens, stop=[STOP])
-    outs = engine.generate([tok.encode(p.prompt) for p in problems], params)
-    rewards = env.score_many(problems, [o.text for o in outs])
+    multi = [i for i, p in enumerate(problems) if env.env_of(p).multi_turn]
+    plain = [i for i, p in enumerate(problems) if not env.env_of(p).multi_turn]
+    rewards: list[Reward | None] = [None] * len(problems)
+    lengths = [0] * len(problems)
+    if plain:
+        outs = engine.generate([tok.encode(problems[i].prompt) for i in plain], params)
+        got = env.score_many([problems[i] for i in plain], [o.text for o in outs])
+        for i, o, r in zip(plain, outs, got, strict=True):
+            rewards[i], lengths[i] = r, len(o.token_ids)
+    if multi:
+        results = run_episodes(
+            engine,
+            env,
+            [problems[i] for i in multi],
+            params,
+            max_turns=max(getattr(env.env_of(problems[i]), "max_turns", 1) for i in multi),
+            max_episode_tokens=max_episode_tokens,
+        )
+        for i, res in zip(multi, results, strict=True):
+            metrics = {"turns": float(res.turns), "truncated": float(res.truncated)}
+            metrics["tool_calls"] = float(res.info.get("tool_calls", 0))
+            rewards[i] = Reward(res.reward, str(res.info.get("reason", "")), metrics)
+            lengths[i] = res.generated
     model.train(was_training)
-    m = reward_metrics(problems, rewards)
-    m["mean_length"] = sum(len(o.token_ids) for o in outs) / len(outs)
+    m = reward_metrics(problems, rewards)  # type: ignore[arg-type]
+    m["mean_length"] = sum(lengths) / len(lengths)
     return m
 
 
@@ -446,6 +537,10 @@ class GRPOLearner(TrainModule):
         self.cfg = cfg
         loaded = load(cfg.checkpoint)
         self.model = loaded.model.float().to(rt.device)
+        if cfg.freeze_router:  # MoE routing fixed: weights and the balancing bias
+            for m in self.model.modules():
+                if isinstance(m, TopKRouter):
+                    m.requires_grad_(False)
         self.tok = loaded.tokenizer
         self.env = env or build_mixture(cfg.envs, tokenizer=self.tok)
         self.eval_env = eval_env or build_mixture(eval_specs(cfg), tokenizer=self.tok)
@@ -479,6 +574,7 @@ class GRPOLearner(TrainModule):
             seed=cfg.seed,
             version=step,
             engine_kwargs={"max_batch_size": cfg.groups_per_step * cfg.group_size},
+            env=self.env if self.env.multi_turn else None,  # steps the episodes
         )
         state = self._restored
         if state is None:
@@ -514,7 +610,7 @@ class GRPOLearner(TrainModule):
                     drawn += 1
                     draw_rewards += list(group.rewards)
                     comps_g = group.data["completions"]
-                    lags = [step - v for c in comps_g for v in c.versions]
+                    lags = [step - v for c in comps_g for v in c.versions if v >= 0]
                     if lags and max(lags) > cfg.max_policy_lag:
                         stale += 1
                         continue
@@ -536,19 +632,26 @@ class GRPOLearner(TrainModule):
         if not batch:  # every group filtered: no update this step
             return [], None, info
         rewards_NG = torch.tensor([list(g.rewards) for g in batch], dtype=torch.float32)
-        adv = group_advantages(rewards_NG, std_normalize=cfg.grpo.std_normalize).reshape(-1)
+        adv = group_advantages(
+            rewards_NG, std_normalize=cfg.grpo.std_normalize, baseline=cfg.grpo.baseline
+        ).reshape(-1)
         comps = [c for g in batch for c in g.data["completions"]]
-        lengths = [len(c.token_ids) for c in comps]
+        lengths = [c.num_generated for c in comps]
+        truncated = [c.finish_reason == "length" for c in comps]
+        if cfg.overlong_filter:  # DAPO: a cut-off sample is no evidence either way
+            comps = [
+                dataclasses.replace(c, mask=[0] * len(c.token_ids)) if t else c
+                for c, t in zip(comps, truncated, strict=True)
+            ]
         info |= {
-            "tokens": sum(lengths),
+            "tokens": sum(c.num_generated for c in comps),
             "mean_length": sum(lengths) / len(lengths),
-            "truncated_frac": sum(c.finish_reason == "length" for c in comps) / len(comps),
+            "truncated_frac": sum(truncated) / len(comps),
             "adv_abs_mean": float(adv.abs().mean()),
         }
         problems = [g.data["problem"] for g in batch for _ in g.rewards]
-        if batch[0].data["scored"] is not None:
-            scored = [r for g in batch for r in g.data["scored"]]
-            info |= {f"batch/{k}": v for k, v in reward_metrics(problems, scored).items()}
+        scored = [r for g in batch for r in g.data["scored"]]
+        info |= {f"batch/{k}": v for k, v in reward_metrics(problems, scored).items()}
         return comps, adv, info
 
     def prepare_step(self, step: int) -> Step:
@@ -564,7 +667,7 @@ class GRPOLearner(TrainModule):
             self._started = True
         got = self._collect(step) if rt.rank == 0 else None
         comps, adv, info = broadcast_object(got)
-        if not comps:
+        if not comps or not info["tokens"]:  # nothing kept, or every token filtered out
             return Step([], info=info)
         ctx = {"num_tokens": info["tokens"], "num_sequences": len(comps)}
         mine, adv_mine = rt.share(comps), rt.share(list(adv))
@@ -620,7 +723,12 @@ class GRPOLearner(TrainModule):
     # ------------------------------------------------------------------ eval + state
     def evaluate(self) -> dict[str, float]:
         m = evaluate_policy(
-            self.model, self.tok, self.eval_set, self.eval_env, max_new_tokens=self.eval_tokens
+            self.model,
+            self.tok,
+            self.eval_set,
+            self.eval_env,
+            max_new_tokens=self.eval_tokens,
+            max_episode_tokens=self.cfg.max_episode_tokens or None,
         )
         self.last_eval = m
         return m
