@@ -45,6 +45,7 @@ import torch  # noqa: E402
 
 from golden.stages import RTOL, STAGES, largest_difference, run_stage, split_rows  # noqa: E402
 from hybridlm.ops import native  # noqa: E402
+from hybridlm.provenance import cpu_info  # noqa: E402
 
 
 def golden_path(stage: str) -> Path:
@@ -70,6 +71,7 @@ def recorded_with() -> dict[str, str]:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "native_kernels": native.available(),
         "machine": platform.machine(),
+        "cpu": cpu_info()["model"],
     }
 
 
@@ -104,8 +106,9 @@ def compare(stage: str) -> float:
     print(
         f"{stage}: largest difference {worst:.3g} ({where or 'all equal'}; {verdict} at "
         f"{RTOL:g}); recorded with torch {golden['recorded_with']['torch']} on "
-        f"{golden['recorded_with']['cpu_capability']}, now {torch.__version__} on "
-        f"{torch.backends.cpu.get_cpu_capability()}; {seconds:.1f} s"
+        f"{golden['recorded_with']['cpu_capability']} ({golden['recorded_with'].get('cpu')}), now "
+        f"{torch.__version__} on {torch.backends.cpu.get_cpu_capability()} "
+        f"({cpu_info()['model']}); {seconds:.1f} s"
     )
     return worst
 
