@@ -11,13 +11,9 @@ import json
 import pytest
 import torch
 
-from _tiny import tiny_train_model
-from hybridlm import HybridLM
 from hybridlm.data.chat import continuation
-from hybridlm.data.sft import encode_chat
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.infer.rollout import RolloutRequest, RolloutWorker
-from hybridlm.interop.hf import save_pretrained
 from hybridlm.io import load_model
 from hybridlm.model.moe import TopKRouter
 from hybridlm.rl.environments import (
@@ -29,41 +25,6 @@ from hybridlm.rl.grpo import group_advantages
 from hybridlm.rl.learner import EnvConfig, RLConfig, completion_logprobs, run_rl
 
 TOK = ByteTokenizer()
-
-
-@pytest.fixture(scope="session")
-def tool_policy(tmp_path_factory) -> str:
-    """tiny_train_model after 150 steps of SFT on calculator demonstrations (2-digit products):
-    it writes well-formed calculator calls with the right operands, then an answer (usually
-    not the tool's result: rewards vary, which RL needs). ~20 s on one core."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    env = CalculatorEnvironment(num_problems=200, digits=2, seed=0)
-    demos = [encode_chat(c, TOK) for c in env.demonstrations(64, seed=0)]
-    cfg = tiny_train_model(mtp=False)
-    cfg.max_seq_len = 2048
-    model = HybridLM(cfg, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=6e-3)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(150):
-        rows = [demos[i] for i in torch.randint(len(demos), (4,), generator=g).tolist()]
-        L = max(len(r) for r in rows)
-        ids = torch.zeros(len(rows), L, dtype=torch.long)
-        mask = torch.zeros(len(rows), L, dtype=torch.bool)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = torch.tensor(r.input_ids)
-            mask[i, : len(r)] = torch.tensor(r.loss_mask)
-        logits = model(ids).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(
-            logits[mask[:, 1:]].float(), ids[:, 1:][mask[:, 1:]]
-        )
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    torch.set_num_threads(before)
-    path = tmp_path_factory.mktemp("tool_policy") / "policy"
-    save_pretrained(model.eval(), path, tokenizer=TOK)
-    return str(path)
 
 
 def test_workers_roll_out_tool_episodes_with_generated_tokens_masked(tool_policy, one_thread):

@@ -26,6 +26,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="the JSONL file to write")
     add_overrides_arg(p, "digits=5 --set seed=0 (fields of an RL config's envs[] entry)")
     p.set_defaults(fn=cmd_tool_demos)
+    p = sub.add_parser(
+        "env-serve", help="serve an RL environment over HTTP (rl/remote.py's protocol)"
+    )
+    p.add_argument("--env", default="calculator", help="an environment kind (envs[].kind)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8010)
+    p.add_argument("--max-episodes", type=int, default=4096, help="live episodes kept")
+    add_overrides_arg(p, "digits=5 --set seed=0 (fields of an RL config's envs[] entry)")
+    p.set_defaults(fn=cmd_env_serve)
 
 
 def cmd_rl(args: argparse.Namespace) -> None:
@@ -77,3 +86,16 @@ def cmd_tool_demos(args: argparse.Namespace) -> None:
         for messages in convs:
             f.write(json.dumps({"messages": messages}) + "\n")
     print(f"[tool-demos] {len(convs)} solved {env.name} episodes -> {out}")
+
+
+def cmd_env_serve(args: argparse.Namespace) -> None:
+    from ..config import apply_overrides
+    from ..infer.server import run_app
+    from ..rl.learner import EnvConfig, build_environment
+    from ..rl.remote import create_env_app
+
+    if args.env == "http":
+        raise ValueError("env-serve serves a local environment; 'http' is the client of one")
+    env = build_environment(apply_overrides(EnvConfig(kind=args.env), args.overrides))
+    print(f"[env-serve] {env.name}: {len(env)} problems on http://{args.host}:{args.port}")
+    run_app(create_env_app(env, max_episodes=args.max_episodes), args.host, args.port)

@@ -100,8 +100,8 @@ class Completion:
 # Multi-turn rollouts (Nemotron 3 Super §3.2.5: the model alternates with an environment). The
 # environments and episodes are `rl.environments` / `rl.episodes`, which build on this module,
 # so they are named here by what the loop uses: an Environment has `episode()`; an Episode has
-# `reset(problem) -> messages`, `tool_specs()` and `step(reply) -> (observation, reward, done,
-# info)` (`rl.episodes.Step`); a Problem is whatever the environment's episodes take.
+# `reset(problem) -> messages`, `tool_specs()`, `step(reply) -> (observation, reward, done,
+# info)` (`rl.episodes.Step`) and `close()`; a Problem is whatever the environment's episodes take.
 Environment = Any
 Episode = Any
 Problem = Any
@@ -219,6 +219,8 @@ def roll_out(
         live[engine.add_request(list(st.result.tokens), sp)] = st
 
     def finish(st: _Live, *, truncated: bool = False, reward: float = 0.0, info=None) -> None:
+        if st.episode is not None:
+            st.episode.close()
         st.result.truncated = truncated
         st.result.reward = reward
         st.result.turns = st.turn

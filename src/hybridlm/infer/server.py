@@ -1039,6 +1039,36 @@ class _Guard:
 
 
 # ---------------------------------------------------------------------- the app
+def base_app(title: str, *, lifespan: Any = None) -> FastAPI:
+    """A FastAPI app whose every error is a JSON `{"error": {...}}` body in OpenAI's shape
+    (`APIError`, schema errors, unknown routes, and unhandled exceptions as a 500 that keeps the
+    connection): the skeleton of this server and of the RL environment server
+    (`rl.remote`)."""
+    app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(_Guard)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError) -> Response:
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, err: RequestValidationError) -> Response:
+        return _error_response(_schema_error(list(err.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+        return _error_response(APIError(err.status_code, str(err.detail), code=code))
+
+    return app
+
+
+async def read_json(request: Request, max_body_bytes: int) -> dict[str, Any]:
+    """The request's body as a JSON object: at most `max_body_bytes` (413), valid UTF-8 JSON of
+    bounded depth without NaN or lone surrogates (400; `parse_body`)."""
+    return parse_body(await _read_body(request, max_body_bytes))
+
+
 def create_app(
     engine: Engine, model_name: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 ) -> FastAPI:
@@ -1064,23 +1094,9 @@ def create_app(
         yield
         worker.stop()
 
-    app = FastAPI(title="hybridlm", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(_Guard)
+    app = base_app("hybridlm", lifespan=lifespan)
     app.state.worker = worker
     app.state.model_name = model_name
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, err: APIError) -> Response:
-        return _error_response(err)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, err: RequestValidationError) -> Response:
-        return _error_response(_schema_error(list(err.errors())))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, err: StarletteHTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
-        return _error_response(APIError(err.status_code, str(err.detail), code=code))
 
     def model_card() -> dict[str, Any]:
         return {
@@ -1799,10 +1815,14 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> None:
     """Serve until interrupted (Ctrl-C). Binds to localhost unless told otherwise."""
+    run_app(create_app(engine, model_name, max_body_bytes=max_body_bytes), host, port, log_level)
+
+
+def run_app(app: Any, host: str, port: int, log_level: str = "info") -> None:
+    """Serve the ASGI `app` with uvicorn until interrupted (a warning when not on localhost)."""
     import uvicorn
 
     _warn_if_public(host)
-    app = create_app(engine, model_name, max_body_bytes=max_body_bytes)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 
@@ -1820,10 +1840,28 @@ def serve_in_background(
     """Run the server in a thread for the duration of a `with` block; yields its base URL
     (`http://host:port/v1`). `port=0` picks a free port (bound before the server starts, so
     there is no race)."""
+    app = create_app(engine, model_name, max_body_bytes=max_body_bytes)
+    with run_in_background(
+        app, host, port, log_level=log_level, startup_timeout=startup_timeout
+    ) as url:
+        yield f"{url}/v1"
+
+
+@contextmanager
+def run_in_background(
+    app: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    log_level: str = "warning",
+    startup_timeout: float = 30.0,
+) -> Iterator[str]:
+    """Serve the ASGI `app` with uvicorn in a thread for the duration of a `with` block; yields
+    `http://host:port`. `port=0` picks a free port (bound before the server starts, so there is
+    no race)."""
     import uvicorn
 
     _warn_if_public(host)
-    app = create_app(engine, model_name, max_body_bytes=max_body_bytes)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and
     # without it Nagle holds each response's body behind its headers for a delayed ACK (~40 ms)
@@ -1845,7 +1883,7 @@ def serve_in_background(
         time.sleep(0.02)
     bound = sock.getsockname()[1]
     try:
-        yield f"http://{host}:{bound}/v1"
+        yield f"http://{host}:{bound}"
     finally:
         server.should_exit = True
         thread.join(startup_timeout)

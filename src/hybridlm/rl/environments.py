@@ -809,13 +809,19 @@ class _RoutedEpisode(Episode):
 
     def reset(self, problem: Problem) -> list[dict[str, Any]]:
         self.inner = self.mixture.env_of(problem).episode()
-        self.tools = self.inner.tools
         return self.inner.reset(problem)
 
     def step(self, reply: Mapping[str, Any]) -> Step:
         if self.inner is None:
             raise RuntimeError("step() before reset()")
         return self.inner.step(reply)
+
+    def tool_specs(self) -> list[dict[str, Any]]:
+        return [] if self.inner is None else self.inner.tool_specs()
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
 
 
 def reward_metrics(problems: Sequence[Problem], rewards: Sequence[Reward]) -> dict[str, float]:

@@ -84,6 +84,10 @@ class Episode(ABC):
     def tool_specs(self) -> list[dict[str, Any]]:
         return [t.spec() for t in self.tools]
 
+    def close(self) -> None:
+        """Release what the episode holds; called when its rollout ends (done or cut)."""
+        return None
+
 
 def _score(env: Environment, problem: Problem | None, reply: Mapping[str, Any]) -> Any:
     """The environment's reward for a final reply: its generated text when given (`text`),

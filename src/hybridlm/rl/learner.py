@@ -95,7 +95,15 @@ from .grpo import (
 from .verifiers import GSM8KVerifier, Reward
 
 EnvKind = Literal[
-    "arithmetic", "sft_arithmetic", "gsm8k", "math", "code", "ifeval", "calculator", "search_qa"
+    "arithmetic",
+    "sft_arithmetic",
+    "gsm8k",
+    "math",
+    "code",
+    "ifeval",
+    "calculator",
+    "search_qa",
+    "http",
 ]
 
 
@@ -117,12 +125,15 @@ class EnvConfig(Config):
     seed: int = 0  # generated environments
     low_effort_fraction: float = 0.0  # prompts switched to low-effort mode (length penalty)
     max_turns: int = 4  # tool-use environments (calculator, search_qa): replies per episode
+    url: str = ""  # http: an environment server (rl.remote; `hybridlm env-serve`)
 
     def validate(self) -> EnvConfig:
         if self.max_turns < 1:
             raise ValueError(f"envs[].max_turns must be >= 1, got {self.max_turns}")
         if self.weight < 0:
             raise ValueError(f"envs[].weight must be >= 0, got {self.weight}")
+        if self.kind == "http" and not self.url:
+            raise ValueError("an http environment needs its server's url (envs[].url)")
         return self
 
 
@@ -219,6 +230,10 @@ def build_environment(spec: EnvConfig, *, tokenizer: Any = None) -> Environment:
         env = SearchQAEnvironment(
             num_problems=spec.num_problems, seed=spec.seed, max_turns=spec.max_turns
         )
+    elif kind == "http":  # served by another process (rl.remote); held-out: another server
+        from .remote import HTTPEnvironment
+
+        env = HTTPEnvironment(spec.url)
     elif kind == "ifeval":
         env = (
             InstructionFollowingEnvironment.from_jsonl(spec.path)

@@ -408,39 +408,38 @@ class DPORunConfig(PostTrainingRunConfig):
 
 
 # ---------------------------------------------------------------------------- the trainer
-class DPO(TrainModule):
-    """Policy, reference log-probs and pairs of one DPO run."""
+class PairwiseStage(TrainModule):
+    """A stage trained on preference pairs (DPO; reward models, `train.rm`): the model from
+    `train.init_from` (`initial_model`), the pairs (read from `data.path` or built by delta
+    learning), tokenised, filtered and split into train / held-out, and their order (a
+    permutation per epoch and a cursor, both checkpointed). Under data parallelism every rank
+    draws the global micro-batch of world * batch_size pairs and trains on its consecutive
+    part, the loss divided by the global pair count."""
 
-    stage = "dpo"
-    plot_train = ("loss", "reward_accuracy", "reward_margin")
-    plot_eval = ("eval_loss", "eval_reward_accuracy", "eval_reward_margin", "eval_accuracy")
     rate_key = "pairs_per_s"
 
     @property
     def units_per_step(self) -> int:
         return self.pairs_per_step
 
-    def progress_info(self, row: dict[str, Any]) -> str:
-        return f"loss {row['loss']:.4f} acc {row['reward_accuracy']:.2f}"
-
-    def __init__(self, run: DPORunConfig, rt: Runtime) -> None:
-
+    def __init__(self, run: Any, rt: Runtime, data: DPODataConfig) -> None:
         super().__init__(rt)
         self.run = run
-        tc, dc, pc = run.train, run.data, run.dpo
-        self.tc, self.dc, self.pc = tc, dc, pc
-        self.beta = pc.effective_beta
+        tc, dc = run.train, data
+        self.tc, self.dc = tc, dc
         self.device, self.out = rt.device, rt.out
         self.tokenizer = load_tokenizer(dc.tokenizer)
         self.pad_id = pad_id_of(self.tokenizer)
         if not tc.init_from:
-            raise ValueError("dpo needs train.init_from: the policy to start from (the SFT model)")
-        self.model = initial_model(tc, None, self.device)
+            raise ValueError(
+                f"{self.stage} needs train.init_from: the model to start from (the SFT model)"
+            )
+        self.model = self.initial_model()
         self.report = ReadReport()
         self.dropped: Counter = Counter()
 
-        pairs = self._pairs()
-        tokenized = [tokenize_pair(p, self.tokenizer) for p in pairs]
+        self.pairs = self._pairs()
+        tokenized = [tokenize_pair(p, self.tokenizer) for p in self.pairs]
         keep, dropped = filter_pairs(tokenized, max_len=dc.max_len, max_len_gap=dc.max_len_gap)
         self.dropped.update(dropped)
         if len(keep) <= dc.held_out:
@@ -453,40 +452,13 @@ class DPO(TrainModule):
         train_idx = [keep[i] for i in sorted(order[dc.held_out :])]
         self.train_pairs = [tokenized[i] for i in train_idx]
         self.held_pairs = [tokenized[i] for i in held_idx]
-        self.eval_convs: list[Conversation] = []
-        if pc.eval_source is not None:
-            seen = {prompt_key(p.prompt + p.chosen) for p in pairs}
-            convs = load_source(pc.eval_source, ReadReport())
-            clean = [c for c in convs if prompt_key(c) not in seen]
-            self.dropped["eval prompts also in the pairs"] = len(convs) - len(clean)
-            self.eval_convs = clean[: pc.eval_generate]
-
-        # reference log-probs, once (cached on disk)
-        ref = (
-            self.model
-            if not pc.ref_from or pc.ref_from == tc.init_from
-            else load_model(pc.ref_from).float().to(self.device)
-        )
-        cache = pc.ref_cache_dir or str(self.out / "ref_cache")
-        all_pairs = self.train_pairs + self.held_pairs
-        c, r, self.ref_cached = reference_logps(
-            ref,
-            all_pairs,
-            cache_dir=cache,
-            batch_size=dc.batch_size,
-            pad_id=self.pad_id,
-            progress=tc.progress,
-        )
-        n = len(self.train_pairs)
-        self.ref_train = (c[:n], r[:n])
-        self.ref_held = (c[n:], r[n:])
-        del ref
-
-        # data parallelism: every rank draws the global micro-batch of world * batch_size pairs
-        # and trains on its consecutive part, the loss divided by the global pair count
         self.pairs_per_step = dc.batch_size * rt.world_size * tc.grad_accum
         self.total_steps = tc.num_steps(self.pairs_per_step)
         self.cursor, self.epoch = 0, 0
+
+    def initial_model(self) -> HybridLM:
+        """The model trained, from `train.init_from`."""
+        return initial_model(self.tc, None, self.device)
 
     def _pairs(self) -> list[PreferencePair]:
         dc = self.dc
@@ -542,6 +514,79 @@ class DPO(TrainModule):
             self.cursor += 1
         return out
 
+    def prepare_step(self, step: int) -> Step:
+        b, r = self.dc.batch_size, self.rt.rank
+        micro = [self._next_indices()[r * b : (r + 1) * b] for _ in range(self.tc.grad_accum)]
+        return Step(micro)
+
+    def run_config(self) -> dict[str, Any]:
+        return {**self.run.to_dict(), "model": self.model.config.to_dict()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor, "epoch": self.epoch, "tokens_seen": 0}
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
+        self.cursor, self.epoch = meta["cursor"], meta["epoch"]
+
+    def export(self) -> Path | None:
+        return export_hf(self.model, self.out, self.tokenizer, self.stage)
+
+    def summary(self) -> dict[str, Any]:
+        return {"data": self.data_summary()}
+
+    def data_summary(self) -> dict[str, Any]:
+        return {
+            "read": self.report.summary(),
+            "dropped": dict(self.dropped),
+            "train_pairs": len(self.train_pairs),
+            "held_out_pairs": len(self.held_pairs),
+        }
+
+
+class DPO(PairwiseStage):
+    """Policy, reference log-probs and pairs of one DPO run."""
+
+    stage = "dpo"
+    plot_train = ("loss", "reward_accuracy", "reward_margin")
+    plot_eval = ("eval_loss", "eval_reward_accuracy", "eval_reward_margin", "eval_accuracy")
+
+    def progress_info(self, row: dict[str, Any]) -> str:
+        return f"loss {row['loss']:.4f} acc {row['reward_accuracy']:.2f}"
+
+    def __init__(self, run: DPORunConfig, rt: Runtime) -> None:
+        super().__init__(run, rt, run.data)
+        tc, dc, pc = run.train, run.data, run.dpo
+        self.pc = pc
+        self.beta = pc.effective_beta
+        self.eval_convs: list[Conversation] = []
+        if pc.eval_source is not None:
+            seen = {prompt_key(p.prompt + p.chosen) for p in self.pairs}
+            convs = load_source(pc.eval_source, ReadReport())
+            clean = [c for c in convs if prompt_key(c) not in seen]
+            self.dropped["eval prompts also in the pairs"] = len(convs) - len(clean)
+            self.eval_convs = clean[: pc.eval_generate]
+
+        # reference log-probs, once (cached on disk)
+        ref = (
+            self.model
+            if not pc.ref_from or pc.ref_from == tc.init_from
+            else load_model(pc.ref_from).float().to(self.device)
+        )
+        cache = pc.ref_cache_dir or str(self.out / "ref_cache")
+        all_pairs = self.train_pairs + self.held_pairs
+        c, r, self.ref_cached = reference_logps(
+            ref,
+            all_pairs,
+            cache_dir=cache,
+            batch_size=dc.batch_size,
+            pad_id=self.pad_id,
+            progress=tc.progress,
+        )
+        n = len(self.train_pairs)
+        self.ref_train = (c[:n], r[:n])
+        self.ref_held = (c[n:], r[n:])
+        del ref
+
     # ------------------------------------------------------------------ steps
     def _loss(
         self, idx: Sequence[int], pairs: Sequence[TokenizedPair], ref: tuple, denom: int
@@ -569,11 +614,6 @@ class DPO(TrainModule):
         parts["logp_chosen"] = float(lp[:B].detach().sum()) / denom
         parts["logp_rejected"] = float(lp[B:].detach().sum()) / denom
         return losses.sum() / denom, parts, out
-
-    def prepare_step(self, step: int) -> Step:
-        b, r = self.dc.batch_size, self.rt.rank
-        micro = [self._next_indices()[r * b : (r + 1) * b] for _ in range(self.tc.grad_accum)]
-        return Step(micro)
 
     def loss(self, micro: list[int], step: Step) -> Loss:
         value, metrics, out = self._loss(
@@ -611,27 +651,9 @@ class DPO(TrainModule):
             self.model.train()
         return row
 
-    def run_config(self) -> dict[str, Any]:
-        return {**self.run.to_dict(), "model": self.model.config.to_dict()}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self.cursor, "epoch": self.epoch, "tokens_seen": 0}
-
-    def load_state_dict(self, meta: dict[str, Any]) -> None:
-        self.cursor, self.epoch = meta["cursor"], meta["epoch"]
-
-    def export(self) -> Path | None:
-        return export_hf(self.model, self.out, self.tokenizer, self.stage)
-
-    def summary(self) -> dict[str, Any]:
-        return {"data": self.data_summary()}
-
     def data_summary(self) -> dict[str, Any]:
         return {
-            "read": self.report.summary(),
-            "dropped": dict(self.dropped),
-            "train_pairs": len(self.train_pairs),
-            "held_out_pairs": len(self.held_pairs),
+            **super().data_summary(),
             "ref_logps_from_cache": self.ref_cached,
             "beta": self.beta,
             "loss": self.pc.loss,

@@ -1,0 +1,279 @@
+"""Environments as services: any `Environment` behind HTTP, and `HTTPEnvironment`, the client
+that the learner and the rollout workers use like a local one (the resource-server split of
+NeMo Gym, Nemotron 3 Super §3.2.5: the environment runs in its own process, on its own
+machine, in any language, and the trainer only speaks the protocol).
+
+    hybridlm env-serve --env calculator --set digits=5 --port 8010     # serve an environment
+    hybridlm rl --set 'envs=[{kind: http, url: "http://127.0.0.1:8010"}]' ...
+
+The protocol (JSON bodies; every error is `{"error": {"message", "type", "param", "code"}}`
+with a 4xx status, or 500 when the environment itself failed):
+
+    GET  /info                       -> {"protocol": 1, "name", "multi_turn", "num_problems"}
+    GET  /problems/{index}           -> {"id", "messages", "metadata"}   (no answer: the server
+                                        keeps the ground truth, clients cannot read it)
+    POST /verify   {"problem_id", "completion"}
+                                     -> {"reward", "reason", "metrics"}    (single-turn scoring)
+    POST /episodes {"problem_id"}    -> {"episode_id", "messages", "tools"}          (reset)
+    POST /episodes/{episode_id}/step {"reply": {"content", "tool_calls", "text"}}
+                                     -> {"observation", "reward", "done", "info"}    (step)
+    DELETE /episodes/{episode_id}    -> {"deleted": true}   (an episode the trainer abandons)
+
+`messages` are OpenAI chat messages; `tools` OpenAI tool definitions (offered in the system
+prompt); `reply` is the assistant message just generated (`tool_calls` as OpenAI's, `text` the
+raw generated text); `observation` the messages to append (tool results). An episode is
+forgotten when it is done or deleted, and the oldest live ones are dropped beyond
+`max_episodes` (a step on them is a 404). The server binds 127.0.0.1 unless told otherwise
+and has no authentication.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from ..infer.server import DEFAULT_MAX_BODY_BYTES, APIError, base_app, read_json
+from .environments import Environment, Problem
+from .episodes import Episode, Step
+from .verifiers import Reward
+
+PROTOCOL = 1
+
+
+def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = data.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise APIError(400, f"'{name}' must be {names}", param=name, code="invalid_value")
+    return value
+
+
+def _reply(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The step's `reply`, checked: an object with string/null `content`, a list of tool-call
+    objects, string `text`."""
+    reply = _field(data, "reply", dict)
+    content = reply.get("content")
+    if content is not None and not isinstance(content, str):
+        raise APIError(400, "'reply.content' must be a string or null", param="reply.content")
+    calls = reply.get("tool_calls") or []
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise APIError(
+            400, "'reply.tool_calls' must be a list of objects", param="reply.tool_calls"
+        )
+    text = reply.get("text", content or "")
+    if not isinstance(text, str):
+        raise APIError(400, "'reply.text' must be a string", param="reply.text")
+    return {"role": "assistant", "content": content, "tool_calls": calls, "text": text}
+
+
+def create_env_app(
+    env: Environment, *, max_episodes: int = 4096, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+):
+    """The FastAPI app serving `env` (module docstring)."""
+    if max_episodes < 1:
+        raise ValueError(f"max_episodes must be >= 1, got {max_episodes}")
+    by_id = {p.id: i for i, p in enumerate(env)}
+    episodes: OrderedDict[str, Episode] = OrderedDict()
+    lock = threading.Lock()  # the episode table; each episode is stepped by one client
+    app = base_app(f"hybridlm environment {env.name}")
+
+    def problem(problem_id: Any) -> Problem:
+        if not isinstance(problem_id, str) or problem_id not in by_id:
+            raise APIError(
+                404, f"unknown problem_id {problem_id!r}", param="problem_id", code="not_found"
+            )
+        return env[by_id[problem_id]]
+
+    def live(episode_id: str) -> Episode:
+        with lock:
+            ep = episodes.get(episode_id)
+        if ep is None:
+            raise APIError(
+                404,
+                f"unknown episode {episode_id!r} (done, deleted or expired)",
+                param="episode_id",
+                code="not_found",
+            )
+        return ep
+
+    @app.get("/info")
+    def info() -> dict[str, Any]:
+        return {
+            "protocol": PROTOCOL,
+            "name": env.name,
+            "multi_turn": bool(env.multi_turn),
+            "num_problems": len(env),
+        }
+
+    @app.get("/problems/{index}")
+    def get_problem(index: int) -> dict[str, Any]:
+        if not 0 <= index < len(env):
+            raise APIError(404, f"problem index {index} not in [0, {len(env)})", code="not_found")
+        p = env[index]
+        return {"id": p.id, "messages": [dict(m) for m in p.messages], "metadata": p.metadata}
+
+    @app.post("/verify")
+    async def verify(request: Request) -> dict[str, Any]:
+        data = await read_json(request, max_body_bytes)
+        p = problem(data.get("problem_id"))
+        completion = _field(data, "completion", str)
+        r = await run_in_threadpool(env.score, p, completion)
+        return {"reward": float(r.value), "reason": r.reason, "metrics": dict(r.metrics)}
+
+    @app.post("/episodes")
+    async def reset(request: Request) -> dict[str, Any]:
+        data = await read_json(request, max_body_bytes)
+        p = problem(data.get("problem_id"))
+        ep = env.episode()
+        messages = await run_in_threadpool(ep.reset, p)
+        episode_id = uuid.uuid4().hex
+        with lock:
+            episodes[episode_id] = ep
+            while len(episodes) > max_episodes:
+                episodes.popitem(last=False)
+        return {"episode_id": episode_id, "messages": messages, "tools": ep.tool_specs()}
+
+    @app.post("/episodes/{episode_id}/step")
+    async def step(episode_id: str, request: Request) -> dict[str, Any]:
+        data = await read_json(request, max_body_bytes)
+        ep = live(episode_id)
+        out = await run_in_threadpool(ep.step, _reply(data))
+        if out.done:
+            with lock:
+                episodes.pop(episode_id, None)
+        return {
+            "observation": out.observation,
+            "reward": float(out.reward),
+            "done": bool(out.done),
+            "info": out.info,
+        }
+
+    @app.delete("/episodes/{episode_id}")
+    def delete(episode_id: str) -> dict[str, Any]:
+        live(episode_id)
+        with lock:
+            episodes.pop(episode_id, None)
+        return {"deleted": True}
+
+    return app
+
+
+# ---------------------------------------------------------------------- the client
+class HTTPError(RuntimeError):
+    """The environment server refused a request or could not be reached."""
+
+
+class HTTPEnvironment(Environment):
+    """An environment served over HTTP (module docstring), usable wherever a local one is:
+    problems are fetched on first use and cached, `score` asks `/verify`, and `episode()` gives
+    episodes stepped by the server. Holds only its URL and caches, so Ray ships it to the
+    rollout workers as is."""
+
+    def __init__(self, url: str, *, timeout: float = 60.0) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"an environment URL starts with http:// or https://, got {url!r}")
+        self.url, self.timeout = url.rstrip("/"), timeout
+        info = self.call("GET", "/info")
+        if info.get("protocol") != PROTOCOL:
+            raise HTTPError(
+                f"{url} speaks environment protocol {info.get('protocol')!r}, not {PROTOCOL}"
+            )
+        self.name = str(info["name"])
+        self.multi_turn = bool(info["multi_turn"])  # type: ignore[misc]
+        self._len = int(info["num_problems"])
+        self._problems: dict[int, Problem] = {}
+
+    def call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json"} if data is not None else {},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            try:
+                message = json.loads(err.read())["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = err.reason
+            raise HTTPError(f"{method} {self.url}{path}: {err.code} {message}") from None
+        except (urllib.error.URLError, OSError) as err:
+            raise HTTPError(f"{method} {self.url}{path}: {err}") from None
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> Problem:
+        if not 0 <= index < self._len:
+            raise IndexError(index)
+        if index not in self._problems:
+            p = self.call("GET", f"/problems/{index}")
+            self._problems[index] = Problem(
+                id=p["id"],
+                messages=tuple(p["messages"]),
+                answer=None,  # the server keeps it
+                metadata=p.get("metadata") or {},
+                env=self.name,
+            )
+        return self._problems[index]
+
+    def score(self, problem: Problem, completion: str) -> Reward:
+        r = self.call("POST", "/verify", {"problem_id": problem.id, "completion": completion})
+        return Reward(float(r["reward"]), str(r.get("reason", "")), dict(r.get("metrics") or {}))
+
+    def episode(self) -> Episode:
+        return HTTPEpisode(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_problems": {}}
+
+
+class HTTPEpisode(Episode):
+    """An episode stepped by the environment server; `close()` deletes it there when the
+    trainer abandons it (a budget cut the reply)."""
+
+    def __init__(self, env: HTTPEnvironment) -> None:
+        self.env = env
+        self.episode_id: str | None = None
+        self._tools: list[dict[str, Any]] = []
+
+    def reset(self, problem: Problem) -> list[dict[str, Any]]:
+        out = self.env.call("POST", "/episodes", {"problem_id": problem.id})
+        self.episode_id, self._tools = out["episode_id"], list(out.get("tools") or [])
+        return list(out["messages"])
+
+    def tool_specs(self) -> list[dict[str, Any]]:
+        return self._tools
+
+    def step(self, reply: Mapping[str, Any]) -> Step:
+        if self.episode_id is None:
+            raise RuntimeError("step() before reset()")
+        body = {k: reply.get(k) for k in ("content", "tool_calls", "text") if k in reply}
+        out = self.env.call("POST", f"/episodes/{self.episode_id}/step", {"reply": body})
+        if out["done"]:
+            self.episode_id = None
+        return Step(list(out["observation"]), float(out["reward"]), bool(out["done"]),
+                    dict(out.get("info") or {}))  # fmt: skip
+
+    def close(self) -> None:
+        if self.episode_id is not None:
+            episode_id, self.episode_id = self.episode_id, None
+            try:
+                self.env.call("DELETE", f"/episodes/{episode_id}")
+            except HTTPError:  # already expired there: nothing to free
+                pass
+
+
+__all__ = ["HTTPEnvironment", "HTTPEpisode", "HTTPError", "create_env_app"]
