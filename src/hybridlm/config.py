@@ -182,6 +182,9 @@ class ModelConfig(Config):
     tie_embeddings: bool = False
     init_std: float = 0.02
     max_seq_len: int = 4096
+    # > 0: a `score` head [num_labels, d_model] on the final-normed hidden state, read at a
+    # sequence's last token (reward models: num_labels 1, `hybridlm rm`)
+    num_labels: int = 0
     mamba: MambaConfig = field(default_factory=MambaConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -201,6 +204,8 @@ class ModelConfig(Config):
                 raise ValueError(
                     f"mtp.depth must be >= 1 when mtp.pattern is set, got {self.mtp.depth}"
                 )
+        if self.num_labels < 0:
+            raise ValueError(f"num_labels must be >= 0, got {self.num_labels}")
         for name in ("vocab_size", "d_model", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

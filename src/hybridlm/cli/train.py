@@ -1,4 +1,4 @@
-"""`hybridlm pretrain | merge | sft | dpo | distill | mtp-boost`: the training stages."""
+"""`hybridlm pretrain | merge | sft | dpo | rm | distill | mtp-boost`: the training stages."""
 
 from __future__ import annotations
 
@@ -67,6 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dpo", help="direct preference optimisation (dpo / dpo_norm)")
     add_run_args(p, "configs/dpo.yaml")
     p.set_defaults(fn=cmd_dpo)
+
+    p = sub.add_parser("rm", help="a Bradley-Terry reward model on preference pairs")
+    add_run_args(p, "configs/rm.yaml")
+    p.set_defaults(fn=cmd_rm)
 
     p = sub.add_parser(
         "distill", help="distillation: offline top-k KL + CE, or on-policy multi-teacher"
@@ -180,6 +184,13 @@ def cmd_dpo(args: argparse.Namespace) -> None:
 
     keys = ("step", "eval", "checkpoint", "plot", "data")
     _post_training(DPORunConfig.load, run_dpo, args, keys)
+
+
+def cmd_rm(args: argparse.Namespace) -> None:
+    from ..train.rm import RMRunConfig, run_rm
+
+    keys = ("step", "eval", "checkpoint", "plot", "data")
+    _post_training(RMRunConfig.load, run_rm, args, keys)
 
 
 def cmd_distill(args: argparse.Namespace) -> None:

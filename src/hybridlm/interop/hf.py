@@ -88,6 +88,11 @@ def family(cfg: ModelConfig) -> str:
 
 def to_hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     dtype_name = str(dtype).removeprefix("torch.")
+    if cfg.num_labels:
+        raise ValueError(
+            "cannot export a reward model (num_labels > 0) to transformers: NemotronH has no "
+            "sequence-classification class; load it from its run directory"
+        )
     if family(cfg) == "olmo3":
         return _olmo3_config(cfg, dtype_name)
     return _nemotron_config(cfg, dtype_name)

@@ -80,6 +80,8 @@ class HybridLM(nn.Module):
         self.lm_head = nn.Linear(d, V, bias=False)
         self.tie_weights()
         self.mtp = MTP(config) if config.mtp.pattern else None
+        # a reward model's scalar head (config.num_labels): `score(hidden[last token])`
+        self.score = nn.Linear(d, config.num_labels, bias=False) if config.num_labels else None
         # context parallelism (`train.context_parallel`): when set, a forward takes one
         # contiguous shard of every row and its mixers exchange what crosses the shards
         self.context_parallel: Any = None
@@ -91,7 +93,8 @@ class HybridLM(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """The init laws in one place.
 
-        - embeddings, LM head, every input projection, router, experts' up: N(0, init_std)
+        - embeddings, LM head, score head, every input projection, router, experts' up:
+          N(0, init_std)
         - output projections writing into the residual stream (Mamba out_proj, attention o_proj,
           MLP/expert/shared down_proj, fc2_latent_proj): N(0, init_std / sqrt(2 * n_blocks)),
           the depth-scaled init of GPT-2 / Megatron
@@ -136,6 +139,8 @@ class HybridLM(nn.Module):
                 (n, reset) for n in (self.mtp.enorm, self.mtp.hnorm, self.mtp.final_layernorm)
             ]
             units.append((self.mtp.eh_proj, normal))
+        if self.score is not None:
+            units.append((self.score, normal))
         return units
 
     def tie_weights(self) -> None:

@@ -67,6 +67,7 @@ from ..model.moe import TopKRouter
 from ..report.plot import pyplot, save_figure
 from ..train.config import TrainConfig
 from ..train.parallel import broadcast_object, full_model_state, is_main
+from ..train.rm import RewardModelScorer
 from ..train.trainer import Loss, Runtime, Step, Trainer, TrainModule
 from .environments import (
     ArithmeticEnvironment,
@@ -148,7 +149,11 @@ class RLConfig(Config):
     eval_problems: int = 64
     eval_interval: int = 10
     eval_max_new_tokens: int = 0  # 0: max_new_tokens
-    reward: Literal["verifier", "random"] = "verifier"
+    # verifier: the environments'; random: a fair coin (the negative control); rm: a reward
+    # model's score of prompt + completion (RLHF; `reward_model`, trained by `hybridlm rm`)
+    reward: Literal["verifier", "random", "rm"] = "verifier"
+    reward_model: str = ""
+    length_penalty: float = 0.0  # reward -= length_penalty * generated tokens / max_new_tokens
     steps: int = 50
     groups_per_step: int = 8
     group_size: int = 8
@@ -195,6 +200,10 @@ class RLConfig(Config):
             raise ValueError("RL samples: temperature must be > 0")
         if not self.envs:
             raise ValueError("envs: at least one environment")
+        if self.reward == "rm" and not self.reward_model:
+            raise ValueError("reward: rm needs reward_model (a run of hybridlm rm)")
+        if self.length_penalty < 0:
+            raise ValueError(f"length_penalty must be >= 0, got {self.length_penalty}")
         if self.max_episode_tokens < 0:
             raise ValueError(f"max_episode_tokens must be >= 0, got {self.max_episode_tokens}")
         for e in [*self.envs, *self.eval_envs]:
@@ -377,6 +386,7 @@ class _Rollouts:
         self.pending: dict[int, tuple[int, int]] = {}  # id(handle) -> (draw, groups)
         self.ready: list[tuple[int, int, list[Completion]]] = []  # restored finished calls
         self.draws = 0
+        self._rm: RewardModelScorer | None = None
 
     def problems(self, draw: int, n_groups: int) -> list[Problem]:
         return self.env.sample(n_groups, seed=self.cfg.seed * 1_000_003 + draw)
@@ -423,11 +433,18 @@ class _Rollouts:
         problems = self.problems(draw, n_groups)
         G = self.cfg.group_size
         expanded = [problems[i // G] for i in range(len(comps))]
-        scored = self.score(expanded, comps)  # logged in the control too: what it really earns
+        # the verifier's rewards are logged whatever trains: what the control or an RLHF run
+        # really earns (reward hacking shows as RM reward up, verifier reward flat or down)
+        scored = self.score(expanded, comps)
         if self.cfg.reward == "random":  # negative control: a fair coin, blind to the text
             rewards = [float(_coin(f"{self.cfg.seed}/{step}/{c.key}/{c.index}")) for c in comps]
+        elif self.cfg.reward == "rm":
+            rewards = self.reward_model().score([c.prompt_ids + c.token_ids for c in comps])
         else:
             rewards = [r.value for r in scored]
+        if self.cfg.length_penalty:
+            k = self.cfg.length_penalty / self.cfg.max_new_tokens
+            rewards = [r - k * c.num_generated for r, c in zip(rewards, comps, strict=True)]
         out = []
         for g, problem in enumerate(problems):
             sl = slice(g * G, (g + 1) * G)
@@ -439,6 +456,20 @@ class _Rollouts:
             }
             out.append(Group(prompt_id=problem.id, rewards=rewards[sl], data=data))
         return out
+
+    def reward_model(self) -> RewardModelScorer:
+        """The RLHF reward model, loaded on first use; its tokenizer must be the policy's (it
+        scores the sampled token ids as they are)."""
+        if self._rm is None:
+            rm = RewardModelScorer(self.cfg.reward_model)
+            probe = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>"
+            if rm.tokenizer.encode(probe) != self.tok.encode(probe):
+                raise ValueError(
+                    f"the reward model {self.cfg.reward_model} uses another tokenizer than the "
+                    "policy; it must score the policy's token ids"
+                )
+            self._rm = rm
+        return self._rm
 
     def score(self, problems: list[Problem], comps: list[Completion]) -> list[Reward]:
         """The verifier's rewards: an episode's comes with it (scored by its environment as it
@@ -874,16 +905,27 @@ def run_rl(
 
 # ---------------------------------------------------------------------- plot
 def plot_rl(metrics_path: str | Path, png: str | Path) -> None:
-    """Training reward and held-out solve rate by step, and the engine–trainer log-prob gap."""
+    """Training reward (and the verifier's, when another reward trains), held-out solve rate,
+    the engine–trainer log-prob gap, and the mean generated length by step."""
 
     plt = pyplot()
 
     rows = [json.loads(x) for x in Path(metrics_path).read_text().splitlines() if x]
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(14, 3.6))
     if train:
         a1.plot([r["step"] for r in train], [r["reward_mean"] for r in train], label="train reward")
+        verifier = [
+            (r["step"], r["batch/all/reward_mean"]) for r in train if "batch/all/reward_mean" in r
+        ]
+        if verifier and any(r.get("batch/all/reward_mean") != r["reward_mean"] for r in train):
+            a1.plot(*zip(*verifier, strict=True), label="verifier reward (trained batch)")
+        lengths = [(r["step"], r["mean_length"]) for r in train if "mean_length" in r]
+        if lengths:
+            a3.plot(*zip(*lengths, strict=True))
+    a3.set(xlabel="step", ylabel="generated tokens per sample", title="length drift")
+    a3.set_ylim(bottom=0)
     if evals:
         a1.plot(
             [r["step"] for r in evals],

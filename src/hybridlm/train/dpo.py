@@ -230,6 +230,43 @@ def build_delta_pairs(
     return pairs, dropped
 
 
+def build_verified_pairs(
+    prompts: Sequence[Conversation],
+    answers: Sequence[str],
+    sample: Generator,
+    *,
+    samples_per_prompt: int,
+) -> tuple[list[PreferencePair], Counter]:
+    """Pairs labelled by a verifier on one model's own samples: `samples_per_prompt` replies per
+    prompt (`sample`, e.g. T = 1); chosen = the first reply whose answer matches the reference
+    (`answer_matches`), rejected = the first that does not. Prompts whose replies are all right
+    or all wrong give no pair and are counted."""
+    if samples_per_prompt < 2:
+        raise ValueError(f"samples_per_prompt must be >= 2, got {samples_per_prompt}")
+    if len(answers) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
+    k = samples_per_prompt
+    replies = sample([p for p in prompts for _ in range(k)])
+    if len(replies) != len(prompts) * k:
+        raise ValueError("the sampler must return one reply per prompt it is given")
+    pairs, dropped = [], Counter()
+    for i, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+        group = replies[i * k : (i + 1) * k]
+        good = [r for r in group if answer_matches(r, answer)]
+        bad = [r for r in group if not answer_matches(r, answer)]
+        if not good or not bad:
+            dropped["every sample right" if good else "every sample wrong"] += 1
+            continue
+        pairs.append(
+            PreferencePair(
+                prompt=list(prompt),
+                chosen=[parse_assistant(good[0])],
+                rejected=[parse_assistant(bad[0])],
+            )
+        )
+    return pairs, dropped
+
+
 def _key(conv: Conversation) -> str:
     return json.dumps(conv, sort_keys=True, ensure_ascii=False)
 
@@ -349,12 +386,28 @@ class DeltaConfig:
 
 
 @dataclass(kw_only=True)
+class VerifiedConfig:
+    """Build pairs from one model's samples, labelled by exact match with the reference answers
+    of `prompts` (`build_verified_pairs`): the reward model learns what the verifier knows, on
+    the policy's own distribution. `save_to`: also write them as JSONL."""
+
+    model: str
+    prompts: ChatSource
+    samples_per_prompt: int = 4
+    temperature: float = 1.0
+    max_new_tokens: int = 128
+    seed: int = 0
+    save_to: str = ""
+
+
+@dataclass(kw_only=True)
 class DPODataConfig:
-    path: str = ""  # preference pairs (JSONL / Parquet / HF dataset); or use `delta`
+    path: str = ""  # preference pairs (JSONL / Parquet / HF dataset); or `delta` / `verified`
     kind: Literal["auto", "jsonl", "parquet", "hf"] = "auto"
     split: str = "train"
     max_rows: int = 0
     delta: DeltaConfig | None = None
+    verified: VerifiedConfig | None = None
     tokenizer: str = "byte"
     max_len: int = 512
     max_len_gap: int = 100  # Olmo 3 Instruct DPO length control; < 0 disables
@@ -363,8 +416,10 @@ class DPODataConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if bool(self.path) == (self.delta is not None):
-            raise ValueError("give exactly one of data.path (pairs) and data.delta (build them)")
+        if bool(self.path) + (self.delta is not None) + (self.verified is not None) != 1:
+            raise ValueError(
+                "give exactly one of data.path (pairs), data.delta and data.verified (build them)"
+            )
         if self.max_len < 2 or self.batch_size < 1 or self.held_out < 0:
             raise ValueError("data.max_len >= 2, data.batch_size >= 1, data.held_out >= 0")
 
@@ -470,6 +525,27 @@ class PairwiseStage(TrainModule):
                 max_rows=dc.max_rows or None,
                 report=self.report,
             )
+        if dc.verified is not None:
+            v = dc.verified
+            pa = [prompt_and_answer(c) for c in load_source(v.prompts, self.report)]
+            model = load_model(v.model).to(self.device)
+            sample = model_generator(
+                model,
+                self.tokenizer,
+                max_new_tokens=v.max_new_tokens,
+                temperature=v.temperature,
+                seed=v.seed,
+            )
+            pairs, dropped = build_verified_pairs(
+                [p for p, _ in pa],
+                [a for _, a in pa],
+                sample,
+                samples_per_prompt=v.samples_per_prompt,
+            )
+            self.dropped.update(dropped)
+            if v.save_to:
+                write_pairs(pairs, v.save_to)
+            return pairs
         delta = dc.delta
         assert delta is not None
         convs = load_source(delta.prompts, self.report)
