@@ -12,6 +12,7 @@ from hybridlm.speedrun import SpeedrunConfig
 from hybridlm.train.config import RunConfig
 from hybridlm.train.distill import DistillRunConfig
 from hybridlm.train.dpo import DPORunConfig
+from hybridlm.train.rm import RMRunConfig
 from hybridlm.train.sft import SFTRunConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -24,6 +25,8 @@ READERS = {
     "distill": DistillRunConfig,
     "rl": RLConfig,
     "rl_tools": RLConfig,
+    "rlhf": RLConfig,
+    "rm": RMRunConfig,
     "curate": CurateConfig,
     "speedrun": SpeedrunConfig,
     "eval": EvalConfig,

@@ -127,12 +127,17 @@ class EnvConfig(Config):
     low_effort_fraction: float = 0.0  # prompts switched to low-effort mode (length penalty)
     max_turns: int = 4  # tool-use environments (calculator, search_qa): replies per episode
     url: str = ""  # http: an environment server (rl.remote; `hybridlm env-serve`)
+    # a chat model that grades the replies instead of the verifier (GenRM, rl.judge; the
+    # judge runs on the learner: single-turn environments only)
+    judge: str = ""
 
     def validate(self) -> EnvConfig:
         if self.max_turns < 1:
             raise ValueError(f"envs[].max_turns must be >= 1, got {self.max_turns}")
         if self.weight < 0:
             raise ValueError(f"envs[].weight must be >= 0, got {self.weight}")
+        if self.judge and self.kind in ("calculator", "search_qa", "http"):
+            raise ValueError(f"envs[].judge grades single-turn replies; {self.kind!r} has episodes")
         if self.kind == "http" and not self.url:
             raise ValueError("an http environment needs its server's url (envs[].url)")
         return self
@@ -253,6 +258,12 @@ def build_environment(spec: EnvConfig, *, tokenizer: Any = None) -> Environment:
         )
     else:
         raise ValueError(f"unknown environment kind {kind!r}")
+    if spec.judge:  # GenRM: the judge's rating replaces the verifier's reward
+        from .judge import GenerativeJudge, JudgedEnvironment
+
+        judge = load(spec.judge)
+        engine = Engine(judge.model.float().eval(), judge.tokenizer, max_batch_size=32)
+        env = JudgedEnvironment(env, GenerativeJudge(engine))
     if spec.low_effort_fraction > 0:
         count = (lambda s: len(tokenizer.encode(s, add_bos=False))) if tokenizer else None
         env = LowEffortEnvironment(env, fraction=spec.low_effort_fraction, count_tokens=count)
