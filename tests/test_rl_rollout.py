@@ -102,3 +102,72 @@ def test_ray_pool_generates_in_other_processes_and_sync_times_out_loudly():
     finally:
         pool.shutdown()
         ray.shutdown()
+
+
+def test_ray_workers_ask_for_gpus_when_the_cluster_has_them():
+    from hybridlm.infer.rollout import worker_gpus
+
+    assert worker_gpus(None, 0.0, 2) == 0.0  # a laptop: the CPU
+    assert worker_gpus(None, 8.0, 2) == 1.0  # one each
+    assert worker_gpus(None, 1.0, 4) == 0.25  # a share of the one there is
+    assert worker_gpus(0, 8.0, 2) == 0.0  # told to stay on the CPU
+    assert worker_gpus(2, 8.0, 2) == 2.0
+    with pytest.raises(ValueError, match="Ray cluster has 1"):
+        worker_gpus(1, 1.0, 2)
+    with pytest.raises(ValueError, match=">= 0"):
+        worker_gpus(-1, 1.0, 1)
+
+
+def test_concurrent_calls_share_one_continuous_batch(one_thread):
+    """A call that arrives while another runs (a prefetched draw; a Ray actor runs two) joins
+    the same engine batch at the next step instead of waiting for the first to end."""
+    model = _policy()
+    worker = RolloutWorker(model.config, ByteTokenizer(), model.state_dict())
+    sizes: list[int] = []
+    step = worker.engine.step
+
+    def spy():
+        sizes.append(len(worker.engine._running))
+        return step()
+
+    worker.engine.step = spy
+    params = {"max_tokens": 40, "temperature": 1.0, "ignore_eos": True}
+    out: dict[int, list] = {}
+
+    def call(k: int) -> None:
+        out[k] = worker.generate(_requests(2, 2), params)
+
+    first = threading.Thread(target=call, args=(0,))
+    first.start()
+    deadline = time.monotonic() + 60
+    while worker.engine.stats["decode_steps"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    second = threading.Thread(target=call, args=(1,))
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert max(sizes) == 8  # 2 calls x 2 prompts x 2 samples, in one batch
+    assert sorted(out) == [0, 1] and all(len(c.token_ids) == 40 for k in out for c in out[k])
+    assert worker.calls() == 2
+
+
+def test_a_failing_environment_ends_its_call_and_the_worker_goes_on(one_thread):
+    from hybridlm.rl.environments import ArithmeticEnvironment
+
+    class Broken(ArithmeticEnvironment):
+        def score(self, problem, completion):
+            raise RuntimeError("the verifier crashed")
+
+    model = _policy()
+    env = Broken(num_problems=2)
+    worker = RolloutWorker(model.config, ByteTokenizer(), model.state_dict(), env=env)
+    reqs = [RolloutRequest(p.id, [], 2, problem=p) for p in env]
+    from _tiny import ForcedTokens
+
+    reply = ByteTokenizer().encode("hi<|im_end|>", add_bos=False)  # a reply that gets scored
+    params = {"max_tokens": 20, "constraint": lambda: ForcedTokens(reply, 258)}
+    with pytest.raises(RuntimeError, match="verifier crashed"):
+        worker.generate(reqs, params)
+    assert not worker.engine.has_unfinished()  # its requests were dropped
+    comps = worker.generate(_requests(1, 2), PARAMS)  # the worker still serves
+    assert len(comps) == 2

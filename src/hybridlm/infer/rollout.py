@@ -14,7 +14,8 @@ next engine step boundary, so requests in flight finish with the new weights —
 tokens keep the version that sampled them (`Completion.versions`), which the learner uses to bound
 the policy lag and to weight tokens by truncated importance sampling.
 
-Executors: `"ray"` runs each worker as a Ray actor process (`ray.init()` on a laptop starts a
+Executors: `"ray"` runs each worker as a Ray actor process (with a GPU of its own when the
+cluster has them, `worker_gpus`; on the CPU otherwise) (`ray.init()` on a laptop starts a
 local cluster; `ray_address` joins an existing one); the actor runs two calls at once
 (`max_concurrency=2`) so that a weight update can arrive while `generate` runs. `"inline"` runs
 the worker in this process, synchronously (no overlap; on-policy), for debugging and tests.
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -174,39 +175,75 @@ class _Live:
     turn: int = 0
 
 
-def roll_out(
-    engine: Engine,
-    starts: Sequence[tuple[EpisodeResult, Episode | None]],
-    params: SamplingParams,
-    *,
-    max_turns: int = 4,
-    max_episode_tokens: int | None = None,
-    seeds: Sequence[int | None] | None = None,
-    between_steps: Callable[[], None] | None = None,
-) -> None:
-    """The rollout loop under `run_episodes` and the rollout workers: every start is an
-    `EpisodeResult` holding its prompt and the `Episode` that answers its replies, or None for
-    one plain generation (the prompt's continuation under `params` as given, one turn, reward
-    0). Results are filled in place. `between_steps` runs after every engine step (a rollout
-    worker loads new weights there)."""
-    tok = engine.tokenizer
-    if max_turns < 1:
-        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-    if max_episode_tokens is not None and max_episode_tokens < 1:
-        raise ValueError(f"max_episode_tokens must be >= 1, got {max_episode_tokens}")
-    if seeds is not None and len(seeds) != len(starts):
-        raise ValueError(f"{len(seeds)} seeds for {len(starts)} episodes")
-    stops = [params.stop] if isinstance(params.stop, str) else list(params.stop)
-    live: dict[str, _Live] = {}
+class Rollout:
+    """The rollout state machine under `roll_out`, `run_episodes` and the rollout workers:
+    every start is an `EpisodeResult` holding its prompt and the `Episode` that answers its
+    replies, or None for one plain generation (the prompt's continuation under `params` as
+    given, one turn, reward 0). `start()` adds the first turns to the engine, `feed(output)`
+    takes a finished request of this rollout (and adds the episode's next turn), `done` says
+    when every episode has ended; results are filled in place. Several rollouts may share one
+    engine (a worker's prefetched calls in one continuous batch): `owns(request_id)` routes."""
 
-    def submit(st: _Live) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        starts: Sequence[tuple[EpisodeResult, Episode | None]],
+        params: SamplingParams,
+        *,
+        max_turns: int = 4,
+        max_episode_tokens: int | None = None,
+        seeds: Sequence[int | None] | None = None,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if max_episode_tokens is not None and max_episode_tokens < 1:
+            raise ValueError(f"max_episode_tokens must be >= 1, got {max_episode_tokens}")
+        if seeds is not None and len(seeds) != len(starts):
+            raise ValueError(f"{len(seeds)} seeds for {len(starts)} episodes")
+        self.engine, self.starts, self.params = engine, list(starts), params
+        self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
+        self.seeds = seeds
+        self._stops = [params.stop] if isinstance(params.stop, str) else list(params.stop)
+        self._live: dict[str, _Live] = {}
+        self.error: BaseException | None = None  # what ended it early (its episode's error)
+
+    @property
+    def done(self) -> bool:
+        return not self._live
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    def abort(self, error: BaseException | None = None) -> None:
+        """Drop every request this rollout still has in the engine; `error` is kept for its
+        caller to raise (`check`)."""
+        for request_id in list(self._live):
+            self.engine.abort(request_id)
+        self._live.clear()
+        self.error = self.error or error
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def start(self) -> None:
+        params = self.params
+        for i, (result, episode) in enumerate(self.starts):
+            if self.seeds is not None:
+                seed = self.seeds[i]
+            else:
+                seed = None if params.seed is None else params.seed + 1000 * i
+            self._submit(_Live(i, episode, result, seed))
+
+    def _submit(self, st: _Live) -> None:
+        params, engine = self.params, self.engine
         left = None
-        if max_episode_tokens is not None:
-            left = max_episode_tokens - st.result.generated
+        if self.max_episode_tokens is not None:
+            left = self.max_episode_tokens - st.result.generated
         room = engine.max_model_len - len(st.result.tokens)
         n = min(params.max_tokens, room, left if left is not None else room)
         if n < 1:
-            finish(st, truncated=True)
+            self._finish(st, truncated=True)
             return
         sp = replace(
             params,
@@ -215,10 +252,10 @@ def roll_out(
             seed=None if st.seed is None else st.seed + st.turn,
         )
         if st.episode is not None:  # a chat turn: it ends at the end-of-turn string
-            sp = replace(sp, stop=[*stops, STOP], include_stop_str_in_output=True)
-        live[engine.add_request(list(st.result.tokens), sp)] = st
+            sp = replace(sp, stop=[*self._stops, STOP], include_stop_str_in_output=True)
+        self._live[engine.add_request(list(st.result.tokens), sp)] = st
 
-    def finish(st: _Live, *, truncated: bool = False, reward: float = 0.0, info=None) -> None:
+    def _finish(self, st: _Live, *, truncated: bool = False, reward: float = 0.0, info=None):
         if st.episode is not None:
             st.episode.close()
         st.result.truncated = truncated
@@ -226,55 +263,84 @@ def roll_out(
         st.result.turns = st.turn
         st.result.info.update(info or {})
 
-    for i, (result, episode) in enumerate(starts):
-        if seeds is not None:
-            seed = seeds[i]
-        else:
-            seed = None if params.seed is None else params.seed + 1000 * i
-        submit(_Live(i, episode, result, seed))
-    while live:
-        for out in engine.step():
-            if not out.finished or out.request_id not in live:
-                continue
-            st = live.pop(out.request_id)
-            res = st.result
-            st.turn += 1
-            gen, lps = list(out.token_ids), list(out.logprobs or [None] * len(out.token_ids))
-            versions = list(out.token_versions)
-            if out.stop_token_id is not None:  # EOS / a stop token ended the turn: keep it
-                gen.append(out.stop_token_id)
-                lps.append(out.stop_token_logprob)
-                versions.append(engine.weight_version)
-            res.tokens += gen
-            res.loss_mask += [1] * len(gen)
-            res.logprobs += lps
-            res.versions += versions
-            res.finish_reason, res.text = out.finish_reason, out.text
-            if st.episode is None:  # one plain generation
-                finish(st, truncated=out.finish_reason == "length")
-                continue
-            reply = parse_assistant(out.text)
-            reply["text"] = out.text
-            res.messages.append({k: v for k, v in reply.items() if k != "text"})
-            if out.finish_reason != "stop":  # cut by a budget while the model was writing
-                finish(st, truncated=True)
-                continue
-            step = st.episode.step(reply)
-            if step.done or st.turn >= max_turns:
-                info = dict(step.info)
-                if not step.done:
-                    info["unfinished"] = True
-                finish(st, reward=step.reward, info=info)
-                continue
-            between = tok.encode(continuation(step.observation), add_bos=False)
-            res.messages += step.observation
-            res.tokens += between
-            res.loss_mask += [0] * len(between)
-            res.logprobs += [None] * len(between)
-            res.versions += [-1] * len(between)
-            submit(st)
-        if between_steps is not None:
-            between_steps()
+    def feed(self, out: Any) -> None:
+        """A finished output of one of this rollout's requests."""
+        st = self._live.pop(out.request_id)
+        res = st.result
+        st.turn += 1
+        gen, lps = list(out.token_ids), list(out.logprobs or [None] * len(out.token_ids))
+        versions = list(out.token_versions)
+        if out.stop_token_id is not None:  # EOS / a stop token ended the turn: keep it
+            gen.append(out.stop_token_id)
+            lps.append(out.stop_token_logprob)
+            versions.append(self.engine.weight_version)
+        res.tokens += gen
+        res.loss_mask += [1] * len(gen)
+        res.logprobs += lps
+        res.versions += versions
+        res.finish_reason, res.text = out.finish_reason, out.text
+        if st.episode is None:  # one plain generation
+            self._finish(st, truncated=out.finish_reason == "length")
+            return
+        reply = parse_assistant(out.text)
+        reply["text"] = out.text
+        res.messages.append({k: v for k, v in reply.items() if k != "text"})
+        if out.finish_reason != "stop":  # cut by a budget while the model was writing
+            self._finish(st, truncated=True)
+            return
+        step = st.episode.step(reply)
+        if step.done or st.turn >= self.max_turns:
+            info = dict(step.info)
+            if not step.done:
+                info["unfinished"] = True
+            self._finish(st, reward=step.reward, info=info)
+            return
+        between = self.engine.tokenizer.encode(continuation(step.observation), add_bos=False)
+        res.messages += step.observation
+        res.tokens += between
+        res.loss_mask += [0] * len(between)
+        res.logprobs += [None] * len(between)
+        res.versions += [-1] * len(between)
+        self._submit(st)
+
+
+def step_rollouts(engine: Engine, rollouts: Sequence[Rollout]) -> None:
+    """One engine step, its finished outputs routed to the rollouts that own them (outputs of
+    requests no rollout owns are dropped: they belong to nobody here)."""
+    for out in engine.step():
+        if not out.finished:
+            continue
+        for r in rollouts:
+            if r.owns(out.request_id):
+                try:
+                    r.feed(out)
+                except Exception as err:  # its episode failed: it ends, the others go on
+                    r.abort(err)
+                break
+
+
+def roll_out(
+    engine: Engine,
+    starts: Sequence[tuple[EpisodeResult, Episode | None]],
+    params: SamplingParams,
+    *,
+    max_turns: int = 4,
+    max_episode_tokens: int | None = None,
+    seeds: Sequence[int | None] | None = None,
+) -> None:
+    """Roll `starts` out on `engine` to the end (`Rollout`); results are filled in place."""
+    r = Rollout(
+        engine,
+        starts,
+        params,
+        max_turns=max_turns,
+        max_episode_tokens=max_episode_tokens,
+        seeds=seeds,
+    )
+    r.start()
+    while not r.done:
+        step_rollouts(engine, [r])
+    r.check()
 
 
 @dataclass
@@ -300,12 +366,13 @@ class RolloutWorker:
         seed: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
         env: Any = None,
+        device: str = "cpu",
     ) -> None:
         if threads > 0:
             torch.set_num_threads(threads)
         with torch.device("meta"):
             model = HybridLM(model_cfg)
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
         model.load_state_dict(state_dict, strict=True)
         self.engine = Engine(model.eval(), tokenizer, **(engine_kwargs or {}))
         self.engine.weight_version = version
@@ -314,8 +381,12 @@ class RolloutWorker:
         self.env = env  # steps the episodes of requests with a problem (rl.environments)
         self._calls = 0
         self._pending = _Pending()
-        # the engine is not thread-safe: one generate at a time; set_weights may come meanwhile
-        self._generating = threading.Lock()
+        # the engine is not thread-safe: one thread steps it at a time (`_engine_lock`);
+        # calls queue their rollouts (`_waiting`) for it; set_weights may come meanwhile
+        self._engine_lock = threading.Lock()
+        self._admit = threading.Lock()
+        self._waiting: list[Rollout] = []
+        self._running: list[Rollout] = []
 
     # -- weights
     def set_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
@@ -355,9 +426,9 @@ class RolloutWorker:
     ) -> list[Completion]:
         """Sample every request's group in one continuous batch; returns the completions in
         request order, group members in index order. `params` bound each reply; episodes also
-        end after `max_turns` replies or `max_episode_tokens` generated tokens."""
-        with self._generating:
-            return self._generate(requests, params, max_turns, max_episode_tokens)
+        end after `max_turns` replies or `max_episode_tokens` generated tokens. Concurrent calls
+        (a Ray actor runs two) share the engine's continuous batch."""
+        return self._generate(requests, params, max_turns, max_episode_tokens)
 
     def _generate(
         self,
@@ -366,8 +437,9 @@ class RolloutWorker:
         max_turns: int,
         max_episode_tokens: int | None,
     ) -> list[Completion]:
-        self._apply_pending()
-        self._calls += 1
+        with self._admit:  # calls are numbered (their seeds) in the order they arrive
+            self._calls += 1
+            call = self._calls
         sp = SamplingParams(**{**params, "logprobs": True})
         starts, seeds, keys = [], [], []
         for r, req in enumerate(requests):
@@ -379,17 +451,42 @@ class RolloutWorker:
                 else:
                     starts.append(start_episode(self.env, req.problem, self.engine.tokenizer))
                 # distinct, reproducible streams: (seed, worker, call, request, member)
-                seeds.append(hash((self.seed, self.worker_id, self._calls, r, g)) % 2**62)
+                seeds.append(hash((self.seed, self.worker_id, call, r, g)) % 2**62)
                 keys.append((r, g))
-        roll_out(
+        rollout = Rollout(
             self.engine,
             starts,
             sp,
             max_turns=max_turns,
             max_episode_tokens=max_episode_tokens,
             seeds=seeds,
-            between_steps=self._apply_pending,  # in-flight update between steps
         )
+        with self._admit:
+            self._waiting.append(rollout)
+        # whichever call holds the engine steps it for every call admitted so far: a call that
+        # arrives while another runs joins the same continuous batch at the next step boundary
+        while True:
+            with self._engine_lock:
+                try:
+                    self._apply_pending()  # new weights at a step boundary
+                    with self._admit:
+                        fresh, self._waiting = self._waiting, []
+                    for r in fresh:
+                        self._running.append(r)
+                        r.start()
+                    if rollout.done and rollout in self._running:
+                        self._running.remove(rollout)
+                        break
+                    step_rollouts(self.engine, self._running)
+                except BaseException as err:  # the engine itself failed: this call ends
+                    if rollout in self._running:
+                        self._running.remove(rollout)
+                    with self._admit:
+                        if rollout in self._waiting:
+                            self._waiting.remove(rollout)
+                    rollout.abort(err)
+                    raise
+        rollout.check()  # its own episode failed
         return [
             _completion(requests[r], g, res, episodic, self.worker_id)
             for (r, g), (res, episodic) in zip(keys, starts, strict=True)
@@ -415,6 +512,24 @@ def _completion(req: RolloutRequest, g: int, res: Any, episode: Any, worker: int
         turns=res.turns,
         info=dict(res.info) if episode is not None else {},
     )
+
+
+def worker_gpus(requested: float | None, cluster_gpus: float, num_workers: int) -> float:
+    """GPUs each Ray rollout actor asks for: `requested` when given (0: decode on the CPU);
+    by default one each when the cluster has one per worker, a share when it has fewer, and
+    none on a cluster without GPUs (a laptop)."""
+    if requested is not None:
+        if requested < 0:
+            raise ValueError(f"gpus_per_worker must be >= 0, got {requested}")
+        if requested > 0 and cluster_gpus < requested * num_workers:
+            raise ValueError(
+                f"{num_workers} rollout workers x {requested} GPUs, the Ray cluster has "
+                f"{cluster_gpus:g}"
+            )
+        return float(requested)
+    if cluster_gpus <= 0:
+        return 0.0
+    return min(1.0, cluster_gpus / num_workers)
 
 
 class _InlineHandle:
@@ -443,6 +558,7 @@ class RolloutPool:
         version: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
         env: Any = None,
+        gpus_per_worker: float | None = None,
     ) -> None:
         if executor not in ("ray", "inline"):
             raise ValueError(f"executor must be 'ray' or 'inline', got {executor!r}")
@@ -474,10 +590,15 @@ class RolloutPool:
                 include_dashboard=False,
                 log_to_driver=False,
             )
-        actor = ray.remote(num_cpus=threads_per_worker, max_concurrency=2)(RolloutWorker)
+        gpus = worker_gpus(gpus_per_worker, ray.cluster_resources().get("GPU", 0.0), num_workers)
+        actor = ray.remote(num_cpus=threads_per_worker, num_gpus=gpus, max_concurrency=2)(
+            RolloutWorker
+        )
         ref = ray.put(state)
+        device = "cuda" if gpus > 0 else "cpu"  # Ray sets CUDA_VISIBLE_DEVICES per actor
         self.workers = [
-            actor.remote(model_cfg, tokenizer, ref, worker_id=i, **kw) for i in range(num_workers)
+            actor.remote(model_cfg, tokenizer, ref, worker_id=i, device=device, **kw)
+            for i in range(num_workers)
         ]
         self._ray = ray
         self._check(ray.get([w.version.remote() for w in self.workers], timeout=sync_timeout_s))

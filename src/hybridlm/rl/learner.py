@@ -179,6 +179,7 @@ class RLConfig(Config):
     num_workers: int = 1
     ray_address: str = ""
     threads_per_worker: int = 1
+    gpus_per_worker: float = -1.0  # Ray rollout actors; -1: one each when the cluster has GPUs
     max_policy_lag: int = 1
     sync_timeout_s: float = 300.0
     seed: int = 0
@@ -632,6 +633,7 @@ class GRPOLearner(TrainModule):
             version=step,
             engine_kwargs={"max_batch_size": cfg.groups_per_step * cfg.group_size},
             env=self.env if self.env.multi_turn else None,  # steps the episodes
+            gpus_per_worker=None if cfg.gpus_per_worker < 0 else cfg.gpus_per_worker,
         )
         state = self._restored
         if state is None:

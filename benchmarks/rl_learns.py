@@ -1,0 +1,355 @@
+"""GRPO that learns, against the random-reward control, single-turn and multi-turn.
+
+    hybridlm speedrun --only sft           # or any chat model: runs/speedrun/sft is the default
+    python benchmarks/rl_learns.py [--base runs/speedrun/sft] [--out runs/rl_learns]
+
+Two tasks, each trained twice from the same model with the same settings: once rewarded by the
+verifier (GRPO), once by a fair coin (`reward: random`: no information about the task, so no
+gain may follow). Before and after, every model is evaluated on the same held-out problems
+(another seed than training):
+
+- **single-turn**: arithmetic questions with more digits than the SFT data had (headroom for
+  the SFT model); sampled pass@1 (T = 1, `--samples` per problem) and greedy accuracy;
+- **multi-turn tool use**: 5-digit x 5-digit products with the calculator tool (the model cannot
+  multiply in its head) after a short tool-use SFT on the environment's solved episodes
+  (`hybridlm tool-demos`); episode success sampled (T = 1) and greedy, the tool-call rate and
+  the turns per episode.
+
+A gain is the mean over problems of the per-problem change (paired), its standard error the
+standard deviation of those changes over sqrt(problems); the target is a gain >= 3 standard
+errors for GRPO with the control not improving. Prints one line per model and verdict lines,
+writes `OUT/results.json` (with the command, commit and versions) and `OUT/rl_learns.png`
+(held-out success by step of both runs, and for the tool task the tool calls and turns per
+episode by step), from the runs' `metrics.jsonl`. Finished runs in OUT are reused unless
+`--rerun`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridlm.infer.engine import Engine
+from hybridlm.infer.sampling import SamplingParams
+from hybridlm.io import load, read_meta, resolve_checkpoint
+from hybridlm.report.plot import pyplot, save_figure
+from hybridlm.rl.environments import ToolUseEnvironment
+from hybridlm.rl.episodes import run_episodes
+from hybridlm.rl.learner import EnvConfig, RLConfig, build_environment, run_rl
+from hybridlm.train.config import TrainConfig
+from hybridlm.train.sft import ChatSource, SFTConfig, SFTDataConfig, SFTRunConfig, run_sft
+
+TASKS = ("single", "multi")
+
+
+# ---------------------------------------------------------------------- evaluation
+def evaluate(
+    model_path: str | Path,
+    spec: EnvConfig,
+    *,
+    problems: int,
+    samples: int,
+    max_new_tokens: int,
+    max_episode_tokens: int | None,
+    seed: int,
+) -> dict[str, Any]:
+    """Sampled (T = 1, `samples` per problem) and greedy success of `model_path` on the first
+    `problems` held-out problems of `spec`, as episodes (a single-turn environment's episode is
+    one reply): per-problem success rates, tool calls and turns per episode."""
+    loaded = load(model_path)
+    model = loaded.model.float().eval()
+    env = build_environment(spec, tokenizer=loaded.tokenizer)
+    held = env.sample(problems, seed=seed)
+    max_turns = spec.max_turns if isinstance(env, ToolUseEnvironment) else 1
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    for mode, n, temperature in (("sampled", samples, 1.0), ("greedy", 1, 0.0)):
+        engine = Engine(model, loaded.tokenizer, max_batch_size=64)
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        reps = [p for p in held for _ in range(n)]
+        with torch.no_grad():
+            res = run_episodes(
+                engine,
+                env,
+                reps,
+                params,
+                max_turns=max_turns,
+                max_episode_tokens=max_episode_tokens,
+            )
+        per = [sum(r.reward >= 1.0 for r in res[i * n : (i + 1) * n]) / n for i in range(len(held))]
+        out[mode] = {
+            "success": sum(per) / len(per),
+            "per_problem": per,
+            "tool_calls": sum(r.info.get("tool_calls", 0) for r in res) / len(res),
+            "turns": sum(r.turns for r in res) / len(res),
+            "truncated": sum(r.truncated for r in res) / len(res),
+        }
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def paired_gain(before: list[float], after: list[float]) -> tuple[float, float]:
+    """Mean per-problem change and its standard error."""
+    d = [a - b for a, b in zip(after, before, strict=True)]
+    mean = sum(d) / len(d)
+    var = sum((x - mean) ** 2 for x in d) / max(len(d) - 1, 1)
+    return mean, math.sqrt(var / len(d))
+
+
+# ---------------------------------------------------------------------- runs
+def tokenizer_spec(model_path: str | Path) -> str:
+    """The tokenizer a run directory / checkpoint was trained with (`data.tokenizer`)."""
+    meta = read_meta(resolve_checkpoint(Path(model_path)))
+    return (meta["run_config"].get("data") or {}).get("tokenizer", "byte")
+
+
+def tool_sft(base: str, out: Path, args: argparse.Namespace) -> Path:
+    """The short tool-use SFT: `base` trained on solved calculator episodes."""
+    demos = out / "tool_demos.jsonl"
+    env = build_environment(tool_spec(args, seed=0))
+    assert isinstance(env, ToolUseEnvironment)
+    with demos.open("w") as f:
+        for messages in env.demonstrations(args.tool_demos, seed=0):
+            f.write(json.dumps({"messages": messages}) + "\n")
+    cfg = SFTRunConfig(
+        model="tiny-super",  # unused: init_from
+        data=SFTDataConfig(
+            sources=[ChatSource(kind="file", path=str(demos))],
+            tokenizer=tokenizer_spec(base),
+            seq_len=args.tool_seq_len,
+            batch_size=8,
+            overflow="drop",
+            held_out=16,
+            seed=0,
+        ),
+        train=TrainConfig(
+            lr=args.tool_lr,
+            min_lr=args.tool_lr / 10,
+            schedule="linear",
+            warmup_steps=10,
+            weight_decay=0.0,
+            max_steps=args.tool_steps,
+            eval_interval=args.tool_steps,
+            log_interval=10,
+            checkpoint_interval=0,
+            keep_last_n=1,
+            out_dir=str(out / "tool_sft"),
+            init_from=base,
+            seed=0,
+        ),
+        sft=SFTConfig(eval_generate=0),
+    )
+    run_sft(cfg, overwrite=True)
+    return out / "tool_sft"
+
+
+def tool_spec(args: argparse.Namespace, *, seed: int) -> EnvConfig:
+    return EnvConfig(
+        kind="calculator", digits=5, num_problems=4000, seed=seed, max_turns=args.max_turns
+    )
+
+
+def single_spec(args: argparse.Namespace, *, seed: int) -> EnvConfig:
+    return EnvConfig(kind="sft_arithmetic", digits=args.digits, num_problems=4000, seed=seed)
+
+
+def rl_config(base: str, out: Path, reward: str, task: str, args: argparse.Namespace) -> RLConfig:
+    spec = single_spec if task == "single" else tool_spec
+    return RLConfig(
+        checkpoint=base,
+        out_dir=str(out),
+        envs=[spec(args, seed=1)],
+        eval_envs=[spec(args, seed=2)],
+        eval_problems=args.curve_problems,
+        eval_interval=args.eval_interval,
+        reward=reward,
+        steps=args.steps if task == "single" else args.tool_rl_steps,
+        groups_per_step=8,
+        group_size=8,
+        max_draws=24,
+        max_new_tokens=args.max_new_tokens,
+        max_episode_tokens=args.max_episode_tokens if task == "multi" else 0,
+        overlong_filter=task == "multi",
+        temperature=1.0,
+        lr=args.lr,
+        executor=args.executor,
+        num_workers=1,
+        max_policy_lag=1,
+        micro_batch_size=16,
+        seed=0,
+    )
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x]
+
+
+# ---------------------------------------------------------------------- report
+def plot(results: dict[str, Any], out: Path, png: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    labels = {"grpo": "GRPO (verifier reward)", "control": "random reward (control)"}
+    for task, ax, title in (
+        ("single", axes[0], "single-turn: held-out greedy accuracy"),
+        ("multi", axes[1], "tool use: held-out greedy success"),
+    ):
+        if task not in results:
+            continue
+        for run, label in labels.items():
+            ev = [
+                (r["step"], r["all/solved"]) for r in rows(out / task / run) if r["kind"] == "eval"
+            ]
+            if ev:
+                ax.plot(*zip(*ev, strict=True), marker="o", label=label)
+        ax.set(title=title, xlabel="GRPO step", ylabel="fraction solved", ylim=(-0.02, 1.02))
+        ax.legend()
+    ax = axes[2]
+    if "multi" in results:
+        for run, label in labels.items():
+            train = [r for r in rows(out / "multi" / run) if r["kind"] == "train"]
+            calls = [
+                (r["step"], r["batch/calculator/tool_calls"])
+                for r in train
+                if "batch/calculator/tool_calls" in r
+            ]
+            turns = [
+                (r["step"], r["batch/calculator/turns"])
+                for r in train
+                if "batch/calculator/turns" in r
+            ]
+            if calls:
+                ax.plot(*zip(*calls, strict=True), label=f"tool calls / episode, {label}")
+            if turns:
+                ax.plot(
+                    *zip(*turns, strict=True), linestyle="--", label=f"turns / episode, {label}"
+                )
+        ax.set(title="tool use: trained batches", xlabel="GRPO step", ylabel="per episode")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    save_figure(fig, png)
+
+
+def _git(*a: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", *a], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_task(task: str, base: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
+    spec = (single_spec if task == "single" else tool_spec)(args, seed=2)
+    kw = dict(
+        problems=args.problems,
+        samples=args.samples,
+        max_new_tokens=args.max_new_tokens,
+        max_episode_tokens=args.max_episode_tokens if task == "multi" else None,
+        seed=12345,
+    )
+    res: dict[str, Any] = {"base": base, "before": evaluate(base, spec, **kw)}
+    for run, reward in (("grpo", "verifier"), ("control", "random")):
+        path = out / task / run
+        if args.rerun or not (path / "model").is_dir():
+            t0 = time.perf_counter()
+            run_rl(rl_config(base, path, reward, task, args), progress=True, overwrite=True)
+            res[f"{run}_train_s"] = time.perf_counter() - t0
+        res[run] = evaluate(path / "model", spec, **kw)
+    for run in ("grpo", "control"):
+        for mode in ("sampled", "greedy"):
+            gain, se = paired_gain(
+                res["before"][mode]["per_problem"], res[run][mode]["per_problem"]
+            )
+            res[run][mode]["gain"], res[run][mode]["gain_se"] = gain, se
+    return res
+
+
+def line(task: str, name: str, r: dict[str, Any]) -> str:
+    s, g = r["sampled"], r["greedy"]
+    text = f"[{task}] {name}: sampled pass@1 {s['success']:.3f} | greedy {g['success']:.3f}"
+    if "gain" in s:
+        z = s["gain"] / s["gain_se"] if s["gain_se"] > 0 else float("nan")
+        text += (
+            f" | sampled gain {s['gain']:+.3f} ± {s['gain_se']:.3f} ({z:+.1f} SE)"
+            f" | greedy gain {g['gain']:+.3f} ± {g['gain_se']:.3f}"
+        )
+    if task == "multi":
+        text += f" | tool calls {s['tool_calls']:.2f} | turns {s['turns']:.2f}"
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--base", default="runs/speedrun/sft", help="the SFT model (run directory)")
+    p.add_argument("--out", default="runs/rl_learns")
+    p.add_argument("--tasks", default="single,multi")
+    p.add_argument("--digits", type=int, default=3, help="single-turn operands' digits")
+    p.add_argument("--steps", type=int, default=40, help="GRPO steps, single-turn")
+    p.add_argument("--tool-rl-steps", type=int, default=30, help="GRPO steps, tool use")
+    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-episode-tokens", type=int, default=256)
+    p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--problems", type=int, default=128, help="held-out problems evaluated")
+    p.add_argument("--samples", type=int, default=4, help="samples per problem for pass@1")
+    p.add_argument("--curve-problems", type=int, default=64, help="problems of the curves")
+    p.add_argument("--eval-interval", type=int, default=10)
+    p.add_argument("--tool-demos", type=int, default=2000)
+    p.add_argument("--tool-steps", type=int, default=150, help="tool-use SFT steps")
+    p.add_argument("--tool-lr", type=float, default=5e-4)
+    p.add_argument("--tool-seq-len", type=int, default=1024)
+    p.add_argument("--executor", default="ray", choices=["ray", "inline"])
+    p.add_argument("--rerun", action="store_true")
+    args = p.parse_args(argv)
+    if not Path(args.base).exists():
+        print(f"[rl_learns] skipped: no model at {args.base} (hybridlm speedrun --only sft)")
+        return 0
+    tasks = [t for t in args.tasks.split(",") if t]
+    if set(tasks) - set(TASKS):
+        raise SystemExit(f"--tasks: choose from {TASKS}")
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+        "commit": _git("rev-parse", "HEAD"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    for task in tasks:
+        base = args.base
+        if task == "multi":
+            tool = out / "tool_sft"
+            if args.rerun or not (tool / "checkpoints").is_dir():
+                tool = tool_sft(args.base, out, args)
+            base = str(tool)
+        results[task] = run_task(task, base, out, args)
+        for name in ("before", "grpo", "control"):
+            print(line(task, name, results[task][name]), flush=True)
+    results["seconds"] = time.perf_counter() - t0
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(results, out, out / "rl_learns.png")
+    for task in tasks:
+        g, c = results[task]["grpo"]["sampled"], results[task]["control"]["sampled"]
+        met = g["gain"] >= 3 * g["gain_se"] and c["gain"] <= 0 + 1e-12
+        print(
+            f"[verdict] {task}: GRPO sampled gain {g['gain']:+.3f} = "
+            f"{g['gain'] / max(g['gain_se'], 1e-12):+.1f} SE; control {c['gain']:+.3f}; "
+            f"target (>= 3 SE, control not improving): {'met' if met else 'MISSED'}"
+        )
+    print(f"[rl_learns] {results['seconds'] / 60:.1f} min | {out / 'rl_learns.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
