@@ -558,7 +558,11 @@ def program_main() -> None:  # pragma: no cover - runs in the sandboxed child
     prog = _Program(spec["program"], spec["req_fd"], spec["resp_fd"], spec["max_output"])
     spec = None  # nothing but the program's own source stays reachable from here
     prog.serve()
-    sys.stdout.flush()
+    for stream in (sys.stdout, sys.stderr):  # os._exit skips the interpreter's own flush
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # the program closed or broke it
+            pass
     os._exit(0)
 
 

@@ -48,7 +48,7 @@ from hybridlm.rl.verifiers import (
 )
 
 from .episodes import Episode, SingleTurnEpisode, Step, ToolEpisode
-from .tools import Calculator, Search, Tool
+from .tools import Calculator, PythonTool, Search, Tool
 from .verifiers import INSTRUCTIONS, extract_boxed
 
 
@@ -246,11 +246,16 @@ class ToolUseEnvironment(DatasetEnvironment):
         """The tool calls (name, arguments) that solve `problem`, for demonstrations."""
         raise NotImplementedError
 
+    def final_reply(self, problem: Problem) -> str:
+        """The answer a demonstration ends with, once the tools have spoken."""
+        return f"The answer is {problem.answer}."
+
     def demonstrations(self, n: int, *, seed: int = 0) -> list[list[dict[str, Any]]]:
         """`n` solved episodes as chat conversations (tool-use SFT data): each calls the tools
-        of `calls(problem)` one per turn, gets their real results, then answers "The answer is
-        N." The tools section is written into the system message (`data.chat.offer_tools`), so
-        a conversation renders as the rollouts of this environment do."""
+        of `calls(problem)` one per turn, gets their real results, then answers
+        (`final_reply`: "The answer is N."). The tools section is written into the system
+        message (`data.chat.offer_tools`), so a conversation renders as the rollouts of this
+        environment do."""
         tools = {t.name: t for t in self.tools()}
         specs = [t.spec() for t in tools.values()]
         out = []
@@ -262,7 +267,7 @@ class ToolUseEnvironment(DatasetEnvironment):
                 msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
                 msgs.append({"role": "tool", "tool_call_id": f"call_{j}",
                              "content": tools[name](args)})  # fmt: skip
-            msgs.append({"role": "assistant", "content": f"The answer is {problem.answer}."})
+            msgs.append({"role": "assistant", "content": self.final_reply(problem)})
             if self.score(problem, msgs[-1]["content"]).value != 1.0:
                 raise AssertionError(f"demonstration {k} of {self.name} does not solve it")
             out.append(msgs)
@@ -898,3 +903,59 @@ def filter_by_pass_rate(
         else:
             kept.append(p)
     return FilterReport(kept, rates, solved, unsolved)
+
+
+class CodeToolEnvironment(ToolUseEnvironment):
+    """Code that must pass hidden tests, after the model tests it itself (issue: agentic RL,
+    environment (c)): HumanEval-style problems (`CodeEnvironment`'s, its hidden tests and
+    program assembly); the model may run programs with the sandboxed `PythonTool` (its own
+    asserts, prints) before it replies without a tool call, and that reply's code is scored on
+    the hidden tests in the same sandbox. Demonstrations run the canonical solution once (it
+    defines the function) and answer with it; the hidden tests are never shown."""
+
+    SYSTEM = (
+        "You can call the python tool to run code and test it. When your function is ready, "
+        "reply with the complete function in a ```python block and no tool call."
+    )
+
+    def __init__(
+        self,
+        records: Sequence[Mapping[str, Any]],
+        *,
+        sandbox: Any = None,
+        max_turns: int = 4,
+        name: str = "code_tool",
+    ) -> None:
+        self.code = CodeEnvironment(records, sandbox=sandbox, name=name)
+        problems = [
+            replace(p, messages=({"role": "system", "content": self.SYSTEM}, *p.messages))
+            for p in self.code
+        ]
+        super().__init__(problems, name=name, max_turns=max_turns)
+
+    @classmethod
+    def from_humaneval(cls, path: str | Path, **kwargs: Any) -> CodeToolEnvironment:
+        return cls(read_jsonl(path), **kwargs)
+
+    def tools(self) -> list[Tool]:
+        return [PythonTool(self.code.verifier.sandbox)]
+
+    def score(self, problem: Problem, completion: str) -> Reward:
+        return self.code.score(problem, completion)
+
+    def score_many(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[Reward]:
+        return self.code.score_many(problems, completions)
+
+    def _solution(self, problem: Problem) -> str:
+        sol = problem.metadata.get("canonical_solution")
+        if not sol:
+            raise ValueError(f"{problem.id} has no canonical solution to demonstrate")
+        return problem.answer["prompt"] + sol
+
+    def calls(self, problem: Problem) -> list[tuple[str, dict[str, Any]]]:
+        entry = problem.answer["entry_point"]
+        program = f"{self._solution(problem)}\nprint({entry!r}, 'defined:', callable({entry}))\n"
+        return [("python", {"code": program})]
+
+    def final_reply(self, problem: Problem) -> str:
+        return f"```python\n{self._solution(problem)}```"

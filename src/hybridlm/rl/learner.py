@@ -73,6 +73,7 @@ from .environments import (
     ArithmeticEnvironment,
     CalculatorEnvironment,
     CodeEnvironment,
+    CodeToolEnvironment,
     DatasetEnvironment,
     Environment,
     GSM8KEnvironment,
@@ -104,6 +105,7 @@ EnvKind = Literal[
     "ifeval",
     "calculator",
     "search_qa",
+    "code_tool",
     "http",
 ]
 
@@ -125,7 +127,7 @@ class EnvConfig(Config):
     digits: int = 2  # sft_arithmetic: operands below 10**digits
     seed: int = 0  # generated environments
     low_effort_fraction: float = 0.0  # prompts switched to low-effort mode (length penalty)
-    max_turns: int = 4  # tool-use environments (calculator, search_qa): replies per episode
+    max_turns: int = 4  # tool-use environments (calculator, search_qa, code_tool): replies
     url: str = ""  # http: an environment server (rl.remote; `hybridlm env-serve`)
     # a chat model that grades the replies instead of the verifier (GenRM, rl.judge; the
     # judge runs on the learner: single-turn environments only)
@@ -136,7 +138,7 @@ class EnvConfig(Config):
             raise ValueError(f"envs[].max_turns must be >= 1, got {self.max_turns}")
         if self.weight < 0:
             raise ValueError(f"envs[].weight must be >= 0, got {self.weight}")
-        if self.judge and self.kind in ("calculator", "search_qa", "http"):
+        if self.judge and self.kind in ("calculator", "search_qa", "code_tool", "http"):
             raise ValueError(f"envs[].judge grades single-turn replies; {self.kind!r} has episodes")
         if self.kind == "http" and not self.url:
             raise ValueError("an http environment needs its server's url (envs[].url)")
@@ -244,6 +246,10 @@ def build_environment(spec: EnvConfig, *, tokenizer: Any = None) -> Environment:
     elif kind == "search_qa":  # multi-turn: questions answered by BM25 search of a corpus
         env = SearchQAEnvironment(
             num_problems=spec.num_problems, seed=spec.seed, max_turns=spec.max_turns
+        )
+    elif kind == "code_tool":  # multi-turn: code tested with the sandboxed python tool
+        env = CodeToolEnvironment.from_humaneval(
+            spec.path or builtin.path(builtin.HUMANEVAL), max_turns=spec.max_turns
         )
     elif kind == "http":  # served by another process (rl.remote); held-out: another server
         from .remote import HTTPEnvironment

@@ -16,6 +16,10 @@ and the expression at most `max_chars` characters.
 
 `Search` ranks the documents of a local corpus for a query with BM25 (the `bm25s` library;
 English stopwords removed) and returns the `k` best, numbered, each cut to `max_doc_chars`.
+
+`PythonTool` runs a program in the hardened sandbox (`rl.sandbox`: private root, no network,
+unprivileged, resource limits, a wall-clock deadline) and returns its status, stdout and stderr,
+each cut to `max_output_chars` (stderr keeps its end, where a traceback says what failed).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["Calculator", "Search", "Tool", "ToolError"]
+__all__ = ["Calculator", "PythonTool", "Search", "Tool", "ToolError"]
 
 
 class ToolError(ValueError):
@@ -257,3 +261,63 @@ class Search(Tool):
             return []
         docs, scores = self._index.retrieve(q, k=self.k, show_progress=False)
         return [(int(d), float(x)) for d, x in zip(docs[0], scores[0], strict=True) if x > 0]
+
+
+class PythonTool(Tool):
+    """Runs Python in the sandbox (module docstring). The sandbox is built on first use (it
+    probes the machine's isolation) and not pickled (each Ray worker builds its own)."""
+
+    name = "python"
+    description = (
+        "Run a Python program in a sandbox (no network, no files but its own) and get its exit "
+        "status, stdout and stderr. Use it to test code before answering."
+    )
+    parameters = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "the program to run"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    }
+
+    def __init__(
+        self,
+        sandbox: Any = None,
+        *,
+        timeout_s: float = 10.0,
+        max_code_chars: int = 20_000,
+        max_output_chars: int = 2_000,
+    ) -> None:
+        self._sandbox = sandbox
+        self.timeout_s = timeout_s
+        self.max_code_chars, self.max_output_chars = max_code_chars, max_output_chars
+
+    @property
+    def sandbox(self) -> Any:
+        if self._sandbox is None:
+            from .sandbox import Sandbox, SandboxConfig
+
+            self._sandbox = Sandbox(SandboxConfig(timeout_s=self.timeout_s))
+        return self._sandbox
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_sandbox": None}
+
+    def run(self, arguments: Mapping[str, Any]) -> str:
+        code = self._only_string(arguments, "code")
+        if not code.strip():
+            raise ToolError("'code' must be a non-empty program")
+        if len(code) > self.max_code_chars:
+            raise ToolError(f"the program is longer than {self.max_code_chars} characters")
+        r = self.sandbox.run(code)
+        n = self.max_output_chars
+        out = r.stdout if len(r.stdout) <= n else r.stdout[: n - 3] + "..."
+        err = r.stderr if len(r.stderr) <= n else "..." + r.stderr[-(n - 3) :]
+        status = {"ok": "exit 0", "error": "error", "timeout": "timeout", "killed": "killed"}
+        lines = [f"status: {status.get(r.status, r.status)}"]
+        if r.status != "ok" and r.reason:
+            lines[0] += f" ({r.reason})"
+        if out:
+            lines.append(f"stdout:\n{out}")
+        if err:
+            lines.append(f"stderr:\n{err}")
+        return "\n".join(lines)
