@@ -166,6 +166,8 @@ def test_leave_one_out_baseline():
     torch.testing.assert_close(loo, group_advantages(r) * 4 / 3)
     with pytest.raises(ValueError, match="baseline"):
         group_advantages(r, baseline="median")
+    with pytest.raises(ValueError, match="single-turn"):  # low-effort mode has no episodes
+        EnvConfig(kind="calculator", low_effort_fraction=0.1).validate()
 
 
 def test_a_mixture_routes_episodes_to_the_problems_environment(one_thread):

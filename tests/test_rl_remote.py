@@ -37,8 +37,8 @@ def test_http_environment_equals_the_local_one(tool_policy, one_thread):
         remote = HTTPEnvironment(url)
         assert (remote.name, remote.multi_turn, len(remote)) == ("calculator", True, 40)
         p, q = remote[5], local[5]
-        assert (p.id, p.messages, p.metadata) == (q.id, q.messages, q.metadata)
-        assert p.answer is None  # the server keeps the ground truth
+        assert (p.id, p.messages) == (q.id, q.messages)
+        assert p.answer is None and p.metadata == {}  # the server keeps what solves it
         right, wrong = f"The answer is {q.answer}.", f"The answer is {int(q.answer) + 1}."
         assert remote.score(p, right) == local.score(q, right)
         assert remote.score(p, wrong) == local.score(q, wrong)
@@ -77,6 +77,9 @@ def test_malformed_requests_get_4xx_json_errors():
         assert "reply.tool_calls" in error(
             http.post(step, json={"reply": {"content": "", "tool_calls": "x"}}), 400
         )
+        for bad in ({"function": "x"}, {"function": {"arguments": "{}"}}, "call"):
+            reply = {"content": "", "tool_calls": [bad]}
+            assert "reply.tool_calls[0]" in error(http.post(step, json={"reply": reply}), 400)
         bad_call = {"id": "c", "function": {"name": "calculator", "arguments": "{bad"}}
         out = http.post(step, json={"reply": {"content": "", "tool_calls": [bad_call]}}).json()
         assert not out["done"] and out["observation"][0]["content"].startswith("error:")
@@ -133,6 +136,11 @@ def test_rl_on_ray_workers_with_an_environment_server(tool_policy, tmp_path):
     assert res["eval"][-1]["calculator/count"] == 4
     with pytest.raises(ValueError, match="url"):
         dataclasses.replace(cfg, envs=[EnvConfig(kind="http")]).validate()
+
+
+def test_metadata_only_when_exposed():
+    with run_in_background(create_env_app(_calc(), expose_metadata=True)) as url:
+        assert HTTPEnvironment(url)[1].metadata == _calc()[1].metadata
 
 
 def test_a_mixture_of_remote_and_local_environments(one_thread):

@@ -91,11 +91,12 @@ def test_ray_pool_generates_in_other_processes_and_sync_times_out_loudly():
         ref = inline.generate(_requests(2, 3), {**PARAMS, "temperature": 0.0})
         assert [c.token_ids for c in comps] == [c.token_ids for c in ref]
         assert pool.set_weights(_policy(1).state_dict(), version=1) < 30
-        # both of the actor's call slots busy with long generations: the hand-over cannot be
-        # acknowledged within the timeout, and the pool says so instead of hanging
+        # all three of the actor's call slots busy with long generations (a hung worker): the
+        # hand-over cannot be acknowledged within the timeout, and the pool says so instead
+        # of hanging
         long = {"max_tokens": 400, "temperature": 1.0, "ignore_eos": True}
-        pool.submit(_requests(4, 4), long)
-        pool.submit(_requests(4, 4), long)
+        for _ in range(3):
+            pool.submit(_requests(4, 4), long)
         pool.sync_timeout_s = 0.2
         with pytest.raises(TimeoutError, match="timed out"):
             pool.set_weights(model.state_dict(), version=2)
@@ -171,3 +172,12 @@ def test_a_failing_environment_ends_its_call_and_the_worker_goes_on(one_thread):
     assert not worker.engine.has_unfinished()  # its requests were dropped
     comps = worker.generate(_requests(1, 2), PARAMS)  # the worker still serves
     assert len(comps) == 2
+
+
+def test_a_prompt_the_engine_refuses_ends_only_its_call(one_thread):
+    model = _policy()
+    worker = RolloutWorker(model.config, ByteTokenizer(), model.state_dict())
+    with pytest.raises(ValueError):
+        worker.generate([RolloutRequest("empty", [], 2)], PARAMS)  # no prompt tokens
+    assert not worker.engine.has_unfinished()
+    assert len(worker.generate(_requests(1, 2), PARAMS)) == 2

@@ -14,11 +14,12 @@ next engine step boundary, so requests in flight finish with the new weights —
 tokens keep the version that sampled them (`Completion.versions`), which the learner uses to bound
 the policy lag and to weight tokens by truncated importance sampling.
 
-Executors: `"ray"` runs each worker as a Ray actor process (with a GPU of its own when the
-cluster has them, `worker_gpus`; on the CPU otherwise) (`ray.init()` on a laptop starts a
-local cluster; `ray_address` joins an existing one); the actor runs two calls at once
-(`max_concurrency=2`) so that a weight update can arrive while `generate` runs. `"inline"` runs
-the worker in this process, synchronously (no overlap; on-policy), for debugging and tests.
+Executors: `"ray"` runs each worker as a Ray actor process, with a GPU of its own when the
+cluster has them (`worker_gpus`), on the CPU otherwise (`ray.init()` on a laptop starts a
+local cluster; `ray_address` joins an existing one). The actor runs three calls at once
+(`max_concurrency=3`): two `generate` calls share the engine's continuous batch, and a weight
+update can arrive while they run. `"inline"` runs the worker in this process, synchronously
+(no overlap; on-policy), for debugging and tests.
 
 A request with a `problem` is rolled out as a multi-turn episode of the worker's environment
 (`roll_out`: each turn a request of the continuous batch, tool results appended between turns,
@@ -205,20 +206,24 @@ class Rollout:
         self.seeds = seeds
         self._stops = [params.stop] if isinstance(params.stop, str) else list(params.stop)
         self._live: dict[str, _Live] = {}
+        self.started = False
         self.error: BaseException | None = None  # what ended it early (its episode's error)
 
     @property
     def done(self) -> bool:
-        return not self._live
+        return self.started and not self._live
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._live
 
     def abort(self, error: BaseException | None = None) -> None:
-        """Drop every request this rollout still has in the engine; `error` is kept for its
-        caller to raise (`check`)."""
-        for request_id in list(self._live):
+        """Drop every request this rollout still has in the engine and close their episodes;
+        `error` is kept for its caller to raise (`check`)."""
+        self.started = True
+        for request_id, st in list(self._live.items()):
             self.engine.abort(request_id)
+            if st.episode is not None:
+                st.episode.close()
         self._live.clear()
         self.error = self.error or error
 
@@ -227,6 +232,7 @@ class Rollout:
             raise self.error
 
     def start(self) -> None:
+        self.started = True
         params = self.params
         for i, (result, episode) in enumerate(self.starts):
             if self.seeds is not None:
@@ -258,6 +264,8 @@ class Rollout:
     def _finish(self, st: _Live, *, truncated: bool = False, reward: float = 0.0, info=None):
         if st.episode is not None:
             st.episode.close()
+        if truncated:  # cut by a budget (or no room left): what overlong filtering masks
+            st.result.finish_reason = "length"
         st.result.truncated = truncated
         st.result.reward = reward
         st.result.turns = st.turn
@@ -288,7 +296,11 @@ class Rollout:
         if out.finish_reason != "stop":  # cut by a budget while the model was writing
             self._finish(st, truncated=True)
             return
-        step = st.episode.step(reply)
+        try:
+            step = st.episode.step(reply)
+        except BaseException:
+            st.episode.close()
+            raise
         if step.done or st.turn >= self.max_turns:
             info = dict(step.info)
             if not step.done:
@@ -374,6 +386,7 @@ class RolloutWorker:
             model = HybridLM(model_cfg)
         model.to_empty(device=device)
         model.load_state_dict(state_dict, strict=True)
+        model.init_buffers()  # non-persistent buffers (RoPE frequencies) are not in the state
         self.engine = Engine(model.eval(), tokenizer, **(engine_kwargs or {}))
         self.engine.weight_version = version
         self.worker_id = worker_id
@@ -385,6 +398,7 @@ class RolloutWorker:
         # calls queue their rollouts (`_waiting`) for it; set_weights may come meanwhile
         self._engine_lock = threading.Lock()
         self._admit = threading.Lock()
+        self._stepped = threading.Condition()
         self._waiting: list[Rollout] = []
         self._running: list[Rollout] = []
 
@@ -441,10 +455,11 @@ class RolloutWorker:
             self._calls += 1
             call = self._calls
         sp = SamplingParams(**{**params, "logprobs": True})
-        starts, seeds, keys = [], [], []
-        for r, req in enumerate(requests):
+        for req in requests:  # before any episode starts (and holds something)
             if req.problem is not None and self.env is None:
                 raise ValueError(f"request {req.key!r} has a problem but the worker no environment")
+        starts, seeds, keys = [], [], []
+        for r, req in enumerate(requests):
             for g in range(req.group_size):
                 if req.problem is None:
                     starts.append((EpisodeResult.start(None, req.prompt_ids), None))
@@ -464,28 +479,35 @@ class RolloutWorker:
         with self._admit:
             self._waiting.append(rollout)
         # whichever call holds the engine steps it for every call admitted so far: a call that
-        # arrives while another runs joins the same continuous batch at the next step boundary
-        while True:
-            with self._engine_lock:
-                try:
-                    self._apply_pending()  # new weights at a step boundary
-                    with self._admit:
-                        fresh, self._waiting = self._waiting, []
-                    for r in fresh:
-                        self._running.append(r)
+        # arrives while another runs joins the same continuous batch at the next step boundary;
+        # a call whose rollout is done returns at once (it waits on `_stepped`, not the engine)
+        while not rollout.done:
+            if not self._engine_lock.acquire(timeout=0.05):
+                with self._stepped:
+                    self._stepped.wait(0.05)
+                continue
+            try:
+                self._apply_pending()  # new weights at a step boundary
+                with self._admit:
+                    fresh, self._waiting = self._waiting, []
+                for r in fresh:
+                    try:
                         r.start()
-                    if rollout.done and rollout in self._running:
-                        self._running.remove(rollout)
-                        break
+                    except Exception as err:  # e.g. a prompt the engine refuses: that call ends
+                        r.abort(err)
+                    self._running.append(r)
+                self._running = [r for r in self._running if not r.done]
+                if self._running:
                     step_rollouts(self.engine, self._running)
-                except BaseException as err:  # the engine itself failed: this call ends
-                    if rollout in self._running:
-                        self._running.remove(rollout)
-                    with self._admit:
-                        if rollout in self._waiting:
-                            self._waiting.remove(rollout)
-                    rollout.abort(err)
-                    raise
+            except BaseException as err:  # the engine itself failed: every call running ends
+                for r in [*self._running, rollout]:
+                    r.abort(err)
+                self._running = []
+                raise
+            finally:
+                self._engine_lock.release()
+                with self._stepped:
+                    self._stepped.notify_all()
         rollout.check()  # its own episode failed
         return [
             _completion(requests[r], g, res, episodic, self.worker_id)
@@ -591,7 +613,8 @@ class RolloutPool:
                 log_to_driver=False,
             )
         gpus = worker_gpus(gpus_per_worker, ray.cluster_resources().get("GPU", 0.0), num_workers)
-        actor = ray.remote(num_cpus=threads_per_worker, num_gpus=gpus, max_concurrency=2)(
+        # three threads: two generate calls sharing the batch and a weight hand-over beside them
+        actor = ray.remote(num_cpus=threads_per_worker, num_gpus=gpus, max_concurrency=3)(
             RolloutWorker
         )
         ref = ray.put(state)

@@ -765,6 +765,11 @@ class MixtureEnvironment(Environment):
     def multi_turn(self) -> bool:  # type: ignore[override]
         return any(e.multi_turn for e in self.envs.values())
 
+    def episodic(self) -> MixtureEnvironment | None:
+        """The multi-turn environments alone (what a rollout worker steps), or None."""
+        multi = [e for e in self.envs.values() if e.multi_turn]
+        return MixtureEnvironment(multi) if multi else None
+
     def episode(self) -> Episode:
         """An episode of the environment its problem comes from (chosen at `reset`)."""
         return _RoutedEpisode(self)

@@ -160,15 +160,19 @@ class ToolEpisode(Episode):
             )
         return Step(out, 0.0, False, {"turns": self.turns, "tool_calls": self.calls})
 
-    def _run(self, function: Mapping[str, Any]) -> str:
+    def _run(self, function: Any) -> str:
+        if not isinstance(function, Mapping):
+            return "error: a tool call needs a 'function' object with 'name' and 'arguments'"
         name = function.get("name")
         tool = self._by_name.get(name) if isinstance(name, str) else None
         if tool is None:
             return f"error: unknown tool {name!r}; the tools are {sorted(self._by_name)}"
-        try:
-            args = json.loads(function.get("arguments") or "{}")
-        except (TypeError, json.JSONDecodeError):
-            return "error: the arguments are not valid JSON"
+        args = function.get("arguments") or "{}"
+        if not isinstance(args, Mapping):  # OpenAI's form is a JSON string
+            try:
+                args = json.loads(args)
+            except (TypeError, json.JSONDecodeError):
+                return "error: the arguments are not valid JSON"
         return tool(args)
 
 

@@ -67,7 +67,7 @@ from ..model.moe import TopKRouter
 from ..report.plot import pyplot, save_figure
 from ..train.config import TrainConfig
 from ..train.parallel import broadcast_object, full_model_state, is_main
-from ..train.rm import RewardModelScorer
+from ..train.rm import RewardModelScorer, reward_input
 from ..train.trainer import Loss, Runtime, Step, Trainer, TrainModule
 from .environments import (
     ArithmeticEnvironment,
@@ -140,6 +140,8 @@ class EnvConfig(Config):
             raise ValueError(f"envs[].weight must be >= 0, got {self.weight}")
         if self.judge and self.kind in ("calculator", "search_qa", "code_tool", "http"):
             raise ValueError(f"envs[].judge grades single-turn replies; {self.kind!r} has episodes")
+        if self.low_effort_fraction > 0 and self.kind in ("calculator", "search_qa", "code_tool"):
+            raise ValueError("envs[].low_effort_fraction applies to single-turn environments")
         if self.kind == "http" and not self.url:
             raise ValueError("an http environment needs its server's url (envs[].url)")
         return self
@@ -255,6 +257,7 @@ def build_environment(spec: EnvConfig, *, tokenizer: Any = None) -> Environment:
         from .remote import HTTPEnvironment
 
         env = HTTPEnvironment(spec.url)
+        env.max_turns = spec.max_turns  # the turns a rollout allows (the server caps its own)
     elif kind == "ifeval":
         env = (
             InstructionFollowingEnvironment.from_jsonl(spec.path)
@@ -457,7 +460,8 @@ class _Rollouts:
         if self.cfg.reward == "random":  # negative control: a fair coin, blind to the text
             rewards = [float(_coin(f"{self.cfg.seed}/{step}/{c.key}/{c.index}")) for c in comps]
         elif self.cfg.reward == "rm":
-            rewards = self.reward_model().score([c.prompt_ids + c.token_ids for c in comps])
+            rm = self.reward_model()
+            rewards = rm.score([reward_input(c.prompt_ids + c.token_ids, self.tok) for c in comps])
         else:
             rewards = [r.value for r in scored]
         if self.cfg.length_penalty:
@@ -492,7 +496,12 @@ class _Rollouts:
     def score(self, problems: list[Problem], comps: list[Completion]) -> list[Reward]:
         """The verifier's rewards: an episode's comes with it (scored by its environment as it
         ended), a plain completion's text is scored here (batched per environment)."""
-        out: list[Reward | None] = [episode_reward(c) for c in comps]
+        out: list[Reward | None] = [
+            None
+            if c.reward is None  # a plain completion: scored below
+            else episode_reward(c.reward, c.info, c.turns, c.finish_reason == "length")
+            for c in comps
+        ]
         plain = [i for i, r in enumerate(out) if r is None]
         if plain:
             got = self.env.score_many(
@@ -517,14 +526,12 @@ class _Rollouts:
         return Group(prompt_id=problem.id, rewards=state["rewards"], data=data)
 
 
-def episode_reward(c: Completion) -> Reward | None:
-    """A multi-turn episode's reward as a `Reward` with its turns and tool calls (None for a
-    plain completion)."""
-    if c.reward is None:
-        return None
-    metrics = {"turns": float(c.turns), "tool_calls": float(c.info.get("tool_calls", 0))}
-    metrics["truncated"] = float(c.finish_reason == "length")
-    return Reward(c.reward, str(c.info.get("reason", "")), metrics)
+def episode_reward(reward: float, info: dict[str, Any], turns: int, truncated: bool) -> Reward:
+    """A multi-turn episode's reward as a `Reward`, with its turns, tool calls and whether a
+    budget cut it as metrics."""
+    metrics = {"turns": float(turns), "tool_calls": float(info.get("tool_calls", 0))}
+    metrics["truncated"] = float(truncated)
+    return Reward(reward, str(info.get("reason", "")), metrics)
 
 
 def _coin(key: str) -> bool:
@@ -568,9 +575,7 @@ def evaluate_policy(
             max_episode_tokens=max_episode_tokens,
         )
         for i, res in zip(multi, results, strict=True):
-            metrics = {"turns": float(res.turns), "truncated": float(res.truncated)}
-            metrics["tool_calls"] = float(res.info.get("tool_calls", 0))
-            rewards[i] = Reward(res.reward, str(res.info.get("reason", "")), metrics)
+            rewards[i] = episode_reward(res.reward, res.info, res.turns, res.truncated)
             lengths[i] = res.generated
     model.train(was_training)
     m = reward_metrics(problems, rewards)  # type: ignore[arg-type]
@@ -638,7 +643,7 @@ class GRPOLearner(TrainModule):
             seed=cfg.seed,
             version=step,
             engine_kwargs={"max_batch_size": cfg.groups_per_step * cfg.group_size},
-            env=self.env if self.env.multi_turn else None,  # steps the episodes
+            env=self.env.episodic(),  # the environments whose episodes the workers step
             gpus_per_worker=None if cfg.gpus_per_worker < 0 else cfg.gpus_per_worker,
         )
         state = self._restored

@@ -65,10 +65,19 @@ def _reply(data: Mapping[str, Any]) -> dict[str, Any]:
     if content is not None and not isinstance(content, str):
         raise APIError(400, "'reply.content' must be a string or null", param="reply.content")
     calls = reply.get("tool_calls") or []
-    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-        raise APIError(
-            400, "'reply.tool_calls' must be a list of objects", param="reply.tool_calls"
-        )
+    if not isinstance(calls, list):
+        raise APIError(400, "'reply.tool_calls' must be a list", param="reply.tool_calls")
+    for i, call in enumerate(calls):
+        where = f"reply.tool_calls[{i}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError(400, f"'{where}' needs a 'function' with a string 'name'", param=where)
+        if not isinstance(fn.get("arguments", "{}"), (str, dict)):
+            raise APIError(
+                400, f"'{where}.function.arguments' must be a JSON string or object", param=where
+            )
+        if not isinstance(call.get("id", ""), str):
+            raise APIError(400, f"'{where}.id' must be a string", param=where)
     text = reply.get("text", content or "")
     if not isinstance(text, str):
         raise APIError(400, "'reply.text' must be a string", param="reply.text")
@@ -76,9 +85,15 @@ def _reply(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def create_env_app(
-    env: Environment, *, max_episodes: int = 4096, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    env: Environment,
+    *,
+    max_episodes: int = 4096,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    expose_metadata: bool = False,
 ):
-    """The FastAPI app serving `env` (module docstring)."""
+    """The FastAPI app serving `env` (module docstring). Problems go out without their
+    metadata unless `expose_metadata` (it may hold what solves them: operands, a reference
+    solution)."""
     if max_episodes < 1:
         raise ValueError(f"max_episodes must be >= 1, got {max_episodes}")
     by_id = {p.id: i for i, p in enumerate(env)}
@@ -119,7 +134,8 @@ def create_env_app(
         if not 0 <= index < len(env):
             raise APIError(404, f"problem index {index} not in [0, {len(env)})", code="not_found")
         p = env[index]
-        return {"id": p.id, "messages": [dict(m) for m in p.messages], "metadata": p.metadata}
+        metadata = dict(p.metadata) if expose_metadata else {}
+        return {"id": p.id, "messages": [dict(m) for m in p.messages], "metadata": metadata}
 
     @app.post("/verify")
     async def verify(request: Request) -> dict[str, Any]:
@@ -138,8 +154,11 @@ def create_env_app(
         episode_id = uuid.uuid4().hex
         with lock:
             episodes[episode_id] = ep
+            evicted = []
             while len(episodes) > max_episodes:
-                episodes.popitem(last=False)
+                evicted.append(episodes.popitem(last=False)[1])
+        for old in evicted:
+            old.close()
         return {"episode_id": episode_id, "messages": messages, "tools": ep.tool_specs()}
 
     @app.post("/episodes/{episode_id}/step")
@@ -150,6 +169,7 @@ def create_env_app(
         if out.done:
             with lock:
                 episodes.pop(episode_id, None)
+            ep.close()
         return {
             "observation": out.observation,
             "reward": float(out.reward),
@@ -159,9 +179,10 @@ def create_env_app(
 
     @app.delete("/episodes/{episode_id}")
     def delete(episode_id: str) -> dict[str, Any]:
-        live(episode_id)
+        ep = live(episode_id)
         with lock:
             episodes.pop(episode_id, None)
+        ep.close()
         return {"deleted": True}
 
     return app

@@ -595,6 +595,34 @@ class PairwiseStage(TrainModule):
         micro = [self._next_indices()[r * b : (r + 1) * b] for _ in range(self.tc.grad_accum)]
         return Step(micro)
 
+    # ------------------------------------------------------------------ evaluation
+    def held_out_loss(self, idx: list[int], denom: int) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss and metric sums of held-out pairs `idx`, divided by `denom`."""
+        raise NotImplementedError
+
+    def generation_eval(self) -> dict[str, float]:
+        """Metrics of generated replies, when the stage has them."""
+        return {}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """The held-out pairs' mean loss and metrics (`eval_*`), then `generation_eval`."""
+        if not self.held_pairs:
+            return {}
+        self.model.eval()
+        try:
+            n, bs = len(self.held_pairs), self.dc.batch_size
+            total, parts = 0.0, Counter()
+            for i in range(0, n, bs):
+                loss, p = self.held_out_loss(list(range(i, min(n, i + bs))), n)
+                total += float(loss)
+                parts.update(p)
+            row = {"eval_loss": total, **{f"eval_{k}": v for k, v in parts.items()}}
+            row.update(self.generation_eval())
+        finally:
+            self.model.train()
+        return row
+
     def run_config(self) -> dict[str, Any]:
         return {**self.run.to_dict(), "model": self.model.config.to_dict()}
 
@@ -698,34 +726,23 @@ class DPO(PairwiseStage):
         # the routers keep their balancing loss in every stage that trains them (§2.1.1)
         return moe_balancing(value, metrics, out, self.tc.grad_accum)
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        if not self.held_pairs:
+    def held_out_loss(self, idx: list[int], denom: int) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, parts, _ = self._loss(idx, self.held_pairs, self.ref_held, denom)
+        return loss, parts
+
+    def generation_eval(self) -> dict[str, float]:
+        """Exact match of greedy replies on `dpo.eval_source`'s held-out questions."""
+        if not self.eval_convs:
             return {}
-        self.model.eval()
-        try:
-            n = len(self.held_pairs)
-            bs = self.dc.batch_size
-            total, parts = 0.0, Counter()
-            for i in range(0, n, bs):
-                idx = list(range(i, min(n, i + bs)))
-                loss, p, _ = self._loss(idx, self.held_pairs, self.ref_held, n)
-                total += float(loss)
-                parts.update(p)
-            row = {"eval_loss": total, **{f"eval_{k}": v for k, v in parts.items()}}
-            if self.eval_convs:
-                pa = [prompt_and_answer(c) for c in self.eval_convs]
-                replies = generate_replies(
-                    self.model,
-                    self.tokenizer,
-                    [p for p, _ in pa],
-                    max_new_tokens=self.pc.max_new_tokens,
-                )
-                hits = sum(answer_matches(r, a) for r, (_, a) in zip(replies, pa, strict=True))
-                row["eval_accuracy"] = hits / len(pa)
-        finally:
-            self.model.train()
-        return row
+        pa = [prompt_and_answer(c) for c in self.eval_convs]
+        replies = generate_replies(
+            self.model,
+            self.tokenizer,
+            [p for p, _ in pa],
+            max_new_tokens=self.pc.max_new_tokens,
+        )
+        hits = sum(answer_matches(r, a) for r, (_, a) in zip(replies, pa, strict=True))
+        return {"eval_accuracy": hits / len(pa)}
 
     def data_summary(self) -> dict[str, Any]:
         return {

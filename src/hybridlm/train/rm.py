@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.bpe import load_tokenizer
+from ..data.chat import STOP
 from ..io import load
 from ..model.model import HybridLM, ModelOutput
 from .config import TrainConfig
@@ -97,10 +97,14 @@ def sequence_rewards(
     never sees the padding), and the forward's output (its MoE balancing loss)."""
     if model.score is None:
         raise ValueError("not a reward model: the model has no score head (num_labels 0)")
-    out = (forward or model)(ids_BL, return_hidden=True, return_logits=False)
     rows = torch.arange(ids_BL.shape[0], device=ids_BL.device)
-    h_BD = out.hidden[rows, lengths_B.to(ids_BL.device) - 1]
-    return model.score(h_BD).float()[:, 0], out
+    last_B = lengths_B.to(ids_BL.device) - 1
+
+    def score(out: ModelOutput) -> torch.Tensor:  # inside the forward: data parallelism sees it
+        return model.score(out.hidden[rows, last_B]).float()[:, 0]
+
+    out = (forward or model)(ids_BL, return_logits=False, head=score)
+    return out.head, out
 
 
 def bradley_terry_loss(
@@ -157,24 +161,23 @@ class RewardModelTraining(PairwiseStage):
         value, metrics, out = self._loss(micro, self.train_pairs, self.pairs_per_step)
         return moe_balancing(value, metrics, out, self.tc.grad_accum)
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        if not self.held_pairs:
-            return {}
-        self.model.eval()
-        try:
-            n, bs = len(self.held_pairs), self.dc.batch_size
-            total, parts = 0.0, Counter()
-            for i in range(0, n, bs):
-                loss, p, _ = self._loss(list(range(i, min(n, i + bs))), self.held_pairs, n)
-                total += float(loss)
-                parts.update(p)
-        finally:
-            self.model.train()
-        return {"eval_loss": total, **{f"eval_{k}": v for k, v in parts.items()}}
+    def held_out_loss(self, idx: list[int], denom: int) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, parts, _ = self._loss(idx, self.held_pairs, denom)
+        return loss, parts
 
     def summary(self) -> dict[str, Any]:
         return {"data": self.data_summary(), "model": str(self.out)}
+
+
+def reward_input(ids: Sequence[int], tokenizer: Any) -> list[int]:
+    """A conversation's token ids as the reward model reads them: as `encode_chat` renders a
+    finished turn, with the newline after its end-of-turn string (a sampled reply ends at the
+    string itself; the score head was trained at the newline)."""
+    out = list(ids)
+    stop = tokenizer.encode(STOP, add_bos=False)
+    if stop and out[-len(stop) :] == stop:
+        out += tokenizer.encode("\n", add_bos=False)
+    return out
 
 
 class RewardModelScorer:
@@ -240,6 +243,7 @@ __all__ = [
     "RMRunConfig",
     "RewardModelScorer",
     "bradley_terry_loss",
+    "reward_input",
     "run_rm",
     "sequence_rewards",
     "with_score_head",
