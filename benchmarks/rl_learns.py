@@ -173,12 +173,13 @@ def rl_config(base: str, out: Path, reward: str, task: str, args: argparse.Names
         eval_interval=args.eval_interval,
         reward=reward,
         steps=args.steps if task == "single" else args.tool_rl_steps,
-        groups_per_step=8,
-        group_size=8,
-        max_draws=24,
+        groups_per_step=args.groups,
+        group_size=args.group_size,
+        max_draws=3 * args.groups,
         max_new_tokens=args.max_new_tokens,
         max_episode_tokens=args.max_episode_tokens if task == "multi" else 0,
         overlong_filter=task == "multi",
+        freeze_router=args.freeze_router,
         temperature=1.0,
         lr=args.lr,
         executor=args.executor,
@@ -296,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="GRPO steps, single-turn")
     p.add_argument("--tool-rl-steps", type=int, default=30, help="GRPO steps, tool use")
     p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--groups", type=int, default=8, help="prompts per GRPO step")
+    p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--max-episode-tokens", type=int, default=256)
     p.add_argument("--max-turns", type=int, default=3)
@@ -308,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tool-lr", type=float, default=5e-4)
     p.add_argument("--tool-seq-len", type=int, default=1024)
     p.add_argument("--executor", default="ray", choices=["ray", "inline"])
+    p.add_argument(
+        "--freeze-router",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="MoE routers fixed during RL",
+    )
     p.add_argument("--rerun", action="store_true")
     args = p.parse_args(argv)
     if not Path(args.base).exists():

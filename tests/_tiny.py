@@ -132,3 +132,30 @@ class ForcedTokens:
 
     def finished(self) -> bool:
         return not self.then_free and self.n >= len(self.ids)
+
+
+def tool_rl_config(checkpoint: str, out, **kw):
+    """A two-step GRPO run on calculator episodes (2-digit products, 3 turns) for the
+    `tool_policy` fixture; random rewards, so groups vary whatever the tiny policy answers."""
+    from hybridlm.rl.learner import EnvConfig, RLConfig
+
+    base = dict(
+        checkpoint=checkpoint,
+        out_dir=str(out),
+        envs=[EnvConfig(kind="calculator", digits=2, num_problems=200, seed=1, max_turns=3)],
+        eval_envs=[EnvConfig(kind="calculator", digits=2, num_problems=200, seed=2, max_turns=3)],
+        eval_problems=4,
+        eval_interval=2,
+        reward="random",
+        steps=2,
+        groups_per_step=2,
+        group_size=4,
+        max_draws=6,
+        max_new_tokens=100,
+        max_episode_tokens=220,
+        temperature=0.5,
+        lr=1e-3,
+        executor="inline",
+        micro_batch_size=4,
+    )
+    return RLConfig(**{**base, **kw})

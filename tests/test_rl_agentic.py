@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from _tiny import tool_rl_config
 from hybridlm.data.chat import continuation
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.infer.rollout import RolloutRequest, RolloutWorker
@@ -67,26 +68,7 @@ def test_workers_roll_out_tool_episodes_with_generated_tokens_masked(tool_policy
 
 
 def _cfg(tool_policy: str, out, **kw) -> RLConfig:
-    base = dict(
-        checkpoint=tool_policy,
-        out_dir=str(out),
-        envs=[EnvConfig(kind="calculator", digits=2, num_problems=200, seed=1, max_turns=3)],
-        eval_envs=[EnvConfig(kind="calculator", digits=2, num_problems=200, seed=2, max_turns=3)],
-        eval_problems=4,
-        eval_interval=2,
-        reward="random",  # rewards that vary whatever the tiny policy answers
-        steps=2,
-        groups_per_step=2,
-        group_size=4,
-        max_draws=6,
-        max_new_tokens=100,
-        max_episode_tokens=220,
-        temperature=0.5,
-        lr=1e-3,
-        executor="inline",
-        micro_batch_size=4,
-    )
-    return RLConfig(**{**base, **kw})
+    return tool_rl_config(tool_policy, out, **kw)
 
 
 def _rows(path, drop=("wait_s", "train_s", "sync_s", "steps_per_s")) -> list[dict]:

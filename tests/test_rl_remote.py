@@ -10,6 +10,7 @@ import dataclasses
 import httpx
 import pytest
 
+from _tiny import tool_rl_config
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.infer.engine import Engine
 from hybridlm.infer.sampling import SamplingParams
@@ -21,7 +22,7 @@ from hybridlm.rl.environments import (
     MixtureEnvironment,
 )
 from hybridlm.rl.episodes import run_episodes
-from hybridlm.rl.learner import EnvConfig, RLConfig, run_rl
+from hybridlm.rl.learner import EnvConfig, run_rl
 from hybridlm.rl.remote import HTTPEnvironment, HTTPError, create_env_app
 
 TOK = ByteTokenizer()
@@ -107,23 +108,12 @@ def test_rl_on_ray_workers_with_an_environment_server(tool_policy, tmp_path):
         run_in_background(create_env_app(train_env)) as train_url,
         run_in_background(create_env_app(held_env)) as held_url,
     ):
-        cfg = RLConfig(
-            checkpoint=tool_policy,
-            out_dir=str(tmp_path / "rl"),
+        cfg = tool_rl_config(
+            tool_policy,
+            tmp_path / "rl",
             envs=[EnvConfig(kind="http", url=train_url)],
             eval_envs=[EnvConfig(kind="http", url=held_url)],
-            eval_problems=4,
-            reward="random",
-            steps=2,
-            groups_per_step=2,
-            group_size=4,
-            max_draws=6,
-            max_new_tokens=100,
-            max_episode_tokens=220,
-            temperature=0.5,
-            lr=1e-3,
             executor="ray",
-            micro_batch_size=4,
             sync_timeout_s=120,
         )
         try:

@@ -335,20 +335,11 @@ def roll_out(
     engine: Engine,
     starts: Sequence[tuple[EpisodeResult, Episode | None]],
     params: SamplingParams,
-    *,
-    max_turns: int = 4,
-    max_episode_tokens: int | None = None,
-    seeds: Sequence[int | None] | None = None,
+    **budgets: Any,
 ) -> None:
-    """Roll `starts` out on `engine` to the end (`Rollout`); results are filled in place."""
-    r = Rollout(
-        engine,
-        starts,
-        params,
-        max_turns=max_turns,
-        max_episode_tokens=max_episode_tokens,
-        seeds=seeds,
-    )
+    """Roll `starts` out on `engine` to the end (`Rollout`, whose keyword arguments `budgets`
+    are: max_turns, max_episode_tokens, seeds); results are filled in place."""
+    r = Rollout(engine, starts, params, **budgets)
     r.start()
     while not r.done:
         step_rollouts(engine, [r])
