@@ -134,17 +134,28 @@ class EpisodeResult:
         cls, problem: Problem, prompt_ids: Sequence[int], messages: Sequence[Mapping] = ()
     ) -> EpisodeResult:
         """An episode (or one plain generation) before its first turn."""
-        n = len(prompt_ids)
-        return cls(
-            problem,
-            list(prompt_ids),
-            [0] * n,
-            [None] * n,
-            [-1] * n,
-            0.0,
-            0,
-            [dict(m) for m in messages],
-        )
+        res = cls(problem, [], [], [], [], 0.0, 0, [dict(m) for m in messages])
+        res.append_context(prompt_ids)
+        return res
+
+    def append_context(self, ids: Sequence[int]) -> None:
+        """Tokens the policy did not generate (the prompt, tool results between turns)."""
+        n = len(ids)
+        self.tokens += ids
+        self.loss_mask += [0] * n
+        self.logprobs += [None] * n
+        self.versions += [-1] * n
+
+    def append_generated(
+        self, ids: Sequence[int], logprobs: Sequence[float | None], versions: Sequence[int]
+    ) -> None:
+        """Tokens the policy sampled, with their log-probs and weight versions."""
+        if not len(ids) == len(logprobs) == len(versions):
+            raise ValueError("generated tokens, log-probs and versions must align")
+        self.tokens += ids
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.versions += versions
 
     @property
     def prompt_len(self) -> int:
@@ -282,10 +293,7 @@ class Rollout:
             gen.append(out.stop_token_id)
             lps.append(out.stop_token_logprob)
             versions.append(self.engine.weight_version)
-        res.tokens += gen
-        res.loss_mask += [1] * len(gen)
-        res.logprobs += lps
-        res.versions += versions
+        res.append_generated(gen, lps, versions)
         res.finish_reason, res.text = out.finish_reason, out.text
         if st.episode is None:  # one plain generation
             self._finish(st, truncated=out.finish_reason == "length")
@@ -307,12 +315,10 @@ class Rollout:
                 info["unfinished"] = True
             self._finish(st, reward=step.reward, info=info)
             return
-        between = self.engine.tokenizer.encode(continuation(step.observation), add_bos=False)
         res.messages += step.observation
-        res.tokens += between
-        res.loss_mask += [0] * len(between)
-        res.logprobs += [None] * len(between)
-        res.versions += [-1] * len(between)
+        res.append_context(
+            self.engine.tokenizer.encode(continuation(step.observation), add_bos=False)
+        )
         self._submit(st)
 
 
