@@ -18,6 +18,7 @@ numbers outside the scale are no verdict. A reply without a verdict gets reward 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -187,9 +188,7 @@ class JudgedEnvironment(Environment):
         return len(self.env)
 
     def __getitem__(self, index: int) -> Problem:
-        p = self.env[index]
-        return Problem(id=p.id, messages=p.messages, answer=p.answer, metadata=p.metadata,
-                       env=self.name)  # fmt: skip
+        return dataclasses.replace(self.env[index], env=self.name)
 
     def score(self, problem: Problem, completion: str) -> Reward:
         return self.score_many([problem], [completion])[0]
