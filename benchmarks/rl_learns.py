@@ -1,27 +1,34 @@
 """GRPO that learns, against the random-reward control, single-turn and multi-turn.
 
     hybridlm speedrun --only sft           # or any chat model: runs/speedrun/sft is the default
-    python benchmarks/rl_learns.py [--base runs/speedrun/sft] [--out runs/rl_learns]
+    python benchmarks/rl_learns.py [--base runs/speedrun/sft] [--out runs/rl_learns] [--tasks ...]
 
-Two tasks, each trained twice from the same model with the same settings: once rewarded by the
-verifier (GRPO), once by a fair coin (`reward: random`: no information about the task, so no
-gain may follow). Before and after, every model is evaluated on the same held-out problems
-(another seed than training):
+Each task starts from a short SFT of the base model that leaves it a choice the reward can teach,
+then trains it twice with the same settings: once rewarded by the verifier (GRPO), once by a fair
+coin (`reward: random`: no information about the task, so no gain may follow). Before and after,
+every model is evaluated on the same held-out problems (another seed than training):
 
-- **single-turn**: arithmetic questions with more digits than the SFT data had (headroom for
-  the SFT model); sampled pass@1 (T = 1, `--samples` per problem) and greedy accuracy;
-- **multi-turn tool use**: 5-digit x 5-digit products with the calculator tool (the model cannot
-  multiply in its head) after a short tool-use SFT on the environment's solved episodes
-  (`hybridlm tool-demos`); episode success sampled (T = 1) and greedy, the tool-call rate and
-  the turns per episode.
+- **single** (default): 2-digit addition / subtraction. The SFT chats answer half the questions
+  with the column-wise reasoning and half at once, with nothing in the prompt saying which
+  (`mixed_modes`; reasoning-on and reasoning-off SFT data of Nemotron 3 Super §4.4 without the
+  mode flag). Sampled at T = 1 the model reasons about half the time, and is mostly wrong when
+  it does not; greedy it always reasons. GRPO has to find that reasoning pays. Reported: sampled
+  pass@1 (T = 1, `--samples` per problem), greedy accuracy, and how often the sampled replies
+  reason.
+- **multi**: products of `--tool-digits`-digit numbers with the calculator tool (the model cannot
+  multiply in its head) after a short SFT on the environment's solved episodes, half of them
+  calling the tool and half answering at once (`hybridlm tool-demos`); episode success sampled
+  (T = 1) and greedy, the tool-call rate and the turns per episode. It needs a base model that
+  copies numbers from the prompt and the tool's reply; the speedrun's does not (see
+  benchmarks/README.md).
 
 A gain is the mean over problems of the per-problem change (paired), its standard error the
 standard deviation of those changes over sqrt(problems); the target is a gain >= 3 standard
 errors for GRPO with the control not improving. Prints one line per model and verdict lines,
-writes `OUT/results.json` (with the command, commit and versions) and `OUT/rl_learns.png`
-(held-out success by step of both runs, and for the tool task the tool calls and turns per
-episode by step), from the runs' `metrics.jsonl`. Finished runs in OUT are reused unless
-`--rerun`.
+writes `OUT/results.json` (with the command, commit and versions) and `OUT/rl_learns.png` (per
+task: the training draws' sampled success and the held-out greedy success by step of both runs;
+for the tool task also the tool calls and turns per episode), from the runs' `metrics.jsonl`.
+Finished runs in OUT are reused unless `--rerun`.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import argparse
 import json
 import math
 import platform
+import random
 import subprocess
 import sys
 import time
@@ -38,6 +46,7 @@ from typing import Any
 
 import torch
 
+from hybridlm.data.sft import arithmetic_conversations
 from hybridlm.infer.engine import Engine
 from hybridlm.infer.sampling import SamplingParams
 from hybridlm.io import load, read_meta, resolve_checkpoint
@@ -92,6 +101,7 @@ def evaluate(
             "tool_calls": sum(r.info.get("tool_calls", 0) for r in res) / len(res),
             "turns": sum(r.turns for r in res) / len(res),
             "truncated": sum(r.truncated for r in res) / len(res),
+            "reasons": sum(r.text.lstrip().startswith("<think>") for r in res) / len(res),
         }
     out["seconds"] = time.perf_counter() - t0
     return out
@@ -112,49 +122,89 @@ def tokenizer_spec(model_path: str | Path) -> str:
     return (meta["run_config"].get("data") or {}).get("tokenizer", "byte")
 
 
-def tool_sft(base: str, out: Path, args: argparse.Namespace) -> Path:
-    """The short tool-use SFT: `base` trained on solved calculator episodes."""
-    demos = out / "tool_demos.jsonl"
-    env = build_environment(tool_spec(args, seed=0))
-    assert isinstance(env, ToolUseEnvironment)
-    with demos.open("w") as f:
-        for messages in env.demonstrations(args.tool_demos, seed=0):
+def short_sft(
+    base: str, out: Path, name: str, conversations: list, *, steps: int, lr: float
+) -> Path:
+    """`base` briefly trained on `conversations` (written to `OUT/<name>.jsonl`); the run
+    directory `OUT/<name>`."""
+    path = out / f"{name}.jsonl"
+    with path.open("w") as f:
+        for messages in conversations:
             f.write(json.dumps({"messages": messages}) + "\n")
     cfg = SFTRunConfig(
         model="tiny-super",  # unused: init_from
         data=SFTDataConfig(
-            sources=[ChatSource(kind="file", path=str(demos))],
+            sources=[ChatSource(kind="file", path=str(path))],
             tokenizer=tokenizer_spec(base),
-            seq_len=args.tool_seq_len,
+            seq_len=1024,
             batch_size=8,
             overflow="drop",
             held_out=16,
             seed=0,
         ),
         train=TrainConfig(
-            lr=args.tool_lr,
-            min_lr=args.tool_lr / 10,
+            lr=lr,
+            min_lr=lr / 10,
             schedule="linear",
             warmup_steps=10,
             weight_decay=0.0,
-            max_steps=args.tool_steps,
-            eval_interval=args.tool_steps,
+            max_steps=steps,
+            eval_interval=steps,
             log_interval=10,
             checkpoint_interval=0,
             keep_last_n=1,
-            out_dir=str(out / "tool_sft"),
+            out_dir=str(out / name),
             init_from=base,
             seed=0,
         ),
-        sft=SFTConfig(eval_generate=0),
+        sft=SFTConfig(eval_generate=0, loss_norm="token"),
     )
     run_sft(cfg, overwrite=True)
-    return out / "tool_sft"
+    return out / name
+
+
+def tool_sft(base: str, out: Path, args: argparse.Namespace) -> Path:
+    """The short tool-use SFT: `base` trained on the calculator environment's solved episodes, a
+    fraction `args.tool_rate` of them calling the tool and the rest giving the same answer at
+    once (as if multiplied in the head, which the model cannot do)."""
+    env = build_environment(tool_spec(args, seed=0))
+    assert isinstance(env, ToolUseEnvironment)
+    rng = random.Random(0)
+    demos = []
+    for messages in env.demonstrations(args.tool_demos, seed=0):
+        if rng.random() >= args.tool_rate:  # system, user, then the final reply alone
+            messages = [*messages[:2], {"role": "assistant", "content": messages[-1]["content"]}]
+        demos.append(messages)
+    return short_sft(base, out, "tool_sft", demos, steps=args.tool_steps, lr=args.tool_lr)
+
+
+def mixed_modes(n: int, *, digits: int, think: float, seed: int) -> list[list[dict]]:
+    """`n` arithmetic chats (`data.sft.arithmetic_conversations`, training seed), a fraction
+    `think` of them with the column-wise reasoning and the rest answered at once, with nothing
+    in the prompt saying which: a model trained on them reasons at T = 1 about `think` of the
+    time and answers in its head otherwise, where it is mostly wrong."""
+    rng = random.Random(seed)
+    out = []
+    for user, reply in arithmetic_conversations(n, digits=digits, seed=seed):
+        if rng.random() >= think:
+            reply = {"role": "assistant", "content": reply["content"]}
+        out.append([user, reply])
+    return out
+
+
+def mode_sft(base: str, out: Path, args: argparse.Namespace) -> Path:
+    """The single-turn task's SFT model: `base` briefly trained on `mixed_modes` chats."""
+    chats = mixed_modes(args.mode_chats, digits=args.digits, think=args.think, seed=0)
+    return short_sft(base, out, "mode_sft", chats, steps=args.mode_steps, lr=args.mode_lr)
 
 
 def tool_spec(args: argparse.Namespace, *, seed: int) -> EnvConfig:
     return EnvConfig(
-        kind="calculator", digits=5, num_problems=4000, seed=seed, max_turns=args.max_turns
+        kind="calculator",
+        digits=args.tool_digits,
+        num_problems=4000,
+        seed=seed,
+        max_turns=args.max_turns,
     )
 
 
@@ -195,44 +245,53 @@ def rows(run: Path) -> list[dict]:
 
 
 # ---------------------------------------------------------------------- report
+def smooth(points: list[tuple[int, float]], k: int = 5) -> list[tuple[int, float]]:
+    """Trailing mean over `k` steps."""
+    ys = [y for _, y in points]
+    return [
+        (x, sum(ys[max(0, i - k + 1) : i + 1]) / len(ys[max(0, i - k + 1) : i + 1]))
+        for i, (x, _) in enumerate(points)
+    ]
+
+
 def plot(results: dict[str, Any], out: Path, png: Path) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    """Per task: the training draws' sampled success (the verifier's verdict on every drawn
+    sample, T = 1; trailing mean of 5 steps) and the held-out greedy success by step; for the
+    tool task also the tool calls and turns per episode of the trained batches."""
     labels = {"grpo": "GRPO (verifier reward)", "control": "random reward (control)"}
-    for task, ax, title in (
-        ("single", axes[0], "single-turn: held-out greedy accuracy"),
-        ("multi", axes[1], "tool use: held-out greedy success"),
-    ):
-        if task not in results:
-            continue
+    tasks = [t for t in TASKS if t in results]
+    panels = 2 * len(tasks) + ("multi" in tasks)
+    plt = pyplot()
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.8), squeeze=False)
+    axes = list(axes[0])
+    for task in tasks:
+        name = "single-turn" if task == "single" else "tool use"
+        draws, held = axes.pop(0), axes.pop(0)
         for run, label in labels.items():
-            ev = [
-                (r["step"], r["all/solved"]) for r in rows(out / task / run) if r["kind"] == "eval"
-            ]
+            got = rows(out / task / run)
+            train = [(r["step"], r["draw_solved"]) for r in got if "draw_solved" in r]
+            ev = [(r["step"], r["all/solved"]) for r in got if r["kind"] == "eval"]
+            if train:
+                draws.plot(*zip(*smooth(train), strict=True), label=label)
             if ev:
-                ax.plot(*zip(*ev, strict=True), marker="o", label=label)
-        ax.set(title=title, xlabel="GRPO step", ylabel="fraction solved", ylim=(-0.02, 1.02))
-        ax.legend()
-    ax = axes[2]
-    if "multi" in results:
+                held.plot(*zip(*ev, strict=True), marker="o", label=label)
+        draws.set(title=f"{name}: training draws, sampled (T = 1)", ylabel="fraction solved")
+        held.set(title=f"{name}: held-out, greedy", ylabel="fraction solved")
+        for ax in (draws, held):
+            ax.set(xlabel="GRPO step", ylim=(-0.02, 1.02))
+            ax.legend(fontsize=8)
+    if "multi" in tasks:
+        ax = axes.pop(0)
         for run, label in labels.items():
             train = [r for r in rows(out / "multi" / run) if r["kind"] == "train"]
-            calls = [
-                (r["step"], r["batch/calculator/tool_calls"])
-                for r in train
-                if "batch/calculator/tool_calls" in r
-            ]
-            turns = [
-                (r["step"], r["batch/calculator/turns"])
-                for r in train
-                if "batch/calculator/turns" in r
-            ]
-            if calls:
-                ax.plot(*zip(*calls, strict=True), label=f"tool calls / episode, {label}")
-            if turns:
-                ax.plot(
-                    *zip(*turns, strict=True), linestyle="--", label=f"turns / episode, {label}"
-                )
+            for key, style, what in (("tool_calls", "-", "tool calls"), ("turns", "--", "turns")):
+                pts = [
+                    (r["step"], r[f"batch/calculator/{key}"])
+                    for r in train
+                    if f"batch/calculator/{key}" in r
+                ]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), linestyle=style, label=f"{what}, {label}")
         ax.set(title="tool use: trained batches", xlabel="GRPO step", ylabel="per episode")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
@@ -285,6 +344,8 @@ def line(task: str, name: str, r: dict[str, Any]) -> str:
         )
     if task == "multi":
         text += f" | tool calls {s['tool_calls']:.2f} | turns {s['turns']:.2f}"
+    else:
+        text += f" | reasons (T = 1) {s['reasons']:.2f}"
     return text
 
 
@@ -292,24 +353,29 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base", default="runs/speedrun/sft", help="the SFT model (run directory)")
     p.add_argument("--out", default="runs/rl_learns")
-    p.add_argument("--tasks", default="single,multi")
-    p.add_argument("--digits", type=int, default=3, help="single-turn operands' digits")
-    p.add_argument("--steps", type=int, default=40, help="GRPO steps, single-turn")
+    p.add_argument("--tasks", default="single", help="single, multi or single,multi")
+    p.add_argument("--digits", type=int, default=2, help="single-turn operands' digits")
+    p.add_argument("--tool-digits", type=int, default=3, help="calculator operands' digits")
+    p.add_argument("--steps", type=int, default=30, help="GRPO steps, single-turn")
     p.add_argument("--tool-rl-steps", type=int, default=30, help="GRPO steps, tool use")
-    p.add_argument("--lr", type=float, default=5e-5)
+    p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--groups", type=int, default=8, help="prompts per GRPO step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--max-episode-tokens", type=int, default=256)
     p.add_argument("--max-turns", type=int, default=3)
-    p.add_argument("--problems", type=int, default=128, help="held-out problems evaluated")
-    p.add_argument("--samples", type=int, default=4, help="samples per problem for pass@1")
+    p.add_argument("--problems", type=int, default=256, help="held-out problems evaluated")
+    p.add_argument("--samples", type=int, default=8, help="samples per problem for pass@1")
     p.add_argument("--curve-problems", type=int, default=64, help="problems of the curves")
     p.add_argument("--eval-interval", type=int, default=10)
     p.add_argument("--tool-demos", type=int, default=2000)
+    p.add_argument("--tool-rate", type=float, default=0.5, help="of the demos calling the tool")
+    p.add_argument("--mode-chats", type=int, default=3000, help="single-turn SFT chats")
+    p.add_argument("--think", type=float, default=0.5, help="of them with reasoning")
+    p.add_argument("--mode-steps", type=int, default=100, help="single-turn SFT steps")
+    p.add_argument("--mode-lr", type=float, default=3e-4)
     p.add_argument("--tool-steps", type=int, default=150, help="tool-use SFT steps")
     p.add_argument("--tool-lr", type=float, default=5e-4)
-    p.add_argument("--tool-seq-len", type=int, default=1024)
     p.add_argument("--executor", default="ray", choices=["ray", "inline"])
     p.add_argument(
         "--freeze-router",
@@ -336,12 +402,11 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
     }
     for task in tasks:
-        base = args.base
-        if task == "multi":
-            tool = out / "tool_sft"
-            if args.rerun or not (tool / "checkpoints").is_dir():
-                tool = tool_sft(args.base, out, args)
-            base = str(tool)
+        name, build = ("mode_sft", mode_sft) if task == "single" else ("tool_sft", tool_sft)
+        base = out / name
+        if args.rerun or not (base / "checkpoints").is_dir():
+            base = build(args.base, out, args)
+        base = str(base)
         results[task] = run_task(task, base, out, args)
         for name in ("before", "grpo", "control"):
             print(line(task, name, results[task][name]), flush=True)

@@ -76,6 +76,8 @@ def test_grpo_learns_a_verifiable_preference(tmp_path, one_thread):
     res = run_rl(_cfg(tmp_path), env=env, eval_env=held, progress=False)
     rewards = [r["reward_mean"] for r in res["train"]]
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.25, rewards
+    # the verifier's verdict on every drawn sample: the reward itself for a 0/1 verifier
+    assert [r["draw_solved"] for r in res["train"]] == rewards
     assert res["eval"][-1]["all/solved"] > res["eval"][0]["all/solved"], res["eval"]
     rows = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]

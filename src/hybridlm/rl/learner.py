@@ -665,7 +665,7 @@ class GRPOLearner(TrainModule):
         row fields (rank 0, which runs the rollout workers)."""
         cfg, rollouts, sampler = self.cfg, self.rollouts, self.sampler
         t0 = time.perf_counter()
-        drawn, stale, draw_rewards, stale_hist = 0, 0, [], Counter()
+        drawn, stale, draw_rewards, draw_solved, stale_hist = 0, 0, [], [], Counter()
         while not sampler.ready and drawn < cfg.max_draws:
             if rollouts.num_inflight == 0:  # active sampling: draw more, current weights
                 rollouts.submit(cfg.groups_per_step)
@@ -679,6 +679,7 @@ class GRPOLearner(TrainModule):
                 for group in rollouts.groups(draw, n, comps, step):
                     drawn += 1
                     draw_rewards += list(group.rewards)
+                    draw_solved += [r.value >= 1.0 for r in group.data["scored"]]
                     comps_g = group.data["completions"]
                     lags = [step - v for c in comps_g for v in c.versions if v >= 0]
                     if lags and max(lags) > cfg.max_policy_lag:
@@ -696,6 +697,9 @@ class GRPOLearner(TrainModule):
             "groups_kept": len(batch),
             "groups_stale": stale,
             "reward_mean": sum(draw_rewards) / max(len(draw_rewards), 1),
+            # the verifier's verdicts on every drawn sample (before filtering; for any reward):
+            # the training draw's sampled pass@1
+            "draw_solved": sum(draw_solved) / max(len(draw_solved), 1),
             "staleness": {str(k): v for k, v in sorted(stale_hist.items())},
             "wait_s": self._t_gen,
         }
