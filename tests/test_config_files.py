@@ -19,6 +19,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 READERS = {
     "quickstart": RunConfig,
     "midtrain": RunConfig,
+    "long_context": RunConfig,
     "sft": SFTRunConfig,
     "sft_tools": SFTRunConfig,
     "dpo": DPORunConfig,

@@ -351,3 +351,40 @@ def test_chunked_prefill_equals_one_pass():
     assert kv.k_BKSE.shape[2] == 60
     with pytest.raises(ValueError):
         kv.truncate(61)
+
+
+def test_extend_context_rescales_full_attention_rope_only():
+    """Long-context extension (Olmo 3 §5, §3.6): YaRN on the full-attention RoPE layers; the
+    sliding-window layers keep plain RoPE; a NoPE / Mamba hybrid has nothing to rescale."""
+    from hybridlm.config import YarnConfig
+    from hybridlm.model.attention import Attention
+    from hybridlm.ops.rope import rope_frequencies
+    from hybridlm.presets import tiny_olmo
+
+    cfg = tiny_olmo()
+    cfg.attention.yarn = None
+    model = HybridLM(cfg, seed=0).eval()
+    attn = {n: m for n, m in model.named_modules() if isinstance(m, Attention)}
+    before = {n: m.inv_freq.clone() for n, m in attn.items()}
+    ids = torch.randint(0, cfg.vocab_size, (1, 40))
+    logits = model(ids).logits
+    yarn = YarnConfig(factor=4.0, original_max_position_embeddings=16)
+    changed = model.extend_context(4096, yarn)
+    assert model.config.max_seq_len == 4096 and model.config.attention.yarn == yarn
+    full = [n for n, m in attn.items() if not m.sliding]
+    assert changed == full and 0 < len(full) < len(attn)
+    want, scale = rope_frequencies(cfg.attention.head_dim, cfg.attention.rope_theta, yarn)
+    for n, m in attn.items():
+        if n in full:
+            assert torch.equal(m.inv_freq, want) and m.rope_scaling == scale
+        else:
+            assert torch.equal(m.inv_freq, before[n]) and m.rope_scaling == 1.0
+    assert not torch.allclose(model(ids).logits, logits)
+    # the extended config rebuilds the same model (what a checkpoint of the run records)
+    again = HybridLM(model.config, seed=1).eval()
+    again.load_state_dict(model.state_dict())
+    torch.testing.assert_close(again(ids).logits, model(ids).logits)
+    nope = HybridLM(get_preset("tiny-super"), seed=0)
+    assert nope.extend_context(8192, yarn) == [] and nope.config.max_seq_len == 8192
+    with pytest.raises(ValueError, match="factor >= 1"):
+        nope.extend_context(8192, YarnConfig(factor=0.5, original_max_position_embeddings=16))

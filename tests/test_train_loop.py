@@ -52,6 +52,34 @@ def test_exact_resume_in_process(tmp_path):
     assert names == ["step_00000003", "step_00000006", "step_00000008"]
 
 
+def test_long_and_short_sequences_alternate_and_resume_exactly(tmp_path):
+    """`data.alternate` (Nemotron 3 Super §2.6 LC-2): rows of 64 and 16 tokens in turn from a
+    warm-started model with YaRN; a run killed after step 4 resumes to the same losses."""
+    from hybridlm.config import YarnConfig
+    from hybridlm.data.config import AlternateConfig
+
+    base = tiny_run(tmp_path, "base", max_steps=2, eval_interval=0, checkpoint_interval=2)
+    base.model.attention.rope_theta = 10_000.0
+    run_pretrain(base)
+
+    def long_run(out):
+        cfg = tiny_run(tmp_path, out, seq_len=64, init_from=str(tmp_path / "base"))
+        cfg.data.alternate = AlternateConfig(seq_len=16, batch_size=4, batches=1)
+        cfg.train.yarn = YarnConfig(factor=2.0, original_max_position_embeddings=32)
+        return cfg
+
+    full = run_pretrain(long_run("full"))
+    cfg = long_run("crash")
+    run_pretrain(cfg, until_step=4)
+    run_pretrain(cfg, resume=True)
+    assert losses(tmp_path / "crash") == losses(tmp_path / "full")
+    rows = [r for r in read_metrics(tmp_path / "full" / "metrics.jsonl") if r["kind"] == "train"]
+    # 2 x 64 and 4 x 16 tokens in turn
+    assert min(r["valid_tokens"] for r in rows[::2]) > max(r["valid_tokens"] for r in rows[1::2])
+    saved = read_meta(Path(full["checkpoint"]))["run_config"]["model"]["attention"]["yarn"]
+    assert saved["factor"] == 2.0 and saved["original_max_position_embeddings"] == 32
+
+
 def test_resume_falls_back_past_damaged_checkpoints(tmp_path, capsys):
     cfg = tiny_run(tmp_path, "run", checkpoint_interval=2, eval_interval=0)
     run_pretrain(cfg, until_step=7)  # checkpoints at 2, 4, 6; step 7 logged, never saved
@@ -296,7 +324,13 @@ def test_warm_start_continues_a_pretrained_model_with_a_fresh_schedule(tmp_path)
     assert read_meta(ckpt)["run_config"]["model"] == loaded.config.to_dict()
 
 
-def test_midtrain_config_loads_and_names_a_warm_start():
-    cfg = RunConfig.load(Path(__file__).parents[1] / "configs" / "midtrain.yaml")
-    assert cfg.train.init_from == "runs/quickstart" and cfg.train.schedule == "linear"
-    assert cfg.train.min_lr == 0.0
+def test_midtrain_and_long_context_configs_chain_warm_starts():
+    configs = Path(__file__).parents[1] / "configs"
+    mid = RunConfig.load(configs / "midtrain.yaml")
+    assert mid.train.init_from == "runs/speedrun/pretrain" and mid.train.schedule == "linear"
+    assert mid.train.min_lr == 0.0 and mid.data.seq_len == 256
+    lc = RunConfig.load(configs / "long_context.yaml")
+    assert lc.train.init_from == mid.train.out_dir and lc.data.seq_len == 4 * mid.data.seq_len
+    assert lc.data.alternate.seq_len == mid.data.seq_len and lc.train.intra_doc_masking
+    weights = {s.name: s.weight for s in lc.data.sources}
+    assert weights["long_code"] + weights["long_tasks"] == pytest.approx(0.34)  # Olmo 3 §5

@@ -17,22 +17,21 @@ from hybridlm.io import load_model
 from hybridlm.io.checkpoint import list_checkpoints
 from hybridlm.train.checkpoint import merge_checkpoints
 from hybridlm.train.config import RunConfig, TrainConfig
-from hybridlm.train.merge import merge_run
+from hybridlm.train.merge import merge_run, soup_runs
 from hybridlm.train.pretrain import run_pretrain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
+def _tiny_run(tmp: Path, out: str, seed: int = 0) -> Path:
     """A 5-step tiny run, a checkpoint every step, the last 4 kept."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    tmp = tmp_path_factory.mktemp("merge")
     txt = tmp / "txt"
-    txt.mkdir()
-    for i in range(12):
-        (txt / f"{i:02d}.txt").write_text(f"Story {i}. " + "A fox met a crow. " * (i % 5 + 2))
+    if not txt.is_dir():
+        txt.mkdir()
+        for i in range(12):
+            (txt / f"{i:02d}.txt").write_text(f"Story {i}. " + "A fox met a crow. " * (i % 5 + 2))
     m = tiny_train_model(mtp=False)
     data = DataConfig(
         sources=[SourceConfig(name="t", kind="text", path=str(txt), max_files=6)],
@@ -50,14 +49,20 @@ def run_dir(tmp_path_factory) -> Path:
         eval_interval=0,
         checkpoint_interval=1,
         keep_last_n=4,
-        out_dir=str(tmp / "run"),
+        out_dir=str(tmp / out),
+        seed=seed,
         peak_flops=1e11,
         progress=False,
         plot=False,
     )
     run_pretrain(RunConfig(model=m, data=data, train=train))
     torch.set_num_threads(before)
-    return tmp / "run"
+    return tmp / out
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    return _tiny_run(tmp_path_factory.mktemp("merge"), "run")
 
 
 def test_merged_weights_are_the_weighted_average(run_dir):
@@ -125,3 +130,40 @@ def test_window_larger_than_the_run_is_an_actionable_error(run_dir, tmp_path, ca
     assert rc == 2 and "--windows up to 4" in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown merge weighting"):
         merge_run(run_dir, windows=[2], weights=["ema"])
+
+
+def test_soup_of_two_seeds_evaluates_every_candidate_and_exports_the_best(
+    run_dir, tmp_path, capsys
+):
+    """`hybridlm soup` (Olmo 3 §4-5): each run's last checkpoint, each run's last-2 average and
+    the uniform soup of all four are scored on the held-out split; the export is the best."""
+    other = _tiny_run(run_dir.parent, "run_seed1", seed=1)
+    out = tmp_path / "soup"
+    rc = cli_main(["soup", "--runs", f"{run_dir},{other}", "--last", "2", "--out", str(out)])
+    assert rc == 0 and "<- best" in capsys.readouterr().out
+    report = json.loads((out / "soup.json").read_text())
+    rows = report["candidates"]
+    assert [r["candidate"] for r in rows] == [
+        f"{run_dir}: last",
+        f"{other}: last",
+        f"{run_dir}: last 2",
+        f"{other}: last 2",
+        "soup of 4",
+    ]
+    assert all(math.isfinite(r["eval_loss"]) for r in rows)
+    assert len({round(r["eval_loss"], 9) for r in rows}) == len(rows)
+    best = min(rows, key=lambda r: r["eval_loss"])
+    assert report["best"] == best
+    want = merge_checkpoints(best["checkpoints"], "uniform")
+    exported = load_model(out).state_dict()
+    for key, value in want.items():
+        torch.testing.assert_close(exported[key], value, rtol=0, atol=0)
+    # the soup is the plain average of the four checkpoints
+    soup = merge_checkpoints(rows[-1]["checkpoints"], "uniform")
+    ckpts = [load_file(str(Path(p) / "model.safetensors")) for p in rows[-1]["checkpoints"]]
+    key = next(iter(soup))
+    torch.testing.assert_close(soup[key], sum(c[key] for c in ckpts) / 4)
+    with pytest.raises(ValueError, match="soup of one checkpoint"):
+        soup_runs([run_dir], last=1)
+    with pytest.raises(ValueError, match="--last 9 needs 9"):
+        soup_runs([run_dir, other], last=9)

@@ -196,6 +196,28 @@ def test_cp2_packed_documents_world2_matches_single_process(tmp_path):
     assert_same_weights(run.train.out_dir, ref.train.out_dir)
 
 
+def test_cp2_long_and_short_batches_in_turn_world2_matches_single_process(tmp_path):
+    """The long-context stage's layout: rows of 64 and 16 tokens in turn (`data.alternate`),
+    each row split over 2 context-parallel ranks, with intra-document masking."""
+    from hybridlm.data.config import AlternateConfig
+
+    alt = AlternateConfig(seq_len=16, batch_size=4, batches=1)
+    ref = tiny_run(tmp_path, "w1_alt", batch_size=4, intra_doc_masking=True)
+    ref.data.alternate = alt
+    run_pretrain(ref)
+    run = tiny_run(
+        tmp_path,
+        "cp2_alt",
+        batch_size=4,
+        intra_doc_masking=True,
+        parallel=ParallelConfig(dp_shard=1, cp=2),
+    )
+    run.data.alternate = alt
+    run_world2(tmp_path, run, world=2)
+    assert_same_losses(rows(run.train.out_dir), rows(ref.train.out_dir))
+    assert_same_weights(run.train.out_dir, ref.train.out_dir)
+
+
 def tiny_olmo():
     """tiny-olmo shrunk: sliding windows of 16 tokens (they cross the shard boundary of a
     64-token row split in 2), YaRN on the full layer, QK-norm, SwiGLU, post-norm."""

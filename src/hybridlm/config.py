@@ -568,7 +568,10 @@ def apply_overrides(cfg: C, overrides: Sequence[str]) -> C:
         hint: Any = top
         for depth, part in enumerate(path):
             node, hint = _descend(node, hint, part, item, ".".join(path[: depth + 1]))
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:  # not YAML, e.g. a pattern such as *E*E (a YAML alias): the text
+            value = raw.strip()
         if isinstance(node, list):
             node[_index(node, last, item)] = value
             continue

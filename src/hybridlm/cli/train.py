@@ -1,4 +1,5 @@
-"""`hybridlm pretrain | merge | sft | dpo | rm | distill | mtp-boost`: the training stages."""
+"""`hybridlm pretrain | merge | soup | sft | dpo | rm | distill | mtp-boost`: the training
+stages."""
 
 from __future__ import annotations
 
@@ -60,6 +61,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="export directory (default: RUN/merged)")
     p.set_defaults(fn=cmd_merge)
 
+    p = sub.add_parser(
+        "soup", help="average checkpoints across runs (model soup), evaluate, export the best"
+    )
+    p.add_argument("--runs", required=True, help="pretrain out_dirs, comma-separated")
+    p.add_argument("--last", type=int, default=1, help="checkpoints per run to average")
+    p.add_argument("--eval-run", default=None, help="run whose held-out split scores them")
+    p.add_argument("--out", default=None, help="export directory (default: FIRST_RUN/soup)")
+    p.set_defaults(fn=cmd_soup)
+
     p = sub.add_parser("sft", help="supervised fine-tuning on chat data (assistant-only loss)")
     add_run_args(p, "configs/sft.yaml")
     p.set_defaults(fn=cmd_sft)
@@ -118,8 +128,11 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     ids = torch.tensor([tok.encode(args.prompt)], device=trainer.device)
     with torch.no_grad():
         out = generate(model, ids, args.sample_tokens, temperature=0.8, top_p=0.95, seed=0)
-    export = Path(trainer.module.run.train.out_dir) / "hf"
-    save_pretrained(model, export, tokenizer=tok)
+    export: Path | str = Path(trainer.module.run.train.out_dir) / "hf"
+    try:
+        save_pretrained(model, export, tokenizer=tok)
+    except ValueError as err:  # an architecture transformers has no class for (e.g. RoPE + Mamba)
+        export = f"skipped ({err}); the checkpoint loads with hybridlm.io"
     ev = result.get("eval") or {}
     print("--- sample (T=0.8, top-p 0.95) ---")
     print(args.prompt + tok.decode(out[0].tolist()))
@@ -143,7 +156,8 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     print(f"metrics:    {result['metrics']}")
     print(f"loss plot:  {result['plot']}")
     print(f"checkpoint: {result['checkpoint']}")
-    print(f"hf export:  {export}  (hybridlm.io.load_model / transformers)")
+    where = "  (hybridlm.io.load_model / transformers)" if isinstance(export, Path) else ""
+    print(f"hf export:  {export}{where}")
     parallel.destroy()
 
 
@@ -158,6 +172,14 @@ def cmd_merge(args: argparse.Namespace) -> None:
         weights=parse_list(args.weights),
         out=args.out,
     )
+
+
+def cmd_soup(args: argparse.Namespace) -> None:
+    """Soup the runs' last checkpoints, evaluate every candidate, export the best
+    (train/merge.py)."""
+    from ..train.merge import parse_list, soup_runs
+
+    soup_runs(parse_list(args.runs), last=args.last, eval_run=args.eval_run, out=args.out)
 
 
 def _post_training(load: Any, run: Any, args: argparse.Namespace, keys: tuple[str, ...]) -> None:

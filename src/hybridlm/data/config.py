@@ -26,6 +26,7 @@ from typing import Literal
 
 from ..config import Config
 from .loader import Phase
+from .longcontext import LONGCONTEXT_TASKS
 
 SourceKind = Literal["text", "tinyshakespeare", "jsonl", "parquet", "hf", "stdlib", "shards"]
 
@@ -51,6 +52,28 @@ class SourceConfig:
     data_files: list[str] = field(default_factory=list)
     docstrings_only: bool = False  # stdlib: docstrings instead of source
     max_files: int = 0  # stdlib: 0 = all files
+    # long documents (Olmo 3 §5): keep documents of at least `min_chars` characters, and with
+    # `gzip_band: [lo, hi]` only those whose gzip ratio lies between those percentiles
+    min_chars: int = 0
+    gzip_band: list[float] = field(default_factory=list)
+    # synthetic long-context tasks (hybridlm.data.longcontext): each of the source's documents is
+    # cut into segments of `segment_chars: [min, max]` characters, and every segment becomes one
+    # example per task listed (cwe, rex) instead of the documents themselves
+    longcontext_tasks: list[str] = field(default_factory=list)
+    segment_chars: list[int] = field(default_factory=lambda: [2000, 3000])
+
+
+@dataclass(kw_only=True)
+class AlternateConfig:
+    """A second sequence length in turn with the main one (`data.alternate`; Nemotron 3 Super
+    §2.6 LC-2 alternates 1M- and 4K-token sequences): each cycle is `data.every` batches of
+    `data.seq_len` x `data.batch_size`, then `batches` batches of `seq_len` x `batch_size` drawn
+    from `weights` (empty: the main mixture)."""
+
+    seq_len: int = 256
+    batch_size: int = 8
+    batches: int = 1
+    weights: dict[str, float] = field(default_factory=dict)
 
 
 def _default_sources() -> list[SourceConfig]:
@@ -77,6 +100,8 @@ class DataConfig(Config):
     buffer_docs: int = 1024  # documents per best-fit buffer
     phases: list[Phase] = field(default_factory=list)  # empty: one phase with source weights
     total_tokens: int = 0  # training budget in tokens; needed to place phases
+    alternate: AlternateConfig | None = None  # long and short sequences in turn
+    every: int = 1  # with `alternate`: batches of the main length per cycle
     seed: int = 0
     shuffle: bool = True
     eval_split: Literal["hash", "last"] = "hash"
@@ -105,6 +130,25 @@ class DataConfig(Config):
                 raise ValueError(f"{where}: kind {src.kind!r} needs a path")
             if src.weight < 0:
                 raise ValueError(f"{where}: weight must be >= 0, got {src.weight}")
+            if src.min_chars < 0:
+                raise ValueError(f"{where}: min_chars must be >= 0, got {src.min_chars}")
+            band = src.gzip_band
+            if band and (len(band) != 2 or not 0 <= band[0] < band[1] <= 1):
+                raise ValueError(
+                    f"{where}: gzip_band must be [lo, hi] percentiles, 0 <= lo < hi <= 1, "
+                    f"got {band}"
+                )
+            unknown = sorted(set(src.longcontext_tasks) - set(LONGCONTEXT_TASKS))
+            if unknown:
+                raise ValueError(
+                    f"{where}: longcontext_tasks {unknown} unknown; choose from "
+                    f"{list(LONGCONTEXT_TASKS)}"
+                )
+            seg = src.segment_chars
+            if len(seg) != 2 or not 0 < seg[0] <= seg[1]:
+                raise ValueError(
+                    f"{where}: segment_chars must be [min, max] with 0 < min <= max, got {seg}"
+                )
             if src.kind == "text" and src.split == "separator" and not src.separator:
                 raise ValueError(f"{where}: split 'separator' needs a separator string")
         if not self.phases and not any(s.weight > 0 for s in self.sources):
@@ -121,6 +165,19 @@ class DataConfig(Config):
             )
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.alternate is not None:
+            alt = self.alternate
+            if min(alt.seq_len, alt.batch_size, alt.batches, self.every) < 1:
+                raise ValueError(
+                    "data.alternate.seq_len / batch_size / batches and data.every must be >= 1"
+                )
+            unknown = sorted(set(alt.weights) - set(names))
+            if unknown:
+                raise ValueError(f"data.alternate.weights: unknown sources {unknown}")
+            if alt.weights and not any(w > 0 for w in alt.weights.values()):
+                raise ValueError("data.alternate.weights needs one positive weight")
+            if self.phases:
+                raise ValueError("data.alternate does not combine with data.phases")
         if self.phases:
             fractions = [p.fraction for p in self.phases]
             if any(f <= 0 for f in fractions) or abs(sum(fractions) - 1.0) > 1e-6:

@@ -47,6 +47,11 @@ G rows; ranks see disjoint rows.
 Resume: `state_dict()` (JSON-able; a few integers) after any step, `load_state_dict()` on a fresh
 loader, and the following batches equal those of an uninterrupted run. The state counts global
 rows, so a run may resume with another world size as long as the global batch is the same.
+
+Long and short sequences in one run (`AlternatingLoader`; Nemotron 3 Super §2.6 LC-2 alternates
+1M- and 4K-token sequences): batches come from several `PackedLoader`s of different `seq_len`
+in a fixed cycle, e.g. one batch of 2 x 1024 tokens, then one of 8 x 256; its state is the cycle
+position plus each loader's state, so it resumes exactly too.
 """
 
 from __future__ import annotations
@@ -568,3 +573,61 @@ def _jsonish(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _jsonish(v) for k, v in value.items()}
     return value
+
+
+class AlternatingLoader:
+    """Batches from `loaders` in a fixed cycle: `counts[i]` consecutive batches from loader i,
+    then the next loader (see the module docstring). Each loader keeps its own stream, sequence
+    length and batch size; `tokens_per_step` is the mean over a cycle."""
+
+    def __init__(self, loaders: Sequence[PackedLoader], counts: Sequence[int]) -> None:
+        if len(loaders) < 2 or len(counts) != len(loaders) or any(c < 1 for c in counts):
+            raise ValueError(
+                f"AlternatingLoader needs >= 2 loaders and a count >= 1 for each, got "
+                f"{len(loaders)} loaders and counts {list(counts)}"
+            )
+        self.loaders, self.counts = list(loaders), [int(c) for c in counts]
+        self.cycle = [i for i, c in enumerate(self.counts) for _ in range(c)]
+        self.step = 0
+
+    @property
+    def seq_len(self) -> int:
+        """The longest sequence length of the cycle."""
+        return max(ld.seq_len for ld in self.loaders)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Mean input tokens per batch over one cycle (all ranks), rounded."""
+        total = sum(c * ld.tokens_per_step for c, ld in zip(self.counts, self.loaders, strict=True))
+        return round(total / len(self.cycle))
+
+    def current(self) -> PackedLoader:
+        """The loader the next batch comes from."""
+        return self.loaders[self.cycle[self.step % len(self.cycle)]]
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        batch = next(self.current())
+        self.step += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "step": self.step,
+            "counts": list(self.counts),
+            "loaders": [ld.state_dict() for ld in self.loaders],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION or "loaders" not in state:
+            raise ValueError("loader state is not an AlternatingLoader's of this version")
+        if list(state["counts"]) != self.counts or len(state["loaders"]) != len(self.loaders):
+            raise ValueError(
+                f"loader state alternates {state['counts']} batches, this loader {self.counts}"
+            )
+        for ld, sub in zip(self.loaders, state["loaders"], strict=True):
+            ld.load_state_dict(sub)
+        self.step = state["step"]

@@ -15,7 +15,8 @@ from typing import Any
 
 from .bpe import load_tokenizer, train_bpe
 from .config import DataConfig, SourceConfig
-from .loader import PackedLoader
+from .loader import AlternatingLoader, PackedLoader
+from .longcontext import LongContextTaskSource, LongDocumentSource
 from .shards import ShardSet, write_shards
 from .sources import (
     Document,
@@ -29,8 +30,27 @@ from .sources import (
 )
 
 
-def build_source(cfg: SourceConfig) -> DocumentSource:
-    """The `DocumentSource` a `SourceConfig` describes (not for kind `shards`)."""
+def build_source(cfg: SourceConfig, seed: int = 0) -> DocumentSource:
+    """The `DocumentSource` a `SourceConfig` describes (not for kind `shards`): the corpus of its
+    kind, restricted to long documents (`min_chars`, `gzip_band`) and turned into synthetic
+    long-context tasks (`longcontext_tasks`, drawn from `seed`) when those are set."""
+    source = _corpus(cfg)
+    if cfg.min_chars or cfg.gzip_band:
+        source = LongDocumentSource(
+            source, min_chars=cfg.min_chars, gzip_band=cfg.gzip_band, name=cfg.name
+        )
+    if cfg.longcontext_tasks:
+        source = LongContextTaskSource(
+            source,
+            tasks=cfg.longcontext_tasks,
+            segment_chars=cfg.segment_chars,
+            seed=seed,
+            name=cfg.name,
+        )
+    return source
+
+
+def _corpus(cfg: SourceConfig) -> DocumentSource:
     kw: dict[str, Any] = {"name": cfg.name}
     if cfg.pattern:
         kw["pattern"] = cfg.pattern
@@ -81,7 +101,7 @@ def _training_texts(cfg: DataConfig) -> Iterator[Document]:
     for src_cfg in usable:
         budget = cfg.tokenizer_train_chars * src_cfg.weight / total
         used = 0
-        for doc in build_source(src_cfg):
+        for doc in build_source(src_cfg, cfg.seed):
             if used >= budget:
                 break
             used += len(doc.text)
@@ -118,7 +138,7 @@ def prepare_shards(cfg: DataConfig, *, progress: bool = False) -> dict[str, Shar
             tokenizer = build_tokenizer(cfg)
         out = Path(cfg.shards_dir) / src_cfg.name
         report = write_shards(
-            build_source(src_cfg),
+            build_source(src_cfg, cfg.seed),
             tokenizer,
             out,
             num_workers=cfg.num_workers,
@@ -138,9 +158,10 @@ def prepare_shards(cfg: DataConfig, *, progress: bool = False) -> dict[str, Shar
 
 def build_loaders(
     cfg: DataConfig, sets: dict[str, ShardSet], *, rank: int = 0, world_size: int = 1
-) -> tuple[PackedLoader, PackedLoader | None]:
+) -> tuple[PackedLoader | AlternatingLoader, PackedLoader | None]:
     """(train loader, held-out loader or None). The held-out part of every source is
-    `cfg.eval_split` of `eval_fraction` / `eval_docs`; it is read once, in order."""
+    `cfg.eval_split` of `eval_fraction` / `eval_docs`; it is read once, in order, at
+    `cfg.seq_len`. With `cfg.alternate` the train loader alternates the two lengths."""
     missing = [s.name for s in cfg.sources if s.name not in sets]
     if missing:
         raise ValueError(f"no shards for sources {missing}; run prepare_shards(cfg) first")
@@ -164,12 +185,25 @@ def build_loaders(
         "rank": rank,
         "world_size": world_size,
     }
+    all_train = dict(train_sets)
     if cfg.phases:
         mix: dict[str, Any] = {"phases": cfg.phases, "total_tokens": cfg.total_tokens or None}
     else:
         weights = {n: w for n, w in cfg.weights.items() if w > 0}
         train_sets = {n: s for n, s in train_sets.items() if n in weights}
         mix = {"weights": weights, "total_tokens": cfg.total_tokens or None}
+    train: PackedLoader | AlternatingLoader
     train = PackedLoader(train_sets, seed=cfg.seed, shuffle=cfg.shuffle, **mix, **common)
+    if cfg.alternate is not None:
+        alt = cfg.alternate
+        alt_mix = {n: w for n, w in (alt.weights or mix.get("weights") or {}).items() if w > 0}
+        short = PackedLoader(
+            {n: s for n, s in all_train.items() if n in alt_mix},
+            seed=cfg.seed + 1,  # its own stream of draws
+            shuffle=cfg.shuffle,
+            weights=alt_mix,
+            **(common | {"seq_len": alt.seq_len, "batch_size": alt.batch_size}),
+        )
+        train = AlternatingLoader([train, short], [cfg.every, alt.batches])
     held_out = PackedLoader(eval_sets, sequential=True, **common) if eval_sets else None
     return train, held_out

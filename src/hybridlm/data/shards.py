@@ -150,7 +150,9 @@ def _group_shards(
     cut is known before tokenising) and hash each shard's input."""
     index, ids, texts, chars, h = 0, [], [], 0, hashlib.sha256(salt)
     for doc in docs:
-        ids.append(doc.id)
+        # a document derived from another (a synthetic task over a segment) names its parent in
+        # metadata "split_id", so hash splits keep it on its parent's side
+        ids.append(str(doc.metadata.get("split_id", doc.id)))
         texts.append(doc.text)
         chars += len(doc.text)
         for part in (doc.id, doc.text):

@@ -32,6 +32,7 @@ class Attention(nn.Module):
         if a.qk_norm:  # over the whole projection, not per head (Olmo 2/3)
             self.q_norm = RMSNorm(a.num_heads * a.head_dim, eps=cfg.norm_eps)
             self.k_norm = RMSNorm(a.num_kv_heads * a.head_dim, eps=cfg.norm_eps)
+        self.sliding = spec.sliding
         self.window = a.sliding_window if spec.sliding else None
         # YaRN extends the full-attention layers only; sliding layers keep plain RoPE (Olmo 3 §3.6)
         self.yarn = None if spec.sliding else a.yarn

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import ModelConfig, YarnConfig
+from .attention import Attention
 from .block import build_blocks
 from .cache import HybridCache
 from .mamba2 import Mamba2Mixer, mamba2_decode_step, mamba2_decode_step_torch
@@ -156,6 +157,32 @@ class HybridLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "init_buffers"):
                 module.init_buffers(device)
+
+    @torch.no_grad()
+    def extend_context(self, max_seq_len: int, yarn: YarnConfig | None = None) -> list[str]:
+        """Long-context extension of a trained model (Olmo 3 §5, Nemotron 3 Super §2.6): raise
+        `config.max_seq_len` to at least `max_seq_len` and, with `yarn`, rescale the RoPE of the
+        full-attention layers (Olmo 3 §3.6: sliding-window layers keep plain RoPE). NoPE attention
+        and Mamba-2 layers carry no positions and need nothing. Returns the names of the
+        attention modules whose frequencies changed."""
+        cfg = self.config
+        cfg.max_seq_len = max(cfg.max_seq_len, int(max_seq_len))
+        if yarn is None:
+            return []
+        if yarn.factor < 1 or yarn.original_max_position_embeddings < 1:
+            raise ValueError(
+                f"YaRN needs factor >= 1 and original_max_position_embeddings >= 1, got "
+                f"{yarn.factor} and {yarn.original_max_position_embeddings}"
+            )
+        cfg.attention.yarn = yarn
+        changed = []
+        for name, module in self.named_modules():
+            if isinstance(module, Attention) and module.a.rope_theta is not None:
+                if not module.sliding:
+                    module.yarn = yarn
+                    module.init_buffers(module.q_proj.weight.device)
+                    changed.append(name)
+        return changed
 
     # ------------------------------------------------------------------ forward
     def forward(

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-from ..config import Config, ModelConfig
+from ..config import Config, ModelConfig, YarnConfig
 from ..data.config import DataConfig
 from ..presets import PRESETS, get_preset
 
@@ -152,6 +152,10 @@ class TrainConfig:
     # schedule (Olmo 3 §4 midtraining, long-context extension, post-training); "" = a freshly
     # initialised model of the run's model config
     init_from: str = ""
+    # long-context extension of the warm-started model (Olmo 3 §5): YaRN on its full-attention
+    # RoPE layers, e.g. {factor: 4, original_max_position_embeddings: 256}; NoPE attention and
+    # Mamba-2 layers need nothing (HybridLM.extend_context)
+    yarn: YarnConfig | None = None
     seed: int = 0
     device: str = "auto"  # auto: cuda when available, else cpu
     # the layout under torchrun: "ddp", "fsdp", "none" or a ParallelConfig mapping
@@ -220,6 +224,13 @@ class TrainConfig:
             raise ValueError(
                 "train.checkpoint_format must be 'auto', 'full' or 'sharded', "
                 f"got {self.checkpoint_format!r}"
+            )
+        if self.yarn is not None and (
+            self.yarn.factor < 1 or self.yarn.original_max_position_embeddings < 1
+        ):
+            raise ValueError(
+                "train.yarn needs factor >= 1 and original_max_position_embeddings >= 1, got "
+                f"{self.yarn.factor} and {self.yarn.original_max_position_embeddings}"
             )
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")

@@ -1,5 +1,6 @@
 """Checkpoint merging over a sliding window of a run's last checkpoints (Olmo 3 §3; Nemotron 3
-Super §2.5; WSM, Tian et al. 2025).
+Super §2.5; WSM, Tian et al. 2025), and model soups across runs (Olmo 3 §4: two midtraining
+seeds; §5: the last long-context checkpoints).
 
     hybridlm merge --run runs/quickstart --windows 2,3,4 --weights uniform,minus_sqrt
 
@@ -8,6 +9,13 @@ For every window size N and weighting, the last N checkpoints of the run are ave
 (`Trainer.evaluate`: eval loss in nats/token and bits per byte), and the candidate with the lowest
 eval loss is written as a transformers export plus `merge.json`. The last checkpoint alone is a
 candidate too (window 1, weights "last"), so the export is never worse than not merging.
+
+    hybridlm soup --runs runs/lc_seed0,runs/lc_seed1 [--last 3] [--eval-run runs/lc_seed0]
+
+`soup_runs` averages the last `last` checkpoints of every run (uniformly: a soup of the runs'
+final states), evaluates every run's newest checkpoint alone, every run's own last-`last`
+average and the soup on the held-out split of `eval_run` (default: the first run), and exports
+the best the same way (`soup.json`). The runs must share the architecture.
 """
 
 from __future__ import annotations
@@ -152,4 +160,83 @@ def merge_run(
     report = {"run": str(run_dir), "out": str(out), "best": best, "candidates": rows}
     (out / "merge.json").write_text(json.dumps(report, indent=1) + "\n")
     log(f"best: window {best['window']} {best['weights']} -> {out} (merge.json, HF export)")
+    return report
+
+
+def _same_architecture(paths: Sequence[Path]) -> None:
+    models = [read_meta(p)["run_config"].get("model") for p in paths]
+    if any(m != models[0] for m in models[1:]):
+        raise ValueError(
+            "the checkpoints to soup have different architectures: "
+            + ", ".join(str(p) for p, m in zip(paths, models, strict=True) if m != models[0])
+        )
+
+
+def soup_runs(
+    runs: Sequence[str | Path],
+    *,
+    last: int = 1,
+    eval_run: str | Path | None = None,
+    out: str | Path | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
+    """Evaluate each run's newest checkpoint, each run's last-`last` average and the uniform soup
+    of all those checkpoints; export the best. Returns the report written to `<out>/soup.json`
+    (default out: `<first run>/soup`)."""
+    runs = [Path(r) for r in runs]
+    if len(runs) < 1 or last < 1:
+        raise ValueError(f"need at least one run and last >= 1, got {len(runs)} runs, last {last}")
+    if len(runs) == 1 and last == 1:
+        raise ValueError("a soup of one checkpoint is that checkpoint: give two runs or --last > 1")
+    groups: list[list[Path]] = []
+    for r in runs:
+        ckpts = list_checkpoints(r) if r.is_dir() else []
+        if len(ckpts) < last:
+            raise ValueError(
+                f"{r} has {len(ckpts)} checkpoint(s), --last {last} needs {last}; is it a "
+                "pretrain out_dir?"
+            )
+        groups.append(ckpts[-last:])
+    everything = [p for g in groups for p in g]
+    _same_architecture(everything)
+    eval_run = Path(eval_run) if eval_run is not None else runs[0]
+    out = Path(out) if out is not None else runs[0] / "soup"
+    candidates: list[tuple[str, list[Path]]] = [
+        (f"{r}: last", [g[-1]]) for r, g in zip(runs, groups, strict=True)
+    ]
+    if last > 1:
+        candidates += [(f"{r}: last {last}", g) for r, g in zip(runs, groups, strict=True)]
+    if len(everything) > max(len(g) for g in groups):
+        candidates.append((f"soup of {len(everything)}", everything))
+    rows: list[dict[str, Any]] = []
+    best_state: dict[str, torch.Tensor] | None = None
+    with tempfile.TemporaryDirectory(prefix="hybridlm-soup-") as scratch:
+        evaluate = Evaluator(load_run_config(eval_run), scratch)
+        for name, paths in candidates:
+            state = merge_checkpoints(paths, "uniform")
+            ev = evaluate(state)
+            rows.append(
+                {
+                    "candidate": name,
+                    "checkpoints": [str(p) for p in paths],
+                    "eval_loss": ev["eval_loss"],
+                    "eval_bpb": ev["eval_bpb"],
+                }
+            )
+            if min(r["eval_loss"] for r in rows) == ev["eval_loss"]:
+                best_state = state
+        best = min(rows, key=lambda r: r["eval_loss"])
+        assert best_state is not None
+        load_merged(evaluate.model, best_state)
+        out.mkdir(parents=True, exist_ok=True)
+        save_pretrained(evaluate.model, out, tokenizer=load_tokenizer_for(runs[0]))
+    width = max(len(r["candidate"]) for r in rows)
+    log(f"{'candidate':<{width}}  {'eval loss':>9}  {'bpb':>7}")
+    for r in rows:
+        mark = "  <- best" if r is best else ""
+        log(f"{r['candidate']:<{width}}  {r['eval_loss']:9.4f}  {r['eval_bpb']:7.4f}{mark}")
+    report = {"runs": [str(r) for r in runs], "eval_run": str(eval_run), "out": str(out)}
+    report |= {"best": best, "candidates": rows}
+    (out / "soup.json").write_text(json.dumps(report, indent=1) + "\n")
+    log(f"best: {best['candidate']} -> {out} (soup.json, HF export)")
     return report

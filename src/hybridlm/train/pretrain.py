@@ -27,6 +27,8 @@ byte-level string (exact); special tokens count 0 and added text tokens their UT
 
 Warm start (`train.init_from`, e.g. Olmo 3 midtraining §4 or a long-context extension): the
 model is loaded from any loadable path instead of initialised; optimizer and schedule are fresh.
+`train.yarn` rescales its full-attention RoPE for a longer context (`HybridLM.extend_context`),
+and `data.alternate` mixes long and short sequences in turn (`AlternatingLoader`).
 """
 
 from __future__ import annotations
@@ -95,6 +97,14 @@ class Pretrain(TrainModule):
         # warm start (train.init_from): the loaded model's config is the run's (checkpoints
         # record what was trained)
         self.model = initial_model(tc, run.model, rt.device, meta=rt.meta_init)
+        longest = max(dc.seq_len, dc.alternate.seq_len if dc.alternate else 0)
+        rescaled = self.model.extend_context(longest, tc.yarn)
+        if tc.yarn is not None and is_main():
+            print(
+                f"YaRN x{tc.yarn.factor:g} from {tc.yarn.original_max_position_embeddings} "
+                f"tokens on {len(rescaled)} full-attention RoPE layer(s)"
+                + ("" if rescaled else " (none: NoPE / Mamba layers need nothing)")
+            )
         run = dataclasses.replace(run, model=self.model.config)
         self.run, model_cfg = run, run.model
         if rt.cp > 1 and tc.z_loss > 0:
