@@ -17,6 +17,7 @@ from hybridlm.eval.long_context import (
     paired_gain,
     plot_long_context,
     position_bpb,
+    position_change,
     ruler_by_length,
 )
 from hybridlm.model.model import HybridLM
@@ -103,10 +104,25 @@ def test_copy_probe_on_a_model_that_copies():
     assert res["second"] < 0.01 < res["first"] and res["uniform"] == pytest.approx(math.log(26))
 
 
+def test_position_change_is_paired_over_documents():
+    # two documents, two buckets: (nats, bytes) per bucket
+    before = {"bucket_start": [0, 8], "per_document": [[[8, 4], [6, 4]], [[4, 4], [4, 4]]]}
+    after = {"bucket_start": [0, 8], "per_document": [[[8, 4], [2, 4]], [[4, 4], [2, 4]]]}
+    ch = position_change(before, after)
+    d = [-1.0 / math.log(2), -0.5 / math.log(2)]  # per-document changes in bucket 1 (bits)
+    assert ch["mean"][0] == 0 and ch["se"][0] == 0
+    assert ch["mean"][1] == pytest.approx(sum(d) / 2)
+    assert ch["se"][1] == pytest.approx(abs(d[0] - d[1]) / 2)
+    assert ch["docs"] == 2
+
+
 def test_plot_long_context(tmp_path):
     res = {
         "ruler": {"lengths": [256, 512], "overall": {256: 0.5, 512: 0.2}},
         "position_bpb": {"bucket": 128, "bucket_start": [0, 128], "bpb": [1.5, 1.4]},
     }
-    png = plot_long_context({"a": res, "b": res}, tmp_path / "x" / "lc.png")
+    ch = {"bucket_start": [0, 128], "mean": [0.0, -0.1], "se": [0.01, 0.02], "docs": 3}
+    png = plot_long_context(
+        {"a": res, "b": res}, tmp_path / "x" / "lc.png", changes={"a": ch}, original=256
+    )
     assert png.is_file() and png.stat().st_size > 1000

@@ -25,6 +25,21 @@ TINY = [
     "pretrain.train.eval_interval=6",
     "pretrain.train.checkpoint_interval=6",
     "pretrain.train.warmup_steps=2",
+    "skip=[]",  # the long-context variant: midtrain and long_context too
+    "midtrain.data.sources.1.max_files=40",
+    "midtrain.train.max_steps=3",
+    "midtrain.train.eval_interval=3",
+    "midtrain.train.checkpoint_interval=3",
+    "midtrain.train.warmup_steps=1",
+    "long_context.data.sources.1.max_files=40",
+    "long_context.data.sources.3.max_files=40",
+    "long_context.train.max_steps=4",
+    "long_context.train.eval_interval=4",
+    "long_context.train.eval_batches=1",
+    "long_context.train.checkpoint_interval=4",
+    "long_context.train.warmup_steps=1",
+    "long_context.ruler_samples=1",
+    "long_context.ruler_tasks=[niah_single,cwe]",
     "sft.data.sources.0.max_rows=300",
     "sft.train.max_steps=6",
     "sft.train.eval_interval=6",
@@ -118,6 +133,16 @@ def test_whole_flow_runs_and_writes_the_report(finished):
     for d in ("rl/model", "mtp_heal/model", "quantize/nvfp4", "quantize/autoquant"):
         assert (run / d / "tokenizer.json").is_file(), d
     # the model chain: each stage starts from the previous stage's model
+    mid = yaml.safe_load((run / "midtrain" / "run.yaml").read_text())
+    assert mid["train"]["init_from"] == str(run / "pretrain")
+    lc = yaml.safe_load((run / "long_context" / "run.yaml").read_text())
+    assert lc["train"]["init_from"] == str(run / "midtrain") and lc["data"]["seq_len"] == 1024
+    sft = yaml.safe_load((run / "sft" / "run.yaml").read_text())
+    assert sft["train"]["init_from"] == str(run / "long_context")
+    ext = json.loads((run / "long_context" / "stage.json").read_text())["summary"]
+    assert ext["original_length"] == 256 and set(ext["ruler_after"]) == {"256", "512", "1024"}
+    assert ext["ruler_gain"]["pairs"] == 2 and ext["short_bpb_before"] > 0
+    assert (run / "long_context" / "long_context.png").stat().st_size > 5000
     assert yaml.safe_load((run / "rl" / "rl.yaml").read_text())["checkpoint"] == str(run / "sft")
     heal = json.loads((run / "mtp_heal" / "stage.json").read_text())["summary"]
     assert heal["from"] == str(run / "rl" / "model")
@@ -130,7 +155,16 @@ def test_whole_flow_runs_and_writes_the_report(finished):
     # eval: every model on the same held-out text and problems; quantised = healed +- small
     rows = [json.loads(x) for x in (run / "eval" / "metrics.jsonl").read_text().splitlines()]
     models = {r["model"]: r for r in rows if r["kind"] == "model"}
-    assert list(models) == ["pretrain", "sft", "rl", "mtp_heal", "nvfp4", "autoquant"]
+    assert list(models) == [
+        "pretrain",
+        "midtrain",
+        "long_context",
+        "sft",
+        "rl",
+        "mtp_heal",
+        "nvfp4",
+        "autoquant",
+    ]
     for r in models.values():
         assert r["text_bpb"] > 0 and 0 <= r["exact_match"] <= 1 and r["problems"] == 4
     # MTP healing trains only the head: the backbone's text loss is unchanged
@@ -176,7 +210,8 @@ def test_rerun_reuses_finished_stages_and_reruns_downstream_of_a_change(finished
     Speedrun(cfg, progress=False).run()
     status = {r["stage"]: r["status"] for r in stage_rows(run)[-len(STAGE_NAMES) :]}
     assert status == {
-        **{s: "reused" for s in ("curate", "tokenizer", "pretrain", "sft", "rl")},
+        **{s: "reused" for s in ("curate", "tokenizer", "pretrain", "midtrain", "long_context")},
+        **{s: "reused" for s in ("sft", "rl")},
         **{s: "done" for s in ("mtp_heal", "quantize", "eval", "report")},
     }
     after = json.loads((run / "mtp_heal" / "stage.json").read_text())
@@ -186,7 +221,8 @@ def test_rerun_reuses_finished_stages_and_reruns_downstream_of_a_change(finished
     Speedrun(cfg, progress=False, force=["quantize"]).run()
     status = {r["stage"]: r["status"] for r in stage_rows(run)[-len(STAGE_NAMES) :]}
     assert status == {
-        **{s: "reused" for s in ("curate", "tokenizer", "pretrain", "sft", "rl", "mtp_heal")},
+        **{s: "reused" for s in ("curate", "tokenizer", "pretrain", "midtrain", "long_context")},
+        **{s: "reused" for s in ("sft", "rl", "mtp_heal")},
         **{s: "done" for s in ("quantize", "eval", "report")},
     }
 
@@ -245,7 +281,7 @@ def test_quantize_data_options_name_missing_runs(tmp_path):
 def test_report_of_a_partial_run(tmp_path):
     out = render_report(tmp_path)
     md = Path(out["report_md"]).read_text()
-    assert "Stages finished: 0 of 8" in md and "The rl stage did not run." in md
+    assert "Stages finished: 0 of 10" in md and "The rl stage did not run." in md
     assert out["plots"] == []
     assert "<html>" in Path(out["report_html"]).read_text()
 

@@ -167,3 +167,26 @@ def test_soup_of_two_seeds_evaluates_every_candidate_and_exports_the_best(
         soup_runs([run_dir], last=1)
     with pytest.raises(ValueError, match="--last 9 needs 9"):
         soup_runs([run_dir, other], last=9)
+
+
+def test_export_falls_back_to_a_checkpoint_for_architectures_transformers_lacks(tmp_path):
+    """RoPE attention next to Mamba-2 has no transformers class: the best merge is written as a
+    training checkpoint instead, which hybridlm.io loads with its config (YaRN included)."""
+    from hybridlm.config import YarnConfig
+    from hybridlm.data.tokenizer import ByteTokenizer
+    from hybridlm.model.model import HybridLM
+    from hybridlm.train.merge import export
+
+    cfg = tiny_train_model(mtp=False)
+    cfg.attention.rope_theta = 10_000.0
+    model = HybridLM(cfg, seed=0)
+    model.extend_context(256, YarnConfig(factor=2.0, original_max_position_embeddings=32))
+    run = RunConfig(model=cfg, data=DataConfig(), train=TrainConfig(max_steps=1))
+    kind = export(model, tmp_path / "out", run, ByteTokenizer())
+    assert kind.startswith("training checkpoint (cannot export to transformers")
+    again = load_model(tmp_path / "out")
+    assert again.config.attention.yarn == model.config.attention.yarn
+    for key, value in model.state_dict().items():
+        assert torch.equal(again.state_dict()[key], value), key
+    plain = HybridLM(tiny_train_model(mtp=False), seed=0)
+    assert export(plain, tmp_path / "hf", run, ByteTokenizer()) == "HF export"

@@ -12,6 +12,11 @@ and where they write:
                substring dedup)                                         <run>/curate/data
     tokenizer  a byte-level BPE trained on the pretraining mix, digits split   <run>/tokenizer
     pretrain   the hybrid Mamba-2 / LatentMoE / MTP model on the curated mix   <run>/pretrain
+    midtrain   continued pretraining on a new mix, linear decay to zero (Olmo 3 §4); skipped
+               by default                                               <run>/midtrain
+    long_context  extension to 4x the training length on long documents and synthetic tasks,
+               long and short sequences in turn (Olmo 3 §5, Nemotron 3 Super §2.6), RULER and
+               bpb by position before and after; skipped by default     <run>/long_context
     sft        chat SFT (assistant-only loss, packing, MTP loss), arithmetic   <run>/sft
     rl         GRPO with verifiable rewards, rollouts on Ray actors            <run>/rl/model
     mtp_heal   the MTP head re-trained on the RL policy's own generations
@@ -28,7 +33,9 @@ and each stage's status and wall time), for the report. A rerun skips every fini
 fingerprint is unchanged and reruns the others (and, through the fingerprints, everything
 downstream of them). An input enters a fingerprint with the time its outputs were made, so a
 stage rerun with `--force` (same settings, new outputs) reruns everything downstream too.
-Pretraining and SFT continue from their newest checkpoint when interrupted; the other stages take
+`--set skip=[]` runs the long-context variant (midtrain and long_context between pretrain and
+SFT). Pretraining, midtraining, the extension and SFT continue from their newest checkpoint when
+interrupted; the other stages take
 minutes and restart. `--skip` leaves stages out: the model chain then continues from the newest
 model before the skipped stage (e.g. `--skip rl` heals the SFT model's MTP head), and a skipped
 tokenizer means the byte tokenizer. Paths inside the config may use `{run}` for the run directory.
@@ -37,6 +44,7 @@ tokenizer means the byte tokenizer. Paths inside the config may use `{run}` for 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -55,7 +63,13 @@ from .curate.pipeline import CurateConfig, run_curate
 from .data.bpe import load_tokenizer, train_bpe
 from .data.pipeline import build_source
 from .eval.flow import evaluate_flow
-from .io.checkpoint import CheckpointError, latest_checkpoint
+from .eval.long_context import (
+    extension_verdict,
+    held_out_documents,
+    measure_extension,
+    plot_long_context,
+)
+from .io.checkpoint import CheckpointError, latest_checkpoint, read_meta, resolve_checkpoint
 from .precision.ptq import DEFAULT_EXCLUDE
 from .provenance import collect, now_iso
 from .report.card import render_report
@@ -116,6 +130,26 @@ class QuantizeStageConfig:
 
 
 @dataclass(kw_only=True)
+class LongContextStageConfig(RunConfig):
+    """The extension run (`configs/long_context.yaml`'s sections; its start is the newest model
+    before it) and what measures it: RULER (`ruler_tasks`, `ruler_samples` per task and length)
+    at 1x, 2x, 4x the starting model's training length, bpb by position over the held-out
+    documents of `eval_source`, short-context bpb on the starting run's held-out split."""
+
+    WHAT = "long_context stage config"
+
+    ruler_samples: int = 20
+    ruler_tasks: list[str] = field(
+        default_factory=lambda: ["niah_single", "niah_multikey", "vt", "cwe", "fwe"]
+    )
+    eval_source: str = "code"
+
+    def run_config(self) -> RunConfig:
+        """The training run alone (what its checkpoints record)."""
+        return RunConfig(model=self.model, data=self.data, train=self.train)
+
+
+@dataclass(kw_only=True)
 class EvalStageConfig:
     """What the eval stage measures on every model of the chain."""
 
@@ -149,6 +183,8 @@ class SpeedrunConfig(Config):
     curate: CurateConfig = field(default_factory=CurateConfig)
     tokenizer: TokenizerStageConfig = field(default_factory=TokenizerStageConfig)
     pretrain: RunConfig = field(default_factory=RunConfig)
+    midtrain: RunConfig = field(default_factory=RunConfig)
+    long_context: LongContextStageConfig = field(default_factory=LongContextStageConfig)
     sft: SFTRunConfig = field(default_factory=SFTRunConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     mtp_heal: MTPBoostConfig = field(default_factory=MTPBoostConfig)
@@ -302,6 +338,77 @@ def _pretrain_run(flow: Speedrun) -> dict[str, Any]:
         run = dataclasses.replace(run, model=dataclasses.replace(model, vocab_size=vocab))
     result = flow._continue_or_start("pretrain", lambda **kw: run_pretrain(run, **kw))
     return {"model": str(flow.stage_dir("pretrain")), **_scalars(result)}
+
+
+def _warm_start_settings(flow: Speedrun, name: str) -> dict[str, Any]:
+    """A continued-pretraining stage's section: its output dir and shards, the run's tokenizer,
+    and the newest model before it as `train.init_from`."""
+    data = _format_paths(getattr(flow.cfg, name).to_dict(), str(flow.run_dir))
+    out = flow.stage_dir(name)
+    data["train"]["out_dir"] = str(out)
+    data["train"]["init_from"] = flow.model_path(name)
+    data["data"]["shards_dir"] = str(out / "shards")
+    data["data"]["tokenizer"] = flow.tokenizer_spec()
+    data["data"]["tokenizer_vocab_size"] = 0
+    return data
+
+
+def _midtrain_settings(flow: Speedrun) -> dict[str, Any]:
+    return _warm_start_settings(flow, "midtrain")
+
+
+def _midtrain_run(flow: Speedrun) -> dict[str, Any]:
+    run = RunConfig.from_dict(flow.settings("midtrain"))
+    result = flow._continue_or_start("midtrain", lambda **kw: run_pretrain(run, **kw))
+    return {"model": str(flow.stage_dir("midtrain")), **_scalars(result)}
+
+
+def _long_context_settings(flow: Speedrun) -> dict[str, Any]:
+    return _warm_start_settings(flow, "long_context")
+
+
+def _long_context_run(flow: Speedrun) -> dict[str, Any]:
+    cfg = LongContextStageConfig.from_dict(flow.settings("long_context"))
+    run = cfg.run_config()
+    out = flow.stage_dir("long_context")
+    result = flow._continue_or_start("long_context", lambda **kw: run_pretrain(run, **kw))
+    # before / after on the same samples: the starting model, trained at its run's length
+    start = run.train.init_from
+    start_run = RunConfig.from_dict(read_meta(resolve_checkpoint(start))["run_config"])
+    original = start_run.data.seq_len
+    measure = functools.partial(
+        measure_extension,
+        original=original,
+        short_run=start_run,
+        documents=held_out_documents(run.data, cfg.eval_source),
+        tasks=cfg.ruler_tasks,
+        num_samples=cfg.ruler_samples,
+    )
+    before, after = measure(start), measure(out)
+    verdict = extension_verdict(before, after)
+    change = verdict["bpb_change_by_position"]
+    plot_long_context(
+        {"before": before, "after": after},
+        out / "long_context.png",
+        changes={"after - before": change} if change else None,
+        original=original,
+    )
+    (out / "measurements.json").write_text(
+        json.dumps({"before": before, "after": after, "verdict": verdict}, default=str) + "\n"
+    )
+    lengths = before["ruler"]["lengths"]
+    return {
+        "model": str(out),
+        **_scalars(result),
+        "original_length": original,
+        "ruler_before": {str(L): before["ruler"]["overall"][L] for L in lengths},
+        "ruler_after": {str(L): after["ruler"]["overall"][L] for L in lengths},
+        "ruler_gain": verdict["ruler_gain"],
+        "short_bpb_before": verdict["short_bpb_before"],
+        "short_bpb_after": verdict["short_bpb_after"],
+        "short_bpb_change": verdict["short_bpb_change"],
+        "target_met": verdict["met"],
+    }
 
 
 def _sft_settings(flow: Speedrun) -> dict[str, Any]:
@@ -475,6 +582,22 @@ STAGES: tuple[Stage, ...] = (
         model="model",
     ),
     Stage(
+        "midtrain",
+        inputs=("curate", "tokenizer"),
+        config=RunConfig,
+        settings=_midtrain_settings,
+        run=_midtrain_run,
+        model="model",
+    ),
+    Stage(
+        "long_context",
+        inputs=("curate", "tokenizer"),
+        config=LongContextStageConfig,
+        settings=_long_context_settings,
+        run=_long_context_run,
+        model="model",
+    ),
+    Stage(
         "sft",
         inputs=("tokenizer",),
         config=SFTRunConfig,
@@ -583,7 +706,8 @@ class Speedrun:
         found = self.model_before(name)
         if found is None:
             raise ValueError(
-                f"stage {name} needs a model from an earlier stage (pretrain, sft, rl, mtp_heal); "
+                f"stage {name} needs a model from an earlier stage (pretrain, midtrain, "
+                "long_context, sft, rl, mtp_heal); "
                 "none has finished in this run directory"
             )
         return found[1]

@@ -292,14 +292,37 @@ def measure_extension(
     }
 
 
+def position_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
+    """Change of bpb (after - before) per position bucket: the mean over documents of each
+    document's change, with its standard error (the same documents in both)."""
+    a, b = after["per_document"], before["per_document"]
+    if len(a) != len(b):
+        raise ValueError("the two position_bpb results cover different documents")
+    mean, se = [], []
+    for k in range(len(before["bucket_start"])):
+        d = [
+            (x[k][0] / x[k][1] - y[k][0] / y[k][1]) / LN2
+            for x, y in zip(a, b, strict=True)
+            if x[k][1] > 0
+        ]
+        m = sum(d) / len(d)
+        mean.append(m)
+        se.append(math.sqrt(sum((v - m) ** 2 for v in d) / max(1, len(d) - 1) / len(d)))
+    return {"bucket_start": list(before["bucket_start"]), "mean": mean, "se": se, "docs": len(a)}
+
+
 def extension_verdict(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
     """The targets of a context extension at tiny scale: RULER at the longest length rises by
     >= 3 standard errors (paired over tasks and samples), short-context bpb degrades < 2%."""
     longest = max(before["ruler"]["lengths"])
     gain = paired_gain(after["ruler"], before["ruler"], longest)
     change = after["short_bpb"]["eval_bpb"] / before["short_bpb"]["eval_bpb"] - 1
+    by_position = None
+    if before.get("position_bpb") and after.get("position_bpb"):
+        by_position = position_change(before["position_bpb"], after["position_bpb"])
     return {
         "length": longest,
+        "bpb_change_by_position": by_position,
         "ruler_before": before["ruler"]["overall"][longest],
         "ruler_after": after["ruler"]["overall"][longest],
         "ruler_gain": gain,
@@ -314,11 +337,20 @@ def _gen() -> torch.Generator:
     return torch.Generator().manual_seed(0)
 
 
-def plot_long_context(results: Mapping[str, Mapping[str, Any]], out_png: str | Path) -> Path:
-    """RULER score vs context length (left) and held-out bpb by position (right), one line per
-    model. `results[name]` holds `ruler` (from `ruler_by_length`) and `position_bpb`."""
+def plot_long_context(
+    results: Mapping[str, Mapping[str, Any]],
+    out_png: str | Path,
+    changes: Mapping[str, Mapping[str, Any]] | None = None,
+    original: int | None = None,
+) -> Path:
+    """RULER score vs context length and held-out bpb by position, one line per model
+    (`results[name]` holds `ruler` from `ruler_by_length` and `position_bpb`); with `changes`
+    (name -> `position_change`) a third panel: the change of bpb by position after an
+    extension, +-1 standard error over documents. `original` marks the training length."""
     plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ncols = 3 if changes else 2
+    fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols, 4.2))
+    ax1, ax2 = axes[0], axes[1]
     for name, res in results.items():
         if "ruler" in res:
             r = res["ruler"]
@@ -331,13 +363,32 @@ def plot_long_context(results: Mapping[str, Mapping[str, Any]], out_png: str | P
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("context length (tokens)")
     ax1.set_ylabel("RULER string match (mean over tasks)")
-    ax1.set_ylim(0, 1)
+    ax1.set_ylim(-0.02, 1)
     ax1.set_title("RULER accuracy vs context length")
     ax2.set_xlabel("token position in the document")
     ax2.set_ylabel("held-out bits per byte")
     ax2.set_title("held-out bpb by position")
-    for ax in (ax1, ax2):
+    used = [ax1, ax2]
+    if changes:
+        ax3 = axes[2]
+        for name, ch in changes.items():
+            width = (
+                ch["bucket_start"][1] - ch["bucket_start"][0] if len(ch["bucket_start"]) > 1 else 1
+            )
+            mids = [s + width / 2 for s in ch["bucket_start"]]
+            ax3.errorbar(mids, ch["mean"], yerr=ch["se"], marker="o", capsize=3, label=name)
+        ax3.axhline(0, color="grey", lw=0.8)
+        ax3.set_xlabel("token position in the document")
+        ax3.set_ylabel("bpb after - bpb before")
+        ax3.set_title(f"change by position ({next(iter(changes.values()))['docs']} documents)")
+        used.append(ax3)
+    for ax in used:
+        if original and ax is not ax1:
+            ax.axvline(original, color="grey", ls=":", lw=1)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    if original:
+        ax1.axvline(original, color="grey", ls=":", lw=1)
     Path(out_png).parent.mkdir(parents=True, exist_ok=True)
     return save_figure(fig, out_png)

@@ -32,7 +32,18 @@ from .stats import heal_intervals, reward_ends
 
 # the flow's stages in chain order, one folder each in a run directory: the speedrun's stage table
 # less the report itself (tests/test_speedrun.py keeps the two the same)
-STAGE_ORDER = ("curate", "tokenizer", "pretrain", "sft", "rl", "mtp_heal", "quantize", "eval")
+STAGE_ORDER = (
+    "curate",
+    "tokenizer",
+    "pretrain",
+    "midtrain",
+    "long_context",
+    "sft",
+    "rl",
+    "mtp_heal",
+    "quantize",
+    "eval",
+)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -385,8 +396,12 @@ def render_report(run_dir: str | Path) -> dict[str, Any]:
     total = sum(r["seconds"] for r in rec.values())
     budget = prov.get("budget_minutes", cfg.get("budget_minutes"))
     done = [s for s in STAGE_ORDER if s in rec]
+    skipped = set(cfg.get("skip") or [])
+    wanted = [s for s in STAGE_ORDER if s not in skipped or s in rec]
     doc.p(
-        f"Stages finished: {len(done)} of {len(STAGE_ORDER)} ({', '.join(done) or 'none'}). "
+        f"Stages finished: {len(done)} of {len(wanted)} ({', '.join(done) or 'none'})"
+        + (f"; skipped: {', '.join(s for s in STAGE_ORDER if s not in wanted)}" if skipped else "")
+        + ". "
         f"Compute time of the stage outputs in this directory: {fmt_duration(total)}"
         + (f" (budget {budget:g} min)" if budget else "")
         + ", summed over the runs that produced them. Figures below are read from the run's "
@@ -694,6 +709,17 @@ def _headline(
                 f"{bpb:.3f} at step {s.get('step')}"
                 if bpb is not None
                 else f"– (step {s.get('step')})"
+            )
+        if stage == "midtrain":
+            bpb = (s.get("eval") or {}).get("eval_bpb")
+            return f"{names['trainer_bpb']}: " + (f"{bpb:.3f}" if bpb is not None else "–")
+        if stage == "long_context":
+            L, g = 4 * s["original_length"], s["ruler_gain"]
+            return (
+                f"RULER at {L} tokens: {s['ruler_before'][str(L)]:.3f} -> "
+                f"{s['ruler_after'][str(L)]:.3f} ({g['z']:+.1f} SE); short-context bpb "
+                f"{s['short_bpb_before']:.3f} -> {s['short_bpb_after']:.3f} "
+                f"({100 * s['short_bpb_change']:+.2f}%)"
             )
         if stage == "sft":
             ev = s.get("eval") or {}

@@ -31,7 +31,7 @@ import torch
 
 from ..interop.hf import save_pretrained
 from ..io import load_tokenizer_for
-from ..io.checkpoint import list_checkpoints, read_meta
+from ..io.checkpoint import list_checkpoints, read_meta, save_checkpoint
 from .checkpoint import merge_checkpoints, merge_weights
 from .config import RunConfig
 from .pretrain import pretrain_trainer
@@ -61,6 +61,20 @@ def load_merged(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         )
 
 
+def export(model: torch.nn.Module, out: Path, run: RunConfig, tokenizer: Any) -> str:
+    """Write `model` to `out` as a transformers directory, or, for an architecture transformers
+    has no class for (e.g. RoPE attention next to Mamba-2), as a training checkpoint under
+    `out/checkpoints/` (both load with `hybridlm.io`). Returns which one was written."""
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        save_pretrained(model, out, tokenizer=tokenizer)
+        return "HF export"
+    except ValueError as err:
+        meta = {"run_config": dataclasses.replace(run, model=model.config).to_dict()}
+        save_checkpoint(out, step=0, model=model, optimizer=None, meta=meta)
+        return f"training checkpoint ({err})"
+
+
 class Evaluator:
     """The trainer's eval path for a run, without training: a `Trainer` built from the run's
     config (shards reused) whose weights are swapped in before each `evaluate()`."""
@@ -72,6 +86,7 @@ class Evaluator:
             run, train=dataclasses.replace(run.train, out_dir=str(scratch), progress=False)
         )
         self.trainer = pretrain_trainer(run)
+        self.run = run
         if self.trainer.module.held_loader is None:
             raise ValueError(
                 "the run has no held-out split (data.eval_fraction is 0); nothing to compare "
@@ -147,8 +162,7 @@ def merge_run(
         best = min(rows, key=lambda r: r["eval_loss"])
         assert best_state is not None
         load_merged(evaluate.model, best_state)
-        out.mkdir(parents=True, exist_ok=True)
-        save_pretrained(evaluate.model, out, tokenizer=load_tokenizer_for(run_dir))
+        export_kind = export(evaluate.model, out, run, load_tokenizer_for(run_dir))
 
     log(f"{'window':>6}  {'weights':<10}  {'eval loss':>9}  {'bpb':>7}  {'delta vs last':>13}")
     for r in rows:
@@ -157,9 +171,10 @@ def merge_run(
             f"{r['window']:>6}  {r['weights']:<10}  {r['eval_loss']:9.4f}  {r['eval_bpb']:7.4f}"
             f"  {r['delta_vs_last']:+13.4f}{mark}"
         )
-    report = {"run": str(run_dir), "out": str(out), "best": best, "candidates": rows}
+    report = {"run": str(run_dir), "out": str(out), "export": export_kind, "best": best}
+    report["candidates"] = rows
     (out / "merge.json").write_text(json.dumps(report, indent=1) + "\n")
-    log(f"best: window {best['window']} {best['weights']} -> {out} (merge.json, HF export)")
+    log(f"best: window {best['window']} {best['weights']} -> {out} (merge.json, {export_kind})")
     return report
 
 
@@ -228,15 +243,14 @@ def soup_runs(
         best = min(rows, key=lambda r: r["eval_loss"])
         assert best_state is not None
         load_merged(evaluate.model, best_state)
-        out.mkdir(parents=True, exist_ok=True)
-        save_pretrained(evaluate.model, out, tokenizer=load_tokenizer_for(runs[0]))
+        export_kind = export(evaluate.model, out, evaluate.run, load_tokenizer_for(runs[0]))
     width = max(len(r["candidate"]) for r in rows)
     log(f"{'candidate':<{width}}  {'eval loss':>9}  {'bpb':>7}")
     for r in rows:
         mark = "  <- best" if r is best else ""
         log(f"{r['candidate']:<{width}}  {r['eval_loss']:9.4f}  {r['eval_bpb']:7.4f}{mark}")
     report = {"runs": [str(r) for r in runs], "eval_run": str(eval_run), "out": str(out)}
-    report |= {"best": best, "candidates": rows}
+    report |= {"export": export_kind, "best": best, "candidates": rows}
     (out / "soup.json").write_text(json.dumps(report, indent=1) + "\n")
-    log(f"best: {best['candidate']} -> {out} (soup.json, HF export)")
+    log(f"best: {best['candidate']} -> {out} (soup.json, {export_kind})")
     return report
