@@ -179,35 +179,21 @@ def test_cp2_world2_matches_single_process(tmp_path):
     _parity(tmp_path, "cp2", world=2, batch_per_rank=4, dp_shard=1, cp=2)
 
 
-def test_cp2_packed_documents_world2_matches_single_process(tmp_path):
+@pytest.mark.parametrize("alternate", [False, True], ids=["one_length", "long_and_short"])
+def test_cp2_packed_documents_world2_matches_single_process(tmp_path, alternate):
     """Intra-document masking across shard boundaries: attention, conv taps and the SSD state
-    stop at document starts in whichever shard they fall."""
-    ref = tiny_run(tmp_path, "w1_docs", batch_size=4, intra_doc_masking=True)
-    run_pretrain(ref)
-    run = tiny_run(
-        tmp_path,
-        "cp2_docs",
-        batch_size=4,
-        intra_doc_masking=True,
-        parallel=ParallelConfig(dp_shard=1, cp=2),
-    )
-    run_world2(tmp_path, run, world=2)
-    assert_same_losses(rows(run.train.out_dir), rows(ref.train.out_dir))
-    assert_same_weights(run.train.out_dir, ref.train.out_dir)
-
-
-def test_cp2_long_and_short_batches_in_turn_world2_matches_single_process(tmp_path):
-    """The long-context stage's layout: rows of 64 and 16 tokens in turn (`data.alternate`),
-    each row split over 2 context-parallel ranks, with intra-document masking."""
+    stop at document starts in whichever shard they fall. `long_and_short` is the long-context
+    stage's layout: rows of 64 and 16 tokens in turn (`data.alternate`), each split over the 2
+    context-parallel ranks."""
     from hybridlm.data.config import AlternateConfig
 
-    alt = AlternateConfig(seq_len=16, batch_size=4, batches=1)
-    ref = tiny_run(tmp_path, "w1_alt", batch_size=4, intra_doc_masking=True)
+    alt = AlternateConfig(seq_len=16, batch_size=4, batches=1) if alternate else None
+    ref = tiny_run(tmp_path, "w1_docs", batch_size=4, intra_doc_masking=True)
     ref.data.alternate = alt
     run_pretrain(ref)
     run = tiny_run(
         tmp_path,
-        "cp2_alt",
+        "cp2_docs",
         batch_size=4,
         intra_doc_masking=True,
         parallel=ParallelConfig(dp_shard=1, cp=2),
