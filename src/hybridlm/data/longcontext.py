@@ -1,6 +1,7 @@
 """Long-context training data (Olmo 3 §5 "Dolma 3 Longmino"; Nemotron 3 Super §2.6).
 
-Two document sources that wrap another one (any `DocumentSource`):
+Two document sources that wrap another one (any `DocumentSource`), selected in a data config by
+`SourceConfig.min_chars` / `gzip_band` and `longcontext_tasks` / `segment_chars`:
 
 - `LongDocumentSource`: the long documents of a corpus. Keeps documents of at least `min_chars`
   characters and, optionally, only those whose gzip compression ratio lies between two
@@ -20,8 +21,7 @@ Two document sources that wrap another one (any `DocumentSource`):
     the 12 scenarios of Olmo 3 (summary, professor-student dialogue, simple paragraph,
     flashcards, school quiz, game show, dinner party, debate, true/false statements, movie scene,
     encyclopedia entry, explain-like-I'm-five). The quiz and game-show scenarios ask for the rest
-    of a quoted line: reading a value back from far up the context by its key.
-
+    of a quoted line: reading a value back from far up the context by its key;
   * `records` (after Nemotron 3 Super §3: records in a long context, answers computed by SQL
     over them): a few synthetic people (name, city, job, a 7-digit id) written between the
     segment's lines, then questions answered by a program over them: the id of a name (a
