@@ -37,7 +37,6 @@ import torch
 from ..data.bpb import token_byte_lengths
 from ..data.config import DataConfig
 from ..data.pipeline import prepare_shards
-from ..infer.sampling import SamplingParams
 from ..io import load
 from ..model.cache import HybridCache
 from ..model.model import HybridLM
@@ -45,8 +44,8 @@ from ..report.plot import pyplot, save_figure
 from ..train.config import RunConfig
 from ..train.merge import Evaluator
 from .loglik import LN2
-from .ruler import RULER_TASKS, make_samples, score_prediction
-from .tasks import EvalRunner
+from .ruler import RULER_TASKS, score_prediction
+from .tasks import EvalRunner, ruler_generate
 
 
 @torch.no_grad()
@@ -116,24 +115,14 @@ def ruler_by_length(
 ) -> dict[str, Any]:
     """RULER string-match per (task, length), greedy until a newline, plus every sample's
     score (`scores[task][length]`, the same samples for every model). A (task, length) whose
-    fixed prompt does not fit is listed in `unfit` and left out of that length's mean."""
+    fixed prompt does not fit is noted in `unfit` and left out of that length's mean."""
     runner = EvalRunner(
         model=model,
         tokenizer=tokenizer,
         gen_batch_size=gen_batch_size,
         max_len=max(max(lengths), model.config.max_seq_len),
     )
-    samples, unfit = [], []
-    for task in tasks:
-        for L in lengths:
-            try:
-                samples += make_samples(task, L, num_samples, tokenizer=tokenizer, seed=seed)
-            except ValueError:  # the prompt's fixed parts alone exceed L tokens
-                unfit.append(f"{task}@{L}")
-    params = [
-        SamplingParams(max_tokens=s.max_new_tokens, temperature=0.0, stop=["\n"]) for s in samples
-    ]
-    outs = runner.generate([s.prompt for s in samples], params)
+    samples, outs, unfit = ruler_generate(runner, tasks, lengths, num_samples, seed=seed)
     scores: dict[str, dict[int, list[float]]] = {t: {L: [] for L in lengths} for t in tasks}
     examples: list[dict[str, Any]] = []
     for s, out in zip(samples, outs, strict=True):

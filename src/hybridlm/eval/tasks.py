@@ -560,6 +560,28 @@ class HumanEvalTask(Task):
 
 
 # ---------------------------------------------------------------------- RULER
+def ruler_generate(
+    runner: EvalRunner, tasks: Sequence[str], lengths: Sequence[int], num_samples: int, *, seed: int
+) -> tuple[list[RulerSample], list[str], list[str]]:
+    """`num_samples` RULER samples of every (task, length) that fits, in that order, with their
+    greedy continuations up to a newline; plus one note per (task, length) left out (longer
+    than the runner's context, or a fixed prompt that alone does not fit)."""
+    max_len = runner.max_len or runner.model.config.max_seq_len
+    samples: list[RulerSample] = []
+    notes = [f"length {L} exceeds the model's {max_len}" for L in lengths if L > max_len]
+    for task in tasks:
+        for L in (L for L in lengths if L <= max_len):
+            try:
+                samples += make_samples(task, L, num_samples, tokenizer=runner.tokenizer, seed=seed)
+            except ValueError as err:  # the fixed prompt parts alone do not fit
+                notes.append(str(err))
+    params = [
+        SamplingParams(max_tokens=s.max_new_tokens, temperature=0.0, stop=["\n"]) for s in samples
+    ]
+    return samples, runner.generate([s.prompt for s in samples], params), notes
+
+
+# ---------------------------------------------------------------------- RULER
 @dataclass(kw_only=True)
 class RulerTask(Task):
     """One RULER task at several context lengths; metrics per length and their mean."""
@@ -573,23 +595,10 @@ class RulerTask(Task):
 
     def run(self, runner: EvalRunner, limit: int | None = None) -> TaskResult:
         n = self.num_samples if limit is None else min(limit, self.num_samples)
-        max_len = runner.max_len or runner.model.config.max_seq_len
-        notes = [f"length {L} exceeds the model's {max_len}" for L in self.lengths if L > max_len]
-        samples: list[RulerSample] = []
-        lengths = []
-        for L in (L for L in self.lengths if L <= max_len):
-            try:
-                samples += make_samples(self.task, L, n, tokenizer=runner.tokenizer, seed=self.seed)
-                lengths.append(L)
-            except ValueError as err:  # the fixed prompt parts alone do not fit
-                notes.append(str(err))
+        samples, outs, notes = ruler_generate(runner, [self.task], self.lengths, n, seed=self.seed)
+        lengths = [L for L in self.lengths if any(s.length == L for s in samples)]
         if not lengths:
             raise ValueError(f"{self.name}: no usable length in {self.lengths}: {'; '.join(notes)}")
-        params = [
-            SamplingParams(max_tokens=s.max_new_tokens, temperature=0.0, stop=["\n"])
-            for s in samples
-        ]
-        outs = runner.generate([s.prompt for s in samples], params)
         metrics: dict[str, float] = {}
         stderr: dict[str, float] = {}
         per_len: dict[int, list[float]] = {L: [] for L in lengths}
