@@ -86,7 +86,6 @@ class Evaluator:
             run, train=dataclasses.replace(run.train, out_dir=str(scratch), progress=False)
         )
         self.trainer = pretrain_trainer(run)
-        self.run = run
         if self.trainer.module.held_loader is None:
             raise ValueError(
                 "the run has no held-out split (data.eval_fraction is 0); nothing to compare "
@@ -100,6 +99,33 @@ class Evaluator:
     def __call__(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
         load_merged(self.trainer.model, state)
         return self.trainer.module.evaluate()
+
+
+def _score_and_export(
+    run: RunConfig,
+    candidates: Sequence[tuple[dict[str, Any], Sequence[Path], str]],
+    out: Path,
+    tokenizer: Any,
+    scratch_prefix: str,
+) -> tuple[list[dict[str, Any]], dict[str, Any], str]:
+    """Average each candidate's checkpoints (its weighting), score the average on `run`'s
+    held-out split and export the one with the lowest eval loss to `out`. A candidate is (its
+    report fields, its checkpoints oldest first, "uniform" / "minus_sqrt"). Returns (one report
+    row per candidate: its fields + eval_loss, eval_bpb; the best row; what `export` wrote)."""
+    rows: list[dict[str, Any]] = []
+    best_state: dict[str, torch.Tensor] | None = None
+    with tempfile.TemporaryDirectory(prefix=scratch_prefix) as scratch:
+        evaluate = Evaluator(run, scratch)
+        for fields, paths, weighting in candidates:
+            state = merge_checkpoints(paths, weighting)
+            ev = evaluate(state)
+            rows.append({**fields, "eval_loss": ev["eval_loss"], "eval_bpb": ev["eval_bpb"]})
+            if min(r["eval_loss"] for r in rows) == ev["eval_loss"]:
+                best_state = state  # only the best so far stays in memory
+        best = min(rows, key=lambda r: r["eval_loss"])
+        assert best_state is not None
+        load_merged(evaluate.model, best_state)
+        return rows, best, export(evaluate.model, out, run, tokenizer)
 
 
 def parse_list(text: str, kind: type = str) -> list:
@@ -135,34 +161,18 @@ def merge_run(
     out = Path(out) if out is not None else run_dir / "merged"
     run = load_run_config(run_dir)
 
-    rows: list[dict[str, Any]] = []
-    best_state: dict[str, torch.Tensor] | None = None
-    with tempfile.TemporaryDirectory(prefix="hybridlm-merge-") as scratch:
-        evaluate = Evaluator(run, scratch)
-        candidates = [(1, "last")] + [(n, w) for n in windows for w in weights]
-        for n, kind in candidates:
-            paths = ckpts[-n:]
-            state = merge_checkpoints(paths, "uniform" if kind == "last" else kind)
-            ev = evaluate(state)
-            rows.append(
-                {
-                    "window": n,
-                    "weights": kind,
-                    "checkpoints": [p.name for p in paths],
-                    "coefficients": merge_weights(n, "uniform" if kind == "last" else kind),
-                    "eval_loss": ev["eval_loss"],
-                    "eval_bpb": ev["eval_bpb"],
-                }
-            )
-            if min(r["eval_loss"] for r in rows) == ev["eval_loss"]:
-                best_state = state
-        base = rows[0]["eval_loss"]
-        for r in rows:
-            r["delta_vs_last"] = r["eval_loss"] - base
-        best = min(rows, key=lambda r: r["eval_loss"])
-        assert best_state is not None
-        load_merged(evaluate.model, best_state)
-        export_kind = export(evaluate.model, out, run, load_tokenizer_for(run_dir))
+    candidates = []
+    for n, kind in [(1, "last")] + [(n, w) for n in windows for w in weights]:
+        weighting = "uniform" if kind == "last" else kind
+        fields = {"window": n, "weights": kind, "checkpoints": [p.name for p in ckpts[-n:]]}
+        fields["coefficients"] = merge_weights(n, weighting)
+        candidates.append((fields, ckpts[-n:], weighting))
+    rows, best, export_kind = _score_and_export(
+        run, candidates, out, load_tokenizer_for(run_dir), "hybridlm-merge-"
+    )
+    base = rows[0]["eval_loss"]
+    for r in rows:
+        r["delta_vs_last"] = r["eval_loss"] - base
 
     log(f"{'window':>6}  {'weights':<10}  {'eval loss':>9}  {'bpb':>7}  {'delta vs last':>13}")
     for r in rows:
@@ -171,8 +181,8 @@ def merge_run(
             f"{r['window']:>6}  {r['weights']:<10}  {r['eval_loss']:9.4f}  {r['eval_bpb']:7.4f}"
             f"  {r['delta_vs_last']:+13.4f}{mark}"
         )
-    report = {"run": str(run_dir), "out": str(out), "export": export_kind, "best": best}
-    report["candidates"] = rows
+    report = {"run": str(run_dir), "out": str(out), "export": export_kind}
+    report |= {"best": best, "candidates": rows}
     (out / "merge.json").write_text(json.dumps(report, indent=1) + "\n")
     log(f"best: window {best['window']} {best['weights']} -> {out} (merge.json, {export_kind})")
     return report
@@ -216,34 +226,20 @@ def soup_runs(
     _same_architecture(everything)
     eval_run = Path(eval_run) if eval_run is not None else runs[0]
     out = Path(out) if out is not None else runs[0] / "soup"
-    candidates: list[tuple[str, list[Path]]] = [
+    named: list[tuple[str, list[Path]]] = [
         (f"{r}: last", [g[-1]]) for r, g in zip(runs, groups, strict=True)
     ]
     if last > 1:
-        candidates += [(f"{r}: last {last}", g) for r, g in zip(runs, groups, strict=True)]
+        named += [(f"{r}: last {last}", g) for r, g in zip(runs, groups, strict=True)]
     if len(everything) > max(len(g) for g in groups):
-        candidates.append((f"soup of {len(everything)}", everything))
-    rows: list[dict[str, Any]] = []
-    best_state: dict[str, torch.Tensor] | None = None
-    with tempfile.TemporaryDirectory(prefix="hybridlm-soup-") as scratch:
-        evaluate = Evaluator(load_run_config(eval_run), scratch)
-        for name, paths in candidates:
-            state = merge_checkpoints(paths, "uniform")
-            ev = evaluate(state)
-            rows.append(
-                {
-                    "candidate": name,
-                    "checkpoints": [str(p) for p in paths],
-                    "eval_loss": ev["eval_loss"],
-                    "eval_bpb": ev["eval_bpb"],
-                }
-            )
-            if min(r["eval_loss"] for r in rows) == ev["eval_loss"]:
-                best_state = state
-        best = min(rows, key=lambda r: r["eval_loss"])
-        assert best_state is not None
-        load_merged(evaluate.model, best_state)
-        export_kind = export(evaluate.model, out, evaluate.run, load_tokenizer_for(runs[0]))
+        named.append((f"soup of {len(everything)}", everything))
+    candidates = [
+        ({"candidate": name, "checkpoints": [str(p) for p in paths]}, paths, "uniform")
+        for name, paths in named
+    ]
+    rows, best, export_kind = _score_and_export(
+        load_run_config(eval_run), candidates, out, load_tokenizer_for(runs[0]), "hybridlm-soup-"
+    )
     width = max(len(r["candidate"]) for r in rows)
     log(f"{'candidate':<{width}}  {'eval loss':>9}  {'bpb':>7}")
     for r in rows:
