@@ -122,20 +122,19 @@ class LongDocumentSource(DocumentSource):
             "gzip_band": list(self.gzip_band),
         }
 
-    def _bounds(self) -> tuple[float, float]:
-        if not self.gzip_band:
-            return -math.inf, math.inf
-        ratios = sorted(gzip_ratio(d.text) for d in self.base if len(d.text) >= self.min_chars)
-        return _percentile(ratios, self.gzip_band[0]), _percentile(ratios, self.gzip_band[1])
-
     def _items(self) -> Iterator[Document | _Skip]:
-        lo, hi = self._bounds()
+        # a first pass compresses every long document once; the second reads the ratios back
+        ratios: dict[str, float] = {}
+        if self.gzip_band:
+            ratios = {d.id: gzip_ratio(d.text) for d in self.base if len(d.text) >= self.min_chars}
+            ordered = sorted(ratios.values())
+            lo, hi = (_percentile(ordered, q) for q in self.gzip_band)
         for doc in self.base:
             if len(doc.text) < self.min_chars:
                 yield _Skip(doc.id, "too_short", f"{len(doc.text)} < {self.min_chars} chars")
                 continue
             if self.gzip_band:
-                ratio = gzip_ratio(doc.text)
+                ratio = ratios[doc.id]
                 if not lo <= ratio <= hi:
                     yield _Skip(doc.id, "gzip_ratio", f"{ratio:.3f} outside [{lo:.3f}, {hi:.3f}]")
                     continue
