@@ -120,6 +120,13 @@ class YarnConfig:
     beta_slow: float = 1.0
     attention_factor: float | None = None  # None -> 0.1 * ln(factor) + 1
 
+    def validate(self) -> None:
+        if self.factor < 1 or self.original_max_position_embeddings < 1:
+            raise ValueError(
+                f"YaRN needs factor >= 1 and original_max_position_embeddings >= 1, got "
+                f"{self.factor} and {self.original_max_position_embeddings}"
+            )
+
 
 @dataclass(kw_only=True)
 class AttentionConfig:

@@ -26,7 +26,7 @@ from typing import Literal
 
 from ..config import Config
 from .loader import Phase
-from .longcontext import LONGCONTEXT_TASKS
+from .longcontext import check_options
 
 SourceKind = Literal["text", "tinyshakespeare", "jsonl", "parquet", "hf", "stdlib", "shards"]
 
@@ -130,25 +130,15 @@ class DataConfig(Config):
                 raise ValueError(f"{where}: kind {src.kind!r} needs a path")
             if src.weight < 0:
                 raise ValueError(f"{where}: weight must be >= 0, got {src.weight}")
-            if src.min_chars < 0:
-                raise ValueError(f"{where}: min_chars must be >= 0, got {src.min_chars}")
-            band = src.gzip_band
-            if band and (len(band) != 2 or not 0 <= band[0] < band[1] <= 1):
-                raise ValueError(
-                    f"{where}: gzip_band must be [lo, hi] percentiles, 0 <= lo < hi <= 1, "
-                    f"got {band}"
+            try:
+                check_options(
+                    min_chars=src.min_chars,
+                    gzip_band=src.gzip_band,
+                    tasks=src.longcontext_tasks,
+                    segment_chars=src.segment_chars,
                 )
-            unknown = sorted(set(src.longcontext_tasks) - set(LONGCONTEXT_TASKS))
-            if unknown:
-                raise ValueError(
-                    f"{where}: longcontext_tasks {unknown} unknown; choose from "
-                    f"{list(LONGCONTEXT_TASKS)}"
-                )
-            seg = src.segment_chars
-            if len(seg) != 2 or not 0 < seg[0] <= seg[1]:
-                raise ValueError(
-                    f"{where}: segment_chars must be [min, max] with 0 < min <= max, got {seg}"
-                )
+            except ValueError as err:
+                raise ValueError(f"{where}: {err}") from None
             if src.kind == "text" and src.split == "separator" and not src.separator:
                 raise ValueError(f"{where}: split 'separator' needs a separator string")
         if not self.phases and not any(s.weight > 0 for s in self.sources):

@@ -76,6 +76,30 @@ _STOP = frozenset(
 )
 
 
+def check_options(
+    *,
+    min_chars: int = 0,
+    gzip_band: Sequence[float] = (),
+    tasks: Sequence[str] = (),
+    segment_chars: Sequence[int] = (1, 1),
+) -> None:
+    """The one check of the long-context options (`SourceConfig` and the sources below call
+    it); the messages name the `SourceConfig` fields."""
+    if min_chars < 0:
+        raise ValueError(f"min_chars must be >= 0, got {min_chars}")
+    band = list(gzip_band)
+    if band and (len(band) != 2 or not 0 <= band[0] < band[1] <= 1):
+        raise ValueError(f"gzip_band must be [lo, hi] percentiles, 0 <= lo < hi <= 1, got {band}")
+    unknown = sorted(set(tasks) - set(LONGCONTEXT_TASKS))
+    if unknown:
+        raise ValueError(
+            f"longcontext_tasks {unknown} unknown; choose from {list(LONGCONTEXT_TASKS)}"
+        )
+    seg = list(segment_chars)
+    if len(seg) != 2 or not 0 < seg[0] <= seg[1]:
+        raise ValueError(f"segment_chars must be [min, max] with 0 < min <= max, got {seg}")
+
+
 def gzip_ratio(text: str) -> float:
     """Compressed size / raw size of the UTF-8 text (gzip level 9; lower = more repetitive)."""
     raw = text.encode("utf-8")
@@ -106,11 +130,8 @@ class LongDocumentSource(DocumentSource):
         gzip_band: Sequence[float] = (),
         name: str | None = None,
     ) -> None:
-        if min_chars < 0:
-            raise ValueError(f"min_chars must be >= 0, got {min_chars}")
+        check_options(min_chars=min_chars, gzip_band=gzip_band)
         band = tuple(float(x) for x in gzip_band)
-        if band and (len(band) != 2 or not 0.0 <= band[0] < band[1] <= 1.0):
-            raise ValueError(f"gzip_band must be two percentiles 0 <= lo < hi <= 1, got {band}")
         self.base, self.min_chars, self.gzip_band = base, min_chars, band
         super().__init__(name or base.name)
 
@@ -363,13 +384,9 @@ class LongContextTaskSource(DocumentSource):
         seed: int = 0,
         name: str | None = None,
     ) -> None:
-        unknown = sorted(set(tasks) - set(LONGCONTEXT_TASKS))
-        if not tasks or unknown:
-            raise ValueError(f"tasks must name some of {list(LONGCONTEXT_TASKS)}, got {tasks}")
-        if len(segment_chars) != 2 or not 0 < segment_chars[0] <= segment_chars[1]:
-            raise ValueError(
-                f"segment_chars must be [min, max] with 0 < min <= max, got {list(segment_chars)}"
-            )
+        if not tasks:
+            raise ValueError(f"longcontext_tasks must name some of {list(LONGCONTEXT_TASKS)}")
+        check_options(tasks=tasks, segment_chars=segment_chars)
         self.base, self.tasks, self.seed = base, tuple(tasks), seed
         self.segment_chars = (int(segment_chars[0]), int(segment_chars[1]))
         super().__init__(name or base.name)

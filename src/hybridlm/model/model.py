@@ -169,11 +169,7 @@ class HybridLM(nn.Module):
         cfg.max_seq_len = max(cfg.max_seq_len, int(max_seq_len))
         if yarn is None:
             return []
-        if yarn.factor < 1 or yarn.original_max_position_embeddings < 1:
-            raise ValueError(
-                f"YaRN needs factor >= 1 and original_max_position_embeddings >= 1, got "
-                f"{yarn.factor} and {yarn.original_max_position_embeddings}"
-            )
+        yarn.validate()
         cfg.attention.yarn = yarn
         changed = []
         for name, module in self.named_modules():

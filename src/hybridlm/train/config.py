@@ -225,13 +225,11 @@ class TrainConfig:
                 "train.checkpoint_format must be 'auto', 'full' or 'sharded', "
                 f"got {self.checkpoint_format!r}"
             )
-        if self.yarn is not None and (
-            self.yarn.factor < 1 or self.yarn.original_max_position_embeddings < 1
-        ):
-            raise ValueError(
-                "train.yarn needs factor >= 1 and original_max_position_embeddings >= 1, got "
-                f"{self.yarn.factor} and {self.yarn.original_max_position_embeddings}"
-            )
+        if self.yarn is not None:
+            try:
+                self.yarn.validate()
+            except ValueError as err:
+                raise ValueError(f"train.yarn: {err}") from None
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")
         if self.low_precision not in ("none", "nvfp4"):
