@@ -591,11 +591,6 @@ class AlternatingLoader:
         self.step = 0
 
     @property
-    def seq_len(self) -> int:
-        """The longest sequence length of the cycle."""
-        return max(ld.seq_len for ld in self.loaders)
-
-    @property
     def tokens_per_step(self) -> int:
         """Mean input tokens per batch over one cycle (all ranks), rounded."""
         total = sum(c * ld.tokens_per_step for c, ld in zip(self.counts, self.loaders, strict=True))

@@ -45,7 +45,7 @@ from ..train.config import RunConfig
 from ..train.merge import Evaluator
 from .loglik import LN2
 from .ruler import RULER_TASKS, score_prediction
-from .tasks import EvalRunner, ruler_generate
+from .tasks import EvalRunner, mean_stderr, ruler_generate
 
 
 @torch.no_grad()
@@ -151,19 +151,18 @@ def ruler_by_length(
 
 def paired_gain(after: Mapping[str, Any], before: Mapping[str, Any], length: int) -> dict:
     """Mean RULER score gain at `length` over all (task, sample) pairs and its standard error
-    (sample std of the per-pair differences / sqrt(n))."""
+    (`mean_stderr` of the per-pair differences: NaN, and z NaN, for a single pair)."""
     diffs = [
         a - b
         for t in after["tasks"]
         for a, b in zip(after["scores"][t][length], before["scores"][t][length], strict=True)
     ]
-    n = len(diffs)
-    mean = sum(diffs) / n
-    var = sum((d - mean) ** 2 for d in diffs) / max(1, n - 1)
-    se = math.sqrt(var / n)
-    # no spread: every pair moved by the same amount (z = +-inf), or none moved (z = 0)
-    z = mean / se if se > 0 else math.copysign(math.inf, mean) if mean else 0.0
-    return {"gain": mean, "se": se, "z": z, "pairs": n}
+    mean, se = mean_stderr(diffs)
+    if math.isnan(se):  # one pair: no spread to judge it by
+        z = math.nan
+    else:  # no spread: every pair moved by the same amount (z = +-inf), or none moved (z = 0)
+        z = mean / se if se > 0 else math.copysign(math.inf, mean) if mean else 0.0
+    return {"gain": mean, "se": se, "z": z, "pairs": len(diffs)}
 
 
 @torch.no_grad()
@@ -283,21 +282,26 @@ def measure_extension(
 
 def position_change(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
     """Change of bpb (after - before) per position bucket: the mean over documents of each
-    document's change, with its standard error (the same documents in both)."""
+    document's change, with its standard error (the same documents in both; NaN for one)."""
     a, b = after["per_document"], before["per_document"]
     if len(a) != len(b):
         raise ValueError("the two position_bpb results cover different documents")
-    mean, se = [], []
-    for k in range(len(before["bucket_start"])):
-        d = [
-            (x[k][0] / x[k][1] - y[k][0] / y[k][1]) / LN2
-            for x, y in zip(a, b, strict=True)
-            if x[k][1] > 0
-        ]
-        m = sum(d) / len(d)
-        mean.append(m)
-        se.append(math.sqrt(sum((v - m) ** 2 for v in d) / max(1, len(d) - 1) / len(d)))
-    return {"bucket_start": list(before["bucket_start"]), "mean": mean, "se": se, "docs": len(a)}
+    per_bucket = [
+        mean_stderr(
+            [
+                (x[k][0] / x[k][1] - y[k][0] / y[k][1]) / LN2
+                for x, y in zip(a, b, strict=True)
+                if x[k][1] > 0
+            ]
+        )
+        for k in range(len(before["bucket_start"]))
+    ]
+    return {
+        "bucket_start": list(before["bucket_start"]),
+        "mean": [m for m, _ in per_bucket],
+        "se": [e for _, e in per_bucket],
+        "docs": len(a),
+    }
 
 
 def extension_verdict(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:
