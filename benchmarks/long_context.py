@@ -40,9 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +54,7 @@ from hybridlm.eval.long_context import (
     plot_long_context,
 )
 from hybridlm.io import resolve_checkpoint
+from hybridlm.provenance import command_line, cpu_info, git_state, library_versions
 from hybridlm.train.config import RunConfig
 from hybridlm.train.merge import soup_runs
 from hybridlm.train.pretrain import run_pretrain
@@ -142,26 +140,6 @@ def _evaluate(path: Path, mid: RunConfig, docs, args, log) -> dict[str, Any]:
     return res
 
 
-def _provenance() -> dict[str, Any]:
-    def git(*a: str) -> str:
-        try:
-            return subprocess.run(
-                ["git", *a], cwd=ROOT, capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            return "unknown"
-
-    return {
-        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-        "commit": git("rev-parse", "--short", "HEAD"),
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base", default="runs/speedrun/pretrain", help="the pretrained hybrid")
@@ -180,7 +158,14 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.time()
     families = ["hybrid"] if args.no_twin else ["hybrid", "twin"]
-    results: dict[str, Any] = {"provenance": _provenance(), "families": {}}
+    provenance = {
+        "command": command_line(),
+        "git": git_state(ROOT),
+        "versions": library_versions(),
+        "cpu": cpu_info(),
+        "threads": torch.get_num_threads(),
+    }
+    results: dict[str, Any] = {"provenance": provenance, "families": {}}
     for fam in families:
         pre, mid, lc = _configs(fam, base, out)
         pre_min = _train(pre, args.rerun, log) if pre is not None else 0.0

@@ -38,7 +38,6 @@ import json
 import math
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,6 +49,7 @@ from hybridlm.data.sft import arithmetic_conversations
 from hybridlm.infer.engine import Engine
 from hybridlm.infer.sampling import SamplingParams
 from hybridlm.io import load, read_meta, resolve_checkpoint
+from hybridlm.provenance import git_state
 from hybridlm.report.plot import pyplot, save_figure
 from hybridlm.rl.environments import ToolUseEnvironment
 from hybridlm.rl.episodes import run_episodes
@@ -296,15 +296,6 @@ def plot(results: dict[str, Any], out: Path, png: Path) -> None:
     save_figure(fig, png)
 
 
-def _git(*a: str) -> str:
-    try:
-        return subprocess.run(
-            ["git", *a], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run_task(task: str, base: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
     spec = (single_spec if task == "single" else tool_spec)(args, seed=2)
     kw = dict(
@@ -395,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     results: dict[str, Any] = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-        "commit": _git("rev-parse", "HEAD"),
+        "commit": git_state(Path(__file__).resolve().parent).get("commit") or "unknown",
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
