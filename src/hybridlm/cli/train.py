@@ -1,5 +1,5 @@
-"""`hybridlm pretrain | merge | soup | sft | dpo | rm | distill | mtp-boost`: the training
-stages."""
+"""`hybridlm pretrain | merge | soup | sft | dpo | rm | distill | distill-cache | mtp-boost`:
+the training stages."""
 
 from __future__ import annotations
 
@@ -87,6 +87,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_run_args(p, "configs/distill.yaml")
     p.set_defaults(fn=cmd_distill)
+
+    p = sub.add_parser(
+        "distill-cache",
+        help="run an offline distillation's teacher once; write its top-k to distill.teacher_cache",
+    )
+    p.add_argument("--config", default="configs/distill.yaml", help="the distillation run config")
+    add_overrides_arg(p, "distill.teacher_cache=runs/distill_cache")
+    p.set_defaults(fn=cmd_distill_cache)
 
     p = sub.add_parser(
         "mtp-boost",
@@ -220,6 +228,15 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
     keys = ("step", "eval", "checkpoint", "plot")
     _post_training(DistillRunConfig.load, run_distill, args, keys)
+
+
+def cmd_distill_cache(args: argparse.Namespace) -> None:
+    """Write (or finish) the teacher top-k cache of an offline distillation config."""
+    from ..train.distill import DistillRunConfig, cache_teacher
+
+    cfg = DistillRunConfig.load(args.config).override(args.overrides)
+    result = cache_teacher(cfg)
+    print(json.dumps({"teacher_cache": cfg.distill.teacher_cache, **result}, indent=1))
 
 
 def cmd_mtp_boost(args: argparse.Namespace) -> None:

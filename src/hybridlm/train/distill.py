@@ -40,13 +40,18 @@ match of the student (and, at step 0, of each routed teacher) on held-out prompt
 Resume: offline runs resume exactly (the SFT checkpoint: weights, optimizer, loader position,
 RNG). On-policy runs restore weights, optimizer and RNG, and prompt draws are a function of the
 step, but the rollout engine's sampling streams restart, so the samples after a resume differ.
-Teacher logits are recomputed every step (no on-disk cache of the top-k).
+Cached teacher (`distill.teacher_cache`): `hybridlm distill-cache` runs the teacher once over the
+run's training and held-out conversations and writes each token's top-`top_k` (ids, log-probs)
+to memory-mapped shards (`train.teacher_cache`, resumable); offline distillation then reads
+them instead of loading the teacher (the top-k forward KL only; the skew reverse KL needs the
+full distribution). Without a cache the teacher's logits are computed every step.
 """
 
 from __future__ import annotations
 
 import copy
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -86,10 +91,12 @@ from .sft import (
     generate_replies,
     load_source,
     moe_balancing,
+    prepare_chat_data,
     prompt_and_answer,
     prompt_key,
 )
-from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model
+from .teacher_cache import CacheSpec, TeacherTopK, build_teacher_cache
+from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model, resolve_device
 
 Mode = Literal["offline", "on_policy"]
 Objective = Literal["topk_forward_kl", "skew_reverse_kl"]
@@ -133,6 +140,10 @@ class DistillConfig:
     ce_weight: float = 0.1
     temperature: float = 1.0  # softmax temperature of the top-k forward KL
     skew_alpha: float = 0.1  # skew reverse KL mixing weight of the teacher
+    # a directory of cached teacher top-k (`hybridlm distill-cache` writes it; train/teacher_cache):
+    # when set, offline distillation reads it and never loads the teacher
+    teacher_cache: str = ""
+    teacher_cache_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     # on-policy (MOPD)
     teachers: dict[str, str] = field(default_factory=dict)  # name -> checkpoint
     routes: dict[str, str] = field(default_factory=dict)  # prompt domain -> teacher name
@@ -172,8 +183,16 @@ class DistillConfig:
 
     def check(self) -> None:
         """The settings the chosen mode needs (checked when a run starts)."""
-        if self.mode == "offline" and not self.teacher:
-            raise ValueError("distill.mode offline needs distill.teacher (a checkpoint path)")
+        if self.mode == "offline" and not (self.teacher or self.teacher_cache):
+            raise ValueError(
+                "distill.mode offline needs distill.teacher (a checkpoint path) or "
+                "distill.teacher_cache (a cache `hybridlm distill-cache` wrote)"
+            )
+        if self.mode == "offline" and self.teacher_cache and self.objective != "topk_forward_kl":
+            raise ValueError(
+                f"distill.objective {self.objective} needs the teacher's full distribution; a "
+                "teacher cache holds its top-k: use topk_forward_kl or drop distill.teacher_cache"
+            )
         if self.mode == "on_policy":
             self._check_routing()
 
@@ -236,21 +255,27 @@ def check_vocab(student: HybridLM, teacher: HybridLM, name: str) -> None:
 # ---------------------------------------------------------------------------- offline
 def offline_distill_loss(
     student_logits_BLV: torch.Tensor,
-    teacher_logits_BLV: torch.Tensor,
+    teacher: torch.Tensor | Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     labels_BL: torch.Tensor,
     dc: DistillConfig,
     *,
     denom: int,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The offline loss of one micro-batch over its assistant positions (logits at t predict
-    labels[t + 1]), summed and divided by the step's global token count `denom`."""
+    labels[t + 1]), summed and divided by the step's global token count `denom`. `teacher`: the
+    teacher's logits [B, L, V], or a function from the selected positions [B, L] to the
+    teacher's top-k (log-probs [T, k], ids [T, k]), e.g. a cache lookup (`TeacherTopK`)."""
     targets_BL = shift_targets(labels_BL, 1)
     mask_BL = targets_BL != IGNORE_INDEX
-    s_TV, t_TV = student_logits_BLV[mask_BL], teacher_logits_BLV[mask_BL].float()
+    s_TV = student_logits_BLV[mask_BL]
     tgt_T = targets_BL[mask_BL]
     if dc.objective == "topk_forward_kl":
-        k = min(dc.top_k, t_TV.shape[-1])
-        top_TK, ids_TK = t_TV.topk(k, dim=-1)
+        if callable(teacher):
+            top_TK, ids_TK = teacher(mask_BL)
+            top_TK, ids_TK = top_TK.to(s_TV.device), ids_TK.to(s_TV.device)
+        else:
+            t_TV = teacher[mask_BL].float()
+            top_TK, ids_TK = t_TV.topk(min(dc.top_k, t_TV.shape[-1]), dim=-1)
         loss, parts = distill_loss(
             s_TV,
             tgt_T,
@@ -263,6 +288,9 @@ def offline_distill_loss(
         )
         kl, ce = parts["kl"], parts["ce"]
     else:
+        if callable(teacher):
+            raise ValueError(f"distill.objective {dc.objective} needs the teacher's logits")
+        t_TV = teacher[mask_BL].float()
         kl_t = skew_reverse_kl(s_TV, t_TV, alpha=dc.skew_alpha, denom=denom)
         ce_t = F.cross_entropy(s_TV.float(), tgt_T, reduction="sum") / denom
         loss = dc.kl_weight * kl_t + dc.ce_weight * ce_t
@@ -297,8 +325,34 @@ class OfflineDistiller(SFT):
         )
         self.distill_run, self.dcfg = run, dc
         super().__init__(sft_run, rt)
-        self.teacher = load_teacher(dc.teacher, device=self.device, tokenizer=self.tokenizer)
-        check_vocab(self.model, self.teacher, dc.teacher)
+        self.teacher: HybridLM | None = None
+        self.cache: dict[str, TeacherTopK] = {}
+        if dc.teacher_cache:  # the cached top-k stands in for the teacher
+            self.cache["train"] = TeacherTopK(dc.teacher_cache, "train", self.loader.examples)
+            if self.held_examples:
+                self.cache["held"] = TeacherTopK(dc.teacher_cache, "held", self.held_examples)
+            vocab = self.cache["train"].vocab_size
+            if vocab != self.model.config.vocab_size:
+                raise ValueError(
+                    f"student vocab_size {self.model.config.vocab_size} != the cached teacher's "
+                    f"{vocab}: logit distillation needs the same vocabulary"
+                )
+        else:
+            self.teacher = load_teacher(dc.teacher, device=self.device, tokenizer=self.tokenizer)
+            check_vocab(self.model, self.teacher, dc.teacher)
+
+    def teacher_topk(
+        self, ids_BL: torch.Tensor, doc_BL: torch.Tensor, batch: dict[str, torch.Tensor], split: str
+    ) -> torch.Tensor | Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """What `offline_distill_loss` takes as the teacher: the cache's lookup for this batch's
+        positions, or the teacher's logits (computed here, without gradients)."""
+        if self.cache:
+            cache, k = self.cache[split], self.dcfg.top_k
+            conv_BL, pos_BL = batch["conv_ids"], batch["position_ids"]
+            return lambda mask_BL: cache.lookup(conv_BL, pos_BL, mask_BL.cpu(), k)
+        assert self.teacher is not None
+        with torch.no_grad():
+            return self.teacher(ids_BL, doc_ids=doc_BL, mtp_depth=0).logits
 
     def loss(self, micro: dict[str, torch.Tensor], step: Step) -> Loss:
         dev = self.device
@@ -306,10 +360,9 @@ class OfflineDistiller(SFT):
         doc_BL = micro["doc_ids"].to(dev)
         with self.rt.autocast():
             out = self.forward_model(ids_BL, doc_ids=doc_BL, mtp_depth=0, return_logits=True)
-            with torch.no_grad():
-                teacher_BLV = self.teacher(ids_BL, doc_ids=doc_BL, mtp_depth=0).logits
+            teacher = self.teacher_topk(ids_BL, doc_BL, micro, "train")
         value, metrics = offline_distill_loss(
-            out.logits, teacher_BLV, labels_BL, self.dcfg, denom=max(1, step.ctx["num_tokens"])
+            out.logits, teacher, labels_BL, self.dcfg, denom=max(1, step.ctx["num_tokens"])
         )
         return moe_balancing(value, metrics, out, self.tc.grad_accum)
 
@@ -329,8 +382,12 @@ class OfflineDistiller(SFT):
             targets_BL = shift_targets(batch["labels"].to(self.device), 1)
             mask_BL = targets_BL != IGNORE_INDEX
             s_TV = self.model(ids_BL, doc_ids=doc_BL, mtp_depth=0).logits[mask_BL]
-            t_TV = self.teacher(ids_BL, doc_ids=doc_BL, mtp_depth=0).logits[mask_BL].float()
-            top_TK, ids_TK = t_TV.topk(min(self.dcfg.top_k, t_TV.shape[-1]), dim=-1)
+            teacher = self.teacher_topk(ids_BL, doc_BL, batch, "held")
+            if callable(teacher):
+                top_TK, ids_TK = (t.to(self.device) for t in teacher(mask_BL))
+            else:
+                t_TV = teacher[mask_BL].float()
+                top_TK, ids_TK = t_TV.topk(min(self.dcfg.top_k, t_TV.shape[-1]), dim=-1)
             kl_sum += float(topk_forward_kl(s_TV, top_TK, ids_TK, denom=1))
             n += int(mask_BL.sum())
         return kl_sum / max(1, n)
@@ -348,6 +405,7 @@ class OfflineDistiller(SFT):
     @torch.no_grad()
     def teacher_reference(self) -> dict[str, float]:
         """The teacher's held-out NLL and exact match: what the student moves toward."""
+        assert self.teacher is not None
         student, self.model = self.model, self.teacher
         try:
             row = SFT.evaluate(self)
@@ -364,7 +422,7 @@ class OfflineDistiller(SFT):
         """The teacher's own held-out NLL and exact match, the reference the student moves to."""
         return (
             [{"kind": "teacher", "step": 0, **self.teacher_reference()}]
-            if self.held_examples
+            if self.held_examples and self.teacher is not None  # not with a cache
             else []
         )
 
@@ -675,6 +733,37 @@ def distill_trainer(
     """The Trainer of a distillation run (offline or on-policy by `distill.mode`)."""
     stage = OfflineDistiller if cfg.distill.mode == "offline" else OnPolicyDistiller
     return Trainer(cfg.train, lambda rt: stage(cfg, rt), resume=resume, overwrite=overwrite)
+
+
+def cache_teacher(cfg: DistillRunConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Write (or finish) `distill.teacher_cache` for an offline run: the teacher's top-`top_k`
+    on every training and held-out conversation the run will read (`train.teacher_cache`)."""
+    dcfg = cfg.distill
+    if not dcfg.teacher_cache:
+        raise ValueError("set distill.teacher_cache: the directory the cache is written to")
+    if not dcfg.teacher:
+        raise ValueError("distill.teacher is empty: the cache is computed from the teacher")
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    data = prepare_chat_data(cfg.data, tokenizer)
+    device = resolve_device(cfg.train.device)
+    teacher = load_teacher(dcfg.teacher, device=device, tokenizer=tokenizer)
+    spec = CacheSpec(
+        teacher=dcfg.teacher,
+        k=dcfg.top_k,
+        vocab_size=teacher.config.vocab_size,
+        logprob_dtype=dcfg.teacher_cache_dtype,
+    )
+    sets = {"train": data.examples, "held": data.held_examples}
+    return build_teacher_cache(
+        dcfg.teacher_cache,
+        teacher,
+        {k: v for k, v in sets.items() if v},
+        spec,
+        seq_len=cfg.data.seq_len,
+        batch_size=cfg.data.batch_size,
+        device=device,
+        progress=progress,
+    )
 
 
 def run_distill(

@@ -1,0 +1,158 @@
+"""Cached teacher top-k: an offline distillation that reads the cache takes the same steps as one
+that runs the teacher (k = vocabulary: losses equal within 1e-6), the cache resumes shard by
+shard and refuses other conversations, and 16-bit log-probs stay close."""
+
+import argparse
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from _tiny import tiny_train_model
+from hybridlm.cli.train import register
+from hybridlm.data.bpe import load_tokenizer
+from hybridlm.data.sft import SFTLoader
+from hybridlm.io import load_model
+from hybridlm.report.plot import read_metrics
+from hybridlm.train.distill import run_distill
+from hybridlm.train.sft import prepare_chat_data
+from hybridlm.train.teacher_cache import CacheSpec, TeacherTopK, build_teacher_cache
+from test_distill import offline_run, save_teacher
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _examples(tmp_path):
+    run = offline_run(tmp_path, "unused")
+    data = prepare_chat_data(run.data, load_tokenizer(run.data.tokenizer))
+    return run, data.examples
+
+
+def test_cached_distillation_equals_online_for_k_equal_vocab(tmp_path, capsys):
+    teacher = save_teacher(tmp_path, "teacher", tiny_train_model(), seed=5, sharpen=30.0)
+    vocab = tiny_train_model().vocab_size
+    online = offline_run(tmp_path / "online", teacher, steps=4, top_k=vocab)
+    online.train.eval_interval = 2
+    run_distill(online)
+
+    cached = offline_run(tmp_path / "cached", teacher, steps=4, top_k=vocab)
+    cached.train.eval_interval = 2
+    cached.distill.teacher_cache = str(tmp_path / "cache")
+    path = tmp_path / "distill.yaml"
+    cached.save(path)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["distill-cache", "--config", str(path)])
+    args.fn(args)
+    printed = capsys.readouterr().out
+    built = json.loads(printed[printed.index("{\n") :])
+    assert built["shards_written"] == 2 and built["tokens"] > 0  # train and held
+    run_distill(cached)
+
+    def rows(run):
+        return read_metrics(f"{run.train.out_dir}/metrics.jsonl")
+
+    a = [r for r in rows(online) if r["kind"] in ("train", "eval")]
+    b = [r for r in rows(cached) if r["kind"] in ("train", "eval")]
+    assert [(r["kind"], r["step"]) for r in a] == [(r["kind"], r["step"]) for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "kl", "ce", "eval_kl"):
+            if key in ra:
+                assert abs(ra[key] - rb[key]) < 1e-6, (key, ra["step"], ra[key], rb[key])
+    # the cached run never loads the teacher: no teacher reference row
+    assert not [r for r in rows(cached) if r["kind"] == "teacher"]
+    assert [r for r in rows(online) if r["kind"] == "teacher"]
+
+
+def test_cache_entries_are_the_teachers_top_k_and_resume_by_shard(tmp_path):
+    teacher_path = save_teacher(tmp_path, "teacher", tiny_train_model(), seed=2, sharpen=10.0)
+    teacher = load_model(teacher_path).eval()
+    run, examples = _examples(tmp_path)
+    examples = examples[:40]
+    spec = CacheSpec(teacher=teacher_path, k=8, vocab_size=258, examples_per_shard=16)
+    root = tmp_path / "cache"
+    first = build_teacher_cache(
+        root, teacher, {"train": examples}, spec, seq_len=128, progress=False
+    )
+    assert first["shards_written"] == 3 and first["bytes_per_token"] == 8 * 8
+    cache = TeacherTopK(root, "train", examples)
+    # a packed batch in another arrangement than the cache was built in
+    batch = next(SFTLoader(examples, seq_len=128, batch_size=4, seed=7))
+    mask = batch["conv_ids"] >= 0
+    logp, ids = cache.lookup(batch["conv_ids"], batch["position_ids"], mask, 8)
+    with torch.no_grad():
+        logits = teacher(batch["input_ids"], doc_ids=batch["doc_ids"]).logits[mask]
+    ref_logp, ref_ids = torch.log_softmax(logits.float(), -1).topk(8, dim=-1)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    assert (ids == ref_ids).float().mean() > 0.99  # ties may swap
+    # a smaller k reads the first columns
+    logp4, _ = cache.lookup(batch["conv_ids"], batch["position_ids"], mask, 4)
+    torch.testing.assert_close(logp4, logp[:, :4])
+    with pytest.raises(ValueError, match="exceeds the cache's k=8"):
+        cache.lookup(batch["conv_ids"], batch["position_ids"], mask, 9)
+
+    # an interrupted build: shard 1 never finished; the rerun writes only it, the same bytes
+    before = np.load(root / "train/shard_00001.logp.npy")
+    meta = json.loads((root / "meta.json").read_text())
+    meta["sets"]["train"]["done"] = [0, 2]
+    (root / "meta.json").write_text(json.dumps(meta))
+    (root / "train/shard_00001.logp.npy").unlink()
+    with pytest.raises(ValueError, match="unfinished"):
+        TeacherTopK(root, "train", examples)
+    again = build_teacher_cache(
+        root, teacher, {"train": examples}, spec, seq_len=128, progress=False
+    )
+    assert (again["shards_written"], again["shards_skipped"]) == (1, 2)
+    np.testing.assert_array_equal(np.load(root / "train/shard_00001.logp.npy"), before)
+
+    # other conversations, another k: refused with a message
+    with pytest.raises(ValueError, match="other conversations"):
+        TeacherTopK(root, "train", examples[:39])
+    with pytest.raises(ValueError, match="another teacher, k"):
+        build_teacher_cache(
+            root,
+            teacher,
+            {"train": examples},
+            CacheSpec(teacher=teacher_path, k=4, vocab_size=258, examples_per_shard=16),
+            seq_len=128,
+            progress=False,
+        )
+    shutil.rmtree(root)
+
+
+@pytest.mark.parametrize("dtype,atol", [("float16", 2e-2), ("bfloat16", 1.5e-1)])
+def test_sixteen_bit_log_probs_stay_close(tmp_path, dtype, atol):
+    teacher_path = save_teacher(tmp_path, "teacher", tiny_train_model(), seed=2, sharpen=10.0)
+    teacher = load_model(teacher_path).eval()
+    _, examples = _examples(tmp_path)
+    examples = examples[:8]
+    exact, half = tmp_path / "exact", tmp_path / dtype
+    for root, dt in ((exact, "float32"), (half, dtype)):
+        spec = CacheSpec(teacher=teacher_path, k=16, vocab_size=258, logprob_dtype=dt)
+        build_teacher_cache(root, teacher, {"train": examples}, spec, seq_len=128, progress=False)
+    batch = next(SFTLoader(examples, seq_len=128, batch_size=2, sequential=True))
+    mask = batch["conv_ids"] >= 0
+    a, ia = TeacherTopK(exact, "train", examples).lookup(
+        batch["conv_ids"], batch["position_ids"], mask, 16
+    )
+    b, ib = TeacherTopK(half, "train", examples).lookup(
+        batch["conv_ids"], batch["position_ids"], mask, 16
+    )
+    assert torch.equal(ia, ib) and b.dtype == torch.float32
+    torch.testing.assert_close(b, a, atol=atol, rtol=0)
+    assert (np.load(half / "train/shard_00000.logp.npy").itemsize, dtype) in ((2, dtype),)
+
+
+def test_cache_config_errors(tmp_path):
+    run = offline_run(tmp_path, "")
+    run.distill.teacher_cache = str(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="no teacher cache at"):
+        run_distill(run)
+    run.distill.objective = "skew_reverse_kl"
+    with pytest.raises(ValueError, match="needs the teacher's full distribution"):
+        run_distill(run)
+    run.distill.teacher_cache = ""
+    with pytest.raises(ValueError, match="distill.teacher .* or distill.teacher_cache"):
+        run_distill(run)
