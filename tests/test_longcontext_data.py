@@ -9,12 +9,15 @@ import torch
 
 from hybridlm.data.config import AlternateConfig, DataConfig, SourceConfig
 from hybridlm.data.longcontext import (
+    LONGCONTEXT_TASKS,
     REX_SCENARIOS,
     LongContextTaskSource,
     LongDocumentSource,
     cwe_example,
     gzip_ratio,
+    recall_example,
     records_example,
+    repeat_example,
     rex_example,
     segment_idf,
     segment_text,
@@ -89,6 +92,33 @@ def test_records_answers_are_computed_from_the_records():
             assert int(k) == sum(j == job for _, _, j, _ in rows)
 
 
+def test_recall_quotes_continue_a_cue_verbatim():
+    seg = segment_text(PROSE[3], 600, 1200)[0]
+    lines = [ln.strip() for ln in seg.splitlines() if len(ln.strip()) >= 12]
+    for i in range(20):
+        text = recall_example(seg, random.Random(i))
+        assert text.startswith(seg)
+        quotes = text[len(seg) :].strip().split("\n\n")
+        assert len(quotes) == 3
+        for q in quotes:
+            cue, copied = re.match(r'Quote the text above from "(.+?)": (.+)$', q, re.S).groups()
+            run = copied.split("\n")
+            assert run[0].startswith(cue + " ") and run[0] in lines
+            start = lines.index(run[0])
+            assert run == lines[start : start + len(run)]  # consecutive lines, in order
+    assert recall_example("one short line only", random.Random(0)) is None
+
+
+def test_repeat_is_one_random_word_sequence_over_and_over():
+    seg = segment_text(PROSE[2], 600, 1200)[0]
+    for i in range(10):
+        words = repeat_example(seg, random.Random(i), words=100).split(" ")
+        assert len(words) == 100 and set(words) <= set(re.findall(r"[A-Za-z]{3,}", seg))
+        period = next(k for k in range(4, 17) if words[k:] == words[:-k])
+        assert words == (words[:period] * 100)[:100]
+    assert repeat_example("a b", random.Random(0)) is None
+
+
 @pytest.mark.parametrize("scenario", REX_SCENARIOS)
 def test_rex_copies_lines_of_the_segment(scenario):
     seg = segment_text(PROSE[4], 600, 1200)[0]
@@ -114,7 +144,7 @@ def test_task_source_is_deterministic_and_keeps_parents_split_side():
     b = list(LongContextTaskSource(base, segment_chars=[500, 900], seed=3, name="t"))
     c = list(LongContextTaskSource(base, segment_chars=[500, 900], seed=4, name="t"))
     assert [d.text for d in a] == [d.text for d in b] != [d.text for d in c]
-    assert {d.metadata["task"] for d in a} == {"cwe", "rex", "records"}
+    assert {d.metadata["task"] for d in a} == set(LONGCONTEXT_TASKS)
     assert all(d.metadata["split_id"] == d.id.split("#")[0] for d in a)
 
 

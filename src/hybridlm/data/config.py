@@ -58,7 +58,7 @@ class SourceConfig:
     gzip_band: list[float] = field(default_factory=list)
     # synthetic long-context tasks (hybridlm.data.longcontext): each of the source's documents is
     # cut into segments of `segment_chars: [min, max]` characters, and every segment becomes one
-    # example per task listed (cwe, rex) instead of the documents themselves
+    # example per task listed (cwe, rex, records, recall, repeat) instead of the documents
     longcontext_tasks: list[str] = field(default_factory=list)
     segment_chars: list[int] = field(default_factory=lambda: [2000, 3000])
 

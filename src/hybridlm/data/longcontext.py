@@ -25,7 +25,14 @@ Two document sources that wrap another one (any `DocumentSource`), selected in a
   * `records` (after Nemotron 3 Super §3: records in a long context, answers computed by SQL
     over them): a few synthetic people (name, city, job, a 7-digit id) written between the
     segment's lines, then questions answered by a program over them: the id of a name (a
-    lookup), the people of a city (a filter), how many share a job (a count).
+    lookup), the people of a city (a filter), how many share a job (a count);
+  * `recall`: three runs of 1-3 consecutive lines of the segment, each cued by its first few
+    words and then copied verbatim;
+  * `repeat`: a random sequence of 4-16 of the segment's words repeated to 160 words.
+
+  The last two are copy-forming data (the random repeated sequences on which induction heads
+  form, Olsson et al. 2022 §4); `benchmarks/copy_formation.py` measures how fast a fresh model
+  learns such copying.
 
   Every answer is read off the context, so the model can only learn it by using the whole
   context. Output is a pure function of (the base documents, `seed`): example `t` of segment `k`
@@ -49,7 +56,7 @@ from typing import Any
 
 from .sources import Document, DocumentSource, _Skip
 
-LONGCONTEXT_TASKS = ("cwe", "rex", "records")
+LONGCONTEXT_TASKS = ("cwe", "rex", "records", "recall", "repeat")
 REX_SCENARIOS = (
     "summary",
     "dialogue",
@@ -361,6 +368,39 @@ def records_example(
     return "\n".join(lines) + "\n\n" + "\n".join(qa)
 
 
+def recall_example(segment: str, rng: random.Random, *, num_spans: int = 3) -> str | None:
+    """The segment, then up to `num_spans` runs of its lines, each cued by its first few words
+    and continued verbatim ("Olsson et al. 2022, induction heads": a span seen earlier is
+    continued by finding where its prefix occurred and copying what followed). None when the
+    segment has fewer than two lines."""
+    lines = _lines(segment)
+    if len(lines) < 2:
+        return None
+    quotes: list[str] = []
+    for _ in range(num_spans):
+        start = rng.randrange(len(lines))
+        run = lines[start : start + rng.randint(1, 3)]
+        words = run[0].split(" ")
+        cut = rng.randint(1, max(1, min(4, len(words) - 1)))
+        cue, rest = " ".join(words[:cut]), " ".join(words[cut:])
+        quotes.append(
+            f'Quote the text above from "{cue}": {cue} {rest}'.rstrip()
+            + "".join(f"\n{ln}" for ln in run[1:])
+        )
+    return f"{segment}\n\n" + "\n\n".join(quotes)
+
+
+def repeat_example(segment: str, rng: random.Random, *, words: int = 160) -> str | None:
+    """A random sequence of 4..16 of the segment's words, repeated until `words` words: every
+    repetition after the first is predictable only by copying from the context (the random
+    repeated sequences on which induction heads form, Olsson et al. 2022 §4)."""
+    pool = sorted(set(_WORD_RE.findall(segment)))
+    if len(pool) < 4:
+        return None
+    seq = [rng.choice(pool) for _ in range(rng.randint(4, 16))]
+    return " ".join((seq * (words // len(seq) + 1))[:words])
+
+
 def segment_idf(segments: Sequence[str]) -> dict[str, float]:
     """Smoothed inverse document frequency of every word over `segments`."""
     df: Counter[str] = Counter()
@@ -371,7 +411,7 @@ def segment_idf(segments: Sequence[str]) -> dict[str, float]:
 
 
 class LongContextTaskSource(DocumentSource):
-    """CWE / REX examples (module docstring) over the segments of `base`'s documents."""
+    """The synthetic task examples (module docstring) over the segments of `base`'s documents."""
 
     kind = "longcontext_tasks"
 
@@ -416,6 +456,10 @@ class LongContextTaskSource(DocumentSource):
                         text = cwe_example(seg, rng)
                     elif task == "records":
                         text = records_example(seg, rng)
+                    elif task == "repeat":
+                        text = repeat_example(seg, rng)
+                    elif task == "recall":
+                        text = recall_example(seg, rng)
                     else:
                         present = set(_lines(seg))
                         picks = [all_lines[rng.randrange(len(all_lines))] for _ in range(16)]
