@@ -45,7 +45,6 @@ from ..files import atomic_write
 from ..model.model import HybridLM
 
 VERSION = 1
-SETS = ("train", "held")
 LOGPROB_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -109,7 +108,8 @@ def build_teacher_cache(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Write (or finish) the cache at `root` for `example_sets` ({set name: examples}); returns
-    {tokens, bytes, seconds, shards_written, shards_skipped}."""
+    {tokens, bytes_per_token, seconds, shards_written, shards_skipped} of this call (the
+    shards it skipped were finished before)."""
     root = Path(root)
     if spec.logprob_dtype not in LOGPROB_DTYPES:
         raise ValueError(f"logprob_dtype must be one of {LOGPROB_DTYPES}, got {spec.logprob_dtype}")
