@@ -4,10 +4,10 @@
 
 RULER's needles, variable chains and word lists are read back by copying a span seen earlier
 (Olsson et al. 2022, "In-context learning and induction heads"): find where the current prefix
-occurred, emit what followed. This trains fresh models of the speedrun's width (d 128, 4 query
-/ 2 KV heads of 32, Mamba-2 4 x 64, state 32) from scratch on two synthetic copy tasks and
-reports the loss on the copied tokens, next to the same tokens' loss without copying
-(log 26 = 3.258 nats):
+occurred, emit what followed. This trains fresh models of the speedrun's width (its pretrain
+model in configs/speedrun.yaml: d 128, 4 query / 2 KV heads of 32, Mamba-2 4 x 64, state 32,
+its LatentMoE) from scratch on two synthetic copy tasks and reports the loss on the copied
+tokens, next to the same tokens' loss without copying (log 26 = 3.258 nats):
 
 - `gap`: `BOS x filler_a x filler_b` per row, x 48 random tokens of 26, the filler between the
   copies 0..32 random tokens (so the copy sits at a different offset in every row, and a head
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 
 from hybridlm.config import ModelConfig
@@ -41,6 +42,7 @@ from hybridlm.model.model import HybridLM
 from hybridlm.provenance import command_line, cpu_info, git_state, library_versions
 
 SYMBOLS, ROWS, VOCAB = 26, 16, 64
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RUNS = (
     "*-*-+rope:gap:3000",
     "reference:gap:2000",
@@ -107,22 +109,17 @@ def build(name: str) -> tuple[nn.Module, float]:
         torch.manual_seed(0)
         return Reference(), 1e-3
     pattern, rope = name.removesuffix("+rope"), 1e4 if name.endswith("+rope") else None
+    # the speedrun's pretrain model (configs/speedrun.yaml), with this task's vocabulary, no MTP
+    # head, and 512-wide MLPs for the `-` layers of attention-only patterns
+    spec = yaml.safe_load((ROOT / "configs" / "speedrun.yaml").read_text())["pretrain"]["model"]
     cfg = ModelConfig.from_dict(
         {
+            **spec,
             "vocab_size": VOCAB,
-            "d_model": 128,
             "pattern": pattern,
-            "mamba": {"num_heads": 4, "head_dim": 64, "state_size": 32, "chunk_size": 64},
-            "attention": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "rope_theta": rope},
-            "moe": {
-                "num_experts": 8,
-                "top_k": 2,
-                "expert_hidden": 64,
-                "shared_expert_hidden": 256,
-                "latent_size": 64,
-                "routed_scaling_factor": 2.5,
-            },
+            "mtp": {},
             "mlp": {"hidden": 512},
+            "attention": {**spec["attention"], "rope_theta": rope},
         }
     )
     model = HybridLM(cfg, seed=0)

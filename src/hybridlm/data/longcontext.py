@@ -369,7 +369,7 @@ def records_example(
 
 
 def recall_example(segment: str, rng: random.Random, *, num_spans: int = 3) -> str | None:
-    """The segment, then up to `num_spans` runs of its lines, each cued by its first few words
+    """The segment, then `num_spans` runs of 1-3 of its lines, each cued by its first few words
     and continued verbatim ("Olsson et al. 2022, induction heads": a span seen earlier is
     continued by finding where its prefix occurred and copying what followed). None when the
     segment has fewer than two lines."""

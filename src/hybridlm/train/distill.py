@@ -242,9 +242,10 @@ def load_teacher(path: str, *, device: torch.device, tokenizer: Any) -> HybridLM
     return teacher
 
 
-def check_vocab(student: HybridLM, teacher: HybridLM, name: str) -> None:
-    """Logit distillation compares distributions id by id: the vocabularies must match."""
-    vs, vt = student.config.vocab_size, teacher.config.vocab_size
+def check_vocab(student: HybridLM, teacher_vocab_size: int, name: str) -> None:
+    """Logit distillation compares distributions id by id: the vocabularies must match (a
+    teacher's, or a teacher cache's)."""
+    vs, vt = student.config.vocab_size, teacher_vocab_size
     if vs != vt:
         raise ValueError(
             f"student vocab_size {vs} != teacher {name!r} vocab_size {vt}: logit distillation "
@@ -253,9 +254,25 @@ def check_vocab(student: HybridLM, teacher: HybridLM, name: str) -> None:
 
 
 # ---------------------------------------------------------------------------- offline
+TeacherOut = torch.Tensor | Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def teacher_topk_at(
+    teacher: TeacherOut, mask_BL: torch.Tensor, k: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-`k` (values [T, k], ids [T, k]) at the positions `mask_BL` selects:
+    from its logits [B, L, V] (k clamped to the vocabulary), or from a lookup (a cache, which
+    applies its own k)."""
+    if callable(teacher):
+        top_TK, ids_TK = teacher(mask_BL)
+        return top_TK.to(device), ids_TK.to(device)
+    t_TV = teacher[mask_BL].float()
+    return t_TV.topk(min(k, t_TV.shape[-1]), dim=-1)
+
+
 def offline_distill_loss(
     student_logits_BLV: torch.Tensor,
-    teacher: torch.Tensor | Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    teacher: TeacherOut,
     labels_BL: torch.Tensor,
     dc: DistillConfig,
     *,
@@ -270,12 +287,7 @@ def offline_distill_loss(
     s_TV = student_logits_BLV[mask_BL]
     tgt_T = targets_BL[mask_BL]
     if dc.objective == "topk_forward_kl":
-        if callable(teacher):
-            top_TK, ids_TK = teacher(mask_BL)
-            top_TK, ids_TK = top_TK.to(s_TV.device), ids_TK.to(s_TV.device)
-        else:
-            t_TV = teacher[mask_BL].float()
-            top_TK, ids_TK = t_TV.topk(min(dc.top_k, t_TV.shape[-1]), dim=-1)
+        top_TK, ids_TK = teacher_topk_at(teacher, mask_BL, dc.top_k, s_TV.device)
         loss, parts = distill_loss(
             s_TV,
             tgt_T,
@@ -331,19 +343,14 @@ class OfflineDistiller(SFT):
             self.cache["train"] = TeacherTopK(dc.teacher_cache, "train", self.loader.examples)
             if self.held_examples:
                 self.cache["held"] = TeacherTopK(dc.teacher_cache, "held", self.held_examples)
-            vocab = self.cache["train"].vocab_size
-            if vocab != self.model.config.vocab_size:
-                raise ValueError(
-                    f"student vocab_size {self.model.config.vocab_size} != the cached teacher's "
-                    f"{vocab}: logit distillation needs the same vocabulary"
-                )
+            check_vocab(self.model, self.cache["train"].vocab_size, f"cache {dc.teacher_cache}")
         else:
             self.teacher = load_teacher(dc.teacher, device=self.device, tokenizer=self.tokenizer)
-            check_vocab(self.model, self.teacher, dc.teacher)
+            check_vocab(self.model, self.teacher.config.vocab_size, dc.teacher)
 
-    def teacher_topk(
+    def teacher_out(
         self, ids_BL: torch.Tensor, doc_BL: torch.Tensor, batch: dict[str, torch.Tensor], split: str
-    ) -> torch.Tensor | Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    ) -> TeacherOut:
         """What `offline_distill_loss` takes as the teacher: the cache's lookup for this batch's
         positions, or the teacher's logits (computed here, without gradients)."""
         if self.cache:
@@ -360,7 +367,7 @@ class OfflineDistiller(SFT):
         doc_BL = micro["doc_ids"].to(dev)
         with self.rt.autocast():
             out = self.forward_model(ids_BL, doc_ids=doc_BL, mtp_depth=0, return_logits=True)
-            teacher = self.teacher_topk(ids_BL, doc_BL, micro, "train")
+            teacher = self.teacher_out(ids_BL, doc_BL, micro, "train")
         value, metrics = offline_distill_loss(
             out.logits, teacher, labels_BL, self.dcfg, denom=max(1, step.ctx["num_tokens"])
         )
@@ -382,12 +389,8 @@ class OfflineDistiller(SFT):
             targets_BL = shift_targets(batch["labels"].to(self.device), 1)
             mask_BL = targets_BL != IGNORE_INDEX
             s_TV = self.model(ids_BL, doc_ids=doc_BL, mtp_depth=0).logits[mask_BL]
-            teacher = self.teacher_topk(ids_BL, doc_BL, batch, "held")
-            if callable(teacher):
-                top_TK, ids_TK = (t.to(self.device) for t in teacher(mask_BL))
-            else:
-                t_TV = teacher[mask_BL].float()
-                top_TK, ids_TK = t_TV.topk(min(self.dcfg.top_k, t_TV.shape[-1]), dim=-1)
+            teacher = self.teacher_out(ids_BL, doc_BL, batch, "held")
+            top_TK, ids_TK = teacher_topk_at(teacher, mask_BL, self.dcfg.top_k, self.device)
             kl_sum += float(topk_forward_kl(s_TV, top_TK, ids_TK, denom=1))
             n += int(mask_BL.sum())
         return kl_sum / max(1, n)
@@ -532,7 +535,7 @@ class OnPolicyDistiller(TrainModule):
                 self.teachers[name] = load_teacher(
                     path, device=self.device, tokenizer=self.tokenizer
                 )
-                check_vocab(self.model, self.teachers[name], name)
+                check_vocab(self.model, self.teachers[name].config.vocab_size, name)
         self.tokens_per_step = cfg.prompts_per_step * cfg.samples_per_prompt * dc.seq_len
         self.total_steps = tc.num_steps(self.tokens_per_step)
         self.pool: Any = None  # started by the first step, after a resume loaded the weights

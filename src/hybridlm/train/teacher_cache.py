@@ -161,7 +161,7 @@ def build_teacher_cache(
                 continue
             chunk = list(examples[lo:hi])
             n_tok = int(offsets[hi] - offsets[lo])
-            ids = np.zeros((n_tok, k), dtype=np.int32)
+            ids = torch.zeros((n_tok, k), dtype=torch.int32)
             logp = torch.zeros((n_tok, k), dtype=torch.float32)
             local = offsets[lo:hi] - offsets[lo]
             loader = SFTLoader(chunk, seq_len=seq_len, batch_size=batch_size, sequential=True)
@@ -175,11 +175,11 @@ def build_teacher_cache(
                 top_TK, top_ids_TK = lp_TV.topk(k, dim=-1)
                 rows = torch.from_numpy(local)[conv_BL[keep_BL]] + pos_BL[keep_BL]
                 logp[rows] = top_TK.cpu()
-                ids[rows.numpy()] = top_ids_TK.cpu().numpy().astype(np.int32)
-            _save_npy(folder / f"{_shard_name(s)}.ids.npy", ids)
+                ids[rows] = top_ids_TK.cpu().to(torch.int32)
+            _save_npy(folder / f"{_shard_name(s)}.ids.npy", ids.numpy())
             _save_npy(folder / f"{_shard_name(s)}.logp.npy", _encode_logp(logp, spec.logprob_dtype))
-            meta["sets"][name]["done"] = sorted(done | {s})
             done.add(s)
+            meta["sets"][name]["done"] = sorted(done)
             _write_meta(root, meta)
             tokens += n_tok
             written += 1
