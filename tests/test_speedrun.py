@@ -64,6 +64,14 @@ TINY = [
     "quantize.calib_samples=8",
     "quantize.eval_batches=1",
     "quantize.per_layer=false",
+    "qad.train.max_steps=2",
+    "qad.train.eval_interval=2",
+    "qad.train.checkpoint_interval=2",
+    "qad.train.warmup_steps=1",
+    "qad.distill.eval_generate=2",
+    "qad.distill.eval_max_new_tokens=16",
+    "qad.qad.calib_samples=8",
+    "qad.qad.text_batches=1",
     "eval.arithmetic_problems=4",
     "eval.text_batches=1",
     "eval.spec_prompts=1",
@@ -164,12 +172,24 @@ def test_whole_flow_runs_and_writes_the_report(finished):
         "mtp_heal",
         "nvfp4",
         "autoquant",
+        "nvfp4_qad",
     ]
     for r in models.values():
         assert r["text_bpb"] > 0 and 0 <= r["exact_match"] <= 1 and r["problems"] == 4
     # MTP healing trains only the head: the backbone's text loss is unchanged
     assert models["mtp_heal"]["text_loss"] == pytest.approx(models["rl"]["text_loss"], abs=1e-5)
-    for recipe in ("nvfp4", "autoquant"):
+    # QAD: the NVFP4 checkpoint's plan trained from the healed model, its step 0 = that PTQ
+    qad = json.loads((run / "qad" / "stage.json").read_text())["summary"]
+    assert qad["from"] == str(run / "mtp_heal" / "model") and qad["steps"] == 2
+    assert qad["figures"]["ptq"]["text_loss"] == pytest.approx(
+        quant["results"]["nvfp4"]["quantized"]["loss"], rel=1e-6
+    )
+    qad_meta = json.loads((run / "qad" / "hf" / "hf_quant_config.json").read_text())
+    assert qad_meta["quantization"]["quant_algo"] == "NVFP4"
+    for d in ("quantize/nvfp4", "qad/hf"):
+        meta = json.loads((run / d / "hf_quant_config.json").read_text())
+        assert meta["quantization"]["kv_cache_quant_algo"] == "FP8", d
+    for recipe in ("nvfp4", "autoquant", "nvfp4_qad"):
         assert models[recipe]["text_loss"] != models["mtp_heal"]["text_loss"]
         assert abs(models[recipe]["text_bpb"] / models["mtp_heal"]["text_bpb"] - 1) < 0.05
     cache = [r for r in rows if r["kind"] == "cache_memory"]
@@ -212,7 +232,7 @@ def test_rerun_reuses_finished_stages_and_reruns_downstream_of_a_change(finished
     assert status == {
         **{s: "reused" for s in ("curate", "tokenizer", "pretrain", "midtrain", "long_context")},
         **{s: "reused" for s in ("sft", "rl")},
-        **{s: "done" for s in ("mtp_heal", "quantize", "eval", "report")},
+        **{s: "done" for s in ("mtp_heal", "quantize", "qad", "eval", "report")},
     }
     after = json.loads((run / "mtp_heal" / "stage.json").read_text())
     assert after["fingerprint"] != before["mtp_heal"]["fingerprint"]
@@ -223,7 +243,7 @@ def test_rerun_reuses_finished_stages_and_reruns_downstream_of_a_change(finished
     assert status == {
         **{s: "reused" for s in ("curate", "tokenizer", "pretrain", "midtrain", "long_context")},
         **{s: "reused" for s in ("sft", "rl", "mtp_heal")},
-        **{s: "done" for s in ("quantize", "eval", "report")},
+        **{s: "done" for s in ("quantize", "qad", "eval", "report")},
     }
 
 

@@ -12,6 +12,10 @@ SSM_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "fp16-sr", "int16-block")
 # post-training quantisation recipes of `hybridlm quantize` (train/quantize.py)
 PTQ_RECIPES: tuple[str, ...] = ("fp8", "nvfp4", "autoquant")
 
+# how an engine stores the attention KV cache (vLLM's `kv_cache_dtype`; precision/kv_cache.py):
+# "auto" = the format the checkpoint declares, else the activation dtype
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "nvfp4")
+
 # Not quantised by default: the LM head (as ModelOpt's default config) and the MTP drafter (kept
 # in BF16 in Nemotron 3 Super, so speculative acceptance is not traded for memory).
 PTQ_DEFAULT_EXCLUDE: tuple[str, ...] = ("lm_head", "mtp.*")

@@ -22,6 +22,8 @@ and where they write:
     mtp_heal   the MTP head re-trained on the RL policy's own generations
                (Nemotron 3 Super §4.7)                                  <run>/mtp_heal/model
     quantize   NVFP4 W4A4 post-training quantisation, ModelOpt layout          <run>/quantize
+    qad        quantisation-aware distillation of the NVFP4 checkpoint from the unquantised
+               model on the SFT chats (Nemotron 3.5's deployment recipe)    <run>/qad/hf
     eval       every stage's model on held-out text (bpb) and arithmetic (exact match),
                speculative decoding at draft length 7, cache memory vs context  <run>/eval
     report     report.md + report.html with plots, from the metrics files      <run>/report.*
@@ -78,6 +80,7 @@ from .rl.learner import RLConfig, environment_prompts, run_rl
 from .train.config import RunConfig
 from .train.mtp_boost import MTPBoostConfig, boost_checkpoint
 from .train.pretrain import run_pretrain
+from .train.qad import QADRunConfig, run_qad
 from .train.quantize import QuantizeConfig, run_quantize
 from .train.sft import SFTRunConfig, run_sft
 
@@ -127,6 +130,8 @@ class QuantizeStageConfig:
     eval_batches: int = 8
     weight_scale: Literal["mse", "max"] = "mse"
     per_layer: bool = True
+    # the KV cache the checkpoints declare (Nemotron 3.5 serves with an FP8 KV cache)
+    kv_cache: Literal["none", "fp8", "nvfp4"] = "none"
 
 
 @dataclass(kw_only=True)
@@ -189,6 +194,7 @@ class SpeedrunConfig(Config):
     rl: RLConfig = field(default_factory=RLConfig)
     mtp_heal: MTPBoostConfig = field(default_factory=MTPBoostConfig)
     quantize: QuantizeStageConfig = field(default_factory=QuantizeStageConfig)
+    qad: QADRunConfig = field(default_factory=QADRunConfig)
     eval: EvalStageConfig = field(default_factory=EvalStageConfig)
 
     def validate(self) -> SpeedrunConfig:
@@ -501,6 +507,7 @@ def _quantize_run(flow: Speedrun) -> dict[str, Any]:
             eval_batches=s["eval_batches"],
             weight_scale=s["weight_scale"],
             per_layer=s["per_layer"],
+            kv_cache=s["kv_cache"],
             data=s["data"],
             calib_data=s["calib_data"],
             exclude=DEFAULT_EXCLUDE + tuple(s["exclude"]),
@@ -517,6 +524,32 @@ def _quantize_run(flow: Speedrun) -> dict[str, Any]:
         "models": models,
         "from": s["checkpoint"],
         "results": results,
+    }
+
+
+def _qad_settings(flow: Speedrun) -> dict[str, Any]:
+    """The qad section, on the SFT stage's chats and tokenizer, from the newest model; held-out
+    text of the pretraining run. `qad.plan` (e.g. `{run}/quantize/nvfp4`) takes a quantize
+    recipe's operators, exclusions and weight-scale search."""
+    data = _format_paths(flow.cfg.qad.to_dict(), str(flow.run_dir))
+    data["data"] = _format_paths(flow.cfg.sft.to_dict(), str(flow.run_dir))["data"]
+    data["data"]["tokenizer"] = flow.tokenizer_spec()
+    data["train"]["out_dir"] = str(flow.stage_dir("qad"))
+    data["train"]["init_from"] = flow.model_path("qad")
+    data["qad"]["text_data"] = str(flow.stage_dir("pretrain")) if flow.done("pretrain") else ""
+    return data
+
+
+def _qad_run(flow: Speedrun) -> dict[str, Any]:
+    cfg = QADRunConfig.from_dict(flow.settings("qad"))
+    result = flow._continue_or_start("qad", lambda **kw: run_qad(cfg, **kw))
+    name = f"{Path(cfg.qad.plan).name if cfg.qad.plan else cfg.qad.recipe}_qad"
+    return {
+        "model": result["hf"],
+        "models": {name: result["hf"]},
+        "from": cfg.train.init_from,
+        "steps": result["step"],
+        "figures": result["figures"],
     }
 
 
@@ -630,9 +663,17 @@ STAGES: tuple[Stage, ...] = (
         model="variants",
     ),
     Stage(
+        "qad",
+        inputs=("pretrain", "sft", "quantize"),  # held-out text, the chats, the NVFP4 plan
+        config=QADRunConfig,
+        settings=_qad_settings,
+        run=_qad_run,
+        model="variants",
+    ),
+    Stage(
         "eval",
         # pretrain's held-out text, rl's problems, and every model it evaluates
-        inputs=("pretrain", "rl", "sft", "mtp_heal", "quantize"),
+        inputs=("pretrain", "rl", "sft", "mtp_heal", "quantize", "qad"),
         config=EvalStageConfig,
         settings=_eval_settings,
         run=_eval_run,

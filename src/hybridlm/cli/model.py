@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from ..choices import SSM_PRECISIONS
+from ..choices import KV_CACHE_DTYPES, SSM_PRECISIONS
 from ..config import ModelConfig
 from ..presets import PRESETS, get_preset
 from .args import add_overrides_arg
@@ -39,6 +39,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="longest prompt + reply in tokens (default: the model's max_seq_len)",
     )
+    _add_cache_args(p)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the Mamba / MoE decode steps with torch.compile (slow first steps)",
+    )
+
+
+def _add_cache_args(p: argparse.ArgumentParser) -> None:
+    """`--ssm-precision` and `--kv-cache-dtype`: how the inference cache stores its states."""
     p.add_argument(
         "--ssm-precision",
         choices=SSM_PRECISIONS,
@@ -46,9 +56,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="storage precision of the Mamba state cache",
     )
     p.add_argument(
-        "--compile",
-        action="store_true",
-        help="compile the Mamba / MoE decode steps with torch.compile (slow first steps)",
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="attention KV cache storage: auto = the format the checkpoint declares "
+        "(kv_cache_quant_algo), else unquantised; fp8 / nvfp4 need the checkpoint's KV scales",
     )
 
 
@@ -78,12 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="compile the Mamba / MoE decode steps with torch.compile (slow first steps)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--ssm-precision",
-        choices=SSM_PRECISIONS,
-        default="fp32",
-        help="storage precision of the Mamba state cache",
-    )
+    _add_cache_args(p)
     p.add_argument(
         "--speculative",
         type=int,
@@ -282,6 +289,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
             eos_id=tok.eos_id,
             seed=args.seed,
             ssm_precision=args.ssm_precision,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     dt = time.perf_counter() - t0
     print(args.prompt + tok.decode(out[0].tolist()))
@@ -343,6 +351,7 @@ def _engine(args: argparse.Namespace, *, max_batch_size: int) -> Any:
         max_batch_size=max_batch_size,
         max_model_len=args.max_model_len,
         ssm_precision=args.ssm_precision,
+        kv_cache_dtype=args.kv_cache_dtype,
         spec_max_batch=getattr(args, "spec_max_batch", None),
     )
 

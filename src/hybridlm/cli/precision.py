@@ -61,6 +61,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_false",
         help="skip the per-group loss deltas (one evaluation per group)",
     )
+    p.add_argument(
+        "--kv-cache",
+        choices=["none", "fp8", "nvfp4"],
+        default="none",
+        help="declare a quantised attention KV cache (scales calibrated on the calibration rows)",
+    )
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     p.add_argument(
@@ -108,6 +114,7 @@ def cmd_quantize(args: argparse.Namespace) -> None:
             weight_scale=args.weight_scale,
             exclude=PTQ_DEFAULT_EXCLUDE + tuple(args.exclude or ()),
             per_layer=args.per_layer,
+            kv_cache=args.kv_cache,
             export_dtype=args.dtype,
             device=args.device,
             data=args.data,

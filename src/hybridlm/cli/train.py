@@ -1,5 +1,5 @@
-"""`hybridlm pretrain | merge | soup | sft | dpo | rm | distill | distill-cache | mtp-boost`:
-the training stages."""
+"""`hybridlm pretrain | merge | soup | sft | dpo | rm | distill | distill-cache | qad |
+mtp-boost`: the training stages."""
 
 from __future__ import annotations
 
@@ -95,6 +95,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default="configs/distill.yaml", help="the distillation run config")
     add_overrides_arg(p, "distill.teacher_cache=runs/distill_cache")
     p.set_defaults(fn=cmd_distill_cache)
+
+    p = sub.add_parser(
+        "qad",
+        help="quantisation-aware distillation: the quantised model (NVFP4 / FP8) trained toward "
+        "itself unquantised; exports a ModelOpt checkpoint",
+    )
+    add_run_args(p, "configs/qad.yaml")
+    p.set_defaults(fn=cmd_qad)
 
     p = sub.add_parser(
         "mtp-boost",
@@ -237,6 +245,13 @@ def cmd_distill_cache(args: argparse.Namespace) -> None:
     cfg = DistillRunConfig.load(args.config).override(args.overrides)
     result = cache_teacher(cfg)
     print(json.dumps({"teacher_cache": cfg.distill.teacher_cache, **result}, indent=1))
+
+
+def cmd_qad(args: argparse.Namespace) -> None:
+    from ..train.qad import QADRunConfig, run_qad
+
+    keys = ("step", "eval", "checkpoint", "hf", "plot", "figures")
+    _post_training(QADRunConfig.load, run_qad, args, keys)
 
 
 def cmd_mtp_boost(args: argparse.Namespace) -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +57,15 @@ def position_bpb(
     bucket: int,
     tokenizer: Any,
     batch_size: int = 4,
+    cache: Callable[[], HybridCache] | None = None,
+    chunk: int = 1,
 ) -> dict[str, Any]:
-    """Bits per byte by target position over the first `length` + 1 tokens of every document
-    that has that many (BOS first, as sharded). Buckets of `bucket` positions; a target at
-    position t (predicted from tokens [0, t)) falls in bucket (t - 1) // bucket."""
+    """Bits per byte and top-1 accuracy by target position over the first `length` + 1 tokens
+    of every document that has that many (BOS first, as sharded). Buckets of `bucket`
+    positions; a target at position t (predicted from tokens [0, t)) falls in bucket
+    (t - 1) // bucket. `cache` (a fresh `HybridCache` per batch): the tokens go through the
+    inference cache `chunk` at a time, as a server decodes them (chunk 1), so what the cache
+    stores (quantised KV, Mamba state precision) is what later positions read."""
     if length < 2 or bucket < 1:
         raise ValueError(f"need length >= 2 and bucket >= 1, got {length}, {bucket}")
     rows = [list(d[: length + 1]) for d in documents if len(d) >= length + 1]
@@ -69,6 +74,8 @@ def position_bpb(
     nbytes = token_byte_lengths(tokenizer, model.config.vocab_size).double()
     nb = -(-length // bucket)
     per_doc = torch.zeros(len(rows), nb, 2, dtype=torch.float64)
+    correct = torch.zeros(nb, dtype=torch.float64)
+    counts = torch.zeros(nb, dtype=torch.float64)
     bucket_of = torch.arange(length) // bucket  # target index j predicts token j + 1
     was_training = model.training
     model.eval()
@@ -76,7 +83,21 @@ def position_bpb(
     try:
         for start in range(0, len(rows), batch_size):
             ids = torch.tensor(rows[start : start + batch_size], dtype=torch.long, device=device)
-            logits = model(ids[:, :-1]).logits.float()
+            if cache is None:
+                logits = model(ids[:, :-1]).logits.float()
+            else:
+                c, inputs = cache(), ids[:, :-1]
+                logits = torch.cat(
+                    [
+                        model(inputs[:, s : s + chunk], cache=c).logits.float()
+                        for s in range(0, length, chunk)
+                    ],
+                    dim=1,
+                )
+            hit = (logits.argmax(-1) == ids[:, 1:]).double().cpu()
+            for k in range(ids.shape[0]):
+                correct.index_add_(0, bucket_of, hit[k])
+                counts.index_add_(0, bucket_of, torch.ones(length, dtype=torch.float64))
             nll = (
                 torch.nn.functional.cross_entropy(
                     logits.transpose(1, 2), ids[:, 1:], reduction="none"
@@ -98,6 +119,7 @@ def position_bpb(
         "bucket_start": [i * bucket for i in range(nb)],
         "bpb": (nats / (LN2 * byts)).tolist(),
         "bpb_all": float(nats.sum() / (LN2 * byts.sum())),
+        "accuracy": (correct / counts).tolist(),  # top-1 next-token accuracy per bucket
         # per document (nats, bytes) per bucket, for paired comparisons between models
         "per_document": per_doc.tolist(),
     }

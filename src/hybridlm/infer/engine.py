@@ -94,6 +94,7 @@ from ..model.attention import Attention
 from ..model.cache import HybridCache
 from ..model.model import HybridLM
 from ..model.state_precision import check_precision
+from ..precision.kv_cache import kv_codecs
 from .sampling import (
     SamplingParams,
     TokenConstraint,
@@ -192,6 +193,7 @@ class Engine:
         max_batch_size: int = 8,
         max_model_len: int | None = None,
         ssm_precision: str = "fp32",
+        kv_cache_dtype: str = "auto",
         prefix_block: int = 64,
         prefix_cache_size: int = 32,
         draft_vocab: DraftVocab | None = None,
@@ -213,6 +215,9 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len or model.config.max_seq_len
         self.ssm_precision = check_precision(ssm_precision)
+        # the attention KV cache's storage (precision/kv_cache.py): codecs per attention block
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_codecs = kv_codecs(model, kv_cache_dtype)
         self.prefix_block = prefix_block
         self.prefix_cache_size = prefix_cache_size
         self.draft_vocab = draft_vocab
@@ -421,7 +426,9 @@ class Engine:
                 break
         if cache is None:
             cache = HybridCache.for_pattern(
-                self.model.config.pattern, ssm_precision=self.ssm_precision
+                self.model.config.pattern,
+                ssm_precision=self.ssm_precision,
+                kv_codecs=self.kv_codecs,
             )
         bounds = list(range(start + blk, len(prompt) + 1, blk))
         if start < len(prompt) and (not bounds or bounds[-1] != len(prompt)):
@@ -729,6 +736,7 @@ class Engine:
             eos_id=None if p.ignore_eos else self.tokenizer.eos_id,
             stop_token_ids=p.stop_token_ids,
             draft_vocab=self.draft_vocab,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     # ------------------------------------------------------------------ bookkeeping

@@ -9,6 +9,7 @@ import torch
 
 from ..model.cache import HybridCache
 from ..model.model import HybridLM
+from ..precision.kv_cache import kv_codecs
 from .sampling import sample_next
 
 __all__ = ["generate", "left_align", "sample_next"]
@@ -44,6 +45,7 @@ def generate(
     eos_id: int | None = None,
     seed: int | None = None,
     ssm_precision: str = "fp32",
+    kv_cache_dtype: str = "auto",
     attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Returns the generated tokens [B, <= max_new_tokens] (stops early once all rows hit eos;
@@ -51,7 +53,8 @@ def generate(
 
     `attention_mask` [B, L] marks padding (0) of a batch of prompts of different lengths; left or
     right padding (or any mix) gives each row the tokens it would get alone. `ssm_precision` is
-    the storage precision of the Mamba state cache (`model.state_precision`). For serving many
+    the storage precision of the Mamba state cache (`model.state_precision`), `kv_cache_dtype`
+    that of the attention KV cache (`precision.kv_cache`). For serving many
     requests (continuous batching, stop strings, prefix reuse) use `infer.engine.Engine`."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -64,7 +67,10 @@ def generate(
     model.eval()
     try:
         cache = HybridCache.for_pattern(
-            model.config.pattern, ssm_precision=ssm_precision, seed=seed or 0
+            model.config.pattern,
+            ssm_precision=ssm_precision,
+            seed=seed or 0,
+            kv_codecs=kv_codecs(model, kv_cache_dtype),
         )
         mask = None
         if attention_mask is not None:

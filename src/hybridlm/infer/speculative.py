@@ -77,6 +77,7 @@ import torch
 from ..model.cache import HybridCache
 from ..model.model import HybridLM
 from ..model.stock import project
+from ..precision.kv_cache import kv_codecs
 from .sampling import SamplingParams, filtered_probs
 
 Tensor = torch.Tensor
@@ -332,6 +333,8 @@ class SpeculativeDecoder:
     `seed` (unseeded: nondeterministic). Decoding ends after `max_new_tokens` (None: no limit)
     or after emitting `eos_id` or one of `stop_token_ids` (the stop token is emitted).
     `draft_vocab` restricts the drafts to a `DraftVocab` (cheaper drafts, same output).
+    `kv_cache_dtype`: the backbone's KV cache storage (`precision.kv_cache`; the drafter's stays
+    unquantised), as plain decoding stores it so that greedy output stays equal.
     `tokens` holds everything emitted so far, `stats` the acceptance statistics."""
 
     def __init__(
@@ -350,8 +353,10 @@ class SpeculativeDecoder:
         stop_token_ids: Iterable[int] = (),
         rollback: str = "history",
         draft_vocab: DraftVocab | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         cfg = model.config
+        self.kv_codecs = kv_codecs(model, kv_cache_dtype)
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {ROLLBACKS}, got {rollback!r}")
         self.rollback = rollback
@@ -524,7 +529,7 @@ class SpeculativeDecoder:
 
     def _prefill(self) -> list[int]:
         model, x_BL = self.model, self.prompt_BL
-        self._cache = HybridCache.for_pattern(model.config.pattern)
+        self._cache = HybridCache.for_pattern(model.config.pattern, kv_codecs=self.kv_codecs)
         pre = model(x_BL, cache=self._cache, return_hidden=True)
         nxt = self.sample(pre.logits[:, -1])
         # MTP position t sees (h_t, x_{t+1}); run with the first draft of the next round

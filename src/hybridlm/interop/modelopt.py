@@ -22,6 +22,13 @@ linear `<prefix>.weight` gets its companions next to it:
 1 / input_scale and rescales the GEMM by input_scale * weight_scale_2.) Unquantised tensors keep
 the names and layout of the plain export, in `dtype`.
 
+A model whose `kv_cache_quant` declares a format (`precision.kv_cache`: FP8 or NVFP4 KV cache)
+gets `kv_cache_quant_algo` "FP8" / "NVFP4" and one fp32 scalar per attention layer and tensor:
+`<attention>.k_scale` / `.v_scale` (FP8: amax / 448; NVFP4: the per-tensor scale amax / (6 * 448)),
+next to the attention's projections: `backbone.layers.{i}.mixer.k_scale` for NemotronH (vLLM
+loads it into the layer's `mixer.attn`), `model.layers.{i}.self_attn.k_proj.k_scale` /
+`v_proj.v_scale` for Olmo 3 (ModelOpt's names, which vLLM remaps the same way).
+
 Quantisation metadata, as ModelOpt writes it and vLLM's `ModelOptNvFp4Config` /
 `ModelOptFp8Config` / `ModelOptMixedPrecisionConfig` read it:
 
@@ -49,6 +56,7 @@ import torch
 from ..config import ModelConfig
 from ..model.model import HybridLM
 from ..model.moe import Experts
+from ..precision.kv_cache import KV_FORMATS, KVCacheQuant, amax_of_scale
 from ..precision.ptq import QuantExperts, QuantLinear
 from .hf import (
     _DTYPES,
@@ -124,7 +132,8 @@ def quantization_metadata(
         raise ValueError("the model has no quantised operators; run ptq.quantize_model first")
     formats = sorted({fmt for fmt, _ in quant.values()})
     exclude = _linear_prefixes(cfg, model, set(quant))
-    q: dict[str, Any] = {"kv_cache_quant_algo": None}
+    kv = _kv_format(model)
+    q: dict[str, Any] = {"kv_cache_quant_algo": kv.upper() if kv else None}
     if len(formats) == 1:
         q["quant_algo"] = QUANT_ALGO[formats[0]]
         if formats[0] == "nvfp4":
@@ -183,6 +192,7 @@ def export_modelopt(
         part = {n: t[field] for n, (_, t) in quant.items() if field in t}
         if part:
             tensors.update(_hf_names(cfg, part, field))
+    tensors.update(_kv_scale_tensors(model))
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     return write_model_dir(
         path,
@@ -191,6 +201,61 @@ def export_modelopt(
         tokenizer=tokenizer,
         extra_files={"hf_quant_config.json": hf_quant},
     )
+
+
+def _kv_format(model: torch.nn.Module) -> str:
+    """The KV-cache format the model declares ("" for none)."""
+    spec = model.kv_cache_quant
+    return spec.fmt if isinstance(spec, KVCacheQuant) else ""
+
+
+def _kv_scale_names(cfg: ModelConfig, block: int) -> tuple[str, str]:
+    """transformers names of attention block `block`'s k_scale / v_scale (module docstring)."""
+    names = []
+    for proj, field in (("k_proj", "k_scale"), ("v_proj", "v_scale")):
+        hf = next(iter(_hf_names(cfg, {f"layers.{block}.mixer.{proj}.weight": _EMPTY}, "weight")))
+        prefix = hf.removesuffix(".weight")
+        if ".self_attn." not in prefix:  # NemotronH: on the attention mixer itself
+            prefix = prefix.rpartition(".")[0]
+        names.append(f"{prefix}.{field}")
+    return names[0], names[1]
+
+
+_EMPTY = torch.empty(0)
+
+
+def _kv_scale_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    fmt = _kv_format(model)
+    if not fmt:
+        return {}
+    out = {}
+    for i, (k, v) in model.kv_cache_quant.scales(fmt).items():
+        kn, vn = _kv_scale_names(model.config, i)
+        out[kn], out[vn] = k.float().reshape(()), v.float().reshape(())
+    return out
+
+
+def _read_kv_scales(
+    cfg: ModelConfig, qcfg: dict[str, Any], tensors: dict[str, torch.Tensor], path: Path
+) -> KVCacheQuant | None:
+    """The checkpoint's KV-cache format and scales (as amax per KV head), or None."""
+    algo = qcfg.get("kv_cache_quant_algo")
+    if not algo:
+        return None
+    fmt = str(algo).lower()
+    if fmt not in KV_FORMATS:
+        raise ValueError(f"{path}: kv_cache_quant_algo {algo!r}; hybridlm reads FP8 and NVFP4")
+    spec = KVCacheQuant(fmt=fmt)
+    heads = cfg.attention.num_kv_heads
+    for i, letter in enumerate(cfg.pattern):
+        if letter != "*":
+            continue
+        kn, vn = _kv_scale_names(cfg, i)
+        if kn not in tensors or vn not in tensors:
+            raise ValueError(f"{path} declares a {algo} KV cache but has no {kn} / {vn}")
+        spec.k_amax[i] = amax_of_scale(fmt, tensors[kn].float()).reshape(()).expand(heads).clone()
+        spec.v_amax[i] = amax_of_scale(fmt, tensors[vn].float()).reshape(()).expand(heads).clone()
+    return spec
 
 
 # ============================================================================ import
@@ -241,6 +306,8 @@ def load_modelopt(path: str | Path, *, dtype: torch.dtype | None = None) -> Hybr
     tensors = read_safetensors_dir(path)
     has_mtp = any(k.startswith("mtp.") for k in tensors)
     cfg = from_hf_config(hf_cfg, has_mtp=has_mtp)
+    kv_spec = _read_kv_scales(cfg, qcfg, tensors, path)
+    tensors = {k: v for k, v in tensors.items() if not k.endswith((".k_scale", ".v_scale"))}
 
     def is_field(k: str) -> bool:
         return k.rpartition(".")[2] in FIELDS
@@ -302,6 +369,7 @@ def load_modelopt(path: str | Path, *, dtype: torch.dtype | None = None) -> Hybr
         _set(model, module, QuantExperts(fmts.pop(), projs))
     model.tie_weights()
     model.init_buffers()
+    model.kv_cache_quant = kv_spec
     meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if meta:
         raise ValueError(f"checkpoint {path} leaves tensors unset: {meta[:6]}")

@@ -17,7 +17,9 @@ mixer zeroes their conv input and dt).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,41 +27,88 @@ import torch.nn.functional as F
 from .state_precision import StoredState, check_precision
 
 
-class KVState:
-    """Keys and values of one attention layer in a preallocated buffer that doubles when full;
-    `update` appends and returns views of the valid prefix, `truncate` rolls back."""
+class KVCodec(Protocol):
+    """How an attention layer stores its keys (or values) between calls: `encode` turns
+    [B, K, L, E] into storage parts whose leading dims are [B, K, L] (codes, block scales, ...);
+    `decode` turns the parts of the valid columns back into the activation dtype. Quantised
+    codecs are applied from outside (`precision.kv_cache`); the default stores as given."""
 
-    def __init__(self, capacity: int = 256) -> None:
+    def encode(self, x_BKLE: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor: ...
+
+
+class AsGiven:
+    """Keys / values stored in the activation dtype (decoding returns views, no copy)."""
+
+    def encode(self, x_BKLE: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x_BKLE,)
+
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+        return parts[0]
+
+
+AS_GIVEN = AsGiven()
+Parts = tuple[torch.Tensor, ...]
+
+
+class KVState:
+    """Keys and values of one attention layer in preallocated buffers that double when full;
+    `update` appends and returns the valid prefix (views for the default codec, decoded copies
+    for a quantised one: stored quantised, dequantised for attention), `truncate` rolls back.
+    `codec`: (keys, values) `KVCodec`s; every storage part shares the [B, K, S] leading dims,
+    so row selection, padding and column moves act on the stored parts as they are."""
+
+    def __init__(self, capacity: int = 256, codec: tuple[KVCodec, KVCodec] | None = None) -> None:
         self.capacity0 = capacity
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
+        self.codec = codec or (AS_GIVEN, AS_GIVEN)
+        self._k: Parts | None = None
+        self._v: Parts | None = None
+        self.dtype: torch.dtype | None = None  # what decoding returns (the activations')
         self.length = 0
 
     def update(
         self, k_BKLE: torch.Tensor, v_BKLE: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        L = k_BKLE.shape[2]
-        need = self.length + L
-        if self._k is None or need > self._k.shape[2]:
-            cap = max(self.capacity0, need, 2 * (0 if self._k is None else self._k.shape[2]))
-            k_new = k_BKLE.new_empty(*k_BKLE.shape[:2], cap, k_BKLE.shape[3])
-            v_new = v_BKLE.new_empty(*v_BKLE.shape[:2], cap, v_BKLE.shape[3])
-            if self._k is not None:
-                k_new[:, :, : self.length] = self._k[:, :, : self.length]
-                v_new[:, :, : self.length] = self._v[:, :, : self.length]
-            self._k, self._v = k_new, v_new
-        self._k[:, :, self.length : need] = k_BKLE
-        self._v[:, :, self.length : need] = v_BKLE
-        self.length = need
+        self.dtype = k_BKLE.dtype
+        self._append(self.codec[0].encode(k_BKLE), self.codec[1].encode(v_BKLE))
         return self.k_BKSE, self.v_BKSE
+
+    def _append(self, kp: Parts, vp: Parts) -> None:
+        L = kp[0].shape[2]
+        need = self.length + L
+        if self._k is None or need > self._k[0].shape[2]:
+            cap = max(self.capacity0, need, 2 * (0 if self._k is None else self._k[0].shape[2]))
+
+            def grown(old: Parts | None, new: Parts) -> Parts:
+                out = tuple(p.new_empty(*p.shape[:2], cap, *p.shape[3:]) for p in new)
+                if old is not None:
+                    for o, b in zip(out, old, strict=True):
+                        o[:, :, : self.length] = b[:, :, : self.length]
+                return out
+
+            self._k, self._v = grown(self._k, kp), grown(self._v, vp)
+        assert self._k is not None and self._v is not None
+        for buf, part in zip(self._k + self._v, kp + vp, strict=True):
+            buf[:, :, self.length : need] = part
+        self.length = need
+
+    def parts(self) -> tuple[Parts, Parts] | None:
+        """The stored parts of the valid columns (views): keys, values."""
+        if self._k is None or self._v is None:
+            return None
+        n = self.length
+        return tuple(p[:, :, :n] for p in self._k), tuple(p[:, :, :n] for p in self._v)
 
     @property
     def k_BKSE(self) -> torch.Tensor | None:
-        return None if self._k is None else self._k[:, :, : self.length]
+        kv = self.parts()
+        return None if kv is None else self.codec[0].decode(kv[0], self.dtype)
 
     @property
     def v_BKSE(self) -> torch.Tensor | None:
-        return None if self._v is None else self._v[:, :, : self.length]
+        kv = self.parts()
+        return None if kv is None else self.codec[1].decode(kv[1], self.dtype)
 
     def truncate(self, length: int) -> None:
         """Forget every position from `length` on (e.g. rejected speculative drafts)."""
@@ -68,41 +117,95 @@ class KVState:
         self.length = length
 
     def nbytes(self) -> int:
-        """Bytes of the valid keys and values."""
-        if self._k is None:
-            return 0
-        return 2 * self._k[:, :, : self.length].numel() * self._k.element_size()
+        """Bytes of the valid keys and values as stored."""
+        kv = self.parts()
+        return 0 if kv is None else sum(p.numel() * p.element_size() for p in kv[0] + kv[1])
 
     def allocated_nbytes(self) -> int:
         """Bytes of the buffers, including the capacity not yet written."""
-        if self._k is None:
+        if self._k is None or self._v is None:
             return 0
-        return 2 * self._k.numel() * self._k.element_size()
+        return sum(p.numel() * p.element_size() for p in self._k + self._v)
+
+    def like(self, kp: Parts, vp: Parts) -> KVState:
+        """A state of the same codec owning copies of these stored parts (room to grow)."""
+        st = KVState(capacity=max(256, 2 * kp[0].shape[2]), codec=self.codec)
+        st.dtype = self.dtype
+        st._append(kp, vp)
+        return st
 
     @classmethod
     def from_tensors(cls, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> KVState:
-        """A state owning copies of `k`/`v` (with room to grow)."""
+        """A state owning copies of `k`/`v` (with room to grow), stored as given."""
         st = cls(capacity=max(256, 2 * k_BKSE.shape[2]))
         st.update(k_BKSE, v_BKSE)
         return st
 
-    def select(self, rows: torch.Tensor) -> KVState:
-        return KVState.from_tensors(self.k_BKSE[rows], self.v_BKSE[rows])
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> KVState:
+        kv = self.parts()
+        if kv is None:
+            raise ValueError("the KV cache holds no columns yet")
+        return self.like(tuple(fn(p) for p in kv[0]), tuple(fn(p) for p in kv[1]))
 
-    def padded_left(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Valid keys/values with `n` zero columns in front."""
-        k, v = self.k_BKSE, self.v_BKSE
-        return F.pad(k, (0, 0, n, 0)), F.pad(v, (0, 0, n, 0))
+    def select(self, rows: torch.Tensor) -> KVState:
+        return self._map(lambda p: p[rows])
+
+    def copy(self) -> KVState:
+        """An independent copy of the valid columns."""
+        return self._map(lambda p: p)
+
+    def view(self) -> KVState:
+        """A state sharing storage with this one (views of the valid columns)."""
+        out = KVState(codec=self.codec)
+        kv = self.parts()
+        if kv is not None:
+            out._k, out._v, out.length, out.dtype = kv[0], kv[1], self.length, self.dtype
+        return out
+
+    def padded_left(self, n: int) -> tuple[Parts, Parts]:
+        """The stored parts of the valid columns with `n` zero columns in front (zero codes
+        decode to 0 in every format)."""
+        kv = self.parts()
+        if kv is None:
+            raise ValueError("the KV cache holds no columns yet")
+        return tuple(_pad_cols(p, n) for p in kv[0]), tuple(_pad_cols(p, n) for p in kv[1])
+
+    def zeros(self, rows: int, columns: int) -> tuple[Parts, Parts]:
+        """Stored parts of `rows` rows of `columns` zero columns, shaped like this state's."""
+        kv = self.parts()
+        if kv is None:
+            raise ValueError("the KV cache holds no columns yet")
+
+        def z(p: torch.Tensor) -> torch.Tensor:
+            return p.new_zeros(rows, p.shape[1], columns, *p.shape[3:])
+
+        return tuple(z(p) for p in kv[0]), tuple(z(p) for p in kv[1])
 
     def drop_left(self, n: int) -> None:
         """Forget the first `n` columns (all-padding columns after rows left the batch)."""
         if n:
-            self.reset(self.k_BKSE[:, :, n:].clone(), self.v_BKSE[:, :, n:].clone())
+            self._hold(self._map(lambda p: p[:, :, n:]))
 
-    def reset(self, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> None:
-        """Hold exactly these keys and values (in a fresh buffer)."""
-        self._k, self._v, self.length = None, None, 0
-        self.update(k_BKSE, v_BKSE)
+    def gather_columns(self, src_BS: torch.Tensor) -> None:
+        """Hold in row b the valid columns src_BS[b] (in that order)."""
+        B, S = src_BS.shape
+
+        def g(p: torch.Tensor) -> torch.Tensor:
+            idx = src_BS.reshape(B, 1, S, *([1] * (p.dim() - 3)))
+            idx = idx.expand(B, p.shape[1], S, *p.shape[3:])
+            if p.element_size() == 1:  # float8 codes: gathered as their bytes
+                return p.view(torch.uint8).gather(2, idx).view(p.dtype)
+            return p.gather(2, idx)
+
+        self._hold(self._map(g))
+
+    def _hold(self, other: KVState) -> None:
+        self._k, self._v, self.length = other._k, other._v, other.length
+
+
+def _pad_cols(p: torch.Tensor, n: int) -> torch.Tensor:
+    """`n` zero columns (dim 2) in front of a [B, K, S, ...] part."""
+    return torch.cat([p.new_zeros(*p.shape[:2], n, *p.shape[3:]), p], dim=2)
 
 
 class MambaState:
@@ -264,20 +367,18 @@ class HybridCache:
         for states in zip(*(c.layers for c in caches), strict=True):
             first = states[0]
             if isinstance(first, KVState):
-                ref = next((st.k_BKSE for st in states if st.k_BKSE is not None), None)
+                ref = next((st for st in states if st.length), None)
                 if ref is None:  # no row has a token yet
-                    layers.append(KVState())
+                    layers.append(KVState(codec=first.codec))
                     continue
                 ks, vs = [], []
                 for st, c, n in zip(states, caches, rows, strict=True):
-                    if st.k_BKSE is None:
-                        ks.append(ref.new_zeros(n, ref.shape[1], S, ref.shape[3]))
-                        vs.append(ks[-1])
-                    else:
-                        k, v = st.padded_left(S - c.seen_tokens)
-                        ks.append(k)
-                        vs.append(v)
-                layers.append(KVState.from_tensors(torch.cat(ks), torch.cat(vs)))
+                    kp, vp = st.padded_left(S - c.seen_tokens) if st.length else ref.zeros(n, S)
+                    ks.append(kp)
+                    vs.append(vp)
+                k_parts = tuple(torch.cat(ps) for ps in zip(*ks, strict=True))
+                v_parts = tuple(torch.cat(ps) for ps in zip(*vs, strict=True))
+                layers.append(ref.like(k_parts, v_parts))
             elif isinstance(first, MambaState):
                 layers.append(MambaState.cat(list(states)))
             else:
@@ -317,9 +418,7 @@ class HybridCache:
         layers: list[KVState | MambaState | None] = []
         for st in self.layers:
             if isinstance(st, KVState):
-                view = KVState()
-                view._k, view._v, view.length = st.k_BKSE, st.v_BKSE, st.length
-                layers.append(view)
+                layers.append(st.view())
             elif isinstance(st, MambaState):
                 layers.append(st._like(st.conv_BSX, st._ssm, st.steps))
             else:
@@ -334,7 +433,7 @@ class HybridCache:
         out = self.prefix_view()
         for i, st in enumerate(out.layers):
             if isinstance(st, KVState) and st._k is not None:
-                out.layers[i] = KVState.from_tensors(st.k_BKSE, st.v_BKSE)
+                out.layers[i] = st.copy()
         return out
 
     def nbytes(self) -> int:
@@ -351,14 +450,25 @@ class HybridCache:
 
     @classmethod
     def for_pattern(
-        cls, pattern: str, *, ssm_precision: str = "fp32", seed: int = 0
+        cls,
+        pattern: str,
+        *,
+        ssm_precision: str = "fp32",
+        seed: int = 0,
+        kv_codecs: dict[int, tuple[KVCodec, KVCodec]] | None = None,
     ) -> HybridCache:
-        """One state per block; `ssm_precision` is one of `state_precision.SSM_PRECISIONS`."""
+        """One state per block; `ssm_precision` is one of `state_precision.SSM_PRECISIONS`;
+        `kv_codecs`: block index -> (keys, values) codecs of its KV cache (default: stored as
+        given; `precision.kv_cache` makes quantised ones)."""
         check_precision(ssm_precision)
+        kv_codecs = kv_codecs or {}
+        unknown = sorted(set(kv_codecs) - {i for i, c in enumerate(pattern) if c == "*"})
+        if unknown:
+            raise ValueError(f"kv_codecs name blocks {unknown} that are not attention layers")
 
         def make(i: int, letter: str) -> KVState | MambaState | None:
             if letter == "*":
-                return KVState()
+                return KVState(codec=kv_codecs.get(i))
             if letter == "M":
                 return MambaState(ssm_precision, seed=seed, layer=i)
             return None
@@ -462,9 +572,7 @@ class HybridCache:
         new_mask = torch.arange(S, device=mask_BS.device)[None] >= (S - n_B)[:, None]
         for st in self.layers:
             if isinstance(st, KVState) and st._k is not None:
-                k, v = st.k_BKSE, st.v_BKSE
-                idx = src_BS[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-                st.reset(k.gather(2, idx), v.gather(2, idx))
+                st.gather_columns(src_BS)
         self.key_mask_BS = new_mask
         self.seen_tokens = S
         self.trim()

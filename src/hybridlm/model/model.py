@@ -81,6 +81,9 @@ class HybridLM(nn.Module):
         self.lm_head = nn.Linear(d, V, bias=False)
         self.tie_weights()
         self.mtp = MTP(config) if config.mtp.pattern else None
+        # how engines store this model's attention KV cache, set from outside
+        # (`precision.kv_cache.KVCacheQuant`: a checkpoint's declared format and calibration)
+        self.kv_cache_quant: Any = None
         # a reward model's scalar head (config.num_labels): `score(hidden[last token])`
         self.score = nn.Linear(d, config.num_labels, bias=False) if config.num_labels else None
         # context parallelism (`train.context_parallel`): when set, a forward takes one

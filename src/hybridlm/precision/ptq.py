@@ -332,29 +332,254 @@ class QuantExperts(_QuantStorage):
         return out
 
     def forward(self, z_TW: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-        """Sorted dispatch, one GEMM pair per expert (the reference loop of `moe.Experts`) with
-        the inputs of both GEMMs quantised; the 1-D activation blocks lie within a token's row,
-        so quantising z once before the dispatch equals quantising each expert's slice."""
-        T, K = idx_TK.shape
-        up_dq, down_dq = self.up_proj_dq.to(z_TW.dtype), self.down_proj_dq.to(z_TW.dtype)
-        E = up_dq.shape[0]
-        zq_TW = fake_quant_input(z_TW, self.fmt, self.up_proj_input_scale)
-        flat_A = idx_TK.reshape(-1)
-        order_A = flat_A.argsort(stable=True)
-        token_A = order_A // K
-        counts = torch.bincount(flat_A, minlength=E).tolist()
-        outs = []
-        for e, chunk in enumerate(zq_TW[token_A].split(counts)):
-            if chunk.shape[0]:
-                h = relu2(F.linear(chunk, up_dq[e]))
-                h = fake_quant_input(h, self.fmt, self.down_proj_input_scale)
-                outs.append(F.linear(h, down_dq[e]))
-        y_AW = torch.cat(outs) if outs else z_TW.new_zeros(0, down_dq.shape[1])
-        y_AW = y_AW * w_TK.reshape(-1)[order_A, None].to(y_AW.dtype)
-        return torch.zeros_like(z_TW, dtype=y_AW.dtype).index_add_(0, token_A, y_AW).to(z_TW.dtype)
+        up, down = self.up_proj_dq.to(z_TW.dtype), self.down_proj_dq.to(z_TW.dtype)
+
+        def q(x: torch.Tensor, p: str) -> torch.Tensor:
+            return fake_quant_input(x, self.fmt, getattr(self, f"{p}_input_scale"))
+
+        return quant_experts_forward(z_TW, idx_TK, w_TK, up, down, q)
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, experts={self.up_proj_dq.shape[0]}"
+
+
+def quant_experts_forward(
+    z_TW: torch.Tensor,
+    idx_TK: torch.Tensor,
+    w_TK: torch.Tensor,
+    up_EFW: torch.Tensor,
+    down_EWF: torch.Tensor,
+    quant_input: Callable[[torch.Tensor, str], torch.Tensor],
+) -> torch.Tensor:
+    """Routed experts with quantised GEMM inputs: sorted dispatch, one GEMM pair per expert (the
+    reference loop of `moe.Experts`), `quant_input(x, projection)` applied to the input of both
+    GEMMs. The 1-D activation blocks lie within a token's row, so quantising z once before the
+    dispatch equals quantising each expert's slice."""
+    T, K = idx_TK.shape
+    E = up_EFW.shape[0]
+    zq_TW = quant_input(z_TW, "up_proj")
+    flat_A = idx_TK.reshape(-1)
+    order_A = flat_A.argsort(stable=True)
+    token_A = order_A // K
+    counts = torch.bincount(flat_A, minlength=E).tolist()
+    outs = []
+    for e, chunk in enumerate(zq_TW[token_A].split(counts)):
+        if chunk.shape[0]:
+            h = quant_input(relu2(F.linear(chunk, up_EFW[e])), "down_proj")
+            outs.append(F.linear(h, down_EWF[e]))
+    y_AW = torch.cat(outs) if outs else z_TW.new_zeros(0, down_EWF.shape[1])
+    y_AW = y_AW * w_TK.reshape(-1)[order_A, None].to(y_AW.dtype)
+    return torch.zeros_like(z_TW, dtype=y_AW.dtype).index_add_(0, token_A, y_AW).to(z_TW.dtype)
+
+
+# ============================================================================ QAT modules
+# Quantisation-aware training (QAD's student, `train.qad`): the same quantised forward as the
+# inference modules above, computed from trainable high-precision master weights. As in ModelOpt's
+# QAT, the per-tensor scales are those of calibration and stay fixed (a weight's `weight_amax`,
+# the activations' `input_scale`); NVFP4 weight block scales are recomputed from the current
+# master weight at every forward, with the same search as the export, so `to_inference` turns a
+# QAT module into the inference module whose forward is bit-identical. Gradients pass straight
+# through each quantiser to its input, zero where the format saturates (|x| beyond the largest
+# value it represents under the fixed per-tensor scale: ModelOpt's clipped straight-through
+# estimator).
+
+
+def saturation_bound(fmt: str, scale: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude `fmt` represents under the per-tensor scale: FP8 448 * s; NVFP4
+    6 * 448 * s_g (the largest E2M1 value times the largest E4M3 block scale)."""
+    if fmt == "nvfp4":
+        return E2M1_MAX * 448.0 * scale.float()
+    return 448.0 * scale.float()
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the quantised value `q` exactly; backward: the gradient to `x` where |x| <=
+    bound (the clipped straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, q: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, bound)
+        return q.view_as(q)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, bound = ctx.saved_tensors
+        return g * (x.abs() <= bound).to(g.dtype), None, None
+
+
+def straight_through(x: torch.Tensor, q: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """`q` (the quantised `x`) in value, with the clipped straight-through gradient to `x`."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return q
+    return _StraightThrough.apply(x, q, bound.to(x.device))
+
+
+@torch.no_grad()
+def fake_quant_weight(fmt: str, w_NK: torch.Tensor, amax: torch.Tensor, search: str):
+    """dequant(quant(w)) exactly as exported: `dequantize_weight(quantize_weight(...))`."""
+    return dequantize_weight(fmt, quantize_weight(fmt, w_NK.detach().float(), amax, search))
+
+
+def _cached(module: nn.Module, name: str, amax: torch.Tensor, quantize: Callable) -> torch.Tensor:
+    """`quantize(fmt, weight, amax, search)` of the module's Parameter `name`, recomputed only
+    when the weight changed (its version counter moves with every in-place update: an optimizer
+    step): decoding and gradient accumulation reuse it."""
+    w = getattr(module, name)
+    key = (w._version, w.data_ptr(), w.device, amax._version)
+    cache = module.__dict__.setdefault("_quantized", {})
+    if name not in cache or cache[name][0] != key:
+        cache[name] = (key, quantize(module.fmt, w, amax, module.search))
+    return cache[name][1]
+
+
+class QATLinear(nn.Module):
+    """Trainable fake-quant linear: `weight` is the master weight (the replaced `nn.Linear`'s
+    own Parameter); forward = F.linear(Q_act(x), Q_w(weight)) with straight-through gradients.
+    `weight_amax` and `input_scale` are the calibration's (fixed)."""
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        fmt: str,
+        *,
+        weight_amax: float,
+        input_scale: torch.Tensor,
+        search: str,
+    ) -> None:
+        super().__init__()
+        if fmt not in ("nvfp4", "fp8"):
+            raise ValueError(f"QATLinear formats are nvfp4 and fp8, got {fmt!r}")
+        self.fmt, self.search = fmt, search
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+        # fixed per-tensor scales; recorded in the QAD run's checkpoints (not in model weights)
+        self.register_buffer("weight_amax", torch.tensor(float(weight_amax)), persistent=False)
+        self.register_buffer("input_scale", input_scale.float().clone(), persistent=False)
+
+    def quantized_weight(self) -> torch.Tensor:
+        return _cached(self, "weight", self.weight_amax, fake_quant_weight)
+
+    def forward(self, x: torch.Tensor, **_: Any) -> torch.Tensor:
+        xq = straight_through(
+            x,
+            fake_quant_input(x.detach(), self.fmt, self.input_scale),
+            saturation_bound(self.fmt, self.input_scale),
+        )
+        wq = straight_through(
+            self.weight,
+            self.quantized_weight(),
+            saturation_bound(self.fmt, quant_scale(self.fmt, self.weight_amax)),
+        )
+        return F.linear(xq, wq.to(x.dtype))
+
+    @torch.no_grad()
+    def to_inference(self) -> QuantLinear:
+        """The inference module of the current master weight (what the export holds)."""
+        t = quantize_weight(self.fmt, self.weight.detach().float(), self.weight_amax, self.search)
+        t["input_scale"] = self.input_scale.clone()
+        return QuantLinear(self.fmt, t, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+class QATExperts(nn.Module):
+    """Trainable fake-quant routed experts: `up_proj` / `down_proj` are the replaced
+    `Experts`' Parameters [E, ...]; per projection p, `p_weight_amax` [E] and `p_input_scale`
+    (one for all experts) are the calibration's. Forward as `QuantExperts`."""
+
+    PROJS = QuantExperts.PROJS
+
+    def __init__(
+        self, experts: Experts, fmt: str, *, input_scale: dict[str, torch.Tensor], search: str
+    ) -> None:
+        super().__init__()
+        if fmt not in ("nvfp4", "fp8"):
+            raise ValueError(f"QATExperts formats are nvfp4 and fp8, got {fmt!r}")
+        self.fmt, self.search = fmt, search
+        self.impl = "quant"
+        for p in self.PROJS:
+            w = getattr(experts, p)
+            setattr(self, p, w)
+            amax_E = w.detach().abs().amax(dim=(1, 2)).float()  # per expert, as QuantExperts
+            self.register_buffer(f"{p}_weight_amax", amax_E, persistent=False)
+            self.register_buffer(f"{p}_input_scale", input_scale[p].float(), persistent=False)
+
+    def _weights(self, p: str) -> torch.Tensor:
+        w, amax_E = getattr(self, p), getattr(self, f"{p}_weight_amax")
+
+        def per_expert(fmt: str, w_ENK, amax_E, search: str) -> torch.Tensor:
+            return torch.stack(
+                [fake_quant_weight(fmt, w_ENK[e], amax_E[e], search) for e in range(len(w_ENK))]
+            )
+
+        wq = _cached(self, p, amax_E, per_expert)
+        bound = saturation_bound(self.fmt, quant_scale(self.fmt, amax_E))[:, None, None]
+        return straight_through(w, wq, bound)
+
+    def forward(self, z_TW: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        def q(x: torch.Tensor, p: str) -> torch.Tensor:
+            s = getattr(self, f"{p}_input_scale")
+            xq = fake_quant_input(x.detach(), self.fmt, s)
+            return straight_through(x, xq, saturation_bound(self.fmt, s))
+
+        up, down = (self._weights(p).to(z_TW.dtype) for p in self.PROJS)
+        return quant_experts_forward(z_TW, idx_TK, w_TK, up, down, q)
+
+    @torch.no_grad()
+    def to_inference(self) -> QuantExperts:
+        tensors: dict[str, dict[str, torch.Tensor]] = {}
+        for p in self.PROJS:
+            w, amax_E = getattr(self, p).detach().float(), getattr(self, f"{p}_weight_amax")
+            per = [
+                quantize_weight(self.fmt, w[e], amax_E[e], self.search) for e in range(w.shape[0])
+            ]
+            t = {k: torch.stack([d[k] for d in per]) for k in per[0]}
+            t["input_scale"] = getattr(self, f"{p}_input_scale").clone()
+            tensors[p] = t
+        return QuantExperts(self.fmt, tensors)
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, experts={self.up_proj.shape[0]}"
+
+
+def quant_scale(fmt: str, amax: torch.Tensor) -> torch.Tensor:
+    """The per-tensor scale of a weight amax (NVFP4 `weight_scale_2`, FP8 `weight_scale`)."""
+    return nvfp4_weight_global_scale(amax) if fmt == "nvfp4" else fp8_weight_scale(amax)
+
+
+def qat_modules(model: nn.Module) -> dict[str, QATLinear | QATExperts]:
+    """The model's QAT modules by module path."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, (QATLinear, QATExperts))}
+
+
+def qat_scales(model: nn.Module) -> dict[str, dict[str, list[float]]]:
+    """{module path: {buffer: values}} of the QAT modules' fixed scales (JSON-exact floats)."""
+    return {
+        n: {b: buf.flatten().tolist() for b, buf in m.named_buffers(recurse=False)}
+        for n, m in qat_modules(model).items()
+    }
+
+
+def load_qat_scales(model: nn.Module, scales: dict[str, dict[str, list[float]]]) -> None:
+    """Restore what `qat_scales` recorded (a resumed QAD run keeps its calibration's scales)."""
+    mods = qat_modules(model)
+    if set(mods) != set(scales):
+        raise ValueError(
+            f"the recorded QAT scales name other operators than the model's: "
+            f"{sorted(set(mods) ^ set(scales))[:4]}"
+        )
+    for n, m in mods.items():
+        for b, buf in m.named_buffers(recurse=False):
+            buf.copy_(torch.tensor(scales[n][b], dtype=buf.dtype).reshape(buf.shape))
+
+
+def to_inference(model: nn.Module) -> nn.Module:
+    """Replace every QAT module by its inference module (the quantised weights of the current
+    master weights), in place; returns the model."""
+    for name, mod in qat_modules(model).items():
+        _set_submodule(model, name, mod.to_inference())
+    return model
 
 
 # ============================================================================ operators
@@ -392,7 +617,7 @@ def find_ops(model: nn.Module, exclude: Iterable[str] = DEFAULT_EXCLUDE) -> list
     for name, mod in model.named_modules():
         if _excluded(name, exclude):
             continue
-        if isinstance(mod, (nn.Linear, QuantLinear)):
+        if isinstance(mod, (nn.Linear, QuantLinear, QATLinear)):
             n_out, k = (mod.out_features, mod.in_features)
             ops.append(
                 Op(
@@ -404,8 +629,8 @@ def find_ops(model: nn.Module, exclude: Iterable[str] = DEFAULT_EXCLUDE) -> list
                     k=k,
                 )
             )
-        elif isinstance(mod, (Experts, QuantExperts)):
-            up = mod.up_proj if isinstance(mod, Experts) else mod.up_proj_dq
+        elif isinstance(mod, (Experts, QuantExperts, QATExperts)):
+            up = mod.up_proj_dq if isinstance(mod, QuantExperts) else mod.up_proj
             E, Fh, W = up.shape
             moe = _parent_moe(model, name)
             top_k = moe.cfg.top_k if moe is not None else E
@@ -536,10 +761,13 @@ def quantize_model(
     *,
     weight_scale: Literal["mse", "max"] = "mse",
     exclude: Iterable[str] = DEFAULT_EXCLUDE,
+    qat: bool = False,
 ) -> dict[str, str]:
     """Swap the operators named in `plan` (op name -> "nvfp4" | "fp8" | "bf16") for fake-quant
-    modules, in place. Fused groups must agree on the format and share their scales. Returns the
-    formats applied per operator (NVFP4 falls back to FP8 for a K not divisible by 16)."""
+    modules, in place: inference modules, or with `qat` trainable ones (`QATLinear` /
+    `QATExperts`, same scales; `to_inference` converts them). Fused groups must agree on the
+    format and share their scales. Returns the formats applied per operator (NVFP4 falls back to
+    FP8 for a K not divisible by 16)."""
     ops = {op.name: op for op in find_ops(model, exclude)}
     unknown = sorted(set(plan) - set(ops))
     if unknown:
@@ -556,7 +784,8 @@ def quantize_model(
             applied[op.name] = fmt
         if fmt == "bf16":
             continue
-        for name, module in quantized_group(model, members, fmt, stats, weight_scale).items():
+        modules = quantized_group(model, members, fmt, stats, weight_scale, qat=qat)
+        for name, module in modules.items():
             _set_submodule(model, name, module)
     # layers with a quantised module skip the fused decode steps by themselves (model/stock.py)
     return applied
@@ -564,18 +793,39 @@ def quantize_model(
 
 @torch.no_grad()
 def quantized_group(
-    model: nn.Module, members: list[Op], fmt: str, stats: CalibStats, weight_scale: str
+    model: nn.Module,
+    members: list[Op],
+    fmt: str,
+    stats: CalibStats,
+    weight_scale: str,
+    *,
+    qat: bool = False,
 ) -> dict[str, nn.Module]:
-    """{op name: fake-quant module} for one decision group in one format (NVFP4 or FP8)."""
+    """{op name: fake-quant module} for one decision group in one format (NVFP4 or FP8);
+    trainable QAT modules with `qat`."""
     if members[0].kind == "experts":
         name = members[0].name
         amax = {p: stats.amax(f"{name}.{p}") for p in QuantExperts.PROJS}
         experts = model.get_submodule(name)
+        if qat:
+            scales = {p: input_scale_for(fmt, a) for p, a in amax.items()}
+            return {name: QATExperts(experts, fmt, input_scale=scales, search=weight_scale)}
         return {name: QuantExperts.from_experts(experts, fmt, input_amax=amax, search=weight_scale)}
     linears = [model.get_submodule(op.name) for op in members]
     # ModelOpt preprocess_linear_fusion: fused linears share the weight and the input amax
     w_amax = max(float(m.weight.detach().abs().amax()) for m in linears)
     x_amax = max(stats.amax(op.name) for op in members)
+    if qat:
+        return {
+            op.name: QATLinear(
+                lin.weight,
+                fmt,
+                weight_amax=w_amax,
+                input_scale=input_scale_for(fmt, x_amax),
+                search=weight_scale,
+            )
+            for op, lin in zip(members, linears, strict=True)
+        }
     return {
         op.name: QuantLinear.from_linear(
             lin, fmt, weight_amax=w_amax, input_amax=x_amax, search=weight_scale

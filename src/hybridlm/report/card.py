@@ -42,6 +42,7 @@ STAGE_ORDER = (
     "rl",
     "mtp_heal",
     "quantize",
+    "qad",
     "eval",
 )
 
@@ -369,6 +370,9 @@ def render_report(run_dir: str | Path) -> dict[str, Any]:
         q.parent.name: json.loads(q.read_text())
         for q in sorted((run / "quantize").glob("*/quantize.json"))
     }
+    qad = _read_json(run / "qad" / "qad.json")
+    if "qad" in rec and "delta" in qad:  # QAD's held-out text figures, in quantize.json's layout
+        quant[next(iter(rec["qad"]["summary"]["models"]))] = qad
     order = {r["model"]: i for i, r in enumerate(models)}  # chain order, as evaluated
 
     def chain(d: dict[str, Any]) -> dict[str, Any]:
@@ -592,7 +596,13 @@ def render_report(run_dir: str | Path) -> dict[str, Any]:
             f"{first['calibration'].get('data', 'the training data')}; {names['quant_bpb']} "
             f"(held-out pretraining text, {first['eval']['tokens']:,} tokens): unquantised "
             f"{first['unquantized']['bpb']:.3f}. ModelOpt-format checkpoints in "
-            "`quantize/<recipe>/`."
+            "`quantize/<recipe>/`"
+            + (" and `qad/hf`" if "qad" in rec else "")
+            + (
+                f"; KV cache {first['kv_cache']['format'].upper()} (per-tensor scales)."
+                if first.get("kv_cache")
+                else "."
+            )
         )
         rows = []
         for name, q in quant.items():
@@ -745,6 +755,14 @@ def _headline(
         if stage == "quantize":
             return f"{names['quant_bpb']} change: " + ", ".join(
                 f"{n} {r['delta']['bpb_rel'] * 100:+.2f}%" for n, r in s["results"].items()
+            )
+        if stage == "qad":
+            f = s["figures"]
+            u, p, q = f["unquantized"], f["ptq"], f["qad"]
+            return (
+                f"{s['steps']} steps; SFT held-out exact match: unquantised {u['accuracy']:.2f}, "
+                f"PTQ {p['accuracy']:.2f} -> QAD {q['accuracy']:.2f}; held-out KL to the "
+                f"unquantised model {p['kl']:.4f} -> {q['kl']:.4f}"
             )
         if stage == "eval":
             ms = s["models"]

@@ -72,6 +72,7 @@ from .config import TrainConfig
 from .objectives import (
     IGNORE_INDEX,
     distill_loss,
+    hidden_mse,
     on_policy_distill_loss,
     reverse_kl,
     shift_targets,
@@ -135,11 +136,16 @@ class DistillConfig:
     # offline
     teacher: str = ""
     objective: Objective = "topk_forward_kl"
-    top_k: int = 128  # Nemotron 3.5 Lightning: top-128 teacher logits (clamped to the vocab)
+    # Nemotron 3.5 Lightning: top-128 teacher logits (clamped to the vocab); 0 = the whole
+    # vocabulary (the full forward KL)
+    top_k: int = 128
     kl_weight: float = 0.9
     ce_weight: float = 0.1
     temperature: float = 1.0  # softmax temperature of the top-k forward KL
     skew_alpha: float = 0.1  # skew reverse KL mixing weight of the teacher
+    # + hidden_weight * MSE of the final hidden states vs the teacher's (same d_model; offline,
+    # with a loaded teacher)
+    hidden_weight: float = 0.0
     # a directory of cached teacher top-k (`hybridlm distill-cache` writes it; train/teacher_cache):
     # when set, offline distillation reads it and never loads the teacher
     teacher_cache: str = ""
@@ -166,10 +172,12 @@ class DistillConfig:
                 "distill.objective must be topk_forward_kl or skew_reverse_kl, "
                 f"got {self.objective!r}"
             )
-        if self.top_k < 1 or self.temperature <= 0:
-            raise ValueError("distill.top_k must be >= 1 and distill.temperature > 0")
+        if self.top_k < 0 or self.temperature <= 0:
+            raise ValueError("distill.top_k must be >= 0 (0: all) and distill.temperature > 0")
         if self.kl_weight < 0 or self.ce_weight < 0 or self.kl_weight + self.ce_weight == 0:
             raise ValueError("distill.kl_weight and ce_weight must be >= 0, not both 0")
+        if self.hidden_weight < 0:
+            raise ValueError(f"distill.hidden_weight must be >= 0, got {self.hidden_weight}")
         if not 0 < self.skew_alpha <= 1:
             raise ValueError(f"distill.skew_alpha must be in (0, 1], got {self.skew_alpha}")
         if self.prompts_per_step < 1 or self.samples_per_prompt < 1 or self.max_new_tokens < 1:
@@ -192,6 +200,11 @@ class DistillConfig:
             raise ValueError(
                 f"distill.objective {self.objective} needs the teacher's full distribution; a "
                 "teacher cache holds its top-k: use topk_forward_kl or drop distill.teacher_cache"
+            )
+        if self.mode == "offline" and self.teacher_cache and self.hidden_weight:
+            raise ValueError(
+                "distill.hidden_weight needs the teacher's hidden states; a teacher cache holds "
+                "its top-k logits: set hidden_weight 0 or drop distill.teacher_cache"
             )
         if self.mode == "on_policy":
             self._check_routing()
@@ -261,13 +274,14 @@ def teacher_topk_at(
     teacher: TeacherOut, mask_BL: torch.Tensor, k: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's top-`k` (values [T, k], ids [T, k]) at the positions `mask_BL` selects:
-    from its logits [B, L, V] (k clamped to the vocabulary), or from a lookup (a cache, which
-    applies its own k)."""
+    from its logits [B, L, V] (k clamped to the vocabulary, 0 = all of it), or from a lookup
+    (a cache, which applies its own k)."""
     if callable(teacher):
         top_TK, ids_TK = teacher(mask_BL)
         return top_TK.to(device), ids_TK.to(device)
     t_TV = teacher[mask_BL].float()
-    return t_TV.topk(min(k, t_TV.shape[-1]), dim=-1)
+    V = t_TV.shape[-1]
+    return t_TV.topk(min(k, V) if k else V, dim=-1)
 
 
 def offline_distill_loss(
@@ -349,28 +363,44 @@ class OfflineDistiller(SFT):
             check_vocab(self.model, self.teacher.config.vocab_size, dc.teacher)
 
     def teacher_out(
-        self, ids_BL: torch.Tensor, doc_BL: torch.Tensor, batch: dict[str, torch.Tensor], split: str
-    ) -> TeacherOut:
+        self,
+        ids_BL: torch.Tensor,
+        doc_BL: torch.Tensor,
+        batch: dict[str, torch.Tensor],
+        split: str,
+        *,
+        hidden: bool = False,
+    ) -> tuple[TeacherOut, torch.Tensor | None]:
         """What `offline_distill_loss` takes as the teacher: the cache's lookup for this batch's
-        positions, or the teacher's logits (computed here, without gradients)."""
+        positions, or the teacher's logits (computed here, without gradients); and with
+        `hidden` the teacher's final hidden states [B, L, D]."""
         if self.cache:
             cache, k = self.cache[split], self.dcfg.top_k
             conv_BL, pos_BL = batch["conv_ids"], batch["position_ids"]
-            return lambda mask_BL: cache.lookup(conv_BL, pos_BL, mask_BL.cpu(), k)
+            return (lambda mask_BL: cache.lookup(conv_BL, pos_BL, mask_BL.cpu(), k)), None
         assert self.teacher is not None
         with torch.no_grad():
-            return self.teacher(ids_BL, doc_ids=doc_BL, mtp_depth=0).logits
+            out = self.teacher(ids_BL, doc_ids=doc_BL, mtp_depth=0, return_hidden=hidden)
+        return out.logits, out.hidden
 
     def loss(self, micro: dict[str, torch.Tensor], step: Step) -> Loss:
-        dev = self.device
+        dev, hw = self.device, self.dcfg.hidden_weight
         ids_BL, labels_BL = micro["input_ids"].to(dev), micro["labels"].to(dev)
         doc_BL = micro["doc_ids"].to(dev)
+        denom = max(1, step.ctx["num_tokens"])
         with self.rt.autocast():
-            out = self.forward_model(ids_BL, doc_ids=doc_BL, mtp_depth=0, return_logits=True)
-            teacher = self.teacher_out(ids_BL, doc_BL, micro, "train")
+            out = self.forward_model(
+                ids_BL, doc_ids=doc_BL, mtp_depth=0, return_logits=True, return_hidden=hw > 0
+            )
+            teacher, t_hidden_BLD = self.teacher_out(ids_BL, doc_BL, micro, "train", hidden=hw > 0)
         value, metrics = offline_distill_loss(
-            out.logits, teacher, labels_BL, self.dcfg, denom=max(1, step.ctx["num_tokens"])
+            out.logits, teacher, labels_BL, self.dcfg, denom=denom
         )
+        if hw:  # the positions the logits are distilled at
+            mask_BL = shift_targets(labels_BL, 1) != IGNORE_INDEX
+            mse = hidden_mse(out.hidden[mask_BL], t_hidden_BLD[mask_BL], denom=denom)
+            value = value + hw * mse
+            metrics["hidden_mse"] = float(mse.detach())
         return moe_balancing(value, metrics, out, self.tc.grad_accum)
 
     @torch.no_grad()
@@ -389,7 +419,7 @@ class OfflineDistiller(SFT):
             targets_BL = shift_targets(batch["labels"].to(self.device), 1)
             mask_BL = targets_BL != IGNORE_INDEX
             s_TV = self.model(ids_BL, doc_ids=doc_BL, mtp_depth=0).logits[mask_BL]
-            teacher = self.teacher_out(ids_BL, doc_BL, batch, "held")
+            teacher, _ = self.teacher_out(ids_BL, doc_BL, batch, "held")
             top_TK, ids_TK = teacher_topk_at(teacher, mask_BL, self.dcfg.top_k, self.device)
             kl_sum += float(topk_forward_kl(s_TV, top_TK, ids_TK, denom=1))
             n += int(mask_BL.sum())
@@ -752,7 +782,7 @@ def cache_teacher(cfg: DistillRunConfig, *, progress: bool = True) -> dict[str, 
     teacher = load_teacher(dcfg.teacher, device=device, tokenizer=tokenizer)
     spec = CacheSpec(
         teacher=dcfg.teacher,
-        k=dcfg.top_k,
+        k=dcfg.top_k or teacher.config.vocab_size,
         vocab_size=teacher.config.vocab_size,
         logprob_dtype=dcfg.teacher_cache_dtype,
     )

@@ -312,6 +312,25 @@ def distill_loss(
     return kl_weight * kl + ce_weight * ce, {"kl": kl.detach(), "ce": ce.detach()}
 
 
+def hidden_mse(
+    student_hidden_TD: Tensor,
+    teacher_hidden_TD: Tensor,
+    mask_T: Tensor | None = None,
+    *,
+    denom: int | Tensor | None = None,
+) -> Tensor:
+    """sum_t mean_d (h_S,t,d - h_T,t,d)^2 / denom: the distance of the student's final hidden
+    states from the teacher's (same width), e.g. a quantised student from its own unquantised
+    model in quantisation-aware distillation (ModelOpt's optional intermediate-output loss)."""
+    if student_hidden_TD.shape != teacher_hidden_TD.shape:
+        raise ValueError(
+            f"hidden-state distillation needs equal shapes, got {tuple(student_hidden_TD.shape)} "
+            f"and {tuple(teacher_hidden_TD.shape)}"
+        )
+    mse_T = (_fp(student_hidden_TD) - _fp(teacher_hidden_TD)).square().mean(-1)
+    return _reduce(mse_T, mask_T, denom)
+
+
 def skew_reverse_kl(
     student_logits_TV: Tensor,
     teacher_logits_TV: Tensor,

@@ -35,6 +35,7 @@ from ..interop.modelopt import export_modelopt
 from ..io import load_model, load_tokenizer_for, resolve
 from ..io.checkpoint import read_meta
 from ..precision.autoquant import autoquantize, measure_sensitivities, print_table
+from ..precision.kv_cache import KV_FORMATS, calibrate_kv
 from ..precision.ptq import (
     BITS,
     DEFAULT_EXCLUDE,
@@ -67,6 +68,9 @@ class QuantizeConfig:
     weight_scale: Literal["mse", "max"] = "mse"  # NVFP4 weight block scales
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
     per_layer: bool = True  # measure each decision group's loss delta alone
+    # the attention KV cache the checkpoint declares (precision/kv_cache.py): scales calibrated
+    # on the calibration rows, exported as kv_cache_quant_algo + k_scale / v_scale
+    kv_cache: Literal["none", "fp8", "nvfp4"] = "none"
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # unquantised tensors
     device: str = "cpu"  # "auto": cuda when available
     # calibration / held-out data: a run directory or run.yaml whose `data` section to use (e.g.
@@ -92,6 +96,8 @@ class QuantizeConfig:
             raise ValueError(f"cost must be 'params' or 'flops', got {self.cost!r}")
         if self.weight_scale not in ("mse", "max"):
             raise ValueError(f"weight_scale must be 'mse' or 'max', got {self.weight_scale!r}")
+        if self.kv_cache not in ("none", *KV_FORMATS):
+            raise ValueError(f"kv_cache must be none, fp8 or nvfp4, got {self.kv_cache!r}")
 
 
 # ============================================================================ inputs
@@ -242,6 +248,7 @@ def run_quantize(cfg: QuantizeConfig, *, overwrite: bool = False) -> dict[str, A
             rows.append(row)
             prog.update(task, advance=1)
 
+    kv = declare_kv_cache(qmodel, cfg.kv_cache, calib)
     dtype = getattr(torch, cfg.export_dtype)
     tokenizer = load_tokenizer_for(cfg.checkpoint)
     export_modelopt(qmodel.to("cpu"), out, dtype=dtype, tokenizer=tokenizer)
@@ -264,6 +271,7 @@ def run_quantize(cfg: QuantizeConfig, *, overwrite: bool = False) -> dict[str, A
             "bpb_rel": (quant["bpb"] - base["bpb"]) / base["bpb"],
         },
         "plan": applied,
+        "kv_cache": kv,
         "groups": rows,
         "seconds": time.time() - t0,
     }
@@ -289,6 +297,22 @@ def run_quantize(cfg: QuantizeConfig, *, overwrite: bool = False) -> dict[str, A
         print_table(aq, console)
     _print_summary(console, summary)
     return summary
+
+
+def declare_kv_cache(model: torch.nn.Module, fmt: str, calib: list) -> dict[str, Any]:
+    """Calibrate the quantised model's KV cache on `calib` and declare `fmt` for it (the
+    export's kv_cache_quant_algo); returns what quantize.json records ({} for "none")."""
+    if fmt == "none":
+        return {}
+    spec = calibrate_kv(model, calib)
+    spec.fmt = fmt
+    model.kv_cache_quant = spec
+    return {
+        "format": fmt,
+        "tokens": spec.tokens,
+        "k_scale": {str(i): float(k) for i, (k, _) in spec.scales(fmt).items()},
+        "v_scale": {str(i): float(v) for i, (_, v) in spec.scales(fmt).items()},
+    }
 
 
 def _dtype_name(model: torch.nn.Module) -> str:

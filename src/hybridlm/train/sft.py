@@ -283,6 +283,7 @@ class ChatData:
     """An SFT data config read, split, transformed and tokenised."""
 
     examples: list[ChatExample]  # training conversations (reasoning modes applied)
+    train_convs: list[Conversation]  # the same, as conversations
     held_convs: list[Conversation]  # held-out conversations (their prompts kept out of training)
     held_examples: list[ChatExample]
     read_report: ReadReport
@@ -316,6 +317,7 @@ def prepare_chat_data(dc: SFTDataConfig, tokenizer: Any) -> ChatData:
     held = tokenize_conversations(held_convs, tokenizer, max_len=dc.seq_len, overflow="truncate")
     return ChatData(
         examples=list(tok.examples),
+        train_convs=train_convs,
         held_convs=held_convs,
         held_examples=list(held.examples),
         read_report=report,
@@ -381,6 +383,7 @@ class SFT(TrainModule):
         # data: read, hold out, transform, tokenise
         data = prepare_chat_data(dc, self.tokenizer)
         self.read_report, self.held_convs = data.read_report, data.held_convs
+        self.train_convs = data.train_convs
         self.mode_counts, self.dropped = data.mode_counts, data.dropped
         self.held_examples = data.held_examples
         # data parallelism: every rank packs the global batch of world * batch_size rows, each

@@ -243,6 +243,7 @@ class TeacherTopK:
         """(log-probs [T, k], ids [T, k]) of the positions where `mask_BL` is true, in row-major
         order (as `tensor[mask_BL]` selects); `conv_BL` / `pos_BL` are the micro-batch's example
         indices and positions (`collate_rows`)."""
+        k = k or self.k  # 0: every cached entry
         if k > self.k:
             raise ValueError(f"distill.top_k={k} exceeds the cache's k={self.k}")
         conv = conv_BL[mask_BL].cpu().numpy()

@@ -1,0 +1,343 @@
+"""`hybridlm qad`: quantisation-aware distillation (QAD), the last step of the Nemotron 3.5
+deployment recipe (notes §"3.5 deployment": PTQ, then ~200 steps of QAD).
+
+    hybridlm qad --config configs/qad.yaml --set train.init_from=runs/sft [--set qad.recipe=fp8]
+
+The student is the model of `train.init_from` quantised as `hybridlm quantize` quantises it
+(same calibration statistics, per-tensor scales, NVFP4 MSE block-scale search, exclusions; the
+plan of every operator in `qad.recipe`, or the per-operator formats of an earlier `hybridlm
+quantize` run, `qad.plan`, e.g. AutoQuantize's mix), with trainable fake-quant modules
+(`precision.ptq.QATLinear` / `QATExperts`): the forward is the deployed model's, bit for bit;
+gradients reach the high-precision master weights straight through the quantisers. Per-tensor
+scales stay those of calibration (as in ModelOpt's QAT; the checkpoints' meta records them),
+NVFP4 block scales follow the weights. The teacher is the same model unquantised
+(`distill.teacher`, default `train.init_from`), frozen; the loss is the offline distillation loss
+of `train.distill` (top-k forward KL on the logits; `distill.ce_weight` adds the data's CE,
+`distill.hidden_weight` an MSE on the final hidden states) on the SFT-format chat data of
+`data`, plus `qad.text_per_step` batches of pretraining text (`qad.text_data`) distilled at
+every position. Everything else is the offline distillation
+stage: loop, checkpoints with exact resume, held-out NLL and greedy exact match at each eval,
+metrics.jsonl, the PNG.
+
+Step 0's eval is the PTQ model (no step has changed a weight); `qad.text_data` (a pretraining
+run) adds held-out text loss / bpb at each eval, the teacher's in the `teacher` row. At the end
+the quantised model of the final master weights is written as a ModelOpt checkpoint to
+`<out>/hf` (what vLLM loads; `hybridlm.io.load_model` reads it back), and `<out>/qad.json`
+holds the figures: unquantised (teacher), PTQ (step 0) and QAD (final).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from ..data.bpb import token_byte_lengths
+from ..data.chat import parse_assistant
+from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
+from ..data.sft import ChatExample, SFTLoader, tokenize_conversations
+from ..interop.modelopt import export_modelopt
+from ..precision.ptq import (
+    DEFAULT_EXCLUDE,
+    calibrate,
+    check_format,
+    find_ops,
+    load_qat_scales,
+    model_bits,
+    qat_scales,
+    quantize_model,
+    recipe_plan,
+    take,
+    to_inference,
+)
+from ..precision.ptq import evaluate as text_eval
+from .distill import DistillConfig, DistillRunConfig, OfflineDistiller
+from .objectives import IGNORE_INDEX, shift_targets
+from .parallel import is_main
+from .quantize import declare_kv_cache, run_data
+from .sft import chat_batches, generate_replies, pad_id_of, prompt_and_answer
+from .trainer import Runtime, Step, Trainer
+
+
+@dataclass(kw_only=True)
+class QADConfig:
+    """What is quantised and how (the `hybridlm quantize` settings), and the text evaluation."""
+
+    recipe: Literal["nvfp4", "fp8"] = "nvfp4"  # every quantisable operator in this format
+    # a `hybridlm quantize` output directory (its quantize.json's per-operator plan, e.g. an
+    # AutoQuantize mix; its exclusions, weight-scale search and KV cache too): "" = `recipe`
+    plan: str = ""
+    # the KV cache the export declares, calibrated on the final quantised model
+    kv_cache: Literal["none", "fp8", "nvfp4"] = "none"
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    weight_scale: Literal["mse", "max"] = "mse"  # NVFP4 weight block scales
+    calib_samples: int = 64  # calibration rows of the training data (as `hybridlm quantize`)
+    # a pretraining run (its directory or run.yaml): held-out text loss / bpb at every eval
+    text_data: str = ""
+    text_batches: int = 8
+    # training batches of `text_data` added to every step, distilled at every position: the
+    # quantised model also follows its teacher on the text it was pretrained on (0: chats only)
+    text_per_step: int = 0
+    # > 0: the chats are the teacher's own greedy replies to this many training prompts (the
+    # replies the deployed model has to reproduce; after RL they differ from the SFT answers)
+    # instead of the data's answers
+    teacher_replies: int = 0
+    export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the unquantised tensors
+
+    def __post_init__(self) -> None:
+        if self.recipe not in ("nvfp4", "fp8"):
+            raise ValueError(f"qad.recipe must be nvfp4 or fp8, got {self.recipe!r}")
+        if self.weight_scale not in ("mse", "max"):
+            raise ValueError(f"qad.weight_scale must be mse or max, got {self.weight_scale!r}")
+        if self.kv_cache not in ("none", "fp8", "nvfp4"):
+            raise ValueError(f"qad.kv_cache must be none, fp8 or nvfp4, got {self.kv_cache!r}")
+        if self.calib_samples < 1 or self.text_batches < 1:
+            raise ValueError("qad.calib_samples and qad.text_batches must be >= 1")
+        if self.text_per_step < 0 or self.teacher_replies < 0:
+            raise ValueError("qad.text_per_step and qad.teacher_replies must be >= 0")
+        self.exclude = tuple(self.exclude)
+
+
+@dataclass(kw_only=True)
+class QADRunConfig(DistillRunConfig):
+    """`model` is unused (the student is `train.init_from`); `distill`: the objective (teacher
+    defaults to `train.init_from`; KL only by default, as ModelOpt's QAD)."""
+
+    REQUIRED = ("qad",)
+    WHAT = "QAD run config"
+
+    distill: DistillConfig = field(
+        default_factory=lambda: DistillConfig(kl_weight=1.0, ce_weight=0.0)
+    )
+    qad: QADConfig = field(default_factory=QADConfig)
+
+
+def load_plan(path: str | Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """(per-operator formats, settings) of a `hybridlm quantize` output directory."""
+    file = Path(path) / "quantize.json" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise ValueError(f"qad.plan: no quantize.json at {file} (a `hybridlm quantize` output)")
+    summary = json.loads(file.read_text())
+    return summary["plan"], summary["settings"]
+
+
+class QADistiller(OfflineDistiller):
+    """Offline distillation of the quantised model (QAT modules) from itself unquantised."""
+
+    stage = "qad"
+    plot_train = ("loss", "kl", "ce")
+    plot_eval = ("eval_loss", "eval_accuracy", "eval_kl", "eval_text_loss")
+
+    def __init__(self, run: QADRunConfig, rt: Runtime) -> None:
+        super().__init__(run, rt)
+        q = self.qcfg = run.qad
+        self.replies: dict[str, int] = {}
+        if q.teacher_replies:  # the teacher still unquantised
+            self.loader = SFTLoader(
+                self.teacher_reply_examples(q.teacher_replies),
+                seq_len=self.dc.seq_len,
+                batch_size=self.dc.batch_size * rt.world_size,
+                seed=self.dc.seed,
+                pad_id=pad_id_of(self.tokenizer),
+            )
+        exclude, weight_scale, self.kv_cache = q.exclude, q.weight_scale, q.kv_cache
+        if q.plan:
+            plan, settings = load_plan(q.plan)
+            exclude, weight_scale = tuple(settings["exclude"]), settings["weight_scale"]
+            self.kv_cache = settings.get("kv_cache", "none")
+            for fmt in set(plan.values()):
+                check_format(fmt)
+        self.exclude, self.weight_scale = exclude, weight_scale
+        # calibration: the training chats' rows, as `hybridlm quantize --calib_data` reads them
+        self.calib = chat_batches(run.data, q.calib_samples)  # as `hybridlm quantize` does
+        stats = calibrate(self.model, self.calib, exclude=exclude)
+        if not q.plan:
+            plan = recipe_plan(self.model, q.recipe, exclude)
+        self.ops = find_ops(self.model, exclude)
+        self.applied = quantize_model(
+            self.model, plan, stats, weight_scale=weight_scale, exclude=exclude, qat=True
+        )
+
+        self.calibration = {"rows": stats.tokens // run.data.seq_len, "tokens": stats.tokens}
+        self.text, self.text_train = self._text_sets(q)
+        self.text_tokens = 0  # held-out text tokens of the last evaluation
+        self.kv: dict[str, Any] = {}  # the exported KV cache's scales (quantize.json's layout)
+
+    def teacher_reply_examples(self, n: int) -> list[ChatExample]:
+        """The teacher's greedy replies to `n` training prompts (seeded draw), tokenised as
+        chats (reasoning block and answer as the chat template renders them)."""
+        assert self.teacher is not None
+        rng = random.Random(self.dc.seed)
+        convs = rng.sample(self.train_convs, min(n, len(self.train_convs)))
+        prompts = [prompt_and_answer(c)[0] for c in convs]
+        replies = generate_replies(
+            self.teacher, self.tokenizer, prompts, max_new_tokens=self.dcfg.eval_max_new_tokens
+        )
+        chats = [[*p, parse_assistant(r)] for p, r in zip(prompts, replies, strict=True)]
+        tok = tokenize_conversations(
+            chats, self.tokenizer, max_len=self.dc.seq_len, overflow=self.dc.overflow
+        )
+        if not tok.examples:
+            raise ValueError("no teacher reply fits data.seq_len")
+        self.replies = {"prompts": len(prompts), "kept": len(tok.examples)}
+        return list(tok.examples)
+
+    def _text_sets(self, q: QADConfig) -> tuple[tuple[list, torch.Tensor] | None, Any]:
+        """(held-out text batches and token byte lengths, the training text loader when
+        `text_per_step`) of `qad.text_data`."""
+        if not q.text_data:
+            return None, None
+        data = run_data(q.text_data)
+        train_loader, held_loader = build_loaders(data, prepare_shards(data))
+        if held_loader is None:
+            raise ValueError(f"qad.text_data {q.text_data} has no held-out split")
+        tb = token_byte_lengths(build_tokenizer(data), self.model.config.vocab_size)
+        return (take(held_loader, q.text_batches), tb), (train_loader if q.text_per_step else None)
+
+    def prepare_step(self, step: int) -> Step:
+        """The chats' micro-batches, and `text_per_step` pretraining batches distilled at every
+        position; the loss is normalised by the tokens of both."""
+        out = super().prepare_step(step)
+        if self.text_train is not None:
+            text = [next(self.text_train) for _ in range(self.qcfg.text_per_step)]
+            n = sum(int((shift_targets(b["labels"], 1) != IGNORE_INDEX).sum()) for b in text)
+            out.micro += [self.rt.shard(b) for b in text]
+            out.ctx["num_tokens"] += n
+            out.info["text_tokens"] = n
+        return out
+
+    def evaluate(self) -> dict[str, float]:
+        row = super().evaluate()
+        if self.text is not None:
+            t = text_eval(self.model, *self.text)
+            row |= {"eval_text_loss": t["loss"], "eval_text_bpb": t["bpb"]}
+            self.text_tokens = t["tokens"]
+        return row
+
+    def teacher_reference(self) -> dict[str, float]:
+        row = super().teacher_reference()
+        if self.text is not None:
+            assert self.teacher is not None
+            t = text_eval(self.teacher, *self.text)
+            row |= {"teacher_text_loss": t["loss"], "teacher_text_bpb": t["bpb"]}
+        return row
+
+    # the fixed scales travel in the checkpoint's meta (the weights file holds master weights)
+    def state_dict(self) -> dict[str, Any]:
+        out = {**super().state_dict(), "qat_scales": qat_scales(self.model)}
+        if self.text_train is not None:
+            out["text_loader"] = self.text_train.state_dict()
+        return out
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
+        super().load_state_dict(meta)
+        load_qat_scales(self.model, meta["qat_scales"])
+        if self.text_train is not None:
+            self.text_train.load_state_dict(meta["text_loader"])
+
+    def quantized_model(self) -> torch.nn.Module:
+        """The deployable model of the current master weights (inference modules, CPU)."""
+        return to_inference(copy.deepcopy(self.model).cpu()).eval()
+
+    def export(self) -> Path | None:
+        out = self.rt.out / "hf"
+        dtype = getattr(torch, self.qcfg.export_dtype)
+        model = self.quantized_model()
+        self.kv = declare_kv_cache(model, self.kv_cache, self.calib)
+        export_modelopt(model, out, dtype=dtype, tokenizer=self.tokenizer)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """The run's figures (`qad.json`): plan, calibration, unquantised / PTQ / QAD metrics,
+        and the held-out text comparison in `hybridlm quantize`'s layout (quantize.json)."""
+        bits = model_bits(self.model, self.applied, self.ops)
+        figures = qad_figures(self.rt.metrics_path)
+        result: dict[str, Any] = {
+            **super().summary(),
+            "plan": self.applied,
+            "effective_bits": bits,
+            "calibration": {**self.calibration, "data": "the run's training chats"},
+            "kv_cache": self.kv,
+            "teacher_replies": self.replies,
+            "figures": figures,
+        }
+        u, q = figures["unquantized"], figures.get("qad", {})
+        if self.text is not None and "text_loss" in u and "text_loss" in q:
+            result |= {
+                "eval": {"tokens": self.text_tokens, "batches": len(self.text[0])},
+                "unquantized": {"loss": u["text_loss"], "bpb": u["text_bpb"]},
+                "quantized": {"loss": q["text_loss"], "bpb": q["text_bpb"], "effective_bits": bits},
+                "delta": {
+                    "loss": q["text_loss"] - u["text_loss"],
+                    "loss_rel": (q["text_loss"] - u["text_loss"]) / u["text_loss"],
+                    "bpb_rel": (q["text_bpb"] - u["text_bpb"]) / u["text_bpb"],
+                },
+            }
+        (self.rt.out / "qad.json").write_text(json.dumps(result, indent=2))
+        return result
+
+
+def qad_figures(metrics: Path) -> dict[str, dict[str, float]]:
+    """{unquantized, ptq, qad: {metric: value}} from a QAD run's metrics.jsonl: the teacher
+    row, the step-0 eval (the PTQ model) and the last eval."""
+    rows = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    teacher = next((r for r in rows if r.get("kind") == "teacher"), {})
+
+    def pick(r: dict[str, Any], prefix: str) -> dict[str, float]:
+        return {
+            k.removeprefix(prefix): v
+            for k, v in r.items()
+            if k.startswith(prefix) and isinstance(v, (int, float)) and math.isfinite(v)
+        }
+
+    out = {"unquantized": pick(teacher, "teacher_")}
+    if evals:
+        out["ptq"] = {"step": evals[0]["step"], **pick(evals[0], "eval_")}
+        out["qad"] = {"step": evals[-1]["step"], **pick(evals[-1], "eval_")}
+    return out
+
+
+def resolved(cfg: QADRunConfig) -> QADRunConfig:
+    """A copy with the teacher set (default: the model being quantised), checked."""
+    cfg = copy.deepcopy(cfg)
+    if not cfg.train.init_from:
+        raise ValueError("qad needs train.init_from: the model to quantise (and its teacher)")
+    if cfg.distill.mode != "offline":
+        raise ValueError("qad distils offline (distill.mode offline)")
+    cfg.distill.teacher = cfg.distill.teacher or cfg.train.init_from
+    if cfg.qad.text_per_step and not cfg.qad.text_data:
+        raise ValueError("qad.text_per_step needs qad.text_data (a pretraining run)")
+    cfg.distill.check()
+    return cfg
+
+
+def qad_trainer(cfg: QADRunConfig, *, resume: bool = False, overwrite: bool = False) -> Trainer:
+    """The Trainer of a QAD run."""
+    cfg = resolved(cfg)
+    return Trainer(cfg.train, lambda rt: QADistiller(cfg, rt), resume=resume, overwrite=overwrite)
+
+
+def run_qad(
+    cfg: QADRunConfig,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    until_step: int | None = None,
+) -> dict[str, Any]:
+    """Run QAD from a config; returns the final metrics, checkpoint and export paths (`hf`: the
+    ModelOpt checkpoint) and the figures of `qad.json`."""
+    cfg = resolved(cfg)
+    trainer = qad_trainer(cfg, resume=resume, overwrite=overwrite)
+    if is_main():
+        cfg.save(Path(cfg.train.out_dir) / "run.yaml")
+    return trainer.train(until_step=until_step)
+
+
+__all__ = ["QADConfig", "QADRunConfig", "QADistiller", "qad_figures", "run_qad"]
