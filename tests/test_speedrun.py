@@ -301,7 +301,7 @@ def test_quantize_data_options_name_missing_runs(tmp_path):
 def test_report_of_a_partial_run(tmp_path):
     out = render_report(tmp_path)
     md = Path(out["report_md"]).read_text()
-    assert "Stages finished: 0 of 10" in md and "The rl stage did not run." in md
+    assert "Stages finished: 0 of 11" in md and "The rl stage did not run." in md
     assert out["plots"] == []
     assert "<html>" in Path(out["report_html"]).read_text()
 
