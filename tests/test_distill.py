@@ -262,3 +262,61 @@ def test_cli_runs_end_to_end_with_overrides_and_resume(tmp_path, capsys):
     args.fn(args)
     after = {r["step"]: r["loss"] for r in read_metrics(metrics) if r["kind"] == "train"}
     assert after == pytest.approx(before, rel=1e-6)
+
+
+# ---------------------------------------------------------------------------- MOPD stage 2
+def test_mopd_stage2_proximal_teacher(tmp_path):
+    """Stage 2: the "add" teacher is retired (its prompts go to the proximal teacher, which
+    starts as the student: KL 0 on the first step), "more" keeps its teacher mixed
+    geometrically with the proximal one; after each step the proximal weights are the moving
+    average of the student's; a retired teacher is not loaded."""
+    cfg = tiny_train_model(mtp=False)
+    other = save_teacher(tmp_path, "other", cfg, seed=9)
+    retired = save_teacher(tmp_path, "retired", cfg, seed=3)
+    run = on_policy_run(
+        tmp_path,
+        {"other": other, "retired": retired},
+        {"add": "proximal", "more": "other"},
+    )
+    run.distill.proximal_decay = 0.5
+    run.distill.proximal_teacher_weight = 0.25
+    trainer = distill_trainer(copy.deepcopy(run))
+    m = trainer.module
+    assert set(m.teachers) == {"other"} and m.targets() == ["other", "proximal"]
+    before = {n: p.detach().clone() for n, p in m.proximal.named_parameters()}
+    # the target of "more" rows: normalised p_other^0.25 p_prox^0.75
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        prox = m.proximal(ids).logits.float()
+        got = torch.log_softmax(m.target_logits("other", ids, prox), -1)
+        t = m.teachers["other"](ids).logits.float()
+    want = torch.log_softmax(0.25 * t.log_softmax(-1) + 0.75 * prox.log_softmax(-1), -1)
+    torch.testing.assert_close(got, want)
+    row = trainer.train_step()
+    assert row["kl/proximal"] == pytest.approx(0.0, abs=1e-6) and row["kl/other"] > 1e-4
+    student = dict(m.model.named_parameters())
+    for n, p in m.proximal.named_parameters():
+        torch.testing.assert_close(p, 0.5 * before[n] + 0.5 * student[n].detach())
+    m.close()
+    with pytest.raises(ValueError, match="proximal_decay"):
+        DistillConfig(mode="on_policy", teachers={"a": other}, routes={"add": "proximal"}).check()
+
+
+def test_mopd_stage2_runs_from_stage1(tmp_path):
+    """The two stages in sequence: stage 1 distils both domains from their teachers; stage 2
+    starts from its checkpoint, retires the "add" teacher (its prompts go to the proximal
+    teacher, which begins as stage 1's student: KL 0 at the first step) and keeps "more"."""
+    cfg = tiny_train_model(mtp=False)
+    a = save_teacher(tmp_path, "a", cfg, seed=4, sharpen=10.0)
+    b = save_teacher(tmp_path, "b", cfg, seed=9, sharpen=10.0)
+    stage1 = on_policy_run(tmp_path / "s1", {"a": a, "b": b}, {"add": "a", "more": "b"}, steps=2)
+    first = run_distill(stage1)
+    stage2 = on_policy_run(tmp_path / "s2", {"a": a, "b": b}, {"add": "proximal", "more": "b"})
+    stage2.train.max_steps = 2
+    stage2.train.init_from = first["checkpoint"]
+    stage2.distill.proximal_decay = 0.9
+    run_distill(stage2)
+    rows = [r for r in read_metrics(tmp_path / "s2/out/metrics.jsonl") if r["kind"] == "train"]
+    assert rows[0]["kl/proximal"] == pytest.approx(0.0, abs=1e-6) and rows[0]["kl/b"] > 0
+    assert "kl/a" not in rows[0]
+    assert all(r["tokens/proximal"] > 0 for r in rows)

@@ -10,25 +10,15 @@ import json
 import pytest
 import torch
 
-from _tiny import tiny_train_model
 from hybridlm.infer.generate import generate
 from hybridlm.interop.modelopt import export_modelopt, load_modelopt
 from hybridlm.model.cache import HybridCache, KVState
-from hybridlm.model.model import HybridLM
 from hybridlm.precision import kv_cache as kvq
 from hybridlm.precision import ptq
 from hybridlm.precision.formats import e4m3_round, nvfp4_fake_quant
+from test_qad import ids, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_model(seed: int = 0) -> HybridLM:
-    torch.manual_seed(seed)
-    return HybridLM(tiny_train_model(), seed=seed).eval()
-
-
-def ids(seed: int = 1, n: int = 2, L: int = 24) -> torch.Tensor:
-    return torch.randint(0, 256, (n, L), generator=torch.Generator().manual_seed(seed))
 
 
 # ----------------------------------------------------------------------------- codecs

@@ -37,9 +37,18 @@ step: the exact reverse KL per teacher, the gap between the engine's and the lea
 log-probs of the sampled tokens (an on-policy check: ~0), and at each eval the greedy exact
 match of the student (and, at step 0, of each routed teacher) on held-out prompts.
 
+MOPD stage 2 (`distill.proximal_decay` > 0; Nemotron 3.5 §3.6 retires the agentic and reasoning
+teachers and uses a proximal-teacher target for stability): the proximal teacher is a moving
+average of the student's weights (it starts as the student and moves 1 - decay of the way to it
+after each step). Domains routed to `proximal` (those of the retired teachers) are distilled
+toward it alone; the others toward the normalised geometric mixture of their teacher and the
+proximal teacher (`proximal_teacher_weight` on the teacher). Run stage 2 as a second on-policy
+run from stage 1's checkpoint (`train.init_from`) with the new routes.
+
 Resume: offline runs resume exactly (the SFT checkpoint: weights, optimizer, loader position,
 RNG). On-policy runs restore weights, optimizer and RNG, and prompt draws are a function of the
-step, but the rollout engine's sampling streams restart, so the samples after a resume differ.
+step, but the rollout engine's sampling streams restart, so the samples after a resume differ;
+stage 2's proximal teacher restarts from the resumed student.
 Cached teacher (`distill.teacher_cache`): `hybridlm distill-cache` runs the teacher once over the
 run's training and held-out conversations and writes each token's top-`top_k` (ids, log-probs)
 to memory-mapped shards (`train.teacher_cache`, resumable); offline distillation then reads
@@ -100,6 +109,7 @@ from .teacher_cache import CacheSpec, TeacherTopK, build_teacher_cache
 from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model, resolve_device
 
 Mode = Literal["offline", "on_policy"]
+PROXIMAL = "proximal"  # the route of MOPD stage 2's proximal teacher (DistillConfig)
 Objective = Literal["topk_forward_kl", "skew_reverse_kl"]
 
 
@@ -158,6 +168,16 @@ class DistillConfig:
     samples_per_prompt: int = 1
     max_new_tokens: int = 64  # sampled completion length
     on_policy_loss: Literal["full", "sampled"] = "full"
+    # MOPD stage 2 (Nemotron 3.5 §3.6: the agentic and reasoning teachers retired, a proximal
+    # teacher for stability). The report leaves the proximal teacher open; here it is a slowly
+    # moving copy of the student: an exponential moving average of its weights, updated after
+    # every step with this decay (0: stage 1, no proximal teacher). Prompts routed to
+    # `proximal` (the retired teachers' domains) are distilled toward it alone, so what stage 1
+    # taught them moves only as fast as the average; the others toward the normalised geometric
+    # mixture p_T^w p_prox^(1 - w), w = `proximal_teacher_weight`, a target that never lies far
+    # from where the student was.
+    proximal_decay: float = 0.0
+    proximal_teacher_weight: float = 0.5
     executor: Literal["inline", "ray"] = "inline"
     num_workers: int = 1
     # eval
@@ -186,6 +206,10 @@ class DistillConfig:
             raise ValueError(
                 f"distill.on_policy_loss must be full or sampled: {self.on_policy_loss}"
             )
+        if not 0 <= self.proximal_decay < 1 or not 0 <= self.proximal_teacher_weight <= 1:
+            raise ValueError(
+                "distill.proximal_decay must be in [0, 1) and proximal_teacher_weight in [0, 1]"
+            )
         if self.eval_generate < 0 or self.eval_max_new_tokens < 1 or self.num_workers < 1:
             raise ValueError("distill.eval_generate >= 0, eval_max_new_tokens, num_workers >= 1")
 
@@ -210,7 +234,14 @@ class DistillConfig:
             self._check_routing()
 
     def _check_routing(self) -> None:
-        if not self.teachers:
+        if PROXIMAL in self.teachers:
+            raise ValueError(f"{PROXIMAL!r} is the proximal teacher's route, not a teacher name")
+        if PROXIMAL in self.routes.values() and not self.proximal_decay:
+            raise ValueError(
+                f"distill.routes sends prompts to {PROXIMAL!r}: set distill.proximal_decay > 0 "
+                "(MOPD stage 2's proximal teacher)"
+            )
+        if not self.teachers and not self.proximal_decay:
             raise ValueError("distill.mode on_policy needs distill.teachers: {name: checkpoint}")
         if not self.prompts:
             raise ValueError("distill.mode on_policy needs distill.prompts (a list of sources)")
@@ -221,7 +252,9 @@ class DistillConfig:
                 f"prompt domain(s) {unrouted} have no teacher: add them to distill.routes "
                 f"(domain -> one of {sorted(self.teachers)})"
             )
-        unknown = sorted({t for t in self.routes.values() if t not in self.teachers})
+        unknown = sorted(
+            {t for t in self.routes.values() if t not in self.teachers and t != PROXIMAL}
+        )
         if unknown:
             raise ValueError(
                 f"distill.routes names teacher(s) {unknown} that are not in distill.teachers "
@@ -501,7 +534,7 @@ class OnPolicyDistiller(TrainModule):
 
     @property
     def plot_train(self) -> tuple[str, ...]:  # type: ignore[override]
-        return tuple(f"kl/{n}" for n in self.teachers)
+        return tuple(f"kl/{n}" for n in self.targets())
 
     def __init__(self, run: DistillRunConfig, rt: Runtime) -> None:
 
@@ -566,6 +599,10 @@ class OnPolicyDistiller(TrainModule):
                     path, device=self.device, tokenizer=self.tokenizer
                 )
                 check_vocab(self.model, self.teachers[name].config.vocab_size, name)
+        # MOPD stage 2: the proximal teacher starts as the student (its weights' moving average)
+        self.proximal: HybridLM | None = None
+        if cfg.proximal_decay:
+            self.proximal = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.tokens_per_step = cfg.prompts_per_step * cfg.samples_per_prompt * dc.seq_len
         self.total_steps = tc.num_steps(self.tokens_per_step)
         self.pool: Any = None  # started by the first step, after a resume loaded the weights
@@ -645,17 +682,55 @@ class OnPolicyDistiller(TrainModule):
         mask_BL, teacher_of = batch["mask_BL"], batch["teacher_of"]
         n_tok, B = int(mask_BL.sum()), mask_BL.shape[0]
         rows = self.rt.share(list(range(B)))
-        tokens_of = {  # per teacher, over the whole batch: the KL metrics are global means
+        tokens_of = {  # per target, over the whole batch: the KL metrics are global means
             name: int(mask_BL[[b for b, t in enumerate(teacher_of) if t == name]].sum())
-            for name in self.teachers
+            for name in self.targets()
         }
         mine = {k: v[rows].to(self.device) for k, v in batch.items() if k != "teacher_of"}
         mine["teacher_of"] = [teacher_of[b] for b in rows]
         info = {"sampled_tokens": n_tok, "mean_completion_len": n_tok / max(1, B)}
         return Step([mine], ctx={"num_tokens": n_tok, "tokens_of": tokens_of}, info=info)
 
+    def targets(self) -> list[str]:
+        """The routes samples can take: the loaded teachers, and `proximal` in stage 2."""
+        return [*self.teachers, *([PROXIMAL] if self.proximal is not None else [])]
+
+    def target_logits(
+        self, name: str, ids_BL: torch.Tensor, prox_BLV: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Logits (up to a constant per position) of a route's target on `ids_BL`: the
+        teacher's; in stage 2 the normalised geometric mixture with the proximal teacher
+        (`proximal_teacher_weight` w), or the proximal teacher alone for `proximal` rows."""
+        if name == PROXIMAL:
+            assert prox_BLV is not None
+            return prox_BLV
+        with torch.no_grad(), self.rt.autocast():
+            t_BLV = self.teachers[name](ids_BL, mtp_depth=0).logits.float()
+        if prox_BLV is None:
+            return t_BLV
+        w = self.cfg.proximal_teacher_weight
+        return w * torch.log_softmax(t_BLV, -1) + (1 - w) * torch.log_softmax(prox_BLV, -1)
+
+    def after_update(self, step: Step, outcome: Any) -> dict[str, Any]:
+        """Stage 2: the proximal teacher's weights move toward the student's,
+        theta_prox <- decay * theta_prox + (1 - decay) * theta."""
+        if self.proximal is None or outcome is None or not outcome.finite:
+            return {}
+        self.update_proximal()
+        return {}
+
+    @torch.no_grad()
+    def update_proximal(self) -> None:
+        assert self.proximal is not None
+        keep = self.cfg.proximal_decay
+        student = dict(self.model.named_parameters())
+        for name, p in self.proximal.named_parameters():
+            s = student[name]
+            s = s.full_tensor() if hasattr(s, "full_tensor") else s  # a sharded student
+            p.lerp_(s.detach().to(p.dtype), 1 - keep)
+
     def loss(self, micro: dict[str, Any], step: Step) -> Loss:
-        """Token-level reverse KL to each sample's routed teacher, over the step's tokens."""
+        """Token-level reverse KL to each sample's routed target, over the step's tokens."""
         cfg, dev = self.cfg, self.device
         ids_BL, mask_BL = micro["ids_BL"], micro["mask_BL"]
         teacher_of, n_tok = micro["teacher_of"], step.ctx["num_tokens"]
@@ -666,13 +741,18 @@ class OnPolicyDistiller(TrainModule):
         logq_BL = logq_BLV.gather(-1, targets_BL.unsqueeze(-1)).squeeze(-1)
         loss = out.logits.new_zeros((), dtype=torch.float32)
         parts: dict[str, Any] = {}
-        for name, teacher in self.teachers.items():
+        prox_BLV = None
+        if self.proximal is not None:
+            with torch.no_grad(), self.rt.autocast():
+                prox_BLV = self.proximal(ids_BL, mtp_depth=0).logits.float()
+        for name in self.targets():
             rows = [b for b, t in enumerate(teacher_of) if t == name]
             if not rows:
                 continue
             rows_t = torch.tensor(rows, device=dev)
-            with torch.no_grad(), self.rt.autocast():
-                t_BLV = teacher(ids_BL[rows_t], mtp_depth=0).logits.float()
+            t_BLV = self.target_logits(
+                name, ids_BL[rows_t], None if prox_BLV is None else prox_BLV[rows_t]
+            )
             m_BL = mask_BL[rows_t]
             s_TV, t_TV = out.logits[rows_t][m_BL], t_BLV[m_BL]
             # exact token-level reverse KL of this teacher's samples (its token mean over the
@@ -727,11 +807,15 @@ class OnPolicyDistiller(TrainModule):
             self.model.train()
 
     def teacher_reference(self) -> dict[str, float]:
-        """Greedy exact match of each domain's routed teacher."""
-        return {
-            f"teacher_accuracy/{d}": self.exact_match(self.teachers[self.cfg.routes[d]], its)
-            for d, its in self.eval_items().items()
-        }
+        """Greedy exact match of each domain's routed teacher (the proximal teacher: the
+        student at step 0)."""
+        out = {}
+        for d, its in self.eval_items().items():
+            name = self.cfg.routes[d]
+            model = self.proximal if name == PROXIMAL else self.teachers[name]
+            assert model is not None
+            out[f"teacher_accuracy/{d}"] = self.exact_match(model, its)
+        return out
 
     # ------------------------------------------------------------------ loop
     def run_config(self) -> dict[str, Any]:

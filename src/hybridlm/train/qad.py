@@ -84,9 +84,9 @@ class QADConfig:
     # training batches of `text_data` added to every step, distilled at every position: the
     # quantised model also follows its teacher on the text it was pretrained on (0: chats only)
     text_per_step: int = 0
-    # > 0: the chats are the teacher's own greedy replies to this many training prompts (the
-    # replies the deployed model has to reproduce; after RL they differ from the SFT answers)
-    # instead of the data's answers
+    # > 0: the chats are the teacher's own greedy replies (up to distill.eval_max_new_tokens
+    # tokens) to this many training prompts instead of the data's answers: the replies the
+    # deployed model has to reproduce (after RL they differ from the SFT answers)
     teacher_replies: int = 0
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the unquantised tensors
 
@@ -154,8 +154,9 @@ class QADistiller(OfflineDistiller):
             for fmt in set(plan.values()):
                 check_format(fmt)
         self.exclude, self.weight_scale = exclude, weight_scale
-        # calibration: the training chats' rows, as `hybridlm quantize --calib_data` reads them
-        self.calib = chat_batches(run.data, q.calib_samples)  # as `hybridlm quantize` does
+        # calibration on the data's chats, as `hybridlm quantize --calib-data` reads them (so a
+        # plan's step 0 is that PTQ checkpoint)
+        self.calib = chat_batches(run.data, q.calib_samples)
         stats = calibrate(self.model, self.calib, exclude=exclude)
         if not q.plan:
             plan = recipe_plan(self.model, q.recipe, exclude)
