@@ -12,6 +12,7 @@ from hybridlm.speedrun import SpeedrunConfig
 from hybridlm.train.config import RunConfig
 from hybridlm.train.distill import DistillRunConfig
 from hybridlm.train.dpo import DPORunConfig
+from hybridlm.train.qad import QADRunConfig
 from hybridlm.train.rm import RMRunConfig
 from hybridlm.train.sft import SFTRunConfig
 
@@ -24,6 +25,7 @@ READERS = {
     "sft_tools": SFTRunConfig,
     "dpo": DPORunConfig,
     "distill": DistillRunConfig,
+    "qad": QADRunConfig,
     "rl": RLConfig,
     "rl_tools": RLConfig,
     "rlhf": RLConfig,
