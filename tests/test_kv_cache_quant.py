@@ -162,6 +162,18 @@ def test_modelopt_export_declares_and_reads_back_the_kv_cache(tmp_path):
     assert torch.equal(got[1], spec.scales("fp8")[2][1])
     prompt = ids(3, 1, 12)
     assert torch.equal(generate(loaded, prompt, 5), generate(q, prompt, 5))
+    # ModelOpt's projection-level names are read too
+    from safetensors.torch import save_file
+
+    renamed = {
+        k.replace("mixer.k_scale", "mixer.k_proj.k_scale").replace(
+            "mixer.v_scale", "mixer.v_proj.v_scale"
+        ): v
+        for k, v in tensors.items()
+    }
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    again = load_modelopt(tmp_path)
+    assert torch.equal(again.kv_cache_quant.scales("fp8")[2][0], spec.scales("fp8")[2][0])
 
 
 def test_kv_scale_names_follow_vllms_loaders():

@@ -251,11 +251,18 @@ def _read_kv_scales(
         if letter != "*":
             continue
         kn, vn = _kv_scale_names(cfg, i)
+        # also ModelOpt's projection-level names (`...mixer.k_proj.k_scale`)
+        kn = _first_present(tensors, kn, kn.replace(".k_scale", ".k_proj.k_scale"))
+        vn = _first_present(tensors, vn, vn.replace(".v_scale", ".v_proj.v_scale"))
         if kn not in tensors or vn not in tensors:
             raise ValueError(f"{path} declares a {algo} KV cache but has no {kn} / {vn}")
         spec.k_amax[i] = amax_of_scale(fmt, tensors[kn].float()).reshape(()).expand(heads).clone()
         spec.v_amax[i] = amax_of_scale(fmt, tensors[vn].float()).reshape(()).expand(heads).clone()
     return spec
+
+
+def _first_present(tensors: dict[str, torch.Tensor], name: str, alternative: str) -> str:
+    return alternative if name not in tensors and alternative in tensors else name
 
 
 # ============================================================================ import
