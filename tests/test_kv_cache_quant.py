@@ -35,7 +35,7 @@ def test_codecs_equal_the_reference_fake_quantisation():
     assert torch.equal(
         per_head, e4m3_round(x / heads.reshape(1, 3, 1, 1)) * heads.reshape(1, 3, 1, 1)
     )
-    g = kvq.decode_scale("nvfp4", x.abs().amax())
+    g = ptq.per_tensor_scale("nvfp4", x.abs().amax())
     nv = kvq.NVFP4KV(g)
     packed, block = nv.encode(x)
     assert packed.shape == (2, 3, 5, 16) and block.shape == (2, 3, 5, 2)

@@ -75,7 +75,6 @@ def position_bpb(
     nb = -(-length // bucket)
     per_doc = torch.zeros(len(rows), nb, 2, dtype=torch.float64)
     correct = torch.zeros(nb, dtype=torch.float64)
-    counts = torch.zeros(nb, dtype=torch.float64)
     bucket_of = torch.arange(length) // bucket  # target index j predicts token j + 1
     was_training = model.training
     model.eval()
@@ -97,7 +96,6 @@ def position_bpb(
             hit = (logits.argmax(-1) == ids[:, 1:]).double().cpu()
             for k in range(ids.shape[0]):
                 correct.index_add_(0, bucket_of, hit[k])
-                counts.index_add_(0, bucket_of, torch.ones(length, dtype=torch.float64))
             nll = (
                 torch.nn.functional.cross_entropy(
                     logits.transpose(1, 2), ids[:, 1:], reduction="none"
@@ -119,7 +117,9 @@ def position_bpb(
         "bucket_start": [i * bucket for i in range(nb)],
         "bpb": (nats / (LN2 * byts)).tolist(),
         "bpb_all": float(nats.sum() / (LN2 * byts.sum())),
-        "accuracy": (correct / counts).tolist(),  # top-1 next-token accuracy per bucket
+        "accuracy": (
+            correct / (len(rows) * torch.bincount(bucket_of, minlength=nb))
+        ).tolist(),  # top-1 next-token accuracy per bucket
         # per document (nats, bytes) per bucket, for paired comparisons between models
         "per_document": per_doc.tolist(),
     }

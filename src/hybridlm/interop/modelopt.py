@@ -56,8 +56,8 @@ import torch
 from ..config import ModelConfig
 from ..model.model import HybridLM
 from ..model.moe import Experts
-from ..precision.kv_cache import KV_FORMATS, KVCacheQuant, amax_of_scale
-from ..precision.ptq import QuantExperts, QuantLinear
+from ..precision.kv_cache import KV_FORMATS, KVCacheQuant
+from ..precision.ptq import QuantExperts, QuantLinear, saturation_bound
 from .hf import (
     _DTYPES,
     from_hf_config,
@@ -256,8 +256,9 @@ def _read_kv_scales(
         vn = _first_present(tensors, vn, vn.replace(".v_scale", ".v_proj.v_scale"))
         if kn not in tensors or vn not in tensors:
             raise ValueError(f"{path} declares a {algo} KV cache but has no {kn} / {vn}")
-        spec.k_amax[i] = amax_of_scale(fmt, tensors[kn].float()).reshape(()).expand(heads).clone()
-        spec.v_amax[i] = amax_of_scale(fmt, tensors[vn].float()).reshape(()).expand(heads).clone()
+        # the amax a per-tensor scale stands for, the same for every KV head
+        for amax, name in ((spec.k_amax, kn), (spec.v_amax, vn)):
+            amax[i] = saturation_bound(fmt, tensors[name].float()).reshape(()).expand(heads).clone()
     return spec
 
 

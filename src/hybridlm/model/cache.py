@@ -134,13 +134,6 @@ class KVState:
         st._append(kp, vp)
         return st
 
-    @classmethod
-    def from_tensors(cls, k_BKSE: torch.Tensor, v_BKSE: torch.Tensor) -> KVState:
-        """A state owning copies of `k`/`v` (with room to grow), stored as given."""
-        st = cls(capacity=max(256, 2 * k_BKSE.shape[2]))
-        st.update(k_BKSE, v_BKSE)
-        return st
-
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> KVState:
         kv = self.parts()
         if kv is None:

@@ -32,15 +32,8 @@ import torch
 
 from ..choices import KV_CACHE_DTYPES
 from ..model.cache import HybridCache, KVCodec, KVState
-from .formats import (
-    E2M1_MAX,
-    E4M3_MAX,
-    NVFP4Tensor,
-    e4m3_round,
-    nvfp4_dequantize,
-    nvfp4_quantize,
-    nvfp4_scale_from_amax,
-)
+from .formats import NVFP4Tensor, e4m3_round, nvfp4_dequantize, nvfp4_quantize
+from .ptq import per_tensor_scale
 
 KV_FORMATS = ("fp8", "nvfp4")
 Granularity = Literal["tensor", "head"]
@@ -85,21 +78,6 @@ class NVFP4KV:
         return nvfp4_dequantize(q, dtype)
 
 
-def decode_scale(fmt: str, amax: torch.Tensor) -> torch.Tensor:
-    """The stored decode scale of an amax: FP8 amax / 448, NVFP4 amax / (6 * 448) (1 for 0)."""
-    if fmt == "fp8":
-        a = amax.float()
-        return torch.where(a > 0, a / E4M3_MAX, torch.ones_like(a))
-    if fmt == "nvfp4":
-        return nvfp4_scale_from_amax(amax.float())
-    raise ValueError(f"unknown KV cache format {fmt!r}; choose from {list(KV_FORMATS)}")
-
-
-def amax_of_scale(fmt: str, scale: torch.Tensor) -> torch.Tensor:
-    """The amax a decode scale stands for (inverse of `decode_scale`)."""
-    return scale.float() * (E4M3_MAX if fmt == "fp8" else E2M1_MAX * E4M3_MAX)
-
-
 @dataclass
 class KVCacheQuant:
     """A model's KV-cache quantisation: the format its checkpoint declares (`fmt`, "" for none
@@ -113,8 +91,12 @@ class KVCacheQuant:
 
     def scales(self, fmt: str) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Per-tensor decode scales (k_scale, v_scale) per attention block, as exported."""
+        check_kv_format(fmt)
         return {
-            i: (decode_scale(fmt, self.k_amax[i].max()), decode_scale(fmt, self.v_amax[i].max()))
+            i: (
+                per_tensor_scale(fmt, self.k_amax[i].max()),
+                per_tensor_scale(fmt, self.v_amax[i].max()),
+            )
             for i in sorted(self.k_amax)
         }
 
@@ -123,8 +105,7 @@ class KVCacheQuant:
     ) -> dict[int, tuple[KVCodec, KVCodec]]:
         """{attention block index: (keys, values) codecs} of `fmt`; FP8 scales per tensor or
         per KV head, NVFP4 per tensor."""
-        if fmt not in KV_FORMATS:
-            raise ValueError(f"unknown KV cache format {fmt!r}; choose from {list(KV_FORMATS)}")
+        check_kv_format(fmt)
         if granularity not in ("tensor", "head"):
             raise ValueError(f"granularity must be tensor or head, got {granularity!r}")
         if granularity == "head" and fmt != "fp8":
@@ -135,9 +116,9 @@ class KVCacheQuant:
             if granularity == "tensor":
                 k, v = k.max(), v.max()
             if fmt == "fp8":
-                out[i] = (FP8KV(decode_scale(fmt, k)), FP8KV(decode_scale(fmt, v)))
+                out[i] = (FP8KV(per_tensor_scale(fmt, k)), FP8KV(per_tensor_scale(fmt, v)))
             else:
-                out[i] = (NVFP4KV(decode_scale(fmt, k)), NVFP4KV(decode_scale(fmt, v)))
+                out[i] = (NVFP4KV(per_tensor_scale(fmt, k)), NVFP4KV(per_tensor_scale(fmt, v)))
         return out
 
 
@@ -169,6 +150,12 @@ def calibrate_kv(
     if not k_amax:
         raise ValueError("KV calibration saw no attention layer (the model has none, or no rows)")
     return KVCacheQuant(k_amax=k_amax, v_amax=v_amax, tokens=tokens)
+
+
+def check_kv_format(fmt: str) -> str:
+    if fmt not in KV_FORMATS:
+        raise ValueError(f"unknown KV cache format {fmt!r}; choose from {list(KV_FORMATS)}")
+    return fmt
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> str:

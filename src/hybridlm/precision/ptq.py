@@ -51,6 +51,7 @@ from ..model.moe import Experts, MoE
 from ..ops.cross_entropy import lm_cross_entropy
 from .formats import (
     E2M1_MAX,
+    E4M3_MAX,
     NVFP4Tensor,
     e4m3_round,
     fp4_e2m1_decode,
@@ -175,6 +176,14 @@ def quantize_weight(
     raise ValueError(f"no quantised weight for format {fmt!r}")
 
 
+def quantize_expert_weights(
+    fmt: str, w_ENK: torch.Tensor, amax_E: torch.Tensor, search: str
+) -> dict[str, torch.Tensor]:
+    """`quantize_weight` of every expert (its own amax), the tensors stacked [E, ...]."""
+    per = [quantize_weight(fmt, w_ENK[e], amax_E[e], search) for e in range(w_ENK.shape[0])]
+    return {k: torch.stack([d[k] for d in per]) for k in per[0]}
+
+
 def dequantize_weight(fmt: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
     """fp32 weight [N, K] from the checkpoint tensors of `quantize_weight`."""
     if fmt == "nvfp4":
@@ -192,8 +201,10 @@ def dequantize_weight(fmt: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
     raise ValueError(f"no quantised weight for format {fmt!r}")
 
 
-def input_scale_for(fmt: str, amax: float) -> torch.Tensor:
-    """Static per-tensor activation scale from the calibration amax (ModelOpt `input_scale`)."""
+def per_tensor_scale(fmt: str, amax: torch.Tensor | float) -> torch.Tensor:
+    """ModelOpt's per-tensor decode scale of an amax: NVFP4 amax / (6 * 448) (`weight_scale_2`,
+    `input_scale`, a KV cache's `k_scale`), FP8 amax / 448 (`weight_scale`, `input_scale`,
+    `k_scale`); 1 for a zero amax. Static activation scales come from the calibration amax."""
     if fmt == "nvfp4":
         return nvfp4_weight_global_scale(amax)
     return fp8_weight_scale(amax)
@@ -255,7 +266,7 @@ class QuantLinear(_QuantStorage):
     ) -> QuantLinear:
         w = linear.weight.detach()
         t = quantize_weight(fmt, w, torch.tensor(weight_amax), search)
-        t["input_scale"] = input_scale_for(fmt, input_amax)
+        t["input_scale"] = per_tensor_scale(fmt, input_amax)
         return cls(fmt, t, linear.in_features)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
@@ -309,12 +320,8 @@ class QuantExperts(_QuantStorage):
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         for p in cls.PROJS:
             w_ENK = getattr(experts, p).detach()
-            per = [
-                quantize_weight(fmt, w_ENK[e], w_ENK[e].abs().amax(), search)
-                for e in range(w_ENK.shape[0])
-            ]
-            t = {k: torch.stack([d[k] for d in per]) for k in per[0]}
-            t["input_scale"] = input_scale_for(fmt, input_amax[p])
+            t = quantize_expert_weights(fmt, w_ENK, w_ENK.abs().amax(dim=(1, 2)), search)
+            t["input_scale"] = per_tensor_scale(fmt, input_amax[p])
             tensors[p] = t
         return cls(fmt, tensors)
 
@@ -385,11 +392,12 @@ def quant_experts_forward(
 
 
 def saturation_bound(fmt: str, scale: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude `fmt` represents under the per-tensor scale: FP8 448 * s; NVFP4
-    6 * 448 * s_g (the largest E2M1 value times the largest E4M3 block scale)."""
+    """The largest magnitude `fmt` represents under the per-tensor scale (the amax the scale
+    stands for, inverse of `per_tensor_scale`): FP8 448 * s; NVFP4 6 * 448 * s_g (the largest
+    E2M1 value times the largest E4M3 block scale)."""
     if fmt == "nvfp4":
-        return E2M1_MAX * 448.0 * scale.float()
-    return 448.0 * scale.float()
+        return E2M1_MAX * E4M3_MAX * scale.float()
+    return E4M3_MAX * scale.float()
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -468,7 +476,7 @@ class QATLinear(nn.Module):
         wq = straight_through(
             self.weight,
             self.quantized_weight(),
-            saturation_bound(self.fmt, quant_scale(self.fmt, self.weight_amax)),
+            saturation_bound(self.fmt, per_tensor_scale(self.fmt, self.weight_amax)),
         )
         return F.linear(xq, wq.to(x.dtype))
 
@@ -514,7 +522,7 @@ class QATExperts(nn.Module):
             )
 
         wq = _cached(self, p, amax_E, per_expert)
-        bound = saturation_bound(self.fmt, quant_scale(self.fmt, amax_E))[:, None, None]
+        bound = saturation_bound(self.fmt, per_tensor_scale(self.fmt, amax_E))[:, None, None]
         return straight_through(w, wq, bound)
 
     def forward(self, z_TW: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
@@ -531,21 +539,13 @@ class QATExperts(nn.Module):
         tensors: dict[str, dict[str, torch.Tensor]] = {}
         for p in self.PROJS:
             w, amax_E = getattr(self, p).detach().float(), getattr(self, f"{p}_weight_amax")
-            per = [
-                quantize_weight(self.fmt, w[e], amax_E[e], self.search) for e in range(w.shape[0])
-            ]
-            t = {k: torch.stack([d[k] for d in per]) for k in per[0]}
+            t = quantize_expert_weights(self.fmt, w, amax_E, self.search)
             t["input_scale"] = getattr(self, f"{p}_input_scale").clone()
             tensors[p] = t
         return QuantExperts(self.fmt, tensors)
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, experts={self.up_proj.shape[0]}"
-
-
-def quant_scale(fmt: str, amax: torch.Tensor) -> torch.Tensor:
-    """The per-tensor scale of a weight amax (NVFP4 `weight_scale_2`, FP8 `weight_scale`)."""
-    return nvfp4_weight_global_scale(amax) if fmt == "nvfp4" else fp8_weight_scale(amax)
 
 
 def qat_modules(model: nn.Module) -> dict[str, QATLinear | QATExperts]:
@@ -808,7 +808,7 @@ def quantized_group(
         amax = {p: stats.amax(f"{name}.{p}") for p in QuantExperts.PROJS}
         experts = model.get_submodule(name)
         if qat:
-            scales = {p: input_scale_for(fmt, a) for p, a in amax.items()}
+            scales = {p: per_tensor_scale(fmt, a) for p, a in amax.items()}
             return {name: QATExperts(experts, fmt, input_scale=scales, search=weight_scale)}
         return {name: QuantExperts.from_experts(experts, fmt, input_amax=amax, search=weight_scale)}
     linears = [model.get_submodule(op.name) for op in members]
@@ -821,7 +821,7 @@ def quantized_group(
                 lin.weight,
                 fmt,
                 weight_amax=w_amax,
-                input_scale=input_scale_for(fmt, x_amax),
+                input_scale=per_tensor_scale(fmt, x_amax),
                 search=weight_scale,
             )
             for op, lin in zip(members, linears, strict=True)

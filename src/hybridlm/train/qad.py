@@ -131,7 +131,6 @@ class QADistiller(OfflineDistiller):
     """Offline distillation of the quantised model (QAT modules) from itself unquantised."""
 
     stage = "qad"
-    plot_train = ("loss", "kl", "ce")
     plot_eval = ("eval_loss", "eval_accuracy", "eval_kl", "eval_text_loss")
 
     def __init__(self, run: QADRunConfig, rt: Runtime) -> None:
@@ -334,10 +333,10 @@ def run_qad(
 ) -> dict[str, Any]:
     """Run QAD from a config; returns the final metrics, checkpoint and export paths (`hf`: the
     ModelOpt checkpoint) and the figures of `qad.json`."""
-    cfg = resolved(cfg)
     trainer = qad_trainer(cfg, resume=resume, overwrite=overwrite)
-    if is_main():
-        cfg.save(Path(cfg.train.out_dir) / "run.yaml")
+    if is_main():  # the resolved config (the teacher set)
+        run = trainer.module.distill_run
+        run.save(Path(run.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)
 
 
