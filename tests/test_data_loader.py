@@ -287,3 +287,26 @@ def test_batch_trains_the_model(web):
     assert torch.isfinite(loss)
     _, ref = causal_lm_loss(model, out, batch["labels"])
     torch.testing.assert_close(parts["ce"], ref["ce"])
+
+
+@pytest.mark.parametrize("packing", ["best_fit", "greedy"])
+def test_token_index_addresses_the_shard_token_stream(web, code, packing):
+    """token_index: each position's entry in its source's shards back to back (held-out views
+    of a set keep the whole set's addresses), -1 on padding."""
+    train, held = web.split(eval_fraction=0.2)
+    sets = {"web": train, "code": code}
+    loader = PackedLoader(sets, seq_len=L, batch_size=4, packing=packing, seed=1)
+    streams = [
+        np.concatenate([s._load(k, "tokens") for k in range(len(s.shard_token_starts) - 1)])
+        for s in (web, code)
+    ]
+    assert len(web.shard_token_starts) > 2  # several shards
+    for _ in range(5):
+        b = next(loader)
+        real = b["source_ids"] >= 0
+        assert ((b["token_index"] >= 0) == real).all()
+        for src, stream in enumerate(streams):
+            sel = b["source_ids"] == src
+            want = torch.from_numpy(stream[b["token_index"][sel].numpy()].astype(np.int64))
+            assert torch.equal(b["input_ids"][sel], want)
+    assert np.array_equal(held.token_starts, web.token_starts[held.index])

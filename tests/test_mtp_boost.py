@@ -13,10 +13,10 @@ import torch
 from hybridlm import HybridLM
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.io import load, load_model
+from hybridlm.model.model import shift_left
 from hybridlm.presets import get_preset
 from hybridlm.train.mtp_boost import (
     MTPBoostConfig,
-    _shift_left,
     mtp_boost_loss,
     mtp_boost_trainer,
     run_mtp_boost,
@@ -60,7 +60,7 @@ def test_targets_are_only_the_masked_tokens_and_mixing_feeds_the_true_hidden(one
     with torch.no_grad():
         out = model(ids, return_hidden=True)
         h1 = model.mtp(
-            out.hidden, model.embeddings(_shift_left(ids, 1)), positions_L=torch.arange(16)
+            out.hidden, model.embeddings(shift_left(ids, 1)), positions_L=torch.arange(16)
         )
         logp = torch.log_softmax(model.lm_head(h1)[0], -1)
     # depth 1 predicts token t+2 from position t: targets 10..15 come from positions 8..13
@@ -71,8 +71,8 @@ def test_targets_are_only_the_masked_tokens_and_mixing_feeds_the_true_hidden(one
     _, m2 = mtp_boost_loss(model, ids, mask, depth=2, mix_true=1.0, distill_weight=0.0)
     with torch.no_grad():
         h2 = model.mtp(
-            _shift_left(out.hidden, 1),
-            model.embeddings(_shift_left(ids, 2)),
+            shift_left(out.hidden, 1),
+            model.embeddings(shift_left(ids, 2)),
             positions_L=torch.arange(16),
         )
         logp2 = torch.log_softmax(model.lm_head(h2)[0], -1)
@@ -119,7 +119,10 @@ def test_a_short_boost_of_a_random_head_raises_agreement_and_acceptance(tmp_path
     before, after = res["before"][0], res["after"][0]
     assert after["acceptance_length"] > before["acceptance_length"] + 0.2, (before, after)
     rows = _rows(tmp_path / "metrics.jsonl")
-    assert {r["kind"] for r in rows} == {"train", "acceptance"}
+    assert {r["kind"] for r in rows} == {"train", "acceptance", "agreement"}
+    agree = [r for r in rows if r["kind"] == "agreement"]
+    assert [r["when"] for r in agree] == ["source", "after"]  # init "keep": no "init" row
+    assert agree[1]["chain_length"] > agree[0]["chain_length"]
     # the Trainer's rows: `step` counts the optimizer steps done; acceptance before and after
     assert [r["step"] for r in rows if r["kind"] == "train"] == list(range(1, 41))
     assert [(r["when"], r["step"]) for r in rows if r["kind"] == "acceptance"] == [

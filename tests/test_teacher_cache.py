@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from _tiny import tiny_train_model
+from _tiny import tiny_run, tiny_train_model
 from hybridlm.cli.train import register
 from hybridlm.data.bpe import load_tokenizer
 from hybridlm.data.sft import SFTLoader
@@ -156,3 +156,158 @@ def test_cache_config_errors(tmp_path):
     run.distill.teacher_cache = ""
     with pytest.raises(ValueError, match="distill.teacher .* or distill.teacher_cache"):
         run_distill(run)
+
+
+# ---------------------------------------------------------------------- pretraining text
+def _text_run(tmp_path, out, teacher, *, steps=4, top_k=258):
+    """A tiny pretraining run distilling from `teacher` on documents split into several
+    pieces (seq_len 32), over shards of 16 documents."""
+    from hybridlm.data.config import SourceConfig
+    from hybridlm.data.pipeline import build_source
+    from hybridlm.data.shards import write_shards
+    from hybridlm.data.tokenizer import ByteTokenizer
+
+    run = tiny_run(
+        tmp_path,
+        out,
+        max_steps=steps,
+        eval_interval=2,
+        checkpoint_interval=0,
+        intra_doc_masking=True,
+    )
+    shards = tmp_path / "text_shards"
+    if not shards.exists():
+        write_shards(build_source(run.data.sources[0]), ByteTokenizer(), shards, shard_docs=16)
+    run.data.sources = [SourceConfig(name="t", kind="shards", path=str(shards))]
+    run.distill.teacher, run.distill.top_k = teacher, top_k
+    return run
+
+
+def test_pretraining_distillation_from_the_cache_equals_online_for_k_equal_vocab(tmp_path, capsys):
+    from hybridlm.train.pretrain import run_pretrain
+
+    teacher = save_teacher(tmp_path, "teacher", tiny_train_model(), seed=5, sharpen=30.0)
+    online = _text_run(tmp_path, "online", teacher)
+    run_pretrain(online)
+    cached = _text_run(tmp_path, "cached", teacher)
+    cached.distill.teacher_cache = str(tmp_path / "cache")
+    path = tmp_path / "pretrain.yaml"
+    cached.save(path)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["distill-cache", "--pretraining", "--config", str(path)])
+    args.fn(args)
+    printed = capsys.readouterr().out
+    built = json.loads(printed[printed.index("{\n") :])
+    assert built["shards_written"] == 3 and built["bytes_per_token"] == 258 * 8
+    cached.distill.teacher = ""  # the cache stands in for the teacher: never loaded
+    run_pretrain(cached)
+
+    def rows(run):
+        return read_metrics(f"{run.train.out_dir}/metrics.jsonl")
+
+    a = [r for r in rows(online) if r["kind"] in ("train", "eval")]
+    b = [r for r in rows(cached) if r["kind"] in ("train", "eval")]
+    assert [(r["kind"], r["step"]) for r in a] == [(r["kind"], r["step"]) for r in b]
+    assert all("kl" in r for r in a if r["kind"] == "train")
+    assert all("eval_kl" in r for r in a if r["kind"] == "eval")
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("loss", "kl", "ce", "eval_kl", "eval_loss"):
+            if key in ra:
+                assert abs(ra[key] - rb[key]) < 1e-6, (key, ra["step"], ra[key], rb[key])
+
+
+def test_pretraining_loss_is_the_weighted_kl_and_ce(tmp_path):
+    """One step's loss by hand: kl_weight * KL(teacher || student) + ce_weight * CE + MTP."""
+    from hybridlm.data.pipeline import build_loaders, prepare_shards
+    from hybridlm.train.objectives import causal_lm_loss
+    from hybridlm.train.pretrain import pretrain_trainer
+
+    teacher_path = save_teacher(tmp_path, "teacher", tiny_train_model(), seed=5, sharpen=30.0)
+    run = _text_run(tmp_path, "one", teacher_path, steps=1, top_k=0)
+    run.distill.kl_weight, run.distill.ce_weight = 0.7, 0.2
+    trainer = pretrain_trainer(run)
+    module = trainer.module
+    batch = next(build_loaders(run.data, prepare_shards(run.data))[0])
+    student = module.model
+    teacher = load_model(teacher_path).eval()
+    with torch.no_grad():
+        denom = int(batch["num_valid_tokens"])
+        out = student(batch["input_ids"], doc_ids=batch["doc_ids"], mtp_depth=2)
+        base, parts = causal_lm_loss(
+            student,
+            out,
+            batch["labels"],
+            doc_ids=batch["doc_ids"],
+            num_valid_tokens=denom,
+            include_aux=False,
+        )
+        t = teacher(batch["input_ids"], doc_ids=batch["doc_ids"]).logits
+        mask = torch.zeros_like(batch["labels"], dtype=torch.bool)
+        mask[:, :-1] = batch["labels"][:, 1:] != -100
+        p = torch.softmax(t[mask].double(), -1)
+        kl = (p * (p.log() - torch.log_softmax(out.logits[mask].double(), -1))).sum() / denom
+        want = base + 0.7 * kl - 0.8 * parts["ce"]
+        step = module.prepare_step(0)
+        got = module.loss(step.micro[0], step)
+    assert abs(float(got.value) - float(want)) < 1e-5, (float(got.value), float(want))
+    assert abs(got.metrics["kl"] - float(kl)) < 1e-6
+
+
+def test_text_cache_entries_are_each_pieces_top_k_and_resume_by_shard(tmp_path):
+    from hybridlm.data.loader import PackedLoader
+    from hybridlm.data.shards import ShardSet
+    from hybridlm.train.teacher_cache import TextTeacherTopK, build_text_teacher_cache
+
+    teacher_path = save_teacher(tmp_path, "teacher", tiny_train_model(), seed=2, sharpen=10.0)
+    teacher = load_model(teacher_path).eval()
+    run = _text_run(tmp_path, "unused", teacher_path)
+    shards = ShardSet(run.data.sources[0].path)
+    spec = CacheSpec(teacher=teacher_path, k=8, vocab_size=258)
+    root = tmp_path / "cache"
+    first = build_text_teacher_cache(root, teacher, {"t": shards}, spec, seq_len=32, progress=False)
+    assert first["shards_written"] == 3 and first["tokens"] == shards.num_tokens
+    cache = TextTeacherTopK(root, {"t": shards}, seq_len=32)
+    # a shuffled training batch, packed otherwise than the cache's pass: the same entries
+    batch = next(PackedLoader(shards, seq_len=32, batch_size=6, seed=3))
+    mask = batch["targets"] != -100
+    logp, ids = cache.lookup(batch["source_ids"], batch["token_index"], mask, 8)
+    with torch.no_grad():
+        logits = teacher(batch["input_ids"], doc_ids=batch["doc_ids"]).logits[mask]
+    ref_logp, ref_ids = torch.log_softmax(logits.float(), -1).topk(8, dim=-1)
+    torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=0)
+    assert (ids == ref_ids).float().mean() > 0.99  # ties may swap
+    assert (batch["position_ids"][mask] > 0).any()  # pieces after a document's first
+
+    # an interrupted build: shard 1 never finished; the rerun writes only it, the same bytes
+    before = np.load(root / "t/shard_00001.logp.npy")
+    meta = json.loads((root / "meta.json").read_text())
+    meta["sets"]["t"]["done"] = [0, 2]
+    (root / "meta.json").write_text(json.dumps(meta))
+    (root / "t/shard_00001.logp.npy").unlink()
+    with pytest.raises(ValueError, match="unfinished"):
+        TextTeacherTopK(root, {"t": shards}, seq_len=32)
+    again = build_text_teacher_cache(root, teacher, {"t": shards}, spec, seq_len=32, progress=False)
+    assert (again["shards_written"], again["shards_skipped"]) == (1, 2)
+    np.testing.assert_array_equal(np.load(root / "t/shard_00001.logp.npy"), before)
+    # other pieces (seq_len), another k, other shards: refused with a message
+    with pytest.raises(ValueError, match="built for seq_len 32"):
+        TextTeacherTopK(root, {"t": shards}, seq_len=64)
+    with pytest.raises(ValueError, match="another teacher, k, dtype, seq_len"):
+        build_text_teacher_cache(
+            root, teacher, {"t": shards}, CacheSpec(teacher_path, 4, 258), seq_len=32
+        )
+    with pytest.raises(ValueError, match="has no source 'u'"):
+        TextTeacherTopK(root, {"u": shards}, seq_len=32)
+
+
+def test_pretraining_distillation_errors(tmp_path):
+    from hybridlm.train.pretrain import run_pretrain
+
+    run = _text_run(tmp_path, "err", "")
+    run.distill.teacher_cache = str(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="no teacher cache at"):
+        run_pretrain(run)
+    run.train.intra_doc_masking = False
+    with pytest.raises(ValueError, match="needs train.intra_doc_masking and data.packing"):
+        run_pretrain(run, overwrite=True)

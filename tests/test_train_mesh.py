@@ -88,6 +88,7 @@ META_INIT_WORKER = textwrap.dedent(
 
     rank, world, dev = P.init_distributed("cpu")
     cfg = get_preset("tiny-super")
+    cfg.mtp.shared = sys.argv[3] == "shared"  # per-depth heads: each its own shards
     pc = ParallelConfig(dp_shard=-1, ep=int(sys.argv[1]), tp=int(sys.argv[2]))
     layout = P.resolve_layout(pc, world)
     with torch.device("meta"):
@@ -112,16 +113,22 @@ META_INIT_WORKER = textwrap.dedent(
 
 
 @pytest.mark.parametrize(
-    ("world", "ep", "tp"),
-    [(2, 2, 1), (2, 1, 2), pytest.param(4, 2, 1, marks=pytest.mark.slow)],
-    ids=["ep2", "tp2", "ep2_fsdp4"],
+    ("world", "ep", "tp", "mtp"),
+    [
+        (2, 2, 1, "shared"),
+        (2, 1, 2, "per_depth"),
+        pytest.param(4, 2, 1, "shared", marks=pytest.mark.slow),
+    ],
+    ids=["ep2", "tp2_per_depth_mtp", "ep2_fsdp4"],
 )
-def test_meta_init_gives_each_rank_its_shard_of_the_single_process_init(tmp_path, world, ep, tp):
+def test_meta_init_gives_each_rank_its_shard_of_the_single_process_init(
+    tmp_path, world, ep, tp, mtp
+):
     """A sharded layout built on the meta device: every rank allocates only its shards, and the
     gathered weights equal one process's seeded init bit for bit (tiny-super: Mamba, LatentMoE,
     attention, MTP). FSDP2 + EP 2; TP 2 (Mamba-2's rows in rank order, gathered back to the
     canonical order); world 4 also FSDP-shards the experts over 2 ranks."""
-    logs = launch(tmp_path, META_INIT_WORKER, [str(ep), str(tp)], world=world)
+    logs = launch(tmp_path, META_INIT_WORKER, [str(ep), str(tp), mtp], world=world)
     held, total = (int(w) for w in logs[0].split("held ")[1].split()[:3:2])
     print(f"world {world}: rank 0 holds {held:,} of {total:,} parameters")
     # TP 2 alone keeps the router, latent projections, norms and eh_proj whole (52% measured)

@@ -176,6 +176,15 @@ class MTPConfig:
     pattern: str = ""  # blocks of the one MTP layer, e.g. "*E"
     depth: int = 2  # recursive applications in training; each predicts one token further
     loss_weight: float = 0.3
+    # False: one module per depth (DeepSeek-V3 §2.2; Nemotron 3.5 Super's pretraining heads),
+    # a training form: drafting and export take one shared head (`hybridlm mtp-boost` with
+    # `init: consolidate` merges them, Nemotron 3.5 §1)
+    shared: bool = True
+
+    @property
+    def heads(self) -> int:
+        """MTP modules the model holds: 1 shared, or one per depth."""
+        return 1 if self.shared else self.depth
 
 
 @dataclass(kw_only=True)
@@ -365,6 +374,7 @@ class ModelConfig(Config):
             for c in self.mtp.pattern:
                 t, a = self._block_params(c)
                 mtp_total, mtp_active = mtp_total + t, mtp_active + a
+            mtp_total *= self.mtp.heads  # per-depth heads: one of them runs per depth
         return ParamCount(
             total=total, active=active, embedding=emb, mtp_total=mtp_total, mtp_active=mtp_active
         )

@@ -341,8 +341,8 @@ def _engine(args: argparse.Namespace, *, max_batch_size: int) -> Any:
 
     model = _model(args)
     tok = _tokenizer(args, model)
-    if getattr(args, "speculative", 0) and model.mtp is None:
-        raise ValueError("--speculative needs a model with an MTP head (mtp.pattern)")
+    if getattr(args, "speculative", 0):
+        model.check_drafter("--speculative")
     if args.compile:
         model.compile_decode()
     return Engine(

@@ -93,6 +93,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run an offline distillation's teacher once; write its top-k to distill.teacher_cache",
     )
     p.add_argument("--config", default="configs/distill.yaml", help="the distillation run config")
+    p.add_argument(
+        "--pretraining",
+        action="store_true",
+        help="the config is a pretraining run distilling on its text shards (its distill section)",
+    )
     add_overrides_arg(p, "distill.teacher_cache=runs/distill_cache")
     p.set_defaults(fn=cmd_distill_cache)
 
@@ -239,11 +244,19 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
 
 def cmd_distill_cache(args: argparse.Namespace) -> None:
-    """Write (or finish) the teacher top-k cache of an offline distillation config."""
-    from ..train.distill import DistillRunConfig, cache_teacher
+    """Write (or finish) the teacher top-k cache of an offline distillation config, or of a
+    pretraining run's text (`--pretraining`)."""
+    if args.pretraining:
+        from ..train.config import RunConfig
+        from ..train.pretrain import cache_text_teacher
 
-    cfg = DistillRunConfig.load(args.config).override(args.overrides)
-    result = cache_teacher(cfg)
+        cfg = RunConfig.load(args.config).override(args.overrides)
+        result = cache_text_teacher(cfg)
+    else:
+        from ..train.distill import DistillRunConfig, cache_teacher
+
+        cfg = DistillRunConfig.load(args.config).override(args.overrides)
+        result = cache_teacher(cfg)
     print(json.dumps({"teacher_cache": cfg.distill.teacher_cache, **result}, indent=1))
 
 

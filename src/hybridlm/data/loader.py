@@ -14,6 +14,9 @@ Every row is a window of R tokens cut from documents ([BOS] text [EOS], as shard
                           masking (varlen attention, Mamba `seq_idx`); padding is one more segment
     position_ids  [B, L]  restart at 0 at every segment
     source_ids    [B, L]  index of the source (mixture component) of each token, -1 for padding
+    token_index   [B, L]  the token's entry in its source's shard token stream
+                          (`ShardSet.token_starts`), -1 for padding: where per-token data
+                          aligned with the shards is read (a cached teacher top-k)
     num_valid_tokens      global (all ranks) count of `labels` targets after the model's shift,
                           for losses normalised by the global count (DESIGN habit 13)
     num_valid_targets     global count of `targets` != -100
@@ -450,6 +453,7 @@ class PackedLoader:
                 phase_probs.append((end, cum.tolist()))
             stream = _MixtureStream(self.sets, phase_probs, self.seed, self.shuffle)
         self.stream = stream
+        self.token_starts = [s.token_starts for s in self.sets]
         shuffle_rows = self.shuffle and not self.sequential
         self.packer: Any = (
             _BestFitPacker(stream, self.seq_len, self.buffer_docs, self.seed, shuffle_rows)
@@ -496,6 +500,7 @@ class PackedLoader:
         seg_BR = np.zeros((B, R), dtype=np.int64)
         pos_BR = np.zeros((B, R), dtype=np.int64)
         src_BR = np.full((B, R), -1, dtype=np.int64)
+        index_BR = np.full((B, R), -1, dtype=np.int64)
         target_BR = np.zeros((B, R), dtype=bool)
         for b, row in enumerate(rows):
             a = 0
@@ -504,6 +509,7 @@ class PackedLoader:
                 seg_BR[b, a : a + n] = k
                 pos_BR[b, a : a + n] = np.arange(n)
                 src_BR[b, a : a + n] = s
+                index_BR[b, a : a + n] = self.token_starts[s][d] + start + np.arange(n)
                 target_BR[b, a + 1 : a + n] = True
                 a += n
             seg_BR[b, a:] = len(row)  # padding: one more segment
@@ -517,6 +523,7 @@ class PackedLoader:
             "doc_ids": torch.from_numpy(np.ascontiguousarray(seg_BR[:, :L])),
             "position_ids": torch.from_numpy(np.ascontiguousarray(pos_BR[:, :L])),
             "source_ids": torch.from_numpy(np.ascontiguousarray(src_BR[:, :L])),
+            "token_index": torch.from_numpy(np.ascontiguousarray(index_BR[:, :L])),
         }
 
     # ------------------------------------------------------------------ state

@@ -442,6 +442,10 @@ class ShardSet:
         all_lengths = np.concatenate([np.diff(o) for o in start]) if start else np.empty(0)
         self._all_lengths = all_lengths.astype(np.int64)
         self._all_keys = np.concatenate(keys) if keys else np.empty(0, np.uint64)
+        # where each shard's tokens start in the set's token stream (all shards back to back)
+        counts = [int(r["tokens"]) for r in self.manifest["shards"]]
+        self.shard_token_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._all_token_starts = self.shard_token_starts[self._doc_shard] + self._doc_start
         self._index: np.ndarray | None = None  # None: all documents
 
     def _load(self, shard: int, part: str) -> np.ndarray:
@@ -509,6 +513,19 @@ class ShardSet:
     def lengths(self) -> np.ndarray:
         """Tokens per document (int64, BOS/EOS included)."""
         return self._all_lengths if self._index is None else self._all_lengths[self._index]
+
+    @property
+    def shard_of(self) -> np.ndarray:
+        """The shard each document is stored in (int32)."""
+        return self._doc_shard if self._index is None else self._doc_shard[self._index]
+
+    @property
+    def token_starts(self) -> np.ndarray:
+        """Where each document starts in the token stream of all shards (int64): token j of
+        document i is entry `token_starts[i] + j` of per-token data aligned with the shards
+        (e.g. a teacher's cached top-k)."""
+        s = self._all_token_starts
+        return s if self._index is None else s[self._index]
 
     @property
     def keys(self) -> np.ndarray:

@@ -689,8 +689,7 @@ def run_spec_bench(
 ) -> SpecBenchResult:
     """Acceptance by category and temperature, greedy equality and (cfg.timing) engine speed."""
     cfg.validate()
-    if model.mtp is None:
-        raise ValueError("spec_bench needs a model with an MTP head (mtp.pattern is empty)")
+    model.check_drafter("spec_bench")
     if not prompts:
         raise ValueError("no prompts")
     was_training = model.training

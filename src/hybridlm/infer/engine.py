@@ -264,8 +264,8 @@ class Engine:
         V = self.model.config.vocab_size
         if min(prompt) < 0 or max(prompt) >= V:
             raise ValueError(f"prompt token ids must be in [0, {V})")
-        if params.speculative and self.model.mtp is None:
-            raise ValueError("speculative decoding needs a model with an MTP head")
+        if params.speculative:
+            self.model.check_drafter("speculative decoding")
         if params.logit_bias and max(params.logit_bias) >= V:
             raise ValueError(f"logit_bias token ids must be in [0, {V})")
         if any(not 0 <= t < V for t in params.stop_token_ids):

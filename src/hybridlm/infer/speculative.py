@@ -360,8 +360,7 @@ class SpeculativeDecoder:
         if rollback not in ROLLBACKS:
             raise ValueError(f"rollback must be one of {ROLLBACKS}, got {rollback!r}")
         self.rollback = rollback
-        if model.mtp is None:
-            raise ValueError("speculative decoding needs a model with an MTP module (mtp.pattern)")
+        model.check_drafter("speculative decoding")
         if "M" in cfg.mtp.pattern:
             # the MTP cache is rolled back by truncation, which Mamba states cannot do
             raise ValueError(

@@ -115,6 +115,12 @@ def _nemotron_config(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
         raise _unsupported("NemotronH dense MLPs are relu2", "NemotronH")
     if "E" in letters and e.shared_expert_hidden == 0:
         raise _unsupported("transformers' NemotronHMoE always has a shared expert", "NemotronH")
+    if cfg.mtp.pattern and not cfg.mtp.shared:
+        raise _unsupported(
+            "vLLM's NemotronH MTP is one shared head; consolidate the per-depth heads first "
+            "(hybridlm mtp-boost --set init=consolidate)",
+            "NemotronH",
+        )
     if cfg.mtp.pattern and set(cfg.mtp.pattern) - {"*", "E"}:
         raise _unsupported(
             "vLLM's NemotronH MTP layers are attention and MoE blocks only", "NemotronH"

@@ -54,13 +54,13 @@ class ModelOutput:
     head: Any = None  # what forward's `head` callable returned (e.g. the training loss)
 
 
-def _shift_left(x_BL: torch.Tensor, k: int, fill: int) -> torch.Tensor:
-    """out[:, t] = x[:, t + k]; the last k positions get `fill`."""
+def shift_left(x: torch.Tensor, k: int, fill: float | int = 0) -> torch.Tensor:
+    """out[:, t] = x[:, t + k] (along dim 1); the last k positions get `fill`."""
     if k == 0:
-        return x_BL
-    return torch.cat(
-        [x_BL[:, k:], x_BL.new_full((x_BL.shape[0], min(k, x_BL.shape[1])), fill)], dim=1
-    )
+        return x
+    out = torch.full_like(x, fill)
+    out[:, :-k] = x[:, k:]
+    return out
 
 
 @functools.cache
@@ -81,6 +81,12 @@ class HybridLM(nn.Module):
         self.lm_head = nn.Linear(d, V, bias=False)
         self.tie_weights()
         self.mtp = MTP(config) if config.mtp.pattern else None
+        # per-depth heads (`mtp.shared` False): depth k >= 2 runs `mtp_depths[k - 2]`
+        self.mtp_depths = (
+            nn.ModuleList(MTP(config) for _ in range(config.mtp.heads - 1))
+            if config.mtp.pattern and config.mtp.heads > 1
+            else None
+        )
         # how engines store this model's attention KV cache, set from outside
         # (`precision.kv_cache.KVCacheQuant`: a checkpoint's declared format and calibration)
         self.kv_cache_quant: Any = None
@@ -136,16 +142,59 @@ class HybridLM(nn.Module):
         if not self.config.tie_embeddings:
             units.append((self.lm_head, normal))
         units.append((self.norm_f, reset))
-        blocks = list(self.layers) + (list(self.mtp.layers) if self.mtp is not None else [])
-        units += [(block, block_init) for block in blocks]
-        if self.mtp is not None:
-            units += [
-                (n, reset) for n in (self.mtp.enorm, self.mtp.hnorm, self.mtp.final_layernorm)
-            ]
-            units.append((self.mtp.eh_proj, normal))
+        units += [(block, block_init) for block in self.layers]
+        heads = self.mtp_heads()
+        if heads:
+            # per-depth heads start equal to the first (its random draws replayed), so that
+            # consolidating them by averaging (`train.mtp_init`) starts from one point
+            rng: dict[str, torch.Tensor] = {}
+
+            def replay(first: bool, last: bool, init: Callable) -> Callable:
+                def run(m: nn.Module) -> None:
+                    if first:
+                        rng.setdefault("start", torch.random.get_rng_state())
+                        torch.random.set_rng_state(rng["start"])
+                    init(m)
+                    if last:
+                        rng["end"] = torch.random.get_rng_state()
+
+                return run
+
+            for h in heads:
+                head_units = [(block, block_init) for block in h.layers]
+                head_units += [(n, reset) for n in (h.enorm, h.hnorm, h.final_layernorm)]
+                head_units.append((h.eh_proj, normal))
+                n = len(head_units)
+                units += [(m, replay(i == 0, i == n - 1, f)) for i, (m, f) in enumerate(head_units)]
         if self.score is not None:
             units.append((self.score, normal))
         return units
+
+    def mtp_heads(self) -> list[MTP]:
+        """The MTP modules: none, the one shared head, or one per depth (depth 1 first)."""
+        if self.mtp is None:
+            return []
+        return [self.mtp, *(self.mtp_depths or [])]
+
+    def mtp_head(self, k: int) -> MTP:
+        """The module that runs MTP depth k (1-based)."""
+        if self.mtp is None:
+            raise ValueError("the model has no MTP module (mtp.pattern is empty)")
+        if self.mtp_depths is None:
+            return self.mtp
+        return self.mtp if k == 1 else self.mtp_depths[k - 2]
+
+    def check_drafter(self, what: str) -> None:
+        """Raise unless the model drafts: one MTP head, shared over depths, applied recursively
+        (what speculative decoding, vLLM and the exports take)."""
+        if self.mtp is None:
+            raise ValueError(f"{what} needs a model with an MTP head (mtp.pattern is empty)")
+        if self.mtp_depths is not None:
+            raise ValueError(
+                f"{what} drafts with one recursively shared MTP head and this model has one per "
+                "depth (mtp.shared: false): consolidate them first "
+                "(hybridlm mtp-boost --set init=consolidate)"
+            )
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when `tie_embeddings` is set."""
@@ -243,13 +292,18 @@ class HybridLM(nn.Module):
         if mtp_depth > 0:
             if self.mtp is None:
                 raise ValueError(f"mtp_depth={mtp_depth} but the model has no MTP module")
+            if self.mtp_depths is not None and mtp_depth > self.config.mtp.depth:
+                raise ValueError(
+                    f"mtp_depth={mtp_depth}: the model has per-depth MTP heads for depths "
+                    f"1..{self.config.mtp.depth} only"
+                )
             h_k = h
             for k in range(1, mtp_depth + 1):
                 ahead = (
-                    _shift_left(input_ids, k, 0) if cp is None else cp.shift_left(input_ids, k, 0)
+                    shift_left(input_ids, k, 0) if cp is None else cp.shift_left(input_ids, k, 0)
                 )
                 emb = self.embeddings(ahead)
-                h_k = self.mtp(h_k, emb, aux_sink=aux_sink, **ctx)
+                h_k = self.mtp_head(k)(h_k, emb, aux_sink=aux_sink, **ctx)
                 out.mtp_hidden.append(h_k)
                 if return_logits:
                     out.mtp_logits.append(project(self.lm_head, h_k))

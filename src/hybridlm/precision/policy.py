@@ -141,7 +141,7 @@ def _classify(name: str, module: nn.Module, parent: nn.Module | None) -> str:
         return "moe." + leaf
     if ".shared_experts." in f".{name}.":
         return "moe.shared_expert." + leaf
-    if name.startswith("mtp."):
+    if name.startswith(("mtp.", "mtp_depths.")):
         return "mtp." + leaf
     return "linear." + leaf
 
@@ -166,7 +166,7 @@ def assign_formats(
             fmt, why = "bf16", "embeddings and LM head"
         elif any(name == p or name.startswith(p + ".") for p in policy.exclude):
             fmt, why = "bf16", "policy.exclude"
-        elif name.startswith("mtp."):
+        elif name.startswith(("mtp.", "mtp_depths.")):
             fmt, why = policy.mtp, "MTP layers"
         elif idx is not None and idx >= first_tail:
             fmt, why = "bf16", f"last {tail} of {n_layers} layers"

@@ -254,8 +254,38 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
+class TeacherConfig:
+    """Distillation from a teacher's top-k logits (Nemotron 3.5 §2.2: Lightning is pretrained on
+    the top-128 logits of a larger base, forward KL and CE at weights 0.9 / 0.1). The loss at a
+    target position is `kl_weight * KL(p_T^top-k || q_S) + ce_weight * CE`. The teacher is a
+    loadable model run on every batch (`teacher`), or its cached top-k (`teacher_cache`, written
+    once by `hybridlm distill-cache`), which stands in for it. Pretraining runs distil when
+    either is set; `distill.DistillConfig` adds the SFT-data and on-policy settings."""
+
+    teacher: str = ""
+    # top-k teacher entries (clamped to the vocabulary); 0 = the whole vocabulary (full KL)
+    top_k: int = 128
+    kl_weight: float = 0.9
+    ce_weight: float = 0.1
+    temperature: float = 1.0  # softmax temperature of the top-k forward KL
+    teacher_cache: str = ""
+    teacher_cache_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        if self.top_k < 0 or self.temperature <= 0:
+            raise ValueError("distill.top_k must be >= 0 (0: all) and distill.temperature > 0")
+        if self.kl_weight < 0 or self.ce_weight < 0 or self.kl_weight + self.ce_weight == 0:
+            raise ValueError("distill.kl_weight and ce_weight must be >= 0, not both 0")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.teacher or self.teacher_cache)
+
+
+@dataclass(kw_only=True)
 class RunConfig(Config):
-    """One pretraining run: `model` (a preset name or a ModelConfig), `data`, `train`."""
+    """One pretraining run: `model` (a preset name or a ModelConfig), `data`, `train`, and
+    optionally a teacher to distil from (`distill`)."""
 
     WHAT = "run config"
     EXPAND = {"model": get_preset}
@@ -263,6 +293,7 @@ class RunConfig(Config):
     model: ModelConfig | str = "tiny-super"
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distill: TeacherConfig = field(default_factory=TeacherConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, str) and self.model not in PRESETS:
@@ -284,4 +315,5 @@ class RunConfig(Config):
             model=self.model_config(),
             data=copy.deepcopy(self.data),
             train=copy.deepcopy(self.train),
+            distill=copy.deepcopy(self.distill),
         )

@@ -77,7 +77,7 @@ from ..data.sft import Conversation, ReadReport, SFTLoader
 from ..infer.rollout import RolloutPool, RolloutRequest
 from ..io import load_model as load_model_from
 from ..model.model import HybridLM
-from .config import TrainConfig
+from .config import TeacherConfig, TrainConfig
 from .objectives import (
     IGNORE_INDEX,
     distill_loss,
@@ -139,27 +139,17 @@ class PromptSource:
 
 
 @dataclass(kw_only=True)
-class DistillConfig:
-    """The distillation objective, teacher(s) and evaluation (module docstring)."""
+class DistillConfig(TeacherConfig):
+    """The distillation objective, teacher(s) and evaluation (module docstring); the teacher,
+    top-k, weights, temperature and cache settings are `TeacherConfig`'s."""
 
     mode: Mode = "offline"
     # offline
-    teacher: str = ""
     objective: Objective = "topk_forward_kl"
-    # Nemotron 3.5 Lightning: top-128 teacher logits (clamped to the vocab); 0 = the whole
-    # vocabulary (the full forward KL)
-    top_k: int = 128
-    kl_weight: float = 0.9
-    ce_weight: float = 0.1
-    temperature: float = 1.0  # softmax temperature of the top-k forward KL
     skew_alpha: float = 0.1  # skew reverse KL mixing weight of the teacher
     # + hidden_weight * MSE of the final hidden states vs the teacher's (same d_model; offline,
     # with a loaded teacher)
     hidden_weight: float = 0.0
-    # a directory of cached teacher top-k (`hybridlm distill-cache` writes it; train/teacher_cache):
-    # when set, offline distillation reads it and never loads the teacher
-    teacher_cache: str = ""
-    teacher_cache_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     # on-policy (MOPD)
     teachers: dict[str, str] = field(default_factory=dict)  # name -> checkpoint
     routes: dict[str, str] = field(default_factory=dict)  # prompt domain -> teacher name
@@ -185,6 +175,7 @@ class DistillConfig:
     eval_max_new_tokens: int = 96
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.mode not in ("offline", "on_policy"):
             raise ValueError(f"distill.mode must be offline or on_policy, got {self.mode!r}")
         if self.objective not in ("topk_forward_kl", "skew_reverse_kl"):
@@ -192,10 +183,6 @@ class DistillConfig:
                 "distill.objective must be topk_forward_kl or skew_reverse_kl, "
                 f"got {self.objective!r}"
             )
-        if self.top_k < 0 or self.temperature <= 0:
-            raise ValueError("distill.top_k must be >= 0 (0: all) and distill.temperature > 0")
-        if self.kl_weight < 0 or self.ce_weight < 0 or self.kl_weight + self.ce_weight == 0:
-            raise ValueError("distill.kl_weight and ce_weight must be >= 0, not both 0")
         if self.hidden_weight < 0:
             raise ValueError(f"distill.hidden_weight must be >= 0, got {self.hidden_weight}")
         if not 0 < self.skew_alpha <= 1:

@@ -23,7 +23,13 @@ Recipe:
    sees) with probability `mix_true`, and its own recursive output h^{k-1}_t otherwise (what
    deeper drafts see at inference), so it is conditioned on both kinds of state.
 4. **Acceptance before and after** with the speculative decoder on held-out prompts, greedy and
-   at T=1, by draft position; the result goes to `metrics.jsonl` and `acceptance.png`.
+   at T=1, by draft position; the result goes to `metrics.jsonl` and `acceptance.png`. Also
+   teacher-forced greedy agreement by depth (`mtp_init.head_agreement`) of the incoming heads
+   (`source`), the initialised head (`init`) and the trained one (`after`).
+5. **The head it starts from** (`init`, `train.mtp_init`): the model's own shared head (`keep`),
+   per-depth heads consolidated into one (`consolidate`, Nemotron 3.5 Super), a head built from
+   the backbone's tail with a fitted input projection (`fuse`, Lightning), or a random one; the
+   warm-up of Nemotron 3.5 §2.1 is this stage run after the init.
 
 The loop is the one `Trainer` (`MTPBoost` is its stage): AdamW over the head's parameters,
 linear warm-up then cosine decay to 10% of `lr`, clipping, the finiteness check and the MoE bias
@@ -55,9 +61,10 @@ from ..infer.speculative import SpecStats, speculative_generate
 from ..interop.hf import save_pretrained
 from ..io import load
 from ..io.checkpoint import read_meta, resolve_checkpoint
-from ..model.model import HybridLM
+from ..model.model import HybridLM, shift_left
 from ..report.plot import pyplot, read_metrics, save_figure
 from .config import TrainConfig
+from .mtp_init import CONSOLIDATIONS, HEAD_INITS, head_agreement, init_head
 from .parallel import broadcast_object, is_main
 from .trainer import Loss, Runtime, Step, Trainer, TrainModule
 
@@ -96,6 +103,16 @@ class MTPBoostConfig(Config):
     # transformers directories) or an RL environment kind (e.g. "sft_arithmetic", "arithmetic"):
     # healing after RL reuses the RL prompts (Nemotron 3 Super §4.7)
     prompts: str = "data"
+    # the head the warm-up starts from (`train.mtp_init`, Nemotron 3.5 §1): keep it, consolidate
+    # per-depth heads (`consolidate`: average / first), build it from the backbone (fuse, a
+    # ridge least-squares projection with relative `fuse_ridge`) or draw it at random
+    init: str = "keep"
+    # what the head trains on: "generated" (the model's own continuations of the prompts; the
+    # post-training boost and healing) or "text" (windows of prompt_len + gen_len tokens of the
+    # training data itself; the warm-up of Nemotron 3.5 §2.1 on pretraining data)
+    data: str = "generated"
+    consolidate: str = "average"
+    fuse_ridge: float = 1.0e-3
 
     def validate(self) -> MTPBoostConfig:
         for name in (
@@ -123,6 +140,18 @@ class MTPBoostConfig(Config):
             raise ValueError(f"draft_len must be in [1, 16], got {self.draft_len}")
         if not self.eval_temperatures:
             raise ValueError("eval_temperatures must list at least one temperature")
+        if self.data not in ("generated", "text"):
+            raise ValueError(f"data must be generated or text, got {self.data!r}")
+        if self.data == "text" and self.prompts != "data":
+            raise ValueError("data: text trains on the training data's windows (prompts: data)")
+        if self.init not in HEAD_INITS:
+            raise ValueError(f"init must be one of {HEAD_INITS}, got {self.init!r}")
+        if self.consolidate not in CONSOLIDATIONS:
+            raise ValueError(
+                f"consolidate must be one of {CONSOLIDATIONS}, got {self.consolidate!r}"
+            )
+        if self.fuse_ridge < 0:
+            raise ValueError(f"fuse_ridge must be >= 0, got {self.fuse_ridge}")
         return self
 
     def train_config(self, out_dir: str | Path, *, device: str, progress: bool) -> TrainConfig:
@@ -146,15 +175,6 @@ class MTPBoostConfig(Config):
             parallel=self.parallel,
             progress=progress,
         )
-
-
-def _shift_left(x: torch.Tensor, k: int, fill: float | int = 0) -> torch.Tensor:
-    """x[:, t + k] at position t (along dim 1), `fill` past the end."""
-    if k == 0:
-        return x
-    out = torch.full_like(x, fill)
-    out[:, :-k] = x[:, k:]
-    return out
 
 
 def mtp_boost_loss(
@@ -192,21 +212,21 @@ def mtp_boost_loss(
     h_BLD, losses, metrics = h0_BLD, [], {}
     for k in range(1, depth + 1):
         if k >= 2 and mix_true > 0:
-            true_BLD = _shift_left(h0_BLD, k - 1)  # the backbone's hidden of position t+k-1
+            true_BLD = shift_left(h0_BLD, k - 1)  # the backbone's hidden of position t+k-1
             if picks is not None:
                 pick_BL = picks[k - 2].to(h_BLD.device)
             else:
                 pick_BL = torch.rand(h_BLD.shape[:2], generator=generator, device=h_BLD.device)
             h_BLD = torch.where((pick_BL < mix_true)[..., None], true_BLD, h_BLD)
-        emb_BLD = model.embeddings(_shift_left(ids_BL, k))
+        emb_BLD = model.embeddings(shift_left(ids_BL, k))
         h_BLD = head(h_BLD, emb_BLD, **ctx)
-        valid_BL = _shift_left(target_mask_BL, k + 1, False)
+        valid_BL = shift_left(target_mask_BL, k + 1, False)
         n = max(1, num_targets[k - 1] if num_targets is not None else int(valid_BL.sum()))
         logits_NV = model.lm_head(h_BLD[valid_BL]).to(ct)
-        target_N = _shift_left(ids_BL, k + 1)[valid_BL]
+        target_N = shift_left(ids_BL, k + 1)[valid_BL]
         nll = F.cross_entropy(logits_NV, target_N, reduction="sum") / n
         t = temperature
-        p_NV = torch.softmax(_shift_left(teacher_BLV, k)[valid_BL] / t, -1)
+        p_NV = torch.softmax(shift_left(teacher_BLV, k)[valid_BL] / t, -1)
         kl = F.kl_div(torch.log_softmax(logits_NV / t, -1), p_NV, reduction="sum") / n * t * t
         losses.append((1 - distill_weight) * nll + distill_weight * kl)
         with torch.no_grad():
@@ -322,7 +342,9 @@ class MTPBoost(TrainModule):
         t0 = time.perf_counter()
         prompts = [train_prompts[i % len(train_prompts)] for i in range(cfg.num_sequences)]
         seqs = None
-        if rt.rank == 0:  # data parallelism: one rank generates, every rank trains on them
+        if cfg.data == "text":  # the windows are the sequences; every token after the first
+            seqs, prompts = prompts, [p[:1] for p in prompts]
+        elif rt.rank == 0:  # data parallelism: one rank generates, every rank trains on them
             seqs = self_generate(
                 model,
                 tokenizer,
@@ -333,14 +355,12 @@ class MTPBoost(TrainModule):
             )
         seqs = broadcast_object(seqs)
         self.generation_s = time.perf_counter() - t0
-        L = max(len(s) for s in seqs)
-        ids_NL = torch.zeros(len(seqs), L, dtype=torch.long)
-        mask_NL = torch.zeros(len(seqs), L, dtype=torch.bool)
-        for i, (p, s) in enumerate(zip(prompts, seqs, strict=True)):
-            ids_NL[i, : len(s)] = torch.tensor(s)
-            mask_NL[i, len(p) : len(s)] = True  # targets: the generated tokens only
         device = model.embeddings.weight.device
-        self.ids_NL, self.mask_NL = ids_NL.to(device), mask_NL.to(device)
+        self.ids_NL, valid_NL = _pad_rows(seqs, device)
+        starts_N1 = torch.tensor([[len(p)] for p in prompts], device=device)
+        positions_1L = torch.arange(valid_NL.shape[1], device=device)[None]
+        self.mask_NL = valid_NL & (positions_1L >= starts_N1)  # targets: generated tokens only
+        self.head_rows = self._init_head(model, cfg, valid_NL)
         # only the head is trained: the embeddings and LM head it shares stay fixed (Nemotron 3
         # Super §4.7); the Trainer's AdamW sees the parameters that require grad
         model.requires_grad_(False)
@@ -356,6 +376,48 @@ class MTPBoost(TrainModule):
         self.order = random.Random(cfg.seed)  # the order sequences are drawn in
         self.pending: list[int] = []  # the rest of the current pass over the sequences
         self.train_s, self._t0 = 0.0, None
+
+    def _init_head(
+        self, model: HybridLM, cfg: MTPBoostConfig, valid_NL: torch.Tensor
+    ) -> list[dict[str, Any]]:
+        """Give the model its one shared head (`cfg.init`, calibrated on the generated
+        sequences); `agreement` rows of the incoming heads and of the initialised one:
+        teacher-forced greedy acceptance on the held-out prompts' greedy continuations
+        (`mtp_init.head_agreement`), the one measure that per-depth heads, which cannot draft,
+        share with the shared head."""
+        device = model.embeddings.weight.device
+        held = self.held_rows = _pad_rows(
+            broadcast_object(
+                self_generate(
+                    model,
+                    self.tokenizer,
+                    self.eval_prompts,
+                    gen_len=cfg.eval_new_tokens,
+                    temperature=0.0,
+                    seed=cfg.seed,
+                )
+                if self.rt.rank == 0
+                else None
+            ),
+            device,
+        )
+        depth = min(self.depth, model.config.mtp.depth) if model.mtp_depths else self.depth
+        rows = [
+            {"kind": "agreement", "when": "source", **head_agreement(model, *held, depth=depth)}
+        ]
+        fit = init_head(
+            model,
+            cfg.init,
+            self.ids_NL,
+            valid_NL,
+            consolidate=cfg.consolidate,
+            ridge=cfg.fuse_ridge,
+            seed=cfg.seed,
+        )
+        if cfg.init != "keep":
+            agree = head_agreement(model, *held, depth=self.depth)
+            rows.append({"kind": "agreement", "when": "init", "init": cfg.init, **agree, **fit})
+        return rows
 
     def trained_module(self) -> torch.nn.Module:
         return self.model.mtp
@@ -375,7 +437,7 @@ class MTPBoost(TrainModule):
             self.pending += self.order.sample(range(N), N)
         idx, self.pending = self.pending[:B], self.pending[B:]
         ids_BL, mask_BL = self.ids_NL[idx], self.mask_NL[idx]
-        counts = [int(_shift_left(mask_BL, k + 1, False).sum()) for k in range(1, self.depth + 1)]
+        counts = [int(shift_left(mask_BL, k + 1, False).sum()) for k in range(1, self.depth + 1)]
         picks = []
         if self.cfg.mix_true > 0:  # depth >= 2 mixes true and recursive hidden states
             shape = ids_BL.shape
@@ -406,7 +468,8 @@ class MTPBoost(TrainModule):
         return Loss(value, metrics)
 
     def start_rows(self) -> list[dict[str, Any]]:
-        return _acceptance_rows(self.model, self.eval_prompts, self.cfg, "before", 0)
+        rows = [{**r, "step": 0} for r in self.head_rows]
+        return rows + _acceptance_rows(self.model, self.eval_prompts, self.cfg, "before", 0)
 
     def end_rows(self) -> list[dict[str, Any]]:
         if self._t0 is not None:
@@ -414,7 +477,11 @@ class MTPBoost(TrainModule):
         if any(r["when"] == "after" for r in _read_rows(self.rt.metrics_path, "acceptance")):
             return []  # a finished run resumed: measured already (a resume drops later rows)
         self.model.eval()
-        return _acceptance_rows(self.model, self.eval_prompts, self.cfg, "after", self.total_steps)
+        agree = head_agreement(self.model, *self.held_rows, depth=self.depth)
+        rows = [{"kind": "agreement", "when": "after", "step": self.total_steps, **agree}]
+        return rows + _acceptance_rows(
+            self.model, self.eval_prompts, self.cfg, "after", self.total_steps
+        )
 
     def close(self) -> None:
         self.model.requires_grad_(True)
@@ -463,6 +530,17 @@ class MTPBoost(TrainModule):
         }
 
 
+def _pad_rows(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows right-padded into [N, L] ids and the mask of real tokens."""
+    L = max(len(s) for s in seqs)
+    ids_NL = torch.zeros(len(seqs), L, dtype=torch.long)
+    valid_NL = torch.zeros(len(seqs), L, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids_NL[i, : len(s)] = torch.tensor(s)
+        valid_NL[i, : len(s)] = True
+    return ids_NL.to(device), valid_NL.to(device)
+
+
 def _read_rows(metrics_path: str | Path, kind: str) -> list[dict[str, Any]]:
     """The rows of `kind` in a metrics.jsonl (none when it does not exist)."""
     if not Path(metrics_path).exists():
@@ -470,9 +548,16 @@ def _read_rows(metrics_path: str | Path, kind: str) -> list[dict[str, Any]]:
     return [r for r in read_metrics(metrics_path) if r.get("kind") == kind]
 
 
-def _check_inputs(model: HybridLM, train_prompts: list, eval_prompts: list) -> None:
+def _check_inputs(
+    model: HybridLM, train_prompts: list, eval_prompts: list, cfg: MTPBoostConfig
+) -> None:
     if model.mtp is None:
         raise ValueError("the model has no MTP head (mtp.pattern is empty): nothing to boost")
+    if model.mtp_depths is not None and cfg.init == "keep":
+        raise ValueError(
+            "the model has per-depth MTP heads (mtp.shared: false) and the boost trains one "
+            "shared head: set init to consolidate, fuse or random"
+        )
     if not train_prompts or not eval_prompts:
         raise ValueError("need at least one training prompt and one evaluation prompt")
 
@@ -492,7 +577,7 @@ def mtp_boost_trainer(
     """The `Trainer` of an MTP boost of `model` (in place) under `out_dir`, ready to `train()`;
     `resume` / `overwrite` as for every run on the Trainer."""
     cfg.validate()
-    _check_inputs(model, train_prompts, eval_prompts)
+    _check_inputs(model, train_prompts, eval_prompts, cfg)
     device = str(model.embeddings.weight.device)
     tc = cfg.train_config(out_dir, device=device, progress=progress)
     trainer = Trainer(
@@ -583,11 +668,19 @@ def plot_acceptance(metrics_path: str | Path, png: str | Path) -> None:
 
 # ---------------------------------------------------------------------- prompts
 def prompts_from_checkpoint(
-    path: str | None, tokenizer: Any, *, n_train: int, n_eval: int, prompt_len: int, seed: int
+    path: str | None,
+    tokenizer: Any,
+    *,
+    n_train: int,
+    n_eval: int,
+    prompt_len: int,
+    seed: int,
+    train_len: int = 0,
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Prompt windows from the documents of the checkpoint's training data (its run config's
     sources; the embedded stdlib corpus otherwise), split by document into boosting prompts and
-    held-out evaluation prompts (every 5th document, by a hash of its id)."""
+    held-out evaluation prompts (every 5th document, by a hash of its id). `train_len` > 0:
+    the boosting windows are that long instead, up to 4 disjoint ones per document."""
     import zlib
 
     sources = [SourceConfig(name="stdlib", kind="stdlib")]
@@ -603,13 +696,17 @@ def prompts_from_checkpoint(
     for src in sources:
         for doc in build_source(src):
             ids = tokenizer.encode(doc.text, add_bos=False)
-            if len(ids) < 2 * prompt_len:
-                continue
-            start = rng.randrange(0, len(ids) - prompt_len)
-            window = [tokenizer.bos_id, *ids[start : start + prompt_len - 1]]
             pool = held if zlib.crc32(doc.id.encode()) % 5 == 0 else train
-            if len(pool) < (n_eval if pool is held else n_train):
-                pool.append(window)
+            n = train_len if train_len and pool is train else prompt_len
+            if len(ids) < 2 * n:
+                continue
+            starts = [rng.randrange(0, len(ids) - n)]
+            if n == train_len:  # disjoint windows from a random offset
+                offset = rng.randrange(0, n)
+                starts = list(range(offset, len(ids) - n, n))[:4]
+            for start in starts:
+                if len(pool) < (n_eval if pool is held else n_train):
+                    pool.append([tokenizer.bos_id, *ids[start : start + n - 1]])
             if len(train) >= n_train and len(held) >= n_eval:
                 return train, held
     if not train or not held:
@@ -643,6 +740,7 @@ def boost_checkpoint(
             n_train=cfg.num_sequences,
             n_eval=cfg.eval_prompts,
             prompt_len=cfg.prompt_len,
+            train_len=cfg.prompt_len + cfg.gen_len if cfg.data == "text" else 0,
             seed=cfg.seed,
         )
     else:  # the RL environment's prompts (healing after RL, Nemotron 3 Super §4.7)

@@ -123,7 +123,7 @@ def apply_fsdp2(
     *,
     expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
-    """FSDP2: `fully_shard` each block of `model.layers` and of `model.mtp.layers`, then the
+    """FSDP2: `fully_shard` each block of `model.layers` and of the MTP heads, then the
     root (embeddings, final norm, LM head), over `mesh` (default: every rank; a 2-D
     (dp_replicate, dp_shard) mesh is HSDP). Under expert parallelism the routed experts are
     sharded first over `expert_mesh` (the data-parallel ranks the expert-parallel group
@@ -131,10 +131,7 @@ def apply_fsdp2(
     place; returns the same module."""
     from torch.distributed.fsdp import fully_shard
 
-    blocks = list(model.layers)
-    mtp = getattr(model, "mtp", None)
-    if mtp is not None:
-        blocks += list(mtp.layers)
+    blocks = list(model.layers) + [b for h in model.mtp_heads() for b in h.layers]
     for block in blocks:
         if expert_mesh is not None:
             for moe in moe_layers(block):

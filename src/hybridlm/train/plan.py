@@ -968,7 +968,9 @@ def _communication(
             n = lay.fsdp // (lay.ep if unit.endswith(".experts") else 1)
             # the root stays gathered from its forward to its backward (FSDP2 root); a block is
             # gathered in the forward and again in the backward, an MTP block once per depth
-            calls = 1 if unit == "root" else (depth if unit.startswith("mtp.") else 1)
+            # (per-depth heads: each once)
+            recursive = unit.startswith("mtp.") and cfg.mtp.shared
+            calls = 1 if unit == "root" else (depth if recursive else 1)
             gathers = 1 if unit == "root" else 2 * calls
             gather += 4 * n_el * ring(n) * gathers
             scatter += 4 * n_el * ring(n) * calls

@@ -25,6 +25,15 @@ Bits per byte (held-out): sum of CE nats / (ln 2 * bytes of the target text). By
 a target's bytes are 1 for ids < 256, 0 for BOS/EOS. Byte-level BPE: the bytes of each token's
 byte-level string (exact); special tokens count 0 and added text tokens their UTF-8 length.
 
+Pretraining by distillation (`distill`, `TeacherConfig`; Nemotron 3.5 §2.2, Lightning from
+the top-128 logits of a larger base): the CE term becomes `kl_weight * KL(p_T^top-k || q_S) +
+ce_weight * CE` over the same targets and global count (MTP, MoE and z-loss terms unchanged),
+with `kl` in the train rows and the held-out `eval_kl`. The teacher runs on every batch under
+no_grad (`distill.teacher`, seeing the rows as the student does), or its top-k is read from a
+cache aligned with the data shards (`distill.teacher_cache`, `hybridlm distill-cache
+--pretraining`; `train.teacher_cache`), built once for this `seq_len`: each document piece is
+seen alone, so it needs `train.intra_doc_masking` and best-fit packing.
+
 Warm start (`train.init_from`, e.g. Olmo 3 midtraining §4 or a long-context extension): the
 model is loaded from any loadable path instead of initialised; optimizer and schedule are fresh.
 `train.yarn` rescales its full-attention RoPE for a longer context (`HybridLM.extend_context`),
@@ -47,9 +56,11 @@ from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
 from ..model.model import IGNORE_INDEX
 from ..report.plot import plot_loss_curves
 from .config import RunConfig
-from .objectives import causal_lm_loss
+from .distill import check_vocab, load_teacher, teacher_topk_at
+from .objectives import causal_lm_loss, shift_targets, topk_forward_kl
 from .parallel import barrier, is_main
-from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model
+from .teacher_cache import CacheSpec, TextTeacherTopK, build_text_teacher_cache
+from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model, resolve_device
 
 
 def measure_peak_flops(
@@ -134,6 +145,46 @@ class Pretrain(TrainModule):
         self._peak_flops = tc.peak_flops or None
         self.flops_per_token = model_cfg.flops_per_token(dc.seq_len, training=True)
         self.step = 0  # steps whose data was read (the loader position's step)
+        self.teacher, self.cache = self._teacher(run, rt, sets)
+
+    def _teacher(
+        self, run: RunConfig, rt: Runtime, sets: dict[str, Any]
+    ) -> tuple[Any, TextTeacherTopK | None]:
+        """Pretraining by distillation (`run.distill`, Nemotron 3.5 §2.2): the teacher model,
+        or the cached top-k of every source that stands in for it."""
+        dd = run.distill
+        if not dd.enabled:
+            return None, None
+        if rt.cp > 1:
+            raise ValueError("distill needs whole rows: it does not take train.parallel.cp > 1")
+        if dd.teacher_cache:
+            if not run.train.intra_doc_masking or run.data.packing != "best_fit":
+                raise ValueError(
+                    "distill.teacher_cache needs train.intra_doc_masking and data.packing "
+                    "best_fit: the cache holds the teacher's view of each document piece alone"
+                )
+            cache = TextTeacherTopK(dd.teacher_cache, sets, seq_len=run.data.seq_len)
+            check_vocab(self.model, cache.vocab_size, f"cache {dd.teacher_cache}")
+            return None, cache
+        teacher = load_teacher(dd.teacher, device=rt.device, tokenizer=build_tokenizer(run.data))
+        check_vocab(self.model, teacher.config.vocab_size, dd.teacher)
+        return teacher, None
+
+    def _teacher_topk(
+        self, batch: dict[str, torch.Tensor], mask_BL: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's top-k (log-probs or logits [T, k], ids [T, k]) at the positions
+        `mask_BL` selects: read from the cache, or computed now without gradients."""
+        dd, dev = self.run.distill, self.rt.device
+        if self.cache is not None:
+            top, ids = self.cache.lookup(
+                batch["source_ids"], batch["token_index"], mask_BL, dd.top_k
+            )
+            return top.to(dev), ids.to(dev)
+        with torch.no_grad(), self.rt.autocast():  # the student's view of the rows
+            doc_BL = batch["doc_ids"].to(dev) if self.rt.tc.intra_doc_masking else None
+            logits = self.teacher(batch["input_ids"].to(dev), doc_ids=doc_BL).logits
+        return teacher_topk_at(logits, mask_BL.to(dev), dd.top_k, dev)
 
     # ------------------------------------------------------------------ steps
     def _loss(
@@ -154,8 +205,14 @@ class Pretrain(TrainModule):
             start = cp.offset(input_ids.shape[1])
             own = slice(start, start + input_ids.shape[1])
 
+        distill = self.run.distill if (self.teacher or self.cache) else None
+        if distill is not None:  # the positions with a target, as the CE's
+            mask_BL = shift_targets(labels, 1) != IGNORE_INDEX
+            teacher_topk = self._teacher_topk(batch, mask_BL.cpu())
+            kw["return_logits"] = True
+
         def head(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            return causal_lm_loss(
+            value, parts = causal_lm_loss(
                 self.model,
                 out,
                 labels,
@@ -164,6 +221,14 @@ class Pretrain(TrainModule):
                 include_aux=False,
                 seq_slice=own,
             )
+            if distill is not None:
+                # kl_weight * KL + ce_weight * CE in place of the CE (MTP, MoE terms unchanged)
+                kl = topk_forward_kl(
+                    out.logits[mask_BL], *teacher_topk, temperature=distill.temperature, denom=denom
+                )
+                value = value + distill.kl_weight * kl - (1 - distill.ce_weight) * parts["ce"]
+                parts["kl"] = kl
+            return value, parts
 
         with self.rt.autocast():
             # the loss runs inside the forward (`head`): under DDP / FSDP2 the LM-head weight
@@ -222,12 +287,17 @@ class Pretrain(TrainModule):
             return {}
         self.held_loader.load_state_dict(self._held_start)
         self.model.eval()
+        kl_sums: list[float] = []  # distilling: the held-out KL to the teacher too
+
+        def ce_sum(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            parts = self._loss(batch, 1, return_logits=False)[2]
+            if "kl" in parts:
+                kl_sums.append(float(parts["kl"]))
+            return parts["ce"]
+
         try:
             nats, n_tok, n_bytes = eval_sums(
-                lambda b: self._loss(b, 1, return_logits=False)[2]["ce"],
-                self.held_loader,
-                self.token_bytes,
-                max_batches=self.rt.tc.eval_batches,
+                ce_sum, self.held_loader, self.token_bytes, max_batches=self.rt.tc.eval_batches
             )
         finally:
             self.model.train()
@@ -237,12 +307,15 @@ class Pretrain(TrainModule):
         n_tok = int(round(self.rt.reduce_sum(n_tok) / self.rt.cp))
         if n_tok == 0:
             return {}
-        return {
+        row = {
             "tokens": self.step * self.tokens_per_step,
             "eval_loss": nats / n_tok,
             "eval_bpb": nats / (math.log(2) * n_bytes) if n_bytes else math.nan,
             "eval_tokens": n_tok,
         }
+        if kl_sums:  # KL(p_T^top-k || q_S) per target token
+            row["eval_kl"] = self.rt.reduce_sum(sum(kl_sums)) / n_tok
+        return row
 
     # ------------------------------------------------------------------ checkpoint + end
     def run_config(self) -> dict[str, Any]:
@@ -272,6 +345,36 @@ def pretrain_trainer(
     """The Trainer of a pretraining run (`run_cfg.resolved()`), ready to `train()`."""
     run = run_cfg.resolved()
     return Trainer(run.train, lambda rt: Pretrain(run, rt), resume=resume, overwrite=overwrite)
+
+
+def cache_text_teacher(run_cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Write (or finish) `distill.teacher_cache` of a pretraining run: the teacher's top-`top_k`
+    at every token of every source's shards, aligned with them (`teacher_cache`)."""
+    run = run_cfg.resolved()
+    dd = run.distill
+    if not dd.teacher_cache:
+        raise ValueError("set distill.teacher_cache: the directory the cache is written to")
+    if not dd.teacher:
+        raise ValueError("distill.teacher is empty: the cache is computed from the teacher")
+    sets = prepare_shards(run.data)
+    device = resolve_device(run.train.device)
+    teacher = load_teacher(dd.teacher, device=device, tokenizer=build_tokenizer(run.data))
+    spec = CacheSpec(
+        teacher=dd.teacher,
+        k=dd.top_k or teacher.config.vocab_size,
+        vocab_size=teacher.config.vocab_size,
+        logprob_dtype=dd.teacher_cache_dtype,
+    )
+    return build_text_teacher_cache(
+        dd.teacher_cache,
+        teacher,
+        sets,
+        spec,
+        seq_len=run.data.seq_len,
+        batch_size=run.data.batch_size,
+        device=device,
+        progress=progress,
+    )
 
 
 def run_pretrain(

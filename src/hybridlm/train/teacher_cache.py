@@ -20,6 +20,16 @@ vocabulary. The top-k forward KL (`objectives.topk_forward_kl`) renormalises ove
 entries, so cached log-probs give the same loss as the teacher's logits (they differ per
 position by a constant, logsumexp).
 
+Pretraining text (`build_text_teacher_cache`, `TextTeacherTopK`): per source of a pretraining
+run, a folder `<source>/` whose `shard_0000k.{ids,logp}.npy` are aligned with the data shard
+`shard_0000k.tokens.npy` token for token (entry `ShardSet.token_starts[d] + j` is token j of
+document d; the packed loader hands each position's entry to the loss as `token_index`). The
+teacher sees each piece of a document alone, as training rows hold them (pieces of at most
+seq_len + 1 tokens at stride seq_len, `data.loader`): an entry is the distribution after the
+tokens of its piece up to it, so the cache holds for one `seq_len`, and it covers every document
+of the source (training and held-out splits alike). meta.json records the data shards' content
+hashes; a rebuilt or re-tokenised shard is refused.
+
 The teacher sees each conversation alone (packed rows with per-document masking, as the online
 teacher in `OfflineDistiller` sees them), so a cached entry does not depend on how training
 packs or shuffles. Shards of `examples_per_shard` examples are written through a temporary
@@ -40,7 +50,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..data.loader import PackedLoader
 from ..data.sft import ChatExample, SFTLoader
+from ..data.shards import ShardSet
 from ..files import atomic_write
 from ..model.model import HybridLM
 
@@ -95,6 +107,63 @@ def _write_meta(root: Path, meta: dict[str, Any]) -> None:
     atomic_write(root / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
 
 
+class _Pass:
+    """One teacher pass over a cache's shards (both kinds): the shard being filled, its
+    writes through meta.json (a shard is done once recorded), and the pass's counters."""
+
+    def __init__(self, root: Path, meta: dict[str, Any], k: int, dtype: str, progress: bool):
+        self.root, self.meta, self.k, self.dtype, self.progress = root, meta, k, dtype, progress
+        self.t0, self.tokens, self.written, self.skipped = time.perf_counter(), 0, 0, 0
+
+    def start(self, n_tok: int) -> None:
+        self.ids = torch.zeros((n_tok, self.k), dtype=torch.int32)
+        self.logp = torch.zeros((n_tok, self.k), dtype=torch.float32)
+
+    def add(self, rows_T: torch.Tensor, logits_TV: torch.Tensor) -> None:
+        """The top-k of the log-softmax of `logits_TV` into rows `rows_T` of the shard."""
+        top_TK, top_ids_TK = torch.log_softmax(logits_TV.float(), dim=-1).topk(self.k, dim=-1)
+        self.logp[rows_T] = top_TK.cpu()
+        self.ids[rows_T] = top_ids_TK.cpu().to(torch.int32)
+
+    def save(self, name: str, s: int, num_shards: int) -> None:
+        folder = self.root / name
+        _save_npy(folder / f"{_shard_name(s)}.ids.npy", self.ids.numpy())
+        _save_npy(folder / f"{_shard_name(s)}.logp.npy", _encode_logp(self.logp, self.dtype))
+        info = self.meta["sets"][name]
+        info["done"] = sorted({*info["done"], s})
+        _write_meta(self.root, self.meta)
+        self.tokens += len(self.ids)
+        self.written += 1
+        if self.progress:
+            print(f"teacher cache {name}: shard {s + 1}/{num_shards} ({len(self.ids)} tokens)")
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "bytes_per_token": self.k * (4 + (4 if self.dtype == "float32" else 2)),
+            "seconds": time.perf_counter() - self.t0,
+            "shards_written": self.written,
+            "shards_skipped": self.skipped,
+        }
+
+
+def _open_shards(
+    root: Path, name: str, info: dict[str, Any], num_shards: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The memory-mapped (ids, log-probs) of a finished set's shards."""
+    missing = sorted(set(range(num_shards)) - set(info["done"]))
+    if missing:
+        raise ValueError(
+            f"teacher cache {root} ({name}) is unfinished: shards {missing[:5]} missing "
+            "(rerun `hybridlm distill-cache` to finish it)"
+        )
+    folder = root / name
+    return tuple(  # type: ignore[return-value]
+        [np.load(folder / f"{_shard_name(s)}.{part}.npy", mmap_mode="r") for s in range(num_shards)]
+        for part in ("ids", "logp")
+    )
+
+
 @torch.no_grad()
 def build_teacher_cache(
     root: str | Path,
@@ -144,7 +213,7 @@ def build_teacher_cache(
     _write_meta(root, meta)
 
     teacher = teacher.to(device).eval()
-    t0, tokens, written, skipped = time.perf_counter(), 0, 0, 0
+    run = _Pass(root, meta, k, spec.logprob_dtype, progress)
     E = spec.examples_per_shard
     for name, examples in example_sets.items():
         folder = root / name
@@ -152,48 +221,26 @@ def build_teacher_cache(
         lengths = np.array([len(ex) for ex in examples], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         _save_npy(folder / "offsets.npy", offsets)
-        done = set(meta["sets"][name]["done"])
         num_shards = -(-len(examples) // E)
         for s in range(num_shards):
             lo, hi = s * E, min(len(examples), (s + 1) * E)
-            if s in done:
-                skipped += 1
+            if s in meta["sets"][name]["done"]:
+                run.skipped += 1
                 continue
-            chunk = list(examples[lo:hi])
-            n_tok = int(offsets[hi] - offsets[lo])
-            ids = torch.zeros((n_tok, k), dtype=torch.int32)
-            logp = torch.zeros((n_tok, k), dtype=torch.float32)
+            run.start(int(offsets[hi] - offsets[lo]))
             local = offsets[lo:hi] - offsets[lo]
+            chunk = list(examples[lo:hi])
             loader = SFTLoader(chunk, seq_len=seq_len, batch_size=batch_size, sequential=True)
             for batch in loader:
                 ids_BL = batch["input_ids"].to(device)
                 doc_BL = batch["doc_ids"].to(device)
-                logits = teacher(ids_BL, doc_ids=doc_BL, mtp_depth=0).logits.float()
+                logits = teacher(ids_BL, doc_ids=doc_BL, mtp_depth=0).logits
                 conv_BL, pos_BL = batch["conv_ids"], batch["position_ids"]
                 keep_BL = conv_BL >= 0
-                lp_TV = torch.log_softmax(logits[keep_BL.to(device)], dim=-1)
-                top_TK, top_ids_TK = lp_TV.topk(k, dim=-1)
                 rows = torch.from_numpy(local)[conv_BL[keep_BL]] + pos_BL[keep_BL]
-                logp[rows] = top_TK.cpu()
-                ids[rows] = top_ids_TK.cpu().to(torch.int32)
-            _save_npy(folder / f"{_shard_name(s)}.ids.npy", ids.numpy())
-            _save_npy(folder / f"{_shard_name(s)}.logp.npy", _encode_logp(logp, spec.logprob_dtype))
-            done.add(s)
-            meta["sets"][name]["done"] = sorted(done)
-            _write_meta(root, meta)
-            tokens += n_tok
-            written += 1
-            if progress:
-                print(
-                    f"teacher cache {name}: shard {s + 1}/{num_shards} ({n_tok} tokens)", flush=True
-                )
-    return {
-        "tokens": tokens,
-        "bytes_per_token": k * (4 + (4 if spec.logprob_dtype == "float32" else 2)),
-        "seconds": time.perf_counter() - t0,
-        "shards_written": written,
-        "shards_skipped": skipped,
-    }
+                run.add(rows, logits[keep_BL.to(device)])
+            run.save(name, s, num_shards)
+    return run.result()
 
 
 class TeacherTopK:
@@ -218,24 +265,11 @@ class TeacherTopK:
                 "(data, tokenizer or held-out split changed): rebuild it"
             )
         E = meta["examples_per_shard"]
-        num_shards = -(-info["num_examples"] // E)
-        missing = sorted(set(range(num_shards)) - set(info["done"]))
-        if missing:
-            raise ValueError(
-                f"teacher cache {root} ({name}) is unfinished: shards {missing[:5]} missing "
-                "(rerun `hybridlm distill-cache` to finish it)"
-            )
+        self.ids, self.logp = _open_shards(root, name, info, -(-info["num_examples"] // E))
         self.k, self.vocab_size, self.dtype = meta["k"], meta["vocab_size"], meta["logprob_dtype"]
         self.teacher = meta["teacher"]
-        folder = root / name
-        self.offsets = np.load(folder / "offsets.npy")
+        self.offsets = np.load(root / name / "offsets.npy")
         self.examples_per_shard = E
-        self.ids = [
-            np.load(folder / f"{_shard_name(s)}.ids.npy", mmap_mode="r") for s in range(num_shards)
-        ]
-        self.logp = [
-            np.load(folder / f"{_shard_name(s)}.logp.npy", mmap_mode="r") for s in range(num_shards)
-        ]
 
     def lookup(
         self, conv_BL: torch.Tensor, pos_BL: torch.Tensor, mask_BL: torch.Tensor, k: int
@@ -259,4 +293,148 @@ class TeacherTopK:
             sel = shard == s
             ids[sel] = self.ids[s][row[sel], :k]
             raw[sel] = self.logp[s][row[sel], :k]
+        return _decode_logp(raw, self.dtype), torch.from_numpy(ids)
+
+
+# ---------------------------------------------------------------------- pretraining text
+def _text_head(spec: CacheSpec, seq_len: int) -> dict[str, Any]:
+    return {
+        "version": VERSION,
+        "kind": "text",
+        "teacher": spec.teacher,
+        "k": min(spec.k, spec.vocab_size),
+        "vocab_size": spec.vocab_size,
+        "logprob_dtype": spec.logprob_dtype,
+        "seq_len": seq_len,
+    }
+
+
+def _shard_hashes(shards: ShardSet) -> list[str]:
+    return [r["sha256"] for r in shards.manifest["shards"]]
+
+
+@torch.no_grad()
+def build_text_teacher_cache(
+    root: str | Path,
+    teacher: HybridLM,
+    sources: dict[str, ShardSet],
+    spec: CacheSpec,
+    *,
+    seq_len: int,
+    batch_size: int = 8,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Write (or finish) the cache of a pretraining run's `sources` ({name: the source's whole
+    ShardSet}) at `root`, one data shard at a time (module docstring); returns {tokens,
+    bytes_per_token, seconds, shards_written, shards_skipped} of this call."""
+    root = Path(root)
+    if spec.logprob_dtype not in LOGPROB_DTYPES:
+        raise ValueError(f"logprob_dtype must be one of {LOGPROB_DTYPES}, got {spec.logprob_dtype}")
+    head = _text_head(spec, seq_len)
+    k = head["k"]
+    meta = _read_meta(root)
+    if meta is not None and (
+        {key: meta.get(key) for key in head} != head
+        or any(
+            name in meta["sets"] and meta["sets"][name]["shards"] != _shard_hashes(sh)
+            for name, sh in sources.items()
+        )
+    ):
+        raise ValueError(
+            f"teacher cache {root} was built for another teacher, k, dtype, seq_len or other "
+            "data shards: give a new directory or delete it"
+        )
+    meta = meta or {**head, "sets": {}}
+    for name, sh in sources.items():
+        meta["sets"].setdefault(name, {"shards": _shard_hashes(sh), "done": []})
+    _write_meta(root, meta)
+
+    teacher = teacher.to(device).eval()
+    run = _Pass(root, meta, k, spec.logprob_dtype, progress)
+    for name, sh in sources.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        starts = sh.shard_token_starts
+        for s in range(len(starts) - 1):
+            if s in meta["sets"][name]["done"]:
+                run.skipped += 1
+                continue
+            run.start(int(starts[s + 1] - starts[s]))
+            docs = np.flatnonzero(sh.shard_of == s)
+            batches = (
+                PackedLoader(
+                    sh.subset(docs), seq_len=seq_len, batch_size=batch_size, sequential=True
+                )
+                if len(docs)
+                else []
+            )
+            for batch in batches:
+                # every position with a target: the training loss reads no others
+                keep_BL = batch["targets"] != -100
+                ids_BL, doc_BL = batch["input_ids"].to(device), batch["doc_ids"].to(device)
+                logits = teacher(ids_BL, doc_ids=doc_BL).logits
+                run.add(batch["token_index"][keep_BL] - int(starts[s]), logits[keep_BL.to(device)])
+            run.save(name, s, len(starts) - 1)
+    return run.result()
+
+
+class TextTeacherTopK:
+    """A finished pretraining-text cache for a run's sources, memory-mapped; `lookup` gathers
+    the top-k at the positions a packed batch selects (by `source_ids` and `token_index`)."""
+
+    def __init__(self, root: str | Path, sources: dict[str, ShardSet], *, seq_len: int) -> None:
+        root = Path(root)
+        meta = _read_meta(root)
+        if meta is None:
+            raise ValueError(f"no teacher cache at {root} (build it with `hybridlm distill-cache`)")
+        if meta.get("version") != VERSION or meta.get("kind") != "text":
+            raise ValueError(f"teacher cache {root} is not a pretraining-text cache v{VERSION}")
+        if meta["seq_len"] != seq_len:
+            raise ValueError(
+                f"teacher cache {root} was built for seq_len {meta['seq_len']}, this run has "
+                f"{seq_len} (documents split into other pieces): rebuild it"
+            )
+        self.k, self.vocab_size, self.dtype = meta["k"], meta["vocab_size"], meta["logprob_dtype"]
+        self.teacher = meta["teacher"]
+        self.sources: list[tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]] = []
+        for name, sh in sources.items():
+            info = meta["sets"].get(name)
+            if info is None:
+                raise ValueError(f"teacher cache {root} has no source {name!r}")
+            if info["shards"] != _shard_hashes(sh):
+                raise ValueError(
+                    f"teacher cache {root} ({name}) was built for other data shards "
+                    "(re-tokenised or rebuilt): rebuild it"
+                )
+            ids, logp = _open_shards(root, name, info, len(info["shards"]))
+            self.sources.append((sh.shard_token_starts, ids, logp))
+
+    def lookup(
+        self, source_BL: torch.Tensor, index_BL: torch.Tensor, mask_BL: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [T, k], ids [T, k]) of the positions where `mask_BL` is true, in row-major
+        order; `source_BL` / `index_BL` are the batch's `source_ids` / `token_index`."""
+        k = k or self.k  # 0: every cached entry
+        if k > self.k:
+            raise ValueError(f"distill.top_k={k} exceeds the cache's k={self.k}")
+        src = source_BL[mask_BL].cpu().numpy()
+        index = index_BL[mask_BL].cpu().numpy()
+        if (src < 0).any() or (index < 0).any():
+            raise ValueError("a selected position is padding: it has no cached entry")
+        ids = np.empty((len(src), k), dtype=np.int64)
+        raw: np.ndarray | None = None
+        for i in np.unique(src):
+            starts, id_maps, lp_maps = self.sources[i]
+            for_src = src == i
+            shard = np.searchsorted(starts, index[for_src], side="right") - 1
+            rows = index[for_src] - starts[shard]
+            where = np.flatnonzero(for_src)
+            for s in np.unique(shard):
+                sel = shard == s
+                if raw is None:
+                    raw = np.empty((len(src), k), dtype=lp_maps[s].dtype)
+                ids[where[sel]] = id_maps[s][rows[sel], :k]
+                raw[where[sel]] = lp_maps[s][rows[sel], :k]
+        if raw is None:
+            raw = np.empty((0, k), dtype=np.float32)
         return _decode_logp(raw, self.dtype), torch.from_numpy(ids)

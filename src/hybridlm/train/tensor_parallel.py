@@ -296,9 +296,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, experts: boo
             f"train.parallel.tp={tp}: tied embeddings are not split by tensor parallelism yet"
         )
     _divides(tp, cfg.vocab_size, "vocabulary entries")
-    blocks = list(model.layers)
-    if getattr(model, "mtp", None) is not None:
-        blocks += list(model.mtp.layers)
+    blocks = list(model.layers) + [b for h in model.mtp_heads() for b in h.layers]
     for block in blocks:
         mixer = block.mixer
         if isinstance(mixer, Attention):
