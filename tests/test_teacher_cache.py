@@ -271,7 +271,7 @@ def test_text_cache_entries_are_each_pieces_top_k_and_resume_by_shard(tmp_path):
     # a shuffled training batch, packed otherwise than the cache's pass: the same entries
     batch = next(PackedLoader(shards, seq_len=32, batch_size=6, seed=3))
     mask = batch["targets"] != -100
-    logp, ids = cache.lookup(batch["source_ids"], batch["token_index"], mask, 8)
+    logp, ids = cache.lookup(["t"], batch["source_ids"], batch["token_index"], mask, 8)
     with torch.no_grad():
         logits = teacher(batch["input_ids"], doc_ids=batch["doc_ids"]).logits[mask]
     ref_logp, ref_ids = torch.log_softmax(logits.float(), -1).topk(8, dim=-1)
@@ -300,6 +300,27 @@ def test_text_cache_entries_are_each_pieces_top_k_and_resume_by_shard(tmp_path):
     with pytest.raises(ValueError, match="has no source 'u'"):
         TextTeacherTopK(root, {"u": shards}, seq_len=32)
 
+    # two sources; a loader over only the second: its source_ids index its own names
+    from hybridlm.data.shards import write_shards
+    from hybridlm.data.sources import Document, IterableSource
+    from hybridlm.data.tokenizer import ByteTokenizer
+
+    docs = [Document(f"o{i}", "other text, " * (i + 5), "o") for i in range(6)]
+    write_shards(IterableSource(docs, name="o"), ByteTokenizer(), tmp_path / "other")
+    other = ShardSet(tmp_path / "other")
+    both = tmp_path / "cache2"
+    build_text_teacher_cache(
+        both, teacher, {"t": shards, "o": other}, spec, seq_len=32, progress=False
+    )
+    batch = next(PackedLoader({"o": other}, seq_len=32, batch_size=2, seed=0))
+    mask = batch["targets"] != -100
+    got, _ = TextTeacherTopK(both, {"t": shards, "o": other}, seq_len=32).lookup(
+        ["o"], batch["source_ids"], batch["token_index"], mask, 8
+    )
+    with torch.no_grad():
+        logits = teacher(batch["input_ids"], doc_ids=batch["doc_ids"]).logits[mask]
+    torch.testing.assert_close(got, torch.log_softmax(logits, -1).topk(8, -1)[0], atol=1e-5, rtol=0)
+
 
 def test_pretraining_distillation_errors(tmp_path):
     from hybridlm.train.pretrain import run_pretrain
@@ -309,5 +330,5 @@ def test_pretraining_distillation_errors(tmp_path):
     with pytest.raises(ValueError, match="no teacher cache at"):
         run_pretrain(run)
     run.train.intra_doc_masking = False
-    with pytest.raises(ValueError, match="needs train.intra_doc_masking and data.packing"):
+    with pytest.raises(ValueError, match="needs train.intra_doc_masking, data.packing best_fit"):
         run_pretrain(run, overwrite=True)

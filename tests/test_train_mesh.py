@@ -116,10 +116,11 @@ META_INIT_WORKER = textwrap.dedent(
     ("world", "ep", "tp", "mtp"),
     [
         (2, 2, 1, "shared"),
+        (2, 1, 2, "shared"),
         (2, 1, 2, "per_depth"),
         pytest.param(4, 2, 1, "shared", marks=pytest.mark.slow),
     ],
-    ids=["ep2", "tp2_per_depth_mtp", "ep2_fsdp4"],
+    ids=["ep2", "tp2", "tp2_per_depth_mtp", "ep2_fsdp4"],
 )
 def test_meta_init_gives_each_rank_its_shard_of_the_single_process_init(
     tmp_path, world, ep, tp, mtp

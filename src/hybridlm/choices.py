@@ -18,7 +18,7 @@ KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "nvfp4")
 
 # Not quantised by default: the LM head (as ModelOpt's default config) and the MTP drafter (kept
 # in BF16 in Nemotron 3 Super, so speculative acceptance is not traded for memory).
-PTQ_DEFAULT_EXCLUDE: tuple[str, ...] = ("lm_head", "mtp.*")
+PTQ_DEFAULT_EXCLUDE: tuple[str, ...] = ("lm_head", "mtp.*", "mtp_depths.*")
 
 # torch dtypes a model is evaluated in (eval/harness.py)
 EVAL_DTYPES: tuple[str, ...] = ("bfloat16", "float32", "float64")

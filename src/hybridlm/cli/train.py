@@ -92,7 +92,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "distill-cache",
         help="run an offline distillation's teacher once; write its top-k to distill.teacher_cache",
     )
-    p.add_argument("--config", default="configs/distill.yaml", help="the distillation run config")
+    p.add_argument(
+        "--config",
+        default="",
+        help="the run config (default: configs/distill.yaml, or configs/quickstart.yaml with "
+        "--pretraining)",
+    )
     p.add_argument(
         "--pretraining",
         action="store_true",
@@ -250,12 +255,12 @@ def cmd_distill_cache(args: argparse.Namespace) -> None:
         from ..train.config import RunConfig
         from ..train.pretrain import cache_text_teacher
 
-        cfg = RunConfig.load(args.config).override(args.overrides)
+        cfg = RunConfig.load(args.config or "configs/quickstart.yaml").override(args.overrides)
         result = cache_text_teacher(cfg)
     else:
         from ..train.distill import DistillRunConfig, cache_teacher
 
-        cfg = DistillRunConfig.load(args.config).override(args.overrides)
+        cfg = DistillRunConfig.load(args.config or "configs/distill.yaml").override(args.overrides)
         result = cache_teacher(cfg)
     print(json.dumps({"teacher_cache": cfg.distill.teacher_cache, **result}, indent=1))
 

@@ -115,7 +115,7 @@ def _nemotron_config(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
         raise _unsupported("NemotronH dense MLPs are relu2", "NemotronH")
     if "E" in letters and e.shared_expert_hidden == 0:
         raise _unsupported("transformers' NemotronHMoE always has a shared expert", "NemotronH")
-    if cfg.mtp.pattern and not cfg.mtp.shared:
+    if cfg.mtp.pattern and cfg.mtp.heads > 1:
         raise _unsupported(
             "vLLM's NemotronH MTP is one shared head; consolidate the per-depth heads first "
             "(hybridlm mtp-boost --set init=consolidate)",

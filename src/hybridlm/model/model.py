@@ -145,18 +145,19 @@ class HybridLM(nn.Module):
         units += [(block, block_init) for block in self.layers]
         heads = self.mtp_heads()
         if heads:
-            # per-depth heads start equal to the first (its random draws replayed), so that
-            # consolidating them by averaging (`train.mtp_init`) starts from one point
-            rng: dict[str, torch.Tensor] = {}
+            # per-depth heads start equal to the first (its random draws replayed on the
+            # device the head is drawn on), so that consolidating them by averaging
+            # (`train.mtp_init`) starts from one point
+            start: dict[str, torch.Tensor] = {}
 
-            def replay(first: bool, last: bool, init: Callable) -> Callable:
+            def replay(init: Callable) -> Callable:
                 def run(m: nn.Module) -> None:
-                    if first:
-                        rng.setdefault("start", torch.random.get_rng_state())
-                        torch.random.set_rng_state(rng["start"])
+                    device = next(m.parameters()).device
+                    gen: Any = torch.cuda if device.type == "cuda" else torch.random
+                    args = (device,) if device.type == "cuda" else ()
+                    start.setdefault("state", gen.get_rng_state(*args))
+                    gen.set_rng_state(start["state"], *args)
                     init(m)
-                    if last:
-                        rng["end"] = torch.random.get_rng_state()
 
                 return run
 
@@ -164,8 +165,8 @@ class HybridLM(nn.Module):
                 head_units = [(block, block_init) for block in h.layers]
                 head_units += [(n, reset) for n in (h.enorm, h.hnorm, h.final_layernorm)]
                 head_units.append((h.eh_proj, normal))
-                n = len(head_units)
-                units += [(m, replay(i == 0, i == n - 1, f)) for i, (m, f) in enumerate(head_units)]
+                units.append((head_units[0][0], replay(head_units[0][1])))
+                units += head_units[1:]
         if self.score is not None:
             units.append((self.score, normal))
         return units

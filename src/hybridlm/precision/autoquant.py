@@ -208,7 +208,7 @@ def measure_sensitivities(
         op.name: (_moe_of(model, op.name) if op.kind == "experts" else model.get_submodule(op.name))
         for op in ops
     }
-    with_mtp = any(op.name.startswith("mtp.") for op in ops)
+    with_mtp = any(op.name.startswith(("mtp.", "mtp_depths.")) for op in ops)
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

@@ -719,7 +719,7 @@ def calibrate(
 
         handles.append(mod.register_forward_pre_hook(hook))
     # the MTP module runs only when some of its operators are to be quantised
-    with_mtp = any(op.name.startswith("mtp.") for op in find_ops(model, exclude))
+    with_mtp = any(op.name.startswith(("mtp.", "mtp_depths.")) for op in find_ops(model, exclude))
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

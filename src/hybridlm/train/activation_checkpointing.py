@@ -94,10 +94,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
         )
     if mode == "none":
         return 0
-    blocks = list(model.layers)
-    mtp = getattr(model, "mtp", None)
-    if mtp is not None:
-        blocks += list(mtp.layers)
+    blocks = list(model.layers) + [b for h in model.mtp_heads() for b in h.layers]
     for block in blocks:
         block.forward = _Checkpointed(block, selective=mode == "selective")
     return len(blocks)

@@ -386,21 +386,23 @@ class MTPBoost(TrainModule):
         (`mtp_init.head_agreement`), the one measure that per-depth heads, which cannot draft,
         share with the shared head."""
         device = model.embeddings.weight.device
-        held = self.held_rows = _pad_rows(
-            broadcast_object(
-                self_generate(
-                    model,
-                    self.tokenizer,
-                    self.eval_prompts,
-                    gen_len=cfg.eval_new_tokens,
-                    temperature=0.0,
-                    seed=cfg.seed,
-                )
-                if self.rt.rank == 0
-                else None
-            ),
-            device,
+        greedy = broadcast_object(
+            self_generate(
+                model,
+                self.tokenizer,
+                self.eval_prompts,
+                gen_len=cfg.eval_new_tokens,
+                temperature=0.0,
+                seed=cfg.seed,
+            )
+            if self.rt.rank == 0
+            else None
         )
+        held_ids, held_valid = _pad_rows(greedy, device)
+        # positions from the prompt's last on: each predicts a greedy output token
+        firsts_N1 = torch.tensor([[len(p) - 1] for p in self.eval_prompts], device=device)
+        positions_1L = torch.arange(held_ids.shape[1], device=device)[None]
+        held = self.held_rows = (held_ids, held_valid & (positions_1L >= firsts_N1))
         depth = min(self.depth, model.config.mtp.depth) if model.mtp_depths else self.depth
         rows = [
             {"kind": "agreement", "when": "source", **head_agreement(model, *held, depth=depth)}

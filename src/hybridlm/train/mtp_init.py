@@ -87,9 +87,9 @@ def fuse_head(
     cfg = model.config
     if model.mtp is None:
         raise ValueError("the model has no MTP module (mtp.pattern is empty)")
+    picks = tail_blocks(cfg.pattern, cfg.mtp.pattern)
     _to_shared(model)
     head = model.mtp
-    picks = tail_blocks(cfg.pattern, cfg.mtp.pattern)
     for block, i in zip(head.layers, picks, strict=True):
         block.load_state_dict(model.layers[i].state_dict())
     head.final_layernorm.load_state_dict(model.norm_f.state_dict())
@@ -135,7 +135,8 @@ def random_head(model: HybridLM, seed: int) -> None:
     """The shared head re-drawn with the model's init laws (`HybridLM.init_units`)."""
     _to_shared(model)
     mine = {id(m) for m in model.mtp.modules()}
-    with torch.random.fork_rng(devices=[]):
+    device = model.mtp.eh_proj.weight.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         for unit, init in model.init_units():
             if id(unit) in mine:

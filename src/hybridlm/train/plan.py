@@ -262,6 +262,8 @@ def parameter_shards(cfg: ModelConfig, lay: PlanLayout, model: Any = None) -> li
                 unit, layer = ".".join(parts[:2]), int(parts[1])
             elif parts[:2] == ["mtp", "layers"]:
                 unit, layer = ".".join(parts[:3]), len(cfg.pattern) + int(parts[2])
+            elif parts[0] == "mtp_depths" and parts[2] == "layers":  # per-depth heads
+                unit, layer = ".".join(parts[:4]), len(cfg.pattern) + int(parts[3])
             n = lay.fsdp if lay.style == "fsdp" else 1
             if role == "expert" and lay.ep > 1:
                 shape[0] //= lay.ep

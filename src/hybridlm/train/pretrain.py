@@ -54,6 +54,7 @@ import torch
 from ..data.bpb import eval_sums, token_byte_lengths
 from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
 from ..model.model import IGNORE_INDEX
+from ..model.stock import project
 from ..report.plot import plot_loss_curves
 from .config import RunConfig
 from .distill import check_vocab, load_teacher, teacher_topk_at
@@ -155,13 +156,21 @@ class Pretrain(TrainModule):
         dd = run.distill
         if not dd.enabled:
             return None, None
-        if rt.cp > 1:
-            raise ValueError("distill needs whole rows: it does not take train.parallel.cp > 1")
+        if rt.cp > 1 or rt.tp > 1:
+            raise ValueError(
+                "distill needs whole rows and a whole LM head: it does not take "
+                "train.parallel.cp > 1 or tp > 1"
+            )
         if dd.teacher_cache:
-            if not run.train.intra_doc_masking or run.data.packing != "best_fit":
+            if (
+                not run.train.intra_doc_masking
+                or run.data.packing != "best_fit"
+                or run.data.alternate is not None
+            ):
                 raise ValueError(
-                    "distill.teacher_cache needs train.intra_doc_masking and data.packing "
-                    "best_fit: the cache holds the teacher's view of each document piece alone"
+                    "distill.teacher_cache needs train.intra_doc_masking, data.packing best_fit "
+                    "and no data.alternate: the cache holds the teacher's view of each document "
+                    "piece alone, cut at data.seq_len"
                 )
             cache = TextTeacherTopK(dd.teacher_cache, sets, seq_len=run.data.seq_len)
             check_vocab(self.model, cache.vocab_size, f"cache {dd.teacher_cache}")
@@ -171,14 +180,19 @@ class Pretrain(TrainModule):
         return teacher, None
 
     def _teacher_topk(
-        self, batch: dict[str, torch.Tensor], mask_BL: torch.Tensor
+        self, batch: dict[str, torch.Tensor], mask_BL: torch.Tensor, names: list[str]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's top-k (log-probs or logits [T, k], ids [T, k]) at the positions
-        `mask_BL` selects: read from the cache, or computed now without gradients."""
+        `mask_BL` selects: read from the cache (`names`: the loader's sources, which its
+        `source_ids` index), or computed now without gradients."""
         dd, dev = self.run.distill, self.rt.device
         if self.cache is not None:
             top, ids = self.cache.lookup(
-                batch["source_ids"], batch["token_index"], mask_BL, dd.top_k
+                names,
+                batch["source_ids"],
+                batch["token_index"],
+                mask_BL,
+                dd.top_k,
             )
             return top.to(dev), ids.to(dev)
         with torch.no_grad(), self.rt.autocast():  # the student's view of the rows
@@ -188,9 +202,14 @@ class Pretrain(TrainModule):
 
     # ------------------------------------------------------------------ steps
     def _loss(
-        self, batch: dict[str, torch.Tensor], denom: int, **kw: Any
+        self,
+        batch: dict[str, torch.Tensor],
+        denom: int,
+        names: list[str] | None = None,
+        **kw: Any,
     ) -> tuple[Any, torch.Tensor, dict[str, torch.Tensor]]:
-        """(forward output, loss without the MoE term, its parts) of one batch."""
+        """(forward output, loss without the MoE term, its parts) of one batch (`names`: the
+        sources its loader's `source_ids` index)."""
         tc, dev = self.rt.tc, self.rt.device
         doc_ids = None
         if tc.intra_doc_masking and self.accepts_doc_ids:
@@ -208,8 +227,7 @@ class Pretrain(TrainModule):
         distill = self.run.distill if (self.teacher or self.cache) else None
         if distill is not None:  # the positions with a target, as the CE's
             mask_BL = shift_targets(labels, 1) != IGNORE_INDEX
-            teacher_topk = self._teacher_topk(batch, mask_BL.cpu())
-            kw["return_logits"] = True
+            teacher_topk = self._teacher_topk(batch, mask_BL.cpu(), names or [])
 
         def head(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             value, parts = causal_lm_loss(
@@ -223,8 +241,14 @@ class Pretrain(TrainModule):
             )
             if distill is not None:
                 # kl_weight * KL + ce_weight * CE in place of the CE (MTP, MoE terms unchanged)
+                # the student's logits at those positions only (the CE stays fused)
+                s_TV = (
+                    out.logits[mask_BL]
+                    if out.logits is not None
+                    else project(self.model.lm_head, out.hidden[mask_BL])
+                )
                 kl = topk_forward_kl(
-                    out.logits[mask_BL], *teacher_topk, temperature=distill.temperature, denom=denom
+                    s_TV, *teacher_topk, temperature=distill.temperature, denom=denom
                 )
                 value = value + distill.kl_weight * kl - (1 - distill.ce_weight) * parts["ce"]
                 parts["kl"] = kl
@@ -247,7 +271,11 @@ class Pretrain(TrainModule):
         tc = self.rt.tc
         denom = step.ctx["denom"]
         out, value, parts = self._loss(
-            micro, denom, mtp_depth=self.model.train_mtp_depth, return_logits=tc.z_loss > 0
+            micro,
+            denom,
+            getattr(self.train_loader, "names", None),
+            mtp_depth=self.model.train_mtp_depth,
+            return_logits=tc.z_loss > 0,
         )
         # the balancing loss is a mean over the step's micro-batches (Loss.mean), not a sum;
         # under context parallelism each rank holds its shard's part of its rows' loss: the
@@ -290,7 +318,9 @@ class Pretrain(TrainModule):
         kl_sums: list[float] = []  # distilling: the held-out KL to the teacher too
 
         def ce_sum(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-            parts = self._loss(batch, 1, return_logits=False)[2]
+            parts = self._loss(
+                batch, 1, getattr(self.held_loader, "names", None), return_logits=False
+            )[2]
             if "kl" in parts:
                 kl_sums.append(float(parts["kl"]))
             return parts["ce"]

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,39 +109,55 @@ def _write_meta(root: Path, meta: dict[str, Any]) -> None:
 
 
 class _Pass:
-    """One teacher pass over a cache's shards (both kinds): the shard being filled, its
-    writes through meta.json (a shard is done once recorded), and the pass's counters."""
+    """One teacher pass over a cache's shards (both kinds): the shard being filled, written
+    through memory-mapped temporary files (a shard's entries never sit in memory whole) and
+    renamed into place when complete, then recorded in meta.json (a shard is done once
+    recorded); and the pass's counters."""
 
     def __init__(self, root: Path, meta: dict[str, Any], k: int, dtype: str, progress: bool):
         self.root, self.meta, self.k, self.dtype, self.progress = root, meta, k, dtype, progress
         self.t0, self.tokens, self.written, self.skipped = time.perf_counter(), 0, 0, 0
+        self.logp_dtype = np.dtype(np.int16 if dtype == "bfloat16" else dtype)
 
-    def start(self, n_tok: int) -> None:
-        self.ids = torch.zeros((n_tok, self.k), dtype=torch.int32)
-        self.logp = torch.zeros((n_tok, self.k), dtype=torch.float32)
+    def start(self, name: str, s: int, n_tok: int) -> None:
+        self.paths = {
+            part: self.root / name / f"{_shard_name(s)}.{part}.npy" for part in ("ids", "logp")
+        }
+        self.maps = {
+            part: np.lib.format.open_memmap(
+                path.with_suffix(".tmp"),
+                mode="w+",
+                dtype=np.int32 if part == "ids" else self.logp_dtype,
+                shape=(n_tok, self.k),
+            )
+            for part, path in self.paths.items()
+        }
 
     def add(self, rows_T: torch.Tensor, logits_TV: torch.Tensor) -> None:
         """The top-k of the log-softmax of `logits_TV` into rows `rows_T` of the shard."""
         top_TK, top_ids_TK = torch.log_softmax(logits_TV.float(), dim=-1).topk(self.k, dim=-1)
-        self.logp[rows_T] = top_TK.cpu()
-        self.ids[rows_T] = top_ids_TK.cpu().to(torch.int32)
+        rows = rows_T.cpu().numpy()
+        self.maps["logp"][rows] = _encode_logp(top_TK.cpu(), self.dtype)
+        self.maps["ids"][rows] = top_ids_TK.cpu().to(torch.int32).numpy()
 
     def save(self, name: str, s: int, num_shards: int) -> None:
-        folder = self.root / name
-        _save_npy(folder / f"{_shard_name(s)}.ids.npy", self.ids.numpy())
-        _save_npy(folder / f"{_shard_name(s)}.logp.npy", _encode_logp(self.logp, self.dtype))
+        n_tok = len(self.maps["ids"])
+        for part, path in self.paths.items():
+            self.maps[part].flush()
+            del self.maps[part]
+            os.replace(path.with_suffix(".tmp"), path)
         info = self.meta["sets"][name]
         info["done"] = sorted({*info["done"], s})
         _write_meta(self.root, self.meta)
-        self.tokens += len(self.ids)
+        self.tokens += n_tok
         self.written += 1
         if self.progress:
-            print(f"teacher cache {name}: shard {s + 1}/{num_shards} ({len(self.ids)} tokens)")
+            print(f"teacher cache {name}: shard {s + 1}/{num_shards} ({n_tok} tokens)")
 
     def result(self) -> dict[str, Any]:
         return {
             "tokens": self.tokens,
-            "bytes_per_token": self.k * (4 + (4 if self.dtype == "float32" else 2)),
+            "bytes_per_token": self.k * (4 + self.logp_dtype.itemsize),
             "seconds": time.perf_counter() - self.t0,
             "shards_written": self.written,
             "shards_skipped": self.skipped,
@@ -227,7 +244,7 @@ def build_teacher_cache(
             if s in meta["sets"][name]["done"]:
                 run.skipped += 1
                 continue
-            run.start(int(offsets[hi] - offsets[lo]))
+            run.start(name, s, int(offsets[hi] - offsets[lo]))
             local = offsets[lo:hi] - offsets[lo]
             chunk = list(examples[lo:hi])
             loader = SFTLoader(chunk, seq_len=seq_len, batch_size=batch_size, sequential=True)
@@ -359,7 +376,7 @@ def build_text_teacher_cache(
             if s in meta["sets"][name]["done"]:
                 run.skipped += 1
                 continue
-            run.start(int(starts[s + 1] - starts[s]))
+            run.start(name, s, int(starts[s + 1] - starts[s]))
             docs = np.flatnonzero(sh.shard_of == s)
             batches = (
                 PackedLoader(
@@ -396,7 +413,7 @@ class TextTeacherTopK:
             )
         self.k, self.vocab_size, self.dtype = meta["k"], meta["vocab_size"], meta["logprob_dtype"]
         self.teacher = meta["teacher"]
-        self.sources: list[tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]] = []
+        self.sources: dict[str, tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]] = {}
         for name, sh in sources.items():
             info = meta["sets"].get(name)
             if info is None:
@@ -407,13 +424,19 @@ class TextTeacherTopK:
                     "(re-tokenised or rebuilt): rebuild it"
                 )
             ids, logp = _open_shards(root, name, info, len(info["shards"]))
-            self.sources.append((sh.shard_token_starts, ids, logp))
+            self.sources[name] = (sh.shard_token_starts, ids, logp)
 
     def lookup(
-        self, source_BL: torch.Tensor, index_BL: torch.Tensor, mask_BL: torch.Tensor, k: int
+        self,
+        names: list[str],
+        source_BL: torch.Tensor,
+        index_BL: torch.Tensor,
+        mask_BL: torch.Tensor,
+        k: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs [T, k], ids [T, k]) of the positions where `mask_BL` is true, in row-major
-        order; `source_BL` / `index_BL` are the batch's `source_ids` / `token_index`."""
+        order; `source_BL` / `index_BL` are the batch's `source_ids` (indices into `names`, its
+        loader's sources) and `token_index`."""
         k = k or self.k  # 0: every cached entry
         if k > self.k:
             raise ValueError(f"distill.top_k={k} exceeds the cache's k={self.k}")
@@ -422,19 +445,16 @@ class TextTeacherTopK:
         if (src < 0).any() or (index < 0).any():
             raise ValueError("a selected position is padding: it has no cached entry")
         ids = np.empty((len(src), k), dtype=np.int64)
-        raw: np.ndarray | None = None
+        raw = np.empty((len(src), k), dtype=np.int16 if self.dtype == "bfloat16" else self.dtype)
         for i in np.unique(src):
-            starts, id_maps, lp_maps = self.sources[i]
-            for_src = src == i
-            shard = np.searchsorted(starts, index[for_src], side="right") - 1
-            rows = index[for_src] - starts[shard]
-            where = np.flatnonzero(for_src)
+            if names[i] not in self.sources:
+                raise ValueError(f"the teacher cache has no source {names[i]!r}")
+            starts, id_maps, lp_maps = self.sources[names[i]]
+            where = np.flatnonzero(src == i)
+            shard = np.searchsorted(starts, index[where], side="right") - 1
+            rows = index[where] - starts[shard]
             for s in np.unique(shard):
                 sel = shard == s
-                if raw is None:
-                    raw = np.empty((len(src), k), dtype=lp_maps[s].dtype)
                 ids[where[sel]] = id_maps[s][rows[sel], :k]
                 raw[where[sel]] = lp_maps[s][rows[sel], :k]
-        if raw is None:
-            raw = np.empty((0, k), dtype=np.float32)
         return _decode_logp(raw, self.dtype), torch.from_numpy(ids)
