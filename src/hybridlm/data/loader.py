@@ -507,9 +507,9 @@ class PackedLoader:
             for k, (s, d, start, n) in enumerate(row):
                 tokens_BR[b, a : a + n] = self.sets[s].document(d, start, start + n)
                 seg_BR[b, a : a + n] = k
-                pos_BR[b, a : a + n] = np.arange(n)
+                pos_BR[b, a : a + n] = positions = np.arange(n)
                 src_BR[b, a : a + n] = s
-                index_BR[b, a : a + n] = self.token_starts[s][d] + start + np.arange(n)
+                index_BR[b, a : a + n] = self.token_starts[s][d] + start + positions
                 target_BR[b, a + 1 : a + n] = True
                 a += n
             seg_BR[b, a:] = len(row)  # padding: one more segment

@@ -839,24 +839,33 @@ def distill_trainer(
     return Trainer(cfg.train, lambda rt: stage(cfg, rt), resume=resume, overwrite=overwrite)
 
 
+def cache_pass_teacher(
+    dd: TeacherConfig, *, device: torch.device, tokenizer: Any
+) -> tuple[HybridLM, CacheSpec]:
+    """The teacher a cache pass runs and the cache's spec, from a run's teacher settings (an
+    offline distillation's or a pretraining run's `distill` section)."""
+    if not dd.teacher_cache:
+        raise ValueError("set distill.teacher_cache: the directory the cache is written to")
+    if not dd.teacher:
+        raise ValueError("distill.teacher is empty: the cache is computed from the teacher")
+    teacher = load_teacher(dd.teacher, device=device, tokenizer=tokenizer)
+    spec = CacheSpec(
+        teacher=dd.teacher,
+        k=dd.top_k or teacher.config.vocab_size,
+        vocab_size=teacher.config.vocab_size,
+        logprob_dtype=dd.teacher_cache_dtype,
+    )
+    return teacher, spec
+
+
 def cache_teacher(cfg: DistillRunConfig, *, progress: bool = True) -> dict[str, Any]:
     """Write (or finish) `distill.teacher_cache` for an offline run: the teacher's top-`top_k`
     on every training and held-out conversation the run will read (`train.teacher_cache`)."""
     dcfg = cfg.distill
-    if not dcfg.teacher_cache:
-        raise ValueError("set distill.teacher_cache: the directory the cache is written to")
-    if not dcfg.teacher:
-        raise ValueError("distill.teacher is empty: the cache is computed from the teacher")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    data = prepare_chat_data(cfg.data, tokenizer)
     device = resolve_device(cfg.train.device)
-    teacher = load_teacher(dcfg.teacher, device=device, tokenizer=tokenizer)
-    spec = CacheSpec(
-        teacher=dcfg.teacher,
-        k=dcfg.top_k or teacher.config.vocab_size,
-        vocab_size=teacher.config.vocab_size,
-        logprob_dtype=dcfg.teacher_cache_dtype,
-    )
+    teacher, spec = cache_pass_teacher(dcfg, device=device, tokenizer=tokenizer)
+    data = prepare_chat_data(cfg.data, tokenizer)
     sets = {"train": data.examples, "held": data.held_examples}
     return build_teacher_cache(
         dcfg.teacher_cache,

@@ -357,9 +357,8 @@ class MTPBoost(TrainModule):
         self.generation_s = time.perf_counter() - t0
         device = model.embeddings.weight.device
         self.ids_NL, valid_NL = _pad_rows(seqs, device)
-        starts_N1 = torch.tensor([[len(p)] for p in prompts], device=device)
-        positions_1L = torch.arange(valid_NL.shape[1], device=device)[None]
-        self.mask_NL = valid_NL & (positions_1L >= starts_N1)  # targets: generated tokens only
+        # targets: the generated tokens only
+        self.mask_NL = _from_position(valid_NL, [len(p) for p in prompts])
         self.head_rows = self._init_head(model, cfg, valid_NL)
         # only the head is trained: the embeddings and LM head it shares stay fixed (Nemotron 3
         # Super §4.7); the Trainer's AdamW sees the parameters that require grad
@@ -400,9 +399,8 @@ class MTPBoost(TrainModule):
         )
         held_ids, held_valid = _pad_rows(greedy, device)
         # positions from the prompt's last on: each predicts a greedy output token
-        firsts_N1 = torch.tensor([[len(p) - 1] for p in self.eval_prompts], device=device)
-        positions_1L = torch.arange(held_ids.shape[1], device=device)[None]
-        held = self.held_rows = (held_ids, held_valid & (positions_1L >= firsts_N1))
+        firsts = [len(p) - 1 for p in self.eval_prompts]
+        held = self.held_rows = (held_ids, _from_position(held_valid, firsts))
         depth = min(self.depth, model.config.mtp.depth) if model.mtp_depths else self.depth
         rows = [
             {"kind": "agreement", "when": "source", **head_agreement(model, *held, depth=depth)}
@@ -541,6 +539,12 @@ def _pad_rows(seqs: list[list[int]], device: torch.device) -> tuple[torch.Tensor
         ids_NL[i, : len(s)] = torch.tensor(s)
         valid_NL[i, : len(s)] = True
     return ids_NL.to(device), valid_NL.to(device)
+
+
+def _from_position(valid_NL: torch.Tensor, firsts: list[int]) -> torch.Tensor:
+    """`valid_NL` from position `firsts[i]` of row i on."""
+    firsts_N1 = torch.tensor(firsts, device=valid_NL.device)[:, None]
+    return valid_NL & (torch.arange(valid_NL.shape[1], device=valid_NL.device)[None] >= firsts_N1)
 
 
 def _read_rows(metrics_path: str | Path, kind: str) -> list[dict[str, Any]]:

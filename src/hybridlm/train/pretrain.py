@@ -57,10 +57,10 @@ from ..model.model import IGNORE_INDEX
 from ..model.stock import project
 from ..report.plot import plot_loss_curves
 from .config import RunConfig
-from .distill import check_vocab, load_teacher, teacher_topk_at
+from .distill import cache_pass_teacher, check_vocab, load_teacher, teacher_topk_at
 from .objectives import causal_lm_loss, shift_targets, topk_forward_kl
 from .parallel import barrier, is_main
-from .teacher_cache import CacheSpec, TextTeacherTopK, build_text_teacher_cache
+from .teacher_cache import TextTeacherTopK, build_text_teacher_cache
 from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model, resolve_device
 
 
@@ -224,7 +224,7 @@ class Pretrain(TrainModule):
             start = cp.offset(input_ids.shape[1])
             own = slice(start, start + input_ids.shape[1])
 
-        distill = self.run.distill if (self.teacher or self.cache) else None
+        distill = self.run.distill if self.run.distill.enabled else None
         if distill is not None:  # the positions with a target, as the CE's
             mask_BL = shift_targets(labels, 1) != IGNORE_INDEX
             teacher_topk = self._teacher_topk(batch, mask_BL.cpu(), names or [])
@@ -382,19 +382,9 @@ def cache_text_teacher(run_cfg: RunConfig, *, progress: bool = True) -> dict[str
     at every token of every source's shards, aligned with them (`teacher_cache`)."""
     run = run_cfg.resolved()
     dd = run.distill
-    if not dd.teacher_cache:
-        raise ValueError("set distill.teacher_cache: the directory the cache is written to")
-    if not dd.teacher:
-        raise ValueError("distill.teacher is empty: the cache is computed from the teacher")
-    sets = prepare_shards(run.data)
     device = resolve_device(run.train.device)
-    teacher = load_teacher(dd.teacher, device=device, tokenizer=build_tokenizer(run.data))
-    spec = CacheSpec(
-        teacher=dd.teacher,
-        k=dd.top_k or teacher.config.vocab_size,
-        vocab_size=teacher.config.vocab_size,
-        logprob_dtype=dd.teacher_cache_dtype,
-    )
+    teacher, spec = cache_pass_teacher(dd, device=device, tokenizer=build_tokenizer(run.data))
+    sets = prepare_shards(run.data)
     return build_text_teacher_cache(
         dd.teacher_cache,
         teacher,

@@ -85,6 +85,11 @@ def _encode_logp(logp: torch.Tensor, dtype: str) -> np.ndarray:
     return logp.to(getattr(torch, dtype)).numpy()
 
 
+def _stored_dtype(dtype: str) -> np.dtype:
+    """How log-probs of `dtype` are stored (bfloat16 as its 16 bits in int16)."""
+    return np.dtype(np.int16 if dtype == "bfloat16" else dtype)
+
+
 def _decode_logp(raw: np.ndarray, dtype: str) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(raw))
     return (t.view(torch.bfloat16) if dtype == "bfloat16" else t).float()
@@ -117,7 +122,7 @@ class _Pass:
     def __init__(self, root: Path, meta: dict[str, Any], k: int, dtype: str, progress: bool):
         self.root, self.meta, self.k, self.dtype, self.progress = root, meta, k, dtype, progress
         self.t0, self.tokens, self.written, self.skipped = time.perf_counter(), 0, 0, 0
-        self.logp_dtype = np.dtype(np.int16 if dtype == "bfloat16" else dtype)
+        self.logp_dtype = _stored_dtype(dtype)
 
     def start(self, name: str, s: int, n_tok: int) -> None:
         self.paths = {
@@ -179,6 +184,52 @@ def _open_shards(
         [np.load(folder / f"{_shard_name(s)}.{part}.npy", mmap_mode="r") for s in range(num_shards)]
         for part in ("ids", "logp")
     )
+
+
+class _Reader:
+    """What both cache readers share: the finished cache's meta.json (refused when missing, of
+    another version or of the other kind), its k / vocabulary / dtype, and the gather."""
+
+    KIND: str | None = None  # meta.json "kind": None for conversations, "text" for shards
+    WHAT = "conversation"
+
+    def __init__(self, root: Path) -> None:
+        meta = _read_meta(root)
+        if meta is None:
+            raise ValueError(f"no teacher cache at {root} (build it with `hybridlm distill-cache`)")
+        if meta.get("version") != VERSION:
+            raise ValueError(
+                f"teacher cache {root} has version {meta.get('version')}, need {VERSION}"
+            )
+        if meta.get("kind") != self.KIND:
+            raise ValueError(f"teacher cache {root} is not a {self.WHAT} cache")
+        self.meta = meta
+        self.k, self.vocab_size, self.dtype = meta["k"], meta["vocab_size"], meta["logprob_dtype"]
+        self.teacher = meta["teacher"]
+
+    def width(self, k: int) -> int:
+        """The entries a lookup of `k` reads (0: every cached entry)."""
+        k = k or self.k
+        if k > self.k:
+            raise ValueError(f"distill.top_k={k} exceeds the cache's k={self.k}")
+        return k
+
+    def gather(
+        self,
+        id_maps: list[np.ndarray],
+        lp_maps: list[np.ndarray],
+        shard_T: np.ndarray,
+        rows_T: np.ndarray,
+        k: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(ids [T, k] int64, stored log-probs [T, k]) of rows `rows_T` of shards `shard_T`."""
+        ids = np.empty((len(rows_T), k), dtype=np.int64)
+        raw = np.empty((len(rows_T), k), dtype=_stored_dtype(self.dtype))
+        for s in np.unique(shard_T):
+            sel = shard_T == s
+            ids[sel] = id_maps[s][rows_T[sel], :k]
+            raw[sel] = lp_maps[s][rows_T[sel], :k]
+        return ids, raw
 
 
 @torch.no_grad()
@@ -260,19 +311,14 @@ def build_teacher_cache(
     return run.result()
 
 
-class TeacherTopK:
+class TeacherTopK(_Reader):
     """One example set of a finished cache, memory-mapped; `lookup` gathers the top-k of the
     positions a packed micro-batch selects."""
 
     def __init__(self, root: str | Path, name: str, examples: Sequence[ChatExample]) -> None:
         root = Path(root)
-        meta = _read_meta(root)
-        if meta is None:
-            raise ValueError(f"no teacher cache at {root} (build it with `hybridlm distill-cache`)")
-        if meta.get("version") != VERSION:
-            raise ValueError(
-                f"teacher cache {root} has version {meta.get('version')}, need {VERSION}"
-            )
+        super().__init__(root)
+        meta = self.meta
         info = meta["sets"].get(name)
         if info is None:
             raise ValueError(f"teacher cache {root} has no {name!r} set")
@@ -283,8 +329,6 @@ class TeacherTopK:
             )
         E = meta["examples_per_shard"]
         self.ids, self.logp = _open_shards(root, name, info, -(-info["num_examples"] // E))
-        self.k, self.vocab_size, self.dtype = meta["k"], meta["vocab_size"], meta["logprob_dtype"]
-        self.teacher = meta["teacher"]
         self.offsets = np.load(root / name / "offsets.npy")
         self.examples_per_shard = E
 
@@ -294,9 +338,7 @@ class TeacherTopK:
         """(log-probs [T, k], ids [T, k]) of the positions where `mask_BL` is true, in row-major
         order (as `tensor[mask_BL]` selects); `conv_BL` / `pos_BL` are the micro-batch's example
         indices and positions (`collate_rows`)."""
-        k = k or self.k  # 0: every cached entry
-        if k > self.k:
-            raise ValueError(f"distill.top_k={k} exceeds the cache's k={self.k}")
+        k = self.width(k)
         conv = conv_BL[mask_BL].cpu().numpy()
         pos = pos_BL[mask_BL].cpu().numpy()
         if (conv < 0).any():
@@ -304,12 +346,7 @@ class TeacherTopK:
         E = self.examples_per_shard
         shard = conv // E
         row = self.offsets[conv] - self.offsets[shard * E] + pos
-        ids = np.empty((len(conv), k), dtype=np.int64)
-        raw = np.empty((len(conv), k), dtype=self.logp[0].dtype if self.logp else np.float32)
-        for s in np.unique(shard):
-            sel = shard == s
-            ids[sel] = self.ids[s][row[sel], :k]
-            raw[sel] = self.logp[s][row[sel], :k]
+        ids, raw = self.gather(self.ids, self.logp, shard, row, k)
         return _decode_logp(raw, self.dtype), torch.from_numpy(ids)
 
 
@@ -395,24 +432,21 @@ def build_text_teacher_cache(
     return run.result()
 
 
-class TextTeacherTopK:
+class TextTeacherTopK(_Reader):
     """A finished pretraining-text cache for a run's sources, memory-mapped; `lookup` gathers
     the top-k at the positions a packed batch selects (by `source_ids` and `token_index`)."""
 
+    KIND, WHAT = "text", "pretraining-text"
+
     def __init__(self, root: str | Path, sources: dict[str, ShardSet], *, seq_len: int) -> None:
         root = Path(root)
-        meta = _read_meta(root)
-        if meta is None:
-            raise ValueError(f"no teacher cache at {root} (build it with `hybridlm distill-cache`)")
-        if meta.get("version") != VERSION or meta.get("kind") != "text":
-            raise ValueError(f"teacher cache {root} is not a pretraining-text cache v{VERSION}")
+        super().__init__(root)
+        meta = self.meta
         if meta["seq_len"] != seq_len:
             raise ValueError(
                 f"teacher cache {root} was built for seq_len {meta['seq_len']}, this run has "
                 f"{seq_len} (documents split into other pieces): rebuild it"
             )
-        self.k, self.vocab_size, self.dtype = meta["k"], meta["vocab_size"], meta["logprob_dtype"]
-        self.teacher = meta["teacher"]
         self.sources: dict[str, tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]] = {}
         for name, sh in sources.items():
             info = meta["sets"].get(name)
@@ -437,24 +471,20 @@ class TextTeacherTopK:
         """(log-probs [T, k], ids [T, k]) of the positions where `mask_BL` is true, in row-major
         order; `source_BL` / `index_BL` are the batch's `source_ids` (indices into `names`, its
         loader's sources) and `token_index`."""
-        k = k or self.k  # 0: every cached entry
-        if k > self.k:
-            raise ValueError(f"distill.top_k={k} exceeds the cache's k={self.k}")
+        k = self.width(k)
         src = source_BL[mask_BL].cpu().numpy()
         index = index_BL[mask_BL].cpu().numpy()
         if (src < 0).any() or (index < 0).any():
             raise ValueError("a selected position is padding: it has no cached entry")
         ids = np.empty((len(src), k), dtype=np.int64)
-        raw = np.empty((len(src), k), dtype=np.int16 if self.dtype == "bfloat16" else self.dtype)
+        raw = np.empty((len(src), k), dtype=_stored_dtype(self.dtype))
         for i in np.unique(src):
             if names[i] not in self.sources:
                 raise ValueError(f"the teacher cache has no source {names[i]!r}")
             starts, id_maps, lp_maps = self.sources[names[i]]
             where = np.flatnonzero(src == i)
             shard = np.searchsorted(starts, index[where], side="right") - 1
-            rows = index[where] - starts[shard]
-            for s in np.unique(shard):
-                sel = shard == s
-                ids[where[sel]] = id_maps[s][rows[sel], :k]
-                raw[where[sel]] = lp_maps[s][rows[sel], :k]
+            ids[where], raw[where] = self.gather(
+                id_maps, lp_maps, shard, index[where] - starts[shard], k
+            )
         return _decode_logp(raw, self.dtype), torch.from_numpy(ids)
