@@ -202,8 +202,55 @@ def test_qad_on_the_teachers_replies_with_hidden_state_mse(tmp_path):
     rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
     assert all(r["hidden_mse"] > 0 for r in rows if r["kind"] == "train")
     data = next(r for r in rows if r["kind"] == "data")
-    assert result["teacher_replies"] == {"prompts": 6, "kept": data["train_conversations"]}
+    replies = result["teacher_replies"]
+    assert (replies["prompts"], replies["kept"]) == (6, data["train_conversations"])
+    assert 0 <= replies["correct"] <= 6
     assert 0 < data["train_conversations"] <= 6
+
+
+def test_qad_keeps_the_correct_replies_and_follows_text_by_kl_alone(tmp_path, monkeypatch):
+    """`qad.correct_only`: only the teacher replies whose answer is the data's are trained on;
+    `distill.ce_weight` is the chats' CE, while the pretraining text batches get the KL alone."""
+    import re
+
+    from _tiny import tiny_run
+    from hybridlm.train import qad as qad_module
+
+    def replies(model, tokenizer, prompts, **_):  # right on every other prompt
+        out = []
+        for i, p in enumerate(prompts):
+            a, op, b = re.search(r"(\d+) ([-+]) (\d+)", p[-1]["content"]).groups()
+            value = int(a) + int(b) if op == "+" else int(a) - int(b)
+            out.append(str(value + i % 2))
+        return out
+
+    monkeypatch.setattr(qad_module, "generate_replies", replies)
+    teacher = save_teacher(tmp_path, "teacher", tiny_train_model(), seed=5)
+    pre = tiny_run(tmp_path, "pre")
+    (tmp_path / "pre").mkdir()
+    pre.save(tmp_path / "pre" / "run.yaml")
+    run = qad_run(tmp_path, teacher, steps=2, teacher_replies=8, correct_only=True)
+    run.qad.text_data, run.qad.text_per_step = str(tmp_path / "pre"), 1
+    run.distill.ce_weight = 0.5
+    trainer = qad_module.qad_trainer(run)
+    module = trainer.module
+    assert module.replies == {"prompts": 8, "correct": 4, "kept": 4}
+    chats = {tuple(e.input_ids) for e in module.loader.examples}
+    assert len(chats) == 4
+    step = module.prepare_step(0)
+    chat, text = step.micro[0], step.micro[-1]
+    assert "conv_ids" in chat and "conv_ids" not in text
+    assert module.objective(chat) is module.dcfg
+    assert (module.objective(text).ce_weight, module.objective(text).kl_weight) == (0.0, 1.0)
+    kl_only, kept = module.loss(text, step), module.text_objective
+    module.text_objective = module.dcfg  # what the text batch's loss would be with the CE
+    with_ce = module.loss(text, step)
+    module.text_objective = kept
+    added = with_ce.value.item() - kl_only.value.item()
+    assert kl_only.metrics["ce"] > 0 and added == pytest.approx(0.5 * kl_only.metrics["ce"])
+    trainer.train()
+    with pytest.raises(ValueError, match="qad.correct_only"):
+        QADConfig(correct_only=True)
 
 
 def test_top_k_zero_is_the_whole_vocabulary():

@@ -403,6 +403,10 @@ class OfflineDistiller(SFT):
             out = self.teacher(ids_BL, doc_ids=doc_BL, mtp_depth=0, return_hidden=hidden)
         return out.logits, out.hidden
 
+    def objective(self, micro: dict[str, torch.Tensor]) -> DistillConfig:
+        """The loss settings of this micro-batch (`distill`: every batch here)."""
+        return self.dcfg
+
     def loss(self, micro: dict[str, torch.Tensor], step: Step) -> Loss:
         dev, hw = self.device, self.dcfg.hidden_weight
         ids_BL, labels_BL = micro["input_ids"].to(dev), micro["labels"].to(dev)
@@ -414,7 +418,7 @@ class OfflineDistiller(SFT):
             )
             teacher, t_hidden_BLD = self.teacher_out(ids_BL, doc_BL, micro, "train", hidden=hw > 0)
         value, metrics = offline_distill_loss(
-            out.logits, teacher, labels_BL, self.dcfg, denom=denom
+            out.logits, teacher, labels_BL, self.objective(micro), denom=denom
         )
         if hw:  # the positions the logits are distilled at
             mask_BL = shift_targets(labels_BL, 1) != IGNORE_INDEX

@@ -14,8 +14,9 @@ NVFP4 block scales follow the weights. The teacher is the same model unquantised
 (`distill.teacher`, default `train.init_from`), frozen; the loss is the offline distillation loss
 of `train.distill` (top-k forward KL on the logits; `distill.ce_weight` adds the data's CE,
 `distill.hidden_weight` an MSE on the final hidden states) on the SFT-format chat data of
-`data`, plus `qad.text_per_step` batches of pretraining text (`qad.text_data`) distilled at
-every position. Everything else is the offline distillation
+`data` (or the teacher's own replies, `qad.teacher_replies`, the right ones with
+`qad.correct_only`), plus `qad.text_per_step` batches of pretraining text (`qad.text_data`)
+distilled at every position by the KL alone. Everything else is the offline distillation
 stage: loop, checkpoints with exact resume, held-out NLL and greedy exact match at each eval,
 metrics.jsonl, the PNG.
 
@@ -29,6 +30,7 @@ holds the figures: unquantised (teacher), PTQ (step 0) and QAD (final).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import random
@@ -61,7 +63,7 @@ from .distill import DistillConfig, DistillRunConfig, OfflineDistiller
 from .objectives import IGNORE_INDEX, shift_targets
 from .parallel import is_main
 from .quantize import declare_kv_cache, run_data
-from .sft import chat_batches, generate_replies, pad_id_of, prompt_and_answer
+from .sft import answer_matches, chat_batches, generate_replies, pad_id_of, prompt_and_answer
 from .trainer import Runtime, Step, Trainer
 
 
@@ -88,6 +90,10 @@ class QADConfig:
     # tokens) to this many training prompts instead of the data's answers: the replies the
     # deployed model has to reproduce (after RL they differ from the SFT answers)
     teacher_replies: int = 0
+    # keep only the teacher replies whose answer is the data's (`sft.answer_matches`): with
+    # `distill.ce_weight` the CE then teaches answers the teacher gets right (its margins on
+    # them are small, and a quantised model that only matches its distribution flips them)
+    correct_only: bool = False
     export_dtype: Literal["bfloat16", "float32"] = "bfloat16"  # the unquantised tensors
 
     def __post_init__(self) -> None:
@@ -101,6 +107,10 @@ class QADConfig:
             raise ValueError("qad.calib_samples and qad.text_batches must be >= 1")
         if self.text_per_step < 0 or self.teacher_replies < 0:
             raise ValueError("qad.text_per_step and qad.teacher_replies must be >= 0")
+        if self.correct_only and not self.teacher_replies:
+            raise ValueError(
+                "qad.correct_only filters the teacher's replies: set qad.teacher_replies"
+            )
         self.exclude = tuple(self.exclude)
 
 
@@ -137,6 +147,7 @@ class QADistiller(OfflineDistiller):
         super().__init__(run, rt)
         q = self.qcfg = run.qad
         self.replies: dict[str, int] = {}
+        self.text_objective = dataclasses.replace(self.dcfg, ce_weight=0.0)
         if q.teacher_replies:  # the teacher still unquantised
             self.loader = SFTLoader(
                 self.teacher_reply_examples(q.teacher_replies),
@@ -171,22 +182,39 @@ class QADistiller(OfflineDistiller):
 
     def teacher_reply_examples(self, n: int) -> list[ChatExample]:
         """The teacher's greedy replies to `n` training prompts (seeded draw), tokenised as
-        chats (reasoning block and answer as the chat template renders them)."""
+        chats (reasoning block and answer as the chat template renders them); with
+        `qad.correct_only` only those whose answer is the data's."""
         assert self.teacher is not None
         rng = random.Random(self.dc.seed)
         convs = rng.sample(self.train_convs, min(n, len(self.train_convs)))
-        prompts = [prompt_and_answer(c)[0] for c in convs]
+        pairs = [prompt_and_answer(c) for c in convs]
+        prompts = [p for p, _ in pairs]
         replies = generate_replies(
             self.teacher, self.tokenizer, prompts, max_new_tokens=self.dcfg.eval_max_new_tokens
         )
-        chats = [[*p, parse_assistant(r)] for p, r in zip(prompts, replies, strict=True)]
+        right = [answer_matches(r, a) for r, (_, a) in zip(replies, pairs, strict=True)]
+        chats = [
+            [*p, parse_assistant(r)]
+            for p, r, ok in zip(prompts, replies, right, strict=True)
+            if ok or not self.qcfg.correct_only
+        ]
         tok = tokenize_conversations(
             chats, self.tokenizer, max_len=self.dc.seq_len, overflow=self.dc.overflow
         )
         if not tok.examples:
-            raise ValueError("no teacher reply fits data.seq_len")
-        self.replies = {"prompts": len(prompts), "kept": len(tok.examples)}
+            raise ValueError(
+                "no teacher reply fits data.seq_len" + " and is correct" * self.qcfg.correct_only
+            )
+        self.replies = {"prompts": len(prompts), "correct": sum(right), "kept": len(tok.examples)}
         return list(tok.examples)
+
+    def objective(self, micro: dict[str, torch.Tensor]) -> DistillConfig:
+        """The chats' loss is `distill`'s; the pretraining text's is its KL alone: a CE there
+        would train toward the text, away from the teacher the text batches are there to
+        follow."""
+        if "conv_ids" in micro:  # SFTLoader rows; the pretraining loader's have no conversations
+            return self.dcfg
+        return self.text_objective
 
     def _text_sets(self, q: QADConfig) -> tuple[tuple[list, torch.Tensor] | None, Any]:
         """(held-out text batches and token byte lengths, the training text loader when
