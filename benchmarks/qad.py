@@ -8,9 +8,9 @@ the PTQ checkpoint, on the same problems.
 
 The eval stage's 96 problems give a standard error of about 0.045 at these accuracies, more than
 the differences between QAD settings; here every model answers the same `--problems` held-out
-problems of the RL eval set (about 0.015). Each variant is the run's `qad` section with the
-overrides in VARIANTS (about 5.5 min each on 2 cores); writes runs/qad_study/{results.json,
-<variant>/} and prints a markdown table.
+problems of the RL eval set (about 0.015; drawn with replacement, so some repeat). Each variant
+is the run's `qad` section with the settings in VARIANTS (about 5.5 min each on 2 cores, 16 for
+600 steps); writes runs/qad_study/{results.json, <variant>/} and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -22,15 +22,17 @@ from pathlib import Path
 
 from hybridlm.threads import configure_threads
 
-# (name, overrides of the run's qad section)
+# (name, overrides of the qad section); every variant sets the settings it is compared on
+BEFORE = {"distill.ce_weight": 0.0, "qad.correct_only": False, "train.weight_decay": 0.1}
+NOW = {"distill.ce_weight": 0.5, "qad.correct_only": True, "train.weight_decay": 0.0}
 VARIANTS = [
-    (
-        "KL only, every teacher reply",
-        {"distill.ce_weight": 0.0, "qad.correct_only": False, "train.weight_decay": 0.1},
-    ),
-    ("KL + 0.5 CE, every teacher reply", {"distill.ce_weight": 0.5, "qad.correct_only": False}),
-    ("KL + 0.5 CE, the right replies (speedrun default)", {}),
-    ("KL + 2 CE, the right replies", {"distill.ce_weight": 2.0}),
+    ("KL only, every teacher reply (weight decay 0.1)", BEFORE),
+    ("the same, 600 steps", {**BEFORE, "train.max_steps": 600}),
+    ("KL + 0.5 CE, every teacher reply", {**NOW, "qad.correct_only": False}),
+    ("KL + 0.5 CE, the right replies (the speedrun's stage)", NOW),
+    ("KL + 2 CE, the right replies", {**NOW, "distill.ce_weight": 2.0}),
+    ("KL + 0.5 CE, the right replies to 4,096 prompts", {**NOW, "qad.teacher_replies": 4096}),
+    ("KL + 0.5 CE, the right replies, no text batches", {**NOW, "qad.text_per_step": 0}),
 ]
 
 
@@ -55,7 +57,9 @@ def exact_match(model, tok, problems, env) -> tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", default="runs/speedrun", help="a speedrun directory")
-    ap.add_argument("--config", default="configs/speedrun.yaml", help="its qad section is varied")
+    ap.add_argument(
+        "--config", default="", help="the speedrun config (default: the run's speedrun.yaml)"
+    )
     ap.add_argument("--out", default="runs/qad_study")
     ap.add_argument("--problems", type=int, default=768)
     ap.add_argument("--variants", default="", help="comma-separated subset of variant indices")
@@ -71,8 +75,11 @@ def main() -> None:
     run_dir = Path(args.run)
     if not (run_dir / "quantize" / "stage.json").is_file():
         raise SystemExit(f"{run_dir} has no finished quantize stage: run `hybridlm speedrun` first")
-    # the current default qad settings (configs/speedrun.yaml), wired to this run's stages
-    flow = Speedrun(load_config(args.config, [], out=str(run_dir)), progress=False)
+    if not (run_dir / "quantize" / "nvfp4").is_dir():
+        raise SystemExit(f"{run_dir}/quantize has no nvfp4 checkpoint (quantize.recipes)")
+    # the run's own settings (its data, chain and eval problems); each variant sets what it varies
+    config = args.config or str(run_dir / "speedrun.yaml")
+    flow = Speedrun(load_config(config, [], out=str(run_dir)), progress=False)
     tok = flow.tokenizer()
     env = build_mixture(eval_specs(flow.cfg.rl), tokenizer=tok)
     problems = env.sample(args.problems, seed=flow.cfg.rl.seed + 12345)  # the RL eval set
@@ -108,7 +115,7 @@ def main() -> None:
                 "teacher_replies": result.get("teacher_replies"),
             }
         )
-        print(f"{name}: {em:.3f} ± {se:.3f}, KL {fig.get('kl'):.4f}", flush=True)
+        print(f"{name}: {em:.3f} ± {se:.3f}, KL {fig.get('kl', float('nan')):.4f}", flush=True)
     report = {
         "run": str(run_dir),
         "problems": args.problems,

@@ -247,10 +247,16 @@ def test_qad_keeps_the_correct_replies_and_follows_text_by_kl_alone(tmp_path, mo
     with_ce = module.loss(text, step)
     module.text_objective = kept
     added = with_ce.value.item() - kl_only.value.item()
-    assert kl_only.metrics["ce"] > 0 and added == pytest.approx(0.5 * kl_only.metrics["ce"])
+    text_ce = kl_only.metrics["text_ce"]  # logged apart from the chats' CE
+    assert "ce" not in kl_only.metrics and text_ce > 0 and added == pytest.approx(0.5 * text_ce)
     trainer.train()
+    rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert all(r["text_ce"] > 0 and r["ce"] > 0 for r in rows if r["kind"] == "train")
     with pytest.raises(ValueError, match="qad.correct_only"):
         QADConfig(correct_only=True)
+    run.distill.kl_weight = 0.0
+    with pytest.raises(ValueError, match="KL alone"):
+        qad_module.qad_trainer(run)
 
 
 def test_top_k_zero_is_the_whole_vocabulary():

@@ -408,7 +408,8 @@ class OfflineDistiller(SFT):
         return self.dcfg
 
     def loss(self, micro: dict[str, torch.Tensor], step: Step) -> Loss:
-        dev, hw = self.device, self.dcfg.hidden_weight
+        objective = self.objective(micro)
+        dev, hw = self.device, objective.hidden_weight
         ids_BL, labels_BL = micro["input_ids"].to(dev), micro["labels"].to(dev)
         doc_BL = micro["doc_ids"].to(dev)
         denom = max(1, step.ctx["num_tokens"])
@@ -418,7 +419,7 @@ class OfflineDistiller(SFT):
             )
             teacher, t_hidden_BLD = self.teacher_out(ids_BL, doc_BL, micro, "train", hidden=hw > 0)
         value, metrics = offline_distill_loss(
-            out.logits, teacher, labels_BL, self.objective(micro), denom=denom
+            out.logits, teacher, labels_BL, objective, denom=denom
         )
         if hw:  # the positions the logits are distilled at
             mask_BL = shift_targets(labels_BL, 1) != IGNORE_INDEX

@@ -64,7 +64,7 @@ from .objectives import IGNORE_INDEX, shift_targets
 from .parallel import is_main
 from .quantize import declare_kv_cache, run_data
 from .sft import answer_matches, chat_batches, generate_replies, pad_id_of, prompt_and_answer
-from .trainer import Runtime, Step, Trainer
+from .trainer import Loss, Runtime, Step, Trainer
 
 
 @dataclass(kw_only=True)
@@ -90,7 +90,8 @@ class QADConfig:
     # tokens) to this many training prompts instead of the data's answers: the replies the
     # deployed model has to reproduce (after RL they differ from the SFT answers)
     teacher_replies: int = 0
-    # keep only the teacher replies whose answer is the data's (`sft.answer_matches`): with
+    # keep only the teacher replies whose answer is the data's (`sft.answer_matches`, exact
+    # strings: for short-answer data such as arithmetic): with
     # `distill.ce_weight` the CE then teaches answers the teacher gets right (its margins on
     # them are small, and a quantised model that only matches its distribution flips them)
     correct_only: bool = False
@@ -147,7 +148,6 @@ class QADistiller(OfflineDistiller):
         super().__init__(run, rt)
         q = self.qcfg = run.qad
         self.replies: dict[str, int] = {}
-        self.text_objective = dataclasses.replace(self.dcfg, ce_weight=0.0)
         if q.teacher_replies:  # the teacher still unquantised
             self.loader = SFTLoader(
                 self.teacher_reply_examples(q.teacher_replies),
@@ -177,6 +177,7 @@ class QADistiller(OfflineDistiller):
 
         self.calibration = {"rows": stats.tokens // run.data.seq_len, "tokens": stats.tokens}
         self.text, self.text_train = self._text_sets(q)
+        self.text_objective = dataclasses.replace(self.dcfg, ce_weight=0.0, hidden_weight=0.0)
         self.text_tokens = 0  # held-out text tokens of the last evaluation
         self.kv: dict[str, Any] = {}  # the exported KV cache's scales (quantize.json's layout)
 
@@ -212,9 +213,14 @@ class QADistiller(OfflineDistiller):
         """The chats' loss is `distill`'s; the pretraining text's is its KL alone: a CE there
         would train toward the text, away from the teacher the text batches are there to
         follow."""
-        if "conv_ids" in micro:  # SFTLoader rows; the pretraining loader's have no conversations
-            return self.dcfg
-        return self.text_objective
+        return self.dcfg if _is_chat(micro) else self.text_objective
+
+    def loss(self, micro: dict[str, torch.Tensor], step: Step) -> Loss:
+        out = super().loss(micro, step)
+        if not _is_chat(micro):  # the text's CE is logged apart: it is not in the loss
+            out.metrics["text_ce"] = out.metrics.pop("ce")
+            out.metrics.pop("nll_token", None)
+        return out
 
     def _text_sets(self, q: QADConfig) -> tuple[tuple[list, torch.Tensor] | None, Any]:
         """(held-out text batches and token byte lengths, the training text loader when
@@ -311,6 +317,12 @@ class QADistiller(OfflineDistiller):
         return result
 
 
+def _is_chat(micro: dict[str, torch.Tensor]) -> bool:
+    """A chat micro-batch (SFTLoader rows carry `conv_ids`; the pretraining loader's, added by
+    `qad.text_per_step`, have no conversations)."""
+    return "conv_ids" in micro
+
+
 def qad_figures(metrics: Path) -> dict[str, dict[str, float]]:
     """{unquantized, ptq, qad: {metric: value}} from a QAD run's metrics.jsonl: the teacher
     row, the step-0 eval (the PTQ model) and the last eval."""
@@ -342,6 +354,8 @@ def resolved(cfg: QADRunConfig) -> QADRunConfig:
     cfg.distill.teacher = cfg.distill.teacher or cfg.train.init_from
     if cfg.qad.text_per_step and not cfg.qad.text_data:
         raise ValueError("qad.text_per_step needs qad.text_data (a pretraining run)")
+    if cfg.qad.text_per_step and cfg.distill.kl_weight <= 0:
+        raise ValueError("qad.text_per_step distils text by the KL alone: distill.kl_weight > 0")
     cfg.distill.check()
     return cfg
 
