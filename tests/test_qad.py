@@ -20,7 +20,7 @@ from hybridlm.precision import ptq
 from hybridlm.report.plot import read_metrics
 from hybridlm.train.distill import DistillConfig
 from hybridlm.train.objectives import hidden_mse
-from hybridlm.train.qad import QADConfig, QADRunConfig, run_qad
+from hybridlm.train.qad import QADConfig, QADRunConfig, qad_trainer, run_qad
 from test_distill import offline_run, save_teacher
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -189,6 +189,9 @@ def test_qad_config_errors(tmp_path):
         run_qad(qad_run(tmp_path / "c", teacher, plan=str(tmp_path / "nowhere")))
     with pytest.raises(ValueError, match="hidden_weight"):
         DistillConfig(hidden_weight=1.0, teacher_cache="x").check()
+    ce_only = qad_run(tmp_path / "d", teacher, steps=1)  # chats alone: a CE-only QAD is valid
+    ce_only.distill.kl_weight, ce_only.distill.ce_weight = 0.0, 1.0
+    qad_trainer(ce_only)
 
 
 def test_qad_on_the_teachers_replies_with_hidden_state_mse(tmp_path):

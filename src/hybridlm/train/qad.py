@@ -177,7 +177,13 @@ class QADistiller(OfflineDistiller):
 
         self.calibration = {"rows": stats.tokens // run.data.seq_len, "tokens": stats.tokens}
         self.text, self.text_train = self._text_sets(q)
-        self.text_objective = dataclasses.replace(self.dcfg, ce_weight=0.0, hidden_weight=0.0)
+        # the text batches' loss (`objective`); only with text batches, so a CE-only QAD on
+        # chats alone (kl_weight 0) stays valid
+        self.text_objective = (
+            dataclasses.replace(self.dcfg, ce_weight=0.0, hidden_weight=0.0)
+            if self.text_train is not None
+            else self.dcfg
+        )
         self.text_tokens = 0  # held-out text tokens of the last evaluation
         self.kv: dict[str, Any] = {}  # the exported KV cache's scales (quantize.json's layout)
 
