@@ -1,7 +1,7 @@
 """Quantisation-aware distillation on a speedrun chain, measured on many held-out problems: the
 speedrun's `qad` stage with variations of its settings, each judged by greedy exact match of
-its exported NVFP4 checkpoint (FP8 KV cache, as it is served) beside the unquantised model and
-the PTQ checkpoint, on the same problems.
+its exported checkpoint (NVFP4 W4A4, or the mix of `qad.formats`; FP8 KV cache, as it is served)
+beside the unquantised model and the PTQ checkpoint, on the same problems.
 
     hybridlm speedrun                         # the chain (stages up to quantize are used)
     python benchmarks/qad.py [--run runs/speedrun] [--problems 768] [--variants 0,2]
@@ -9,8 +9,9 @@ the PTQ checkpoint, on the same problems.
 The eval stage's 96 problems give a standard error of about 0.045 at these accuracies, more than
 the differences between QAD settings; here every model answers the same `--problems` held-out
 problems of the RL eval set (about 0.015; drawn with replacement, so some repeat). Each variant
-is the run's `qad` section with the settings in VARIANTS (about 5.5 min each on 2 cores, 16 for
-600 steps); writes runs/qad_study/{results.json, <variant>/} and prints a markdown table.
+is the run's `qad` section with the settings in VARIANTS (5.5-8 min each on 2 cores, 16 for 600
+steps); writes runs/qad_study/{results.json, <variant>/} and prints a markdown table with the
+mean bits per quantised weight.
 """
 
 from __future__ import annotations
@@ -23,16 +24,39 @@ from pathlib import Path
 from hybridlm.threads import configure_threads
 
 # (name, overrides of the qad section); every variant sets the settings it is compared on
-BEFORE = {"distill.ce_weight": 0.0, "qad.correct_only": False, "train.weight_decay": 0.1}
-NOW = {"distill.ce_weight": 0.5, "qad.correct_only": True, "train.weight_decay": 0.0}
+BEFORE = {
+    "distill.ce_weight": 0.0,
+    "qad.correct_only": False,
+    "qad.teacher_replies": 1024,
+    "train.weight_decay": 0.1,
+}
+CE = {
+    "distill.ce_weight": 0.5,
+    "qad.correct_only": True,
+    "qad.teacher_replies": 1024,
+    "train.weight_decay": 0.0,
+}
+STAGE = {**CE, "qad.teacher_replies": 4096}  # the speedrun's qad stage
 VARIANTS = [
-    ("KL only, every teacher reply (weight decay 0.1)", BEFORE),
+    ("KL only, every teacher reply to 1,024 prompts (weight decay 0.1)", BEFORE),
     ("the same, 600 steps", {**BEFORE, "train.max_steps": 600}),
-    ("KL + 0.5 CE, every teacher reply", {**NOW, "qad.correct_only": False}),
-    ("KL + 0.5 CE, the right replies (the speedrun's stage)", NOW),
-    ("KL + 2 CE, the right replies", {**NOW, "distill.ce_weight": 2.0}),
-    ("KL + 0.5 CE, the right replies to 4,096 prompts", {**NOW, "qad.teacher_replies": 4096}),
-    ("KL + 0.5 CE, the right replies, no text batches", {**NOW, "qad.text_per_step": 0}),
+    ("KL + 0.5 CE, every teacher reply to 1,024 prompts", {**CE, "qad.correct_only": False}),
+    ("KL + 0.5 CE, the right replies to 1,024 prompts", CE),
+    ("KL + 2 CE, the right replies to 1,024 prompts", {**CE, "distill.ce_weight": 2.0}),
+    ("KL + 0.5 CE, the right replies to 4,096 prompts (the speedrun's stage)", STAGE),
+    (
+        "KL + 0.5 CE, the right replies to 1,024 prompts, no text batches",
+        {**CE, "qad.text_per_step": 0},
+    ),
+    ("the stage, 16 chat rows a step", {**STAGE, "data.batch_size": 16}),
+    ("the stage, right replies to 6,000 prompts", {**STAGE, "qad.teacher_replies": 6000}),
+    ("the stage, KL + 2 CE", {**STAGE, "distill.ce_weight": 2.0}),
+    # not all-NVFP4: Nemotron 3.5's release keeps the Mamba projections in FP8 or BF16 (§4.3)
+    (
+        "variant 3, Mamba in/out projections FP8 (the rest NVFP4 W4A4)",
+        {**CE, "qad.formats": {"*.mixer.in_proj": "fp8", "*.mixer.out_proj": "fp8"}},
+    ),
+    ("variant 3, Mamba out projections FP8", {**CE, "qad.formats": {"*.mixer.out_proj": "fp8"}}),
 ]
 
 
@@ -113,6 +137,7 @@ def main() -> None:
                 "kl": fig.get("kl"),
                 "text_loss": fig.get("text_loss"),
                 "teacher_replies": result.get("teacher_replies"),
+                "effective_bits": result.get("effective_bits"),
             }
         )
         print(f"{name}: {em:.3f} ± {se:.3f}, KL {fig.get('kl', float('nan')):.4f}", flush=True)
@@ -123,11 +148,13 @@ def main() -> None:
         "provenance": collect(argv=None, threads=threads),
     }
     (out / "results.json").write_text(json.dumps(report, indent=1))
-    print("| model | exact match | KL to unquantised | text loss |\n|---|---|---|---|")
+    print("| model | exact match | KL to unquantised | text loss | bits |\n|---|---|---|---|---|")
     for r in rows:
         kl = f"{r['kl']:.4f}" if r.get("kl") is not None else "–"
         text = f"{r['text_loss']:.4f}" if r.get("text_loss") is not None else "–"
-        print(f"| {r['name']} | {r['exact_match']:.3f} ± {r['se']:.3f} | {kl} | {text} |")
+        bits = f"{r['effective_bits']:.2f}" if r.get("effective_bits") is not None else "–"
+        em = f"{r['exact_match']:.3f} ± {r['se']:.3f}"
+        print(f"| {r['name']} | {em} | {kl} | {text} | {bits} |")
 
 
 if __name__ == "__main__":

@@ -150,6 +150,10 @@ def test_qad_closes_the_kl_resumes_exactly_and_exports_what_it_trained(tmp_path)
     again = read_metrics(tmp_path / "b" / "out" / "metrics.jsonl")
     losses = [(r["step"], r["loss"]) for r in rows if r["kind"] == "train"]
     assert [(r["step"], r["loss"]) for r in again if r["kind"] == "train"] == losses
+    # resumed under other formats: its scales are the other formats', refused
+    run2.qad.formats = {"*.mixer.out_proj": "fp8"}
+    with pytest.raises(ValueError, match="other formats"):
+        run_qad(run2, resume=True)
 
 
 def test_qad_takes_a_quantize_plan(tmp_path):
@@ -175,6 +179,31 @@ def test_qad_takes_a_quantize_plan(tmp_path):
     ]
     assert routed and all(isinstance(m, ptq.QuantExperts) and m.fmt == "fp8" for m in routed)
     assert fmts and set(fmts.values()) == {"nvfp4"}
+
+
+def test_qad_formats_override_operators_by_glob(tmp_path):
+    """`qad.formats` puts the operators matching a glob in another format (Nemotron 3.5's FP8
+    Mamba projections over NVFP4 experts); the export holds those formats."""
+    teacher = save_teacher(tmp_path, "teacher", tiny_train_model(), seed=5)
+    ops = [op.name for op in ptq.find_ops(load_model(teacher))]
+    mamba = [n for n in ops if n.endswith((".mixer.in_proj", ".mixer.out_proj"))]
+    assert mamba and len(mamba) < len(ops)
+    formats = {"*.mixer.in_proj": "fp8", "*.mixer.out_proj": "fp8"}
+    result = run_qad(qad_run(tmp_path, teacher, steps=1, formats=formats))
+    assert result["plan"] == {n: "fp8" if n in mamba else "nvfp4" for n in ops}
+    exported = load_model(result["hf"])
+    fmts = {n: m.fmt for n, m in exported.named_modules() if isinstance(m, ptq.QuantLinear)}
+    assert {n: f for n, f in fmts.items() if f == "fp8"}.keys() == set(mamba)
+    with pytest.raises(ValueError, match="matches no quantised operator"):
+        ptq.override_formats(result["plan"], {"*.nothing": "fp8"})
+    model = tiny_model()  # attention Q/K/V are one fused operator: one format for the three
+    plan, ops = ptq.recipe_plan(model, "nvfp4"), ptq.find_ops(model)
+    with pytest.raises(ValueError, match="split the fused operators"):
+        ptq.override_formats(plan, {"*.q_proj": "fp8"}, ops)
+    qkv = ptq.override_formats(plan, {"*.[qkv]_proj": "bf16", "*_proj": "fp8"}, ops)  # first match
+    assert {qkv[f"layers.2.mixer.{p}_proj"] for p in "qkv"} == {"bf16"}
+    with pytest.raises(ValueError, match="qad.formats: unknown format"):
+        QADConfig(formats={"*.mixer.in_proj": "int4"})
 
 
 def test_qad_config_errors(tmp_path):

@@ -543,7 +543,8 @@ def _qad_settings(flow: Speedrun) -> dict[str, Any]:
 def _qad_run(flow: Speedrun) -> dict[str, Any]:
     cfg = QADRunConfig.from_dict(flow.settings("qad"))
     result = flow._continue_or_start("qad", lambda **kw: run_qad(cfg, **kw))
-    name = f"{Path(cfg.qad.plan).name if cfg.qad.plan else cfg.qad.recipe}_qad"
+    name = Path(cfg.qad.plan).name if cfg.qad.plan else cfg.qad.recipe
+    name += "_mixed_qad" if cfg.qad.formats else "_qad"  # `qad.formats` changed some operators
     return {
         "model": result["hf"],
         "models": {name: result["hf"]},

@@ -840,6 +840,28 @@ def recipe_plan(model: nn.Module, recipe: str, exclude: Iterable[str] = DEFAULT_
     return {op.name: recipe for op in find_ops(model, exclude)}
 
 
+def override_formats(
+    plan: dict[str, str], formats: dict[str, str], ops: Iterable[Op] = ()
+) -> dict[str, str]:
+    """`plan` with every operator matching a glob of `formats` in that glob's format (the first
+    glob that matches), e.g. {"*.mixer.in_proj": "fp8"}. A glob that matches no operator of the
+    plan, or one that splits a fused group of `ops` (Q/K/V, gate/up) between formats, is an
+    error."""
+    for pat, fmt in formats.items():
+        check_format(fmt)
+        if not any(_excluded(op, (pat,)) for op in plan):
+            raise ValueError(f"format override {pat!r} matches no quantised operator")
+    out = {
+        op: next((f for pat, f in formats.items() if _excluded(op, (pat,))), fmt)
+        for op, fmt in plan.items()
+    }
+    for group, members in groups_of(o for o in ops if o.name in out).items():
+        if len({out[o.name] for o in members}) > 1:
+            names = [o.name for o in members]
+            raise ValueError(f"format overrides split the fused operators {names} ({group})")
+    return out
+
+
 # ============================================================================ evaluation
 @torch.no_grad()
 def evaluate(

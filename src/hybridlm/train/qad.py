@@ -6,7 +6,8 @@ deployment recipe (notes §"3.5 deployment": PTQ, then ~200 steps of QAD).
 The student is the model of `train.init_from` quantised as `hybridlm quantize` quantises it
 (same calibration statistics, per-tensor scales, NVFP4 MSE block-scale search, exclusions; the
 plan of every operator in `qad.recipe`, or the per-operator formats of an earlier `hybridlm
-quantize` run, `qad.plan`, e.g. AutoQuantize's mix), with trainable fake-quant modules
+quantize` run, `qad.plan`, e.g. AutoQuantize's mix; `qad.formats` overrides operators by
+glob), with trainable fake-quant modules
 (`precision.ptq.QATLinear` / `QATExperts`): the forward is the deployed model's, bit for bit;
 gradients reach the high-precision master weights straight through the quantisers. Per-tensor
 scales stay those of calibration (as in ModelOpt's QAT; the checkpoints' meta records them),
@@ -52,6 +53,7 @@ from ..precision.ptq import (
     find_ops,
     load_qat_scales,
     model_bits,
+    override_formats,
     qat_scales,
     quantize_model,
     recipe_plan,
@@ -75,6 +77,10 @@ class QADConfig:
     # a `hybridlm quantize` output directory (its quantize.json's per-operator plan, e.g. an
     # AutoQuantize mix; its exclusions, weight-scale search and KV cache too): "" = `recipe`
     plan: str = ""
+    # operator glob -> format (nvfp4 / fp8 / bf16) over the recipe's or the plan's, e.g.
+    # {"*.mixer.in_proj": fp8, "*.mixer.out_proj": fp8}: Nemotron 3.5's released checkpoints keep
+    # the Mamba projections in FP8 or BF16 and NVFP4 on the experts (§4.3)
+    formats: dict[str, str] = field(default_factory=dict)
     # the KV cache the export declares, calibrated on the final quantised model
     kv_cache: Literal["none", "fp8", "nvfp4"] = "none"
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
@@ -113,6 +119,11 @@ class QADConfig:
                 "qad.correct_only filters the teacher's replies: set qad.teacher_replies"
             )
         self.exclude = tuple(self.exclude)
+        for fmt in self.formats.values():
+            try:
+                check_format(fmt)
+            except ValueError as err:
+                raise ValueError(f"qad.formats: {err}") from None
 
 
 @dataclass(kw_only=True)
@@ -148,6 +159,18 @@ class QADistiller(OfflineDistiller):
         super().__init__(run, rt)
         q = self.qcfg = run.qad
         self.replies: dict[str, int] = {}
+        exclude, weight_scale, self.kv_cache = q.exclude, q.weight_scale, q.kv_cache
+        if q.plan:
+            plan, settings = load_plan(q.plan)
+            exclude, weight_scale = tuple(settings["exclude"]), settings["weight_scale"]
+            self.kv_cache = settings.get("kv_cache", "none")
+            for fmt in set(plan.values()):
+                check_format(fmt)
+        else:
+            plan = recipe_plan(self.model, q.recipe, exclude)
+        self.exclude, self.weight_scale = exclude, weight_scale
+        self.ops = find_ops(self.model, exclude)
+        plan = override_formats(plan, q.formats, self.ops)  # before the replies: fails fast
         if q.teacher_replies:  # the teacher still unquantised
             self.loader = SFTLoader(
                 self.teacher_reply_examples(q.teacher_replies),
@@ -156,21 +179,10 @@ class QADistiller(OfflineDistiller):
                 seed=self.dc.seed,
                 pad_id=pad_id_of(self.tokenizer),
             )
-        exclude, weight_scale, self.kv_cache = q.exclude, q.weight_scale, q.kv_cache
-        if q.plan:
-            plan, settings = load_plan(q.plan)
-            exclude, weight_scale = tuple(settings["exclude"]), settings["weight_scale"]
-            self.kv_cache = settings.get("kv_cache", "none")
-            for fmt in set(plan.values()):
-                check_format(fmt)
-        self.exclude, self.weight_scale = exclude, weight_scale
         # calibration on the data's chats, as `hybridlm quantize --calib-data` reads them (so a
-        # plan's step 0 is that PTQ checkpoint)
+        # plan's step 0, without `formats`, is that PTQ checkpoint)
         self.calib = chat_batches(run.data, q.calib_samples)
         stats = calibrate(self.model, self.calib, exclude=exclude)
-        if not q.plan:
-            plan = recipe_plan(self.model, q.recipe, exclude)
-        self.ops = find_ops(self.model, exclude)
         self.applied = quantize_model(
             self.model, plan, stats, weight_scale=weight_scale, exclude=exclude, qat=True
         )
@@ -270,13 +282,19 @@ class QADistiller(OfflineDistiller):
 
     # the fixed scales travel in the checkpoint's meta (the weights file holds master weights)
     def state_dict(self) -> dict[str, Any]:
-        out = {**super().state_dict(), "qat_scales": qat_scales(self.model)}
+        out = {
+            **super().state_dict(),
+            "qat_scales": qat_scales(self.model),
+            "plan": self.applied,
+        }
         if self.text_train is not None:
             out["text_loader"] = self.text_train.state_dict()
         return out
 
     def load_state_dict(self, meta: dict[str, Any]) -> None:
         super().load_state_dict(meta)
+        if meta.get("plan", self.applied) != self.applied:  # the scales are the formats'
+            raise ValueError("the checkpoint's QAD run quantised other formats than this config")
         load_qat_scales(self.model, meta["qat_scales"])
         if self.text_train is not None:
             self.text_train.load_state_dict(meta["text_loader"])
