@@ -198,9 +198,10 @@ def test_qad_formats_override_operators_by_glob(tmp_path):
         ptq.override_formats(result["plan"], {"*.nothing": "fp8"})
     model = tiny_model()  # attention Q/K/V are one fused operator: one format for the three
     plan, ops = ptq.recipe_plan(model, "nvfp4"), ptq.find_ops(model)
-    with pytest.raises(ValueError, match="split the fused operators"):
-        ptq.override_formats(plan, {"*.q_proj": "fp8"}, ops)
-    qkv = ptq.override_formats(plan, {"*.[qkv]_proj": "bf16", "*_proj": "fp8"}, ops)  # first match
+    with pytest.raises(ValueError, match="fused operators of layers.2.mixer.qkv_proj need one"):
+        ptq.plan_groups(ptq.override_formats(plan, {"*.q_proj": "fp8"}), ops)
+    qkv = ptq.override_formats(plan, {"*.[qkv]_proj": "bf16", "*_proj": "fp8"})  # first match
+    ptq.plan_groups(qkv, ops)
     assert {qkv[f"layers.2.mixer.{p}_proj"] for p in "qkv"} == {"bf16"}
     with pytest.raises(ValueError, match="qad.formats: unknown format"):
         QADConfig(formats={"*.mixer.in_proj": "int4"})

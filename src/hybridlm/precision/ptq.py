@@ -768,16 +768,9 @@ def quantize_model(
     `QATExperts`, same scales; `to_inference` converts them). Fused groups must agree on the
     format and share their scales. Returns the formats applied per operator (NVFP4 falls back to
     FP8 for a K not divisible by 16)."""
-    ops = {op.name: op for op in find_ops(model, exclude)}
-    unknown = sorted(set(plan) - set(ops))
-    if unknown:
-        raise ValueError(f"not quantisable operators (or excluded): {unknown[:6]}")
     applied: dict[str, str] = {}
-    for group, members in groups_of(ops[n] for n in plan).items():
-        fmts = {plan[op.name] for op in members}
-        if len(fmts) > 1:
-            raise ValueError(f"fused operators of {group} need one format, got {sorted(fmts)}")
-        fmt = check_format(fmts.pop())
+    for members in plan_groups(plan, find_ops(model, exclude)).values():
+        fmt = plan[members[0].name]
         if fmt == "nvfp4" and any(op.k % NVFP4_GROUP for op in members):
             fmt = "fp8"  # a reduction width NVFP4 blocks cannot tile
         for op in members:
@@ -789,6 +782,22 @@ def quantize_model(
             _set_submodule(model, name, module)
     # layers with a quantised module skip the fused decode steps by themselves (model/stock.py)
     return applied
+
+
+def plan_groups(plan: dict[str, str], ops: Iterable[Op]) -> dict[str, list[Op]]:
+    """The fused groups of `plan`'s operators ({group: members}), checked: every operator is one
+    of `ops` (quantisable, not excluded), every format known, one format per fused group (Q/K/V,
+    gate/up)."""
+    by_name = {op.name: op for op in ops}
+    unknown = sorted(set(plan) - set(by_name))
+    if unknown:
+        raise ValueError(f"not quantisable operators (or excluded): {unknown[:6]}")
+    groups = groups_of(by_name[n] for n in plan)
+    for group, members in groups.items():
+        fmts = {check_format(plan[op.name]) for op in members}
+        if len(fmts) > 1:
+            raise ValueError(f"fused operators of {group} need one format, got {sorted(fmts)}")
+    return groups
 
 
 @torch.no_grad()
@@ -840,26 +849,17 @@ def recipe_plan(model: nn.Module, recipe: str, exclude: Iterable[str] = DEFAULT_
     return {op.name: recipe for op in find_ops(model, exclude)}
 
 
-def override_formats(
-    plan: dict[str, str], formats: dict[str, str], ops: Iterable[Op] = ()
-) -> dict[str, str]:
+def override_formats(plan: dict[str, str], formats: dict[str, str]) -> dict[str, str]:
     """`plan` with every operator matching a glob of `formats` in that glob's format (the first
-    glob that matches), e.g. {"*.mixer.in_proj": "fp8"}. A glob that matches no operator of the
-    plan, or one that splits a fused group of `ops` (Q/K/V, gate/up) between formats, is an
-    error."""
-    for pat, fmt in formats.items():
-        check_format(fmt)
+    glob that matches), e.g. {"*.mixer.in_proj": "fp8"}; a glob that matches no operator of the
+    plan is an error (`plan_groups` checks the result)."""
+    for pat in formats:
         if not any(_excluded(op, (pat,)) for op in plan):
             raise ValueError(f"format override {pat!r} matches no quantised operator")
-    out = {
+    return {
         op: next((f for pat, f in formats.items() if _excluded(op, (pat,))), fmt)
         for op, fmt in plan.items()
     }
-    for group, members in groups_of(o for o in ops if o.name in out).items():
-        if len({out[o.name] for o in members}) > 1:
-            names = [o.name for o in members]
-            raise ValueError(f"format overrides split the fused operators {names} ({group})")
-    return out
 
 
 # ============================================================================ evaluation

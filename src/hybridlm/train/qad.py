@@ -54,6 +54,7 @@ from ..precision.ptq import (
     load_qat_scales,
     model_bits,
     override_formats,
+    plan_groups,
     qat_scales,
     quantize_model,
     recipe_plan,
@@ -164,13 +165,12 @@ class QADistiller(OfflineDistiller):
             plan, settings = load_plan(q.plan)
             exclude, weight_scale = tuple(settings["exclude"]), settings["weight_scale"]
             self.kv_cache = settings.get("kv_cache", "none")
-            for fmt in set(plan.values()):
-                check_format(fmt)
         else:
             plan = recipe_plan(self.model, q.recipe, exclude)
         self.exclude, self.weight_scale = exclude, weight_scale
         self.ops = find_ops(self.model, exclude)
-        plan = override_formats(plan, q.formats, self.ops)  # before the replies: fails fast
+        plan = override_formats(plan, q.formats)
+        plan_groups(plan, self.ops)  # checked before the replies and calibration: fails fast
         if q.teacher_replies:  # the teacher still unquantised
             self.loader = SFTLoader(
                 self.teacher_reply_examples(q.teacher_replies),
