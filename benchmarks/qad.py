@@ -57,6 +57,15 @@ VARIANTS = [
         {**CE, "qad.formats": {"*.mixer.in_proj": "fp8", "*.mixer.out_proj": "fp8"}},
     ),
     ("variant 3, Mamba out projections FP8", {**CE, "qad.formats": {"*.mixer.out_proj": "fp8"}}),
+    (
+        "the stage + MSE of the final hidden states (weight 1)",
+        {**STAGE, "distill.hidden_weight": 1.0},
+    ),
+    (
+        "the stage, reverse KL instead of the forward KL",
+        {**STAGE, "distill.objective": "skew_reverse_kl", "distill.skew_alpha": 1.0},
+    ),
+    ("the stage, lr decayed over all 200 steps", {**STAGE, "train.decay_fraction": 1.0}),
 ]
 
 
