@@ -606,8 +606,9 @@ def _fused_group(model: nn.Module, name: str) -> str:
     return name
 
 
-def _excluded(name: str, exclude: Iterable[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, pat) or name == pat for pat in exclude)
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    """`name` matches one of the globs (or is one of the names) in `patterns`."""
+    return any(fnmatch.fnmatchcase(name, pat) or name == pat for pat in patterns)
 
 
 def find_ops(model: nn.Module, exclude: Iterable[str] = DEFAULT_EXCLUDE) -> list[Op]:
@@ -615,7 +616,7 @@ def find_ops(model: nn.Module, exclude: Iterable[str] = DEFAULT_EXCLUDE) -> list
     exclude = tuple(exclude)
     ops: list[Op] = []
     for name, mod in model.named_modules():
-        if _excluded(name, exclude):
+        if _matches(name, exclude):
             continue
         if isinstance(mod, (nn.Linear, QuantLinear, QATLinear)):
             n_out, k = (mod.out_features, mod.in_features)
@@ -854,10 +855,10 @@ def override_formats(plan: dict[str, str], formats: dict[str, str]) -> dict[str,
     glob that matches), e.g. {"*.mixer.in_proj": "fp8"}; a glob that matches no operator of the
     plan is an error (`plan_groups` checks the result)."""
     for pat in formats:
-        if not any(_excluded(op, (pat,)) for op in plan):
+        if not any(_matches(op, (pat,)) for op in plan):
             raise ValueError(f"format override {pat!r} matches no quantised operator")
     return {
-        op: next((f for pat, f in formats.items() if _excluded(op, (pat,))), fmt)
+        op: next((f for pat, f in formats.items() if _matches(op, (pat,))), fmt)
         for op, fmt in plan.items()
     }
 
