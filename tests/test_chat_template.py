@@ -155,7 +155,7 @@ def test_stream_parser_agrees_with_parse_assistant_at_every_split():
         ),
         (
             [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
-            r"messages\[0\]: tool call 'f' has arguments that are not valid JSON",
+            r"messages\[0\]: the arguments of tool call 'f': not valid JSON",
         ),
         ([{"role": "assistant", "tool_calls": [{"function": {}}]}], "needs"),
     ],

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 import test_server as base
@@ -34,7 +35,6 @@ from hybridlm.infer.server import (
     MAX_STOP,
     ChatCompletionRequest,
     CompletionRequest,
-    json_depth,
     serve_in_background,
 )
 from hybridlm.model.model import HybridLM
@@ -475,28 +475,6 @@ def _concurrent(srv, tally: Tally, alone: list[tuple[str, str]]) -> None:
 
 
 # ---------------------------------------------------------------------- the tests
-def test_json_depth_scan():
-    cases = {
-        b"": 0,
-        b"1": 0,
-        b"{}": 1,
-        b"[[1], [[2]]]": 3,
-        b'{"a": "[[[[", "b": [{}]}': 3,
-        rb'{"a": "\"[[[\\", "b": []}': 2,
-        rb'["\\\"[", ["]"]]': 2,
-        b"[" * 50_000: 50_000,
-        b'"[[[': 0,
-    }
-    for text, depth in cases.items():
-        assert json_depth(text) == depth, text[:40]
-    nested = [[{"a": ['"[\\', {"b": []}]}]]
-    assert json_depth(json.dumps(nested).encode()) == 6
-    t0 = time.perf_counter()
-    assert json_depth(b"[]" * (DEFAULT_MAX_BODY_BYTES // 2)) == 1
-    assert json_depth(b'"\\"' * (DEFAULT_MAX_BODY_BYTES // 3)) == 0
-    assert time.perf_counter() - t0 < 5.0  # linear: milliseconds, slack for a loaded machine
-
-
 def test_internal_errors_are_500s_that_keep_the_connection(srv, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected \ud800 bug")  # a surrogate even, to render safely
@@ -567,3 +545,44 @@ def test_fuzz_never_5xx_and_stays_bounded(srv):
     )
     if growth is not None:
         assert growth < RSS_BOUND_MB, f"RSS grew by {growth:.0f} MB over the fuzz run"
+
+
+def test_tool_call_arguments_nested_deep_inside_a_string_are_a_400(srv):
+    """The body's depth check counts brackets outside strings; JSON inside a string (an
+    assistant turn's tool-call arguments) is read by the same bounded reader: a 400, not the
+    RecursionError's 500."""
+    deep = "[" * 100_000 + "]" * 100_000
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}
+    body = {
+        "model": "tiny",
+        "max_tokens": 2,
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c", "content": "1"},
+        ],
+    }
+    out = srv.http.post(f"{srv.url}/chat/completions", json=body)
+    assert out.status_code == 400, out.text[:300]
+    assert "nests arrays/objects 100000 deep" in out.json()["error"]["message"]
+    assert len(out.content) < 1000
+    so = {"model": "tiny", "prompt": "x", "max_tokens": 1, "structured_outputs": {"json": deep}}
+    out = srv.http.post(f"{srv.url}/completions", json=so)
+    assert out.status_code == 400 and "deep" in out.json()["error"]["message"]
+
+
+def test_an_api_key_is_required_when_set():
+    import openai
+
+    cfg = get_preset("tiny-super")
+    cfg.vocab_size, cfg.pattern = 258, "M*ME"
+    engine = Engine(HybridLM(cfg, seed=0), ByteTokenizer(), max_batch_size=2, max_model_len=64)
+    with serve_in_background(engine, "tiny", api_key="k3y") as url:
+        bad = openai.OpenAI(base_url=url, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = openai.OpenAI(base_url=url, api_key="k3y", max_retries=0)
+        assert [m.id for m in good.models.list().data] == ["tiny"]
+        out = httpx.get(f"{url}/models")
+        assert out.status_code == 401 and out.json()["error"]["code"] == "unauthorized"
+        assert out.headers["x-request-id"]

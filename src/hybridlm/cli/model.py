@@ -8,6 +8,7 @@ overrides for the first two.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Any
@@ -130,7 +131,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="largest request body accepted; bigger ones get a 413 (default: 4 MiB)",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="clients must send this bearer token, the openai client's api_key (default: "
+        "$HYBRIDLM_API_KEY; none: no authentication)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="debug also logs every request with its id",
+    )
     p.set_defaults(fn=cmd_serve)
 
     p = sub.add_parser("chat", help="interactive chat on stdin/stdout with the chat template")
@@ -394,6 +406,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         port=args.port,
         log_level=args.log_level,
         max_body_bytes=max_body,
+        api_key=args.api_key or os.environ.get("HYBRIDLM_API_KEY") or None,
     )
 
 

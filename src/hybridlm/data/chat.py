@@ -41,6 +41,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..untrusted import JSONLimits, UntrustedJSONError, clip, decode_prefix, loads
+
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 STOP = IM_END  # generation of an assistant turn stops at this string
@@ -97,12 +99,8 @@ def _tool_call_json(call: Any, where: str) -> str:
         raise ValueError(f'{where}: a tool call needs {{"function": {{"name": "...", ...}}}}')
     args = fn.get("arguments", {})
     if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError as err:
-            raise ValueError(
-                f"{where}: tool call {fn['name']!r} has arguments that are not valid JSON ({err})"
-            ) from None
+        what = f"{where}: the arguments of tool call {clip(fn['name'], 40)}"
+        args = loads(args, TOOL_CALL_LIMITS, what=what) if args.strip() else {}
     return json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
 
 
@@ -410,38 +408,95 @@ CHAT_TEMPLATE = CHAT_TEMPLATE.replace("@TOOLS_INTRO@", json.dumps(TOOLS_INTRO)).
 _THINK_RE = re.compile(
     rf"^\s*{re.escape(THINK_OPEN)}\n?(.*?)(?:\n?{re.escape(THINK_CLOSE)}\n?|\Z)", re.S
 )
-_TOOL_RE = re.compile(rf"\n?{re.escape(TOOL_OPEN)}(.*?){re.escape(TOOL_CLOSE)}", re.S)
+# what one tool call's JSON may hold (generated or sent by a client): `untrusted`'s limits
+TOOL_CALL_LIMITS = JSONLimits(max_depth=64, max_chars=4 << 20, max_items=1 << 20)
+_JSON_WS = re.compile(r"[ \t\n\r]*+")  # JSON's whitespace
+_OBJECT_START = re.compile(r'\{[ \t\n\r]*+["}]')  # an object's first member, or its end
+UNDECIDED = object()  # `scan_tool_calls`: a block that later text may still decide
+
+
+def _tool_call_block(text: str, start: int, names: Any, final: bool) -> Any:
+    """The call opened just before `start`: (name, arguments as JSON text, end of its close
+    tag), None when it cannot become a valid call, `UNDECIDED` when later text may still
+    decide.
+
+    A valid body is one JSON object (JSON whitespace around it) with a string `name` (one of
+    `names` unless None) and an object `arguments` (absent: `{}`), read by the bounded reader
+    (`untrusted.decode_prefix`, `TOOL_CALL_LIMITS`). An object is complete at its closing
+    brace, so the close tag must follow it, and a `</tool_call>` inside a string argument does
+    not end the call. Every step reads forward from `start` and stops where the JSON does, so
+    scanning a text costs time linear in its length however many tags it opens."""
+    i = _JSON_WS.match(text, start).end()
+    if i == len(text):
+        return None if final else UNDECIDED
+    if text[i] != "{":
+        return None
+    if not _OBJECT_START.match(text, i):  # cheap refusal of most text that is not a call
+        undecided = not final and _JSON_WS.match(text, i + 1).end() == len(text)
+        return UNDECIDED if undecided else None
+    try:
+        obj, end = decode_prefix(text, i, TOOL_CALL_LIMITS, what="a tool call")
+    except UntrustedJSONError:  # invalid, too deep, or not complete yet
+        return None if final else UNDECIDED
+    end = _JSON_WS.match(text, end).end()
+    if not text.startswith(TOOL_CLOSE, end):
+        undecided = not final and TOOL_CLOSE.startswith(text[end : end + len(TOOL_CLOSE)])
+        return UNDECIDED if undecided and len(text) - end < len(TOOL_CLOSE) else None
+    if not isinstance(obj.get("name"), str) or (names is not None and obj["name"] not in names):
+        return None
+    args = obj.get("arguments", {})
+    if not isinstance(args, dict):
+        return None
+    return obj["name"], json.dumps(args, ensure_ascii=False), end + len(TOOL_CLOSE)
+
+
+def scan_tool_calls(
+    text: str, names: Any = None, *, final: bool = True
+) -> tuple[list[str | tuple[str, str]], int]:
+    """The content pieces and tool calls `(name, arguments JSON)` of assistant text, in order,
+    up to the returned position: all of it when `final`, else the prefix that no later text can
+    change (streaming). `names` restricts calls to those tool names (None: any). The newline
+    before a call is not content; a `<tool_call>` block that is not a valid call
+    (`_tool_call_block`) stays in the content as written. Linear in `len(text)`."""
+    items: list[str | tuple[str, str]] = []
+    pos = 0
+    while True:
+        i = text.find(TOOL_OPEN, pos)
+        if i < 0:
+            end = len(text) if final else len(text) - _partial_suffix(text[pos:], TOOL_OPEN)
+            items.append(text[pos:end])
+            return items, end
+        found = _tool_call_block(text, i + len(TOOL_OPEN), names, final)
+        before = i - 1 if i > pos and text[i - 1] == "\n" else i  # the newline before a call
+        if found is UNDECIDED:
+            items.append(text[pos:before])
+            return items, before
+        if found is None:  # stays in the content; look for calls after its open tag
+            items.append(text[pos : i + len(TOOL_OPEN)])
+            pos = i + len(TOOL_OPEN)
+            continue
+        items += [text[pos:before], found[:2]]
+        pos = found[2]
 
 
 def parse_assistant(text: str) -> dict[str, Any]:
     """Split generated assistant text (up to `STOP`) into an OpenAI-style message:
-    `content`, and `reasoning_content` / `tool_calls` when present. Tool calls whose JSON does
-    not parse are left in the content; a reasoning block that never closes is all reasoning.
-    Inverse of `assistant_body` for the parts it renders."""
+    `content`, and `reasoning_content` / `tool_calls` when present (`scan_tool_calls`: blocks
+    that are not valid calls stay in the content); a reasoning block that never closes is all
+    reasoning. Inverse of `assistant_body` for the parts it renders. Linear in `len(text)`: it
+    reads policy and client text."""
     text = text.split(STOP, 1)[0]
     msg: dict[str, Any] = {"role": "assistant"}
     m = _THINK_RE.match(text)
     if m:
         msg["reasoning_content"] = m.group(1)
         text = text[m.end() :]
-    calls, kept, last = [], [], 0
-    for m in _TOOL_RE.finditer(text):
-        try:
-            call = json.loads(m.group(1))
-            name, args = call["name"], call.get("arguments", {})
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue
-        kept.append(text[last : m.start()])
-        last = m.end()
-        calls.append(
-            {
-                "id": f"call_{len(calls)}",
-                "type": "function",
-                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
-            }
-        )
-    kept.append(text[last:])
-    content = "".join(kept)
+    items, _ = scan_tool_calls(text)
+    calls = [
+        {"id": f"call_{k}", "type": "function", "function": {"name": name, "arguments": args}}
+        for k, (name, args) in enumerate(x for x in items if isinstance(x, tuple))
+    ]
+    content = "".join(x for x in items if isinstance(x, str))
     msg["content"] = content if content or not calls else None
     if calls:
         msg["tool_calls"] = calls

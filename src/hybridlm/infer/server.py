@@ -69,9 +69,11 @@ Untrusted input: no request body can make the server answer 5xx.
   it (prompt, messages, stop, any field, even an ignored one, or a key) that holds a lone UTF-16
   surrogate such as the escape `"\\ud800"` cannot be encoded as UTF-8 text: it is rejected with a
   400 `invalid_unicode` naming the field, never silently replaced.
-- Shape: arrays and objects nest at most `MAX_JSON_DEPTH` deep, checked on the raw bytes in
-  linear time before parsing (so the decoder never recurses deeply); NaN / Infinity literals are
-  not JSON (400 `invalid_json`); the top level must be an object.
+- Shape: the body is read by the one bounded JSON reader (`hybridlm.untrusted`): arrays and
+  objects nest at most `MAX_JSON_DEPTH` deep, checked on the raw text in linear time before
+  parsing (so the decoder never recurses deeply); NaN / Infinity literals are not JSON (400
+  `invalid_json`); the top level must be an object. JSON inside strings (tool-call arguments,
+  `structured_outputs.json`) is read by the same reader under the same depth limit.
 - Types are strict: `"5"` is not an integer and `1` is not a boolean (400 naming the field); a
   null field is an absent one. Ranges: `seed` is an int64 (-2**63 <= seed < 2**63, as vLLM;
   choice j uses seed + j, which torch's generator still takes), at most `MAX_STOP` stop strings,
@@ -91,6 +93,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import logging
 import queue
@@ -104,7 +107,6 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -113,6 +115,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
+from .. import untrusted
 from ..data import chat as chat_template
 from . import grammar
 from . import tools as tool_mod
@@ -128,6 +131,8 @@ MAX_CHOICES = 128  # OpenAI's limit on n; also bounds prompts x n for list promp
 # take; a bigger body is refused before it is read, so it costs no memory
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 MAX_JSON_DEPTH = 64  # a chat request nests about 6 deep (tool-call arguments a few more)
+# the body's size is checked as it is read (max_body_bytes); depth and values here
+_BODY_LIMITS = untrusted.JSONLimits(max_depth=MAX_JSON_DEPTH, max_chars=1 << 40, max_items=1 << 22)
 # reasoning_effort -> the reasoning budget in tokens (None: unbounded)
 REASONING_EFFORT: dict[str, int | None] = {
     "none": 0,
@@ -237,35 +242,8 @@ def _too_large(limit: int) -> APIError:
     )
 
 
-_BRACKET_STEPS = np.zeros(256, np.int8)  # byte -> change of nesting depth
-_BRACKET_STEPS[list(b"[{")], _BRACKET_STEPS[list(b"]}")] = 1, -1
-
-
-def json_depth(body: bytes) -> int:
-    """How deep arrays and objects nest in a JSON text (0: a scalar), from its bytes in linear
-    time and without recursion. The escapes that could hide a quote (`\\\\`, then `\\"`) are cut
-    out; a bracket then counts when an even number of quotes precede it (outside strings), and
-    the depth is the largest prefix sum of +1 / -1 over those brackets. Numpy, 1 MiB at a time,
-    so a 4 MiB body costs milliseconds and a few MB of scratch."""
-    text = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-    depth = peak = quotes = 0
-    block = 1 << 20
-    for start in range(0, len(text), block):
-        part = np.frombuffer(text, np.uint8, count=min(block, len(text) - start), offset=start)
-        quoted = np.cumsum(part == ord('"'), dtype=np.int64) + quotes
-        steps = np.where(quoted % 2 == 0, _BRACKET_STEPS[part], 0)
-        running = np.cumsum(steps, dtype=np.int64) + depth
-        peak, depth = max(peak, int(running.max())), int(running[-1])
-        quotes = int(quoted[-1]) % 2
-    return peak
-
-
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how one gets into a UTF-8 body
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def _lone_surrogate(data: Any) -> tuple[str | None, str] | None:
@@ -301,17 +279,10 @@ def parse_body(body: bytes) -> dict[str, Any]:
             f"{err.start}); send JSON encoded as UTF-8",
             code="invalid_json",
         ) from None
-    depth = json_depth(body)
-    if depth > MAX_JSON_DEPTH:
-        raise _bad(
-            f"the request body nests arrays/objects {depth} deep; at most {MAX_JSON_DEPTH} "
-            "levels are accepted",
-            code="invalid_json",
-        )
     try:
-        data = json.loads(text, parse_constant=_no_constant)
-    except ValueError as err:  # JSONDecodeError, NaN, or an integer of more than 4300 digits
-        raise _bad(f"the request body is not valid JSON ({err})", code="invalid_json") from None
+        data = untrusted.loads(text, _BODY_LIMITS, what="the request body")
+    except untrusted.UntrustedJSONError as err:  # syntax, depth, NaN, 4300+ digit integers
+        raise _bad(str(err), code="invalid_json") from None
     if not isinstance(data, dict):
         raise _bad("the request body must be a JSON object", code="invalid_json")
     if _SURROGATE_ESCAPE.search(body):
@@ -1008,44 +979,83 @@ class _Job:
         ]
 
 
-class _Guard:
-    """ASGI middleware (inside Starlette's ServerErrorMiddleware) that turns an exception raised
-    before the response started into an OpenAI-shaped 500 and does not re-raise it: uvicorn closes
-    the connection of an app that raises, so the client's next request would fail too. An
-    exception after the response started is re-raised, as only closing can end that response."""
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,64}")
 
-    def __init__(self, app: Any) -> None:
+
+class _Guard:
+    """ASGI middleware (inside Starlette's ServerErrorMiddleware) in front of every route:
+
+    - request ids: every response carries `X-Request-ID`, the client's own when it sent a short
+      one (letters, digits, `._:-`, at most 64), else a fresh one; log lines name it;
+    - authentication: with a `token`, a request without `Authorization: Bearer <token>` is a
+      401 (compared in constant time), before its body is read;
+    - a log line per request at DEBUG (id, method, path, status, milliseconds), a WARNING per
+      5xx;
+    - an exception raised before the response started becomes an OpenAI-shaped 500 and is not
+      re-raised: uvicorn closes the connection of an app that raises, so the client's next
+      request would fail too. An exception after the response started is re-raised, as only
+      closing can end that response."""
+
+    def __init__(self, app: Any, token: str | None = None) -> None:
         self.app = app
+        self.token = None if token is None else b"Bearer " + token.encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        t0 = time.monotonic()
+        headers = dict(scope.get("headers") or ())
+        given = headers.get(b"x-request-id", b"")
+        rid = given.decode() if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex[:16]
+        started, status = False, 0
 
         async def watched_send(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, status
+            if message["type"] == "http.response.start":
+                started, status = True, message["status"]
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())],
+                }
             await send(message)
 
         try:
-            await self.app(scope, receive, watched_send)
+            if self.token is not None and not hmac.compare_digest(
+                headers.get(b"authorization", b""), self.token
+            ):
+                err = APIError(
+                    401, "a valid 'Authorization: Bearer <token>' header is required",
+                    code="unauthorized",
+                )  # fmt: skip
+                response = _error_response(err)
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, watched_send)
+            else:
+                await self.app(scope, receive, watched_send)
         except Exception as err:
             if started:
                 raise
-            log.exception("unhandled error")
+            log.exception("request %s: unhandled error", rid)
             message = f"internal error: {type(err).__name__}: {str(err)[:500]}"
-            await _error_response(APIError(500, message))(scope, receive, send)
+            await _error_response(APIError(500, message))(scope, receive, watched_send)
+        finally:
+            ms = 1000 * (time.monotonic() - t0)
+            line = "request %s: %s %s -> %s (%.0f ms)"
+            args = (rid, scope.get("method"), scope.get("path"), status, ms)
+            log.log(logging.WARNING if status >= 500 else logging.DEBUG, line, *args)
 
 
 # ---------------------------------------------------------------------- the app
-def base_app(title: str, *, lifespan: Any = None) -> FastAPI:
+def base_app(title: str, *, lifespan: Any = None, token: str | None = None) -> FastAPI:
     """A FastAPI app whose every error is a JSON `{"error": {...}}` body in OpenAI's shape
     (`APIError`, schema errors, unknown routes, and unhandled exceptions as a 500 that keeps the
-    connection): the skeleton of this server and of the RL environment server
-    (`rl.remote`)."""
+    connection), with request ids and, given a `token`, bearer authentication (`_Guard`): the
+    skeleton of this server and of the RL environment server (`rl.remote`)."""
+    if token is not None and not token:
+        raise ValueError("an empty token would let anyone in; give a secret or none")
     app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(_Guard)
+    app.add_middleware(_Guard, token=token)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError) -> Response:
@@ -1070,11 +1080,16 @@ async def read_json(request: Request, max_body_bytes: int) -> dict[str, Any]:
 
 
 def create_app(
-    engine: Engine, model_name: str, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    engine: Engine,
+    model_name: str,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` under the model id `model_name`; request bodies over
-    `max_body_bytes` are refused (413). The engine thread starts with the first request and
-    stops when the app shuts down."""
+    `max_body_bytes` are refused (413); with `api_key`, requests must send it as a bearer
+    token (what the openai client sends as its `api_key`; 401 otherwise). The engine thread
+    starts with the first request and stops when the app shuts down."""
     if not model_name:
         raise ValueError("model_name must be a non-empty string (the id clients send as model)")
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
@@ -1094,7 +1109,7 @@ def create_app(
         yield
         worker.stop()
 
-    app = base_app("hybridlm", lifespan=lifespan)
+    app = base_app("hybridlm", lifespan=lifespan, token=api_key)
     app.state.worker = worker
     app.state.model_name = model_name
 
@@ -1307,11 +1322,9 @@ def create_app(
                 value = None
             elif isinstance(value, str):
                 try:
-                    value = json.loads(value)
-                except ValueError:
-                    raise _bad(
-                        "structured_outputs.json is not JSON", "structured_outputs"
-                    ) from None
+                    value = untrusted.loads(value, _BODY_LIMITS, what="structured_outputs.json")
+                except untrusted.UntrustedJSONError as err:
+                    raise _bad(str(err), "structured_outputs") from None
 
             def build() -> Any:
                 return grammar.json_constraint(
@@ -1797,12 +1810,9 @@ async def _stream(job: _Job, gen: _Generation) -> AsyncIterator[bytes]:
 
 
 # ---------------------------------------------------------------------- running it
-def _warn_if_public(host: str) -> None:
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning(
-            "binding %s: this server has no authentication; anyone who can reach it can use it",
-            host,
-        )
+def _warn_if_public(host: str, authenticated: bool = False) -> None:
+    if host not in ("127.0.0.1", "localhost", "::1") and not authenticated:
+        log.warning("binding %s without a token: anyone who can reach this server can use it", host)
 
 
 def serve(
@@ -1813,17 +1823,39 @@ def serve(
     *,
     log_level: str = "info",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_key: str | None = None,
 ) -> None:
     """Serve until interrupted (Ctrl-C). Binds to localhost unless told otherwise."""
-    run_app(create_app(engine, model_name, max_body_bytes=max_body_bytes), host, port, log_level)
+    app = create_app(engine, model_name, max_body_bytes=max_body_bytes, api_key=api_key)
+    run_app(app, host, port, log_level, authenticated=api_key is not None)
 
 
-def run_app(app: Any, host: str, port: int, log_level: str = "info") -> None:
-    """Serve the ASGI `app` with uvicorn until interrupted (a warning when not on localhost)."""
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _configure_logging(log_level: str) -> None:
+    """The project's loggers at `log_level`, printed like uvicorn's (its own access log is off:
+    `_Guard` logs every request, with its id, at DEBUG)."""
+    if log_level not in LOG_LEVELS:
+        raise ValueError(f"log level must be one of {LOG_LEVELS}, got {log_level!r}")
+    logger = logging.getLogger("hybridlm")
+    logger.setLevel(log_level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:%(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+def run_app(
+    app: Any, host: str, port: int, log_level: str = "info", *, authenticated: bool = False
+) -> None:
+    """Serve the ASGI `app` with uvicorn until interrupted (a warning when it is reachable from
+    other machines without a token)."""
     import uvicorn
 
-    _warn_if_public(host)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    _configure_logging(log_level)
+    _warn_if_public(host, authenticated)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
 
 
 @contextmanager
@@ -1836,11 +1868,12 @@ def serve_in_background(
     log_level: str = "warning",
     startup_timeout: float = 30.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_key: str | None = None,
 ) -> Iterator[str]:
     """Run the server in a thread for the duration of a `with` block; yields its base URL
     (`http://host:port/v1`). `port=0` picks a free port (bound before the server starts, so
     there is no race)."""
-    app = create_app(engine, model_name, max_body_bytes=max_body_bytes)
+    app = create_app(engine, model_name, max_body_bytes=max_body_bytes, api_key=api_key)
     with run_in_background(
         app, host, port, log_level=log_level, startup_timeout=startup_timeout
     ) as url:
@@ -1868,7 +1901,7 @@ def run_in_background(
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    config = uvicorn.Config(app, log_level=log_level)
+    config = uvicorn.Config(app, log_level=log_level, access_log=False)
     server = uvicorn.Server(config)
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name="hybridlm-server", daemon=True

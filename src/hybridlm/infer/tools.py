@@ -7,12 +7,13 @@ assistant tool call as one line
 
     <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>
 
-`parse_tool_calls(text, tools)` extracts such blocks: the JSON inside must be an object with a
-`name` among the offered tools and an object `arguments` (absent: `{}`). The content is the text
-around the calls, less the newline before each call; a block that does not parse or names an
-unknown tool stays in the content as written. The body is read as one JSON object, so a
-`</tool_call>` inside a string argument does not end the call. `ToolCallStream` gives the same
-result for text that arrives in pieces.
+`parse_tool_calls(text, tools)` extracts such blocks with the chat format's one scanner
+(`data.chat.scan_tool_calls`, linear in the text, JSON read by the bounded reader): the JSON
+inside must be an object with a `name` among the offered tools and an object `arguments`
+(absent: `{}`). The content is the text around the calls, less the newline before each call; a
+block that does not parse or names an unknown tool stays in the content as written. The body is
+read as one JSON object, so a `</tool_call>` inside a string argument does not end the call.
+`ToolCallStream` gives the same result for text that arrives in pieces.
 
 `tool_call_constraint` turns OpenAI's `tool_choice` into a grammar (`infer.grammar`):
 
@@ -32,7 +33,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..data.chat import STOP, TOOL_CLOSE, TOOL_OPEN, _partial_suffix
+from ..data.chat import STOP, TOOL_CLOSE, TOOL_OPEN, scan_tool_calls
 from .grammar import (
     JSON_OPTIONS,
     GrammarFactory,
@@ -112,64 +113,8 @@ def tool_choice_name(tool_choice: Any, names: Sequence[str]) -> str | None:
 
 
 # ---------------------------------------------------------------------------- parsing
-_UNDECIDED = object()
-
-
 def _new_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"  # OpenAI's shape: call_ + 24 characters
-
-
-_JSON = json.JSONDecoder()
-_WS = " \t\n\r"  # JSON's whitespace
-
-
-def _block(text: str, start: int, names: Any, final: bool) -> Any:
-    """The call opened just before `start`: (name, arguments, end of its close tag), None when
-    it cannot become a valid call, `_UNDECIDED` when later text may still decide.
-
-    A valid body is one JSON object (JSON whitespace around it): an object is complete at its
-    closing brace, so the close tag must follow it, and a `</tool_call>` inside a string
-    argument does not end the call."""
-    i = len(text) - len(text[start:].lstrip(_WS))
-    if i < len(text) and text[i] != "{":
-        return None
-    try:
-        obj, end = _JSON.raw_decode(text, i)
-    except json.JSONDecodeError:  # invalid, or not complete yet
-        return None if final else _UNDECIDED
-    end = len(text) - len(text[end:].lstrip(_WS))
-    if not text.startswith(TOOL_CLOSE, end):
-        return _UNDECIDED if not final and TOOL_CLOSE.startswith(text[end:]) else None
-    if not isinstance(obj.get("name"), str) or (names is not None and obj["name"] not in names):
-        return None
-    args = obj.get("arguments", {})
-    if not isinstance(args, dict):
-        return None
-    return obj["name"], json.dumps(args, ensure_ascii=False), end + len(TOOL_CLOSE)
-
-
-def _scan(text: str, names: Any, final: bool) -> tuple[list[Any], int]:
-    """The content pieces and calls (name, arguments) of `text`, in order, up to the returned
-    position: all of it when `final`, else the prefix that no later text can change."""
-    items: list[Any] = []
-    pos = 0
-    while True:
-        i = text.find(TOOL_OPEN, pos)
-        if i < 0:
-            end = len(text) if final else len(text) - _partial_suffix(text[pos:], TOOL_OPEN)
-            items.append(text[pos:end])
-            return items, end
-        found = _block(text, i + len(TOOL_OPEN), names, final)
-        before = i - 1 if text[pos:i].endswith("\n") else i  # the newline before a call goes
-        if found is _UNDECIDED:
-            items.append(text[pos:before])
-            return items, before
-        if found is None:  # stays in the content; look for calls after its open tag
-            items.append(text[pos : i + len(TOOL_OPEN)])
-            pos = i + len(TOOL_OPEN)
-            continue
-        items += [text[pos:before], found[:2]]
-        pos = found[2]
 
 
 def parse_tool_calls(
@@ -180,7 +125,7 @@ def parse_tool_calls(
     when there are calls and nothing but whitespace around them. Each call is
     `{"id": "call_...", "type": "function", "function": {"name", "arguments": JSON string}}`."""
     names = None if tools is None else set(tool_parameters(tools))
-    items, _ = _scan(text, names, final=True)
+    items, _ = scan_tool_calls(text, names, final=True)
     content = "".join(x for x in items if isinstance(x, str))
     calls = [
         {"id": _new_id(), "type": "function", "function": {"name": n, "arguments": a}}
@@ -237,12 +182,12 @@ class ToolCallStream:
 
     def feed(self, delta: str) -> dict[str, Any]:
         self._buf += delta
-        items, end = _scan(self._buf, self._names, final=False)
+        items, end = scan_tool_calls(self._buf, self._names, final=False)
         self._buf = self._buf[end:]
         return self._emit(items)
 
     def finish(self) -> dict[str, Any]:
-        items, _ = _scan(self._buf, self._names, final=True)
+        items, _ = scan_tool_calls(self._buf, self._names, final=True)
         self._buf = ""
         out = self._emit(items)
         if self._blank and not self._calls:  # whitespace-only content, no calls: it is content
