@@ -46,15 +46,19 @@ COMPARE_SYSTEM = (
 )
 COMPARE_USER = "[Question]\n{question}\n\n[Reply A]\n{a}\n\n[Reply B]\n{b}\n\nWhich is better?"
 
-_NUM = r"(-?\d+(?:\.\d+)?)"
+# Judge output quotes the policy's reply, so these run on text the policy wrote: whitespace runs
+# are possessive (`\s*+`: what follows each run is not whitespace, so no other split matches)
+# and a number starts where a run of digits does (`(?<!\d)`: a match from inside a run ends
+# where the one from its start does), which keeps every search linear in the text.
+_NUM = r"(?<!\d)(-?\d+(?:\.\d+)?)"
 _RATING_PATTERNS = (
-    re.compile(r"\[\[\s*" + _NUM + r"\s*(?:/\s*\d+)?\s*\]\]"),
+    re.compile(r"\[\[\s*+" + _NUM + r"\s*+(?:/\s*+\d+)?\s*+\]\]"),
     re.compile(
-        r"(?:rating|score|grade)\s*(?:is|of)?\s*[:=]?\s*\**\s*" + _NUM + r"\s*\**"
-        r"(?:\s*(?:/|out of)\s*\d+)?",
+        r"(?:rating|score|grade)\s*+(?:is|of)?\s*+[:=]?\s*+\**+\s*+" + _NUM + r"\s*+\**+"
+        r"(?:\s*+(?:/|out of)\s*+\d+)?",
         re.I,
     ),
-    re.compile(_NUM + r"\s*(?:/|out of)\s*10\b", re.I),
+    re.compile(_NUM + r"\s*+(?:/|out of)\s*+10\b", re.I),
 )
 _PREFERENCE = re.compile(r"\[\[\s*([ABC])\s*\]\]")
 
@@ -179,6 +183,8 @@ class GenerativeJudge:
 class JudgedEnvironment(Environment):
     """`env`'s problems rewarded by a generative judge (its reference answer shown to the judge
     when the problem has a string one); one batched judge call per `score_many`."""
+
+    own_deadline = True  # the judge is a model on this process: bounded by its max_tokens
 
     def __init__(self, env: Environment, judge: GenerativeJudge, *, name: str = "") -> None:
         self.env, self.judge = env, judge

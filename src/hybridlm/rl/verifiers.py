@@ -8,9 +8,17 @@ thresholds the pass rate at 0.99), instruction following is 1 when *all* constra
 Nemotron 3 Super scores math with Math-Verify (§3.2.1, §5); this module uses `math_verify` when
 it imports and a SymPy path otherwise.
 
-Every verifier returns a `Reward` with `value` in [0, 1] and a human-readable `reason`. They score
-the *answer* of a completion: the reasoning block of the chat template (`<think>...</think>`) is
-dropped first, and a completion whose reasoning never closed has no answer (reward 0).
+Every verifier returns a `Reward` with `value` in [0, 1], a `reason` category and a `detail` for
+debugging (`Reward`). They score the *answer* of a completion: the reasoning block of the chat
+template (`<think>...</think>`) is dropped first, and a completion whose reasoning never closed
+has no answer (reward 0).
+
+Completions are written by the policy, which in RL is the adversary, so every parser here runs
+in time linear in the completion (tests/test_untrusted_text.py measures them on generated worst
+cases): no backtracking regex over policy text (runs of whitespace are matched possessively,
+`\\s*+`), one pass for boxed answers and code fences, and a cap on what is handed to number
+parsing and symbolic comparison (`MAX_ANSWER_CHARS`): an extracted answer longer than that is
+compared as a normalised string only.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+import numpy as np
+
 from hybridlm.data.chat import STOP, THINK_CLOSE, THINK_OPEN, parse_assistant
 from hybridlm.rl.ifeval import (  # noqa: F401 - re-exported: the IFEval registry lives there
     INSTRUCTIONS,
@@ -31,15 +41,22 @@ from hybridlm.rl.ifeval import (  # noqa: F401 - re-exported: the IFEval registr
     register_instruction,
 )
 from hybridlm.rl.sandbox import Sandbox
+from hybridlm.untrusted import clip
 
 
 @dataclass(frozen=True)
 class Reward:
-    """A scalar reward with its explanation and optional per-item metrics."""
+    """A scalar reward, the category of its verdict (`reason`: "correct", "wrong answer", "no
+    final answer", "failed: 2/5 tests", ...), optional per-item metrics, and `detail`, the
+    verdict spelt out for a person debugging a verifier ("3 != 167436654"). `reason` never holds
+    the ground truth or more than a short quote of the completion, so it may go to whoever sent
+    the completion; `detail` may hold both and stays with the environment's owner (an
+    environment server sends it only when started with `--debug-rewards`)."""
 
     value: float
     reason: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    detail: str = ""
 
 
 def answer_text(completion: str) -> str:
@@ -53,18 +70,25 @@ def answer_text(completion: str) -> str:
     return content or ""
 
 
-# -- numbers -----------------------------------------------------------------------------------
+# -- numbers ---------------------------------------------------------------------------------
+
+# An extracted answer is short ("42", "\\frac{3}{4}"); past this many characters it is compared
+# as a normalised string only, never parsed as a number or handed to SymPy / Math-Verify, whose
+# parsers are not linear in their input.
+MAX_ANSWER_CHARS = 1000
+_NUMBER_CHARS = 256  # a leading number is read from this many characters at most
 
 _NUM_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
 def parse_number(text: str) -> Fraction | None:
     """A number written the way answers write them: `1,234`, `$5`, `3.50`, `-2`, `3/4`, `45%`
-    (-> 45), `7 apples`. None when there is no single leading number."""
-    s = text.strip().replace("\u2212", "-").replace("$", "").replace("\\$", "")
+    (-> 45), `7 apples`. None when there is no single leading number. Only the first
+    `_NUMBER_CHARS` characters are read (the leading number is all that counts)."""
+    s = text[:_NUMBER_CHARS].strip().replace("\u2212", "-").replace("$", "").replace("\\$", "")
     s = re.sub(r"\\(?:text|mathrm|mbox)\{[^}]*\}", "", s)
     s = s.strip().rstrip(".").strip()
-    m = re.match(r"^(-?\s*\d[\d,]*(?:\.\d+)?|-?\.\d+)(?:\s*/\s*(\d+))?", s)
+    m = re.match(r"^(-?\s*+\d[\d,]*+(?:\.\d+)?|-?\.\d+)(?:\s*+/\s*+(\d+))?", s)
     if not m:
         return None
     head = m.group(1).replace(" ", "")
@@ -84,20 +108,24 @@ def _last_number(text: str) -> str | None:
     return found[-1] if found else None
 
 
+# Whitespace runs are matched possessively (`\s*+`): every token after them starts with
+# something other than whitespace, so no other split of the run could match, and a run of n
+# spaces after "answer" costs O(n) instead of the O(n^4) of four backtracking `\s*`.
+_STATED_ANSWER = re.compile(
+    r"(?:final answer|the answer|answer)\s*+(?:is|:|=)?\s*+:?\s*+\$?\s*+(-?[\d.,/]*\d)", re.I
+)
+
+
 def extract_gsm8k_answer(text: str) -> str | None:
     """The final answer of a GSM8K-style solution: `#### 42`, then `\\boxed{42}`, then
     "the answer is 42" / "final answer: 42", then the last number in the text."""
-    m = re.findall(r"####\s*([^\n]+)", text)
+    m = re.findall(r"####\s*+([^\n]+)", text)
     if m:
         return m[-1].strip()
     boxed = extract_boxed(text)
     if boxed is not None:
         return boxed
-    m = re.findall(
-        r"(?:final answer|the answer|answer)\s*(?:is|:|=)?\s*:?\s*\$?\s*(-?[\d.,/]*\d)",
-        text,
-        flags=re.I,
-    )
+    m = _STATED_ANSWER.findall(text)
     if m:
         return m[-1]
     return _last_number(text)
@@ -125,10 +153,10 @@ class GSM8KVerifier:
             return Reward(0.0, "no number in the answer")
         pred = parse_number(pred_text)
         if pred is None:
-            return Reward(0.0, f"final answer {pred_text!r} is not a number")
+            return Reward(0.0, "final answer is not a number", detail=clip(pred_text))
         if pred == ref:
-            return Reward(1.0, f"{pred_text} == {reference}")
-        return Reward(0.0, f"{pred_text} != {reference}")
+            return Reward(1.0, "correct", detail=f"{clip(pred_text)} == {reference}")
+        return Reward(0.0, "wrong answer", detail=f"{clip(pred_text)} != {reference}")
 
 
 # -- math --------------------------------------------------------------------------------------
@@ -147,17 +175,43 @@ def _braced(text: str, start: int) -> tuple[str, int] | None:
     return None
 
 
+# `\boxed` or `\fbox`, the whitespace after it, and the character after that
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(\s*+)(.?)", re.S)
+_TOKEN_RE = re.compile(r"[^\s$]+")
+
+
 def extract_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (or `\\fbox{...}`, or `\\boxed 5`)."""
-    best = None
-    for m in re.finditer(r"\\(?:boxed|fbox)\s*(\{|\s+\S)", text):
-        if m.group(1) == "{":
-            got = _braced(text, m.end() - 1)
-            if got is not None:
-                best = got[0].strip()
-        else:
-            best = re.match(r"\s*([^\s$]+)", text[m.end() - 1 :]).group(1)
-    return best
+    """The content of the last `\\boxed{...}` (or `\\fbox{...}`, or `\\boxed 5`) whose group
+    closes. One pass, vectorised: the brace depth after every character is a cumulative sum,
+    and the group opened at `j` closes iff the depth later falls back to its level before `j`
+    (a suffix minimum), which decides every candidate at once."""
+    braced, spaced = [], []  # positions of the "{" / of the token after the spaces
+    for m in _BOX_RE.finditer(text):
+        if m.group(2) == "{":
+            braced.append(m.start(2))
+        elif m.group(1) and m.group(2) not in ("", "$"):
+            spaced.append(m.start(2))
+    if not braced and not spaced:
+        return None
+    last_spaced = spaced[-1] if spaced else -1
+    if braced and braced[-1] > last_spaced:
+        codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+        steps = (codes == ord("{")).astype(np.int64) - (codes == ord("}"))
+        depth = np.cumsum(steps)  # depth[i]: after character i
+        after = np.append(np.minimum.accumulate(depth[::-1])[::-1][1:], np.iinfo(np.int64).max)
+        js = np.asarray(braced)
+        closed = js[(after[js] <= depth[js] - 1) & (js > last_spaced)]
+        if closed.size:
+            j = int(closed[-1])
+            end = j + 1 + int(np.argmax(depth[j + 1 :] <= depth[j] - 1))
+            return text[j + 1 : end].strip()
+    if last_spaced < 0:
+        return None
+    return _TOKEN_RE.match(text, last_spaced).group()
+
+
+# "final answer" then the rest of its line (whitespace runs possessive, as `_STATED_ANSWER`)
+_FINAL_ANSWER = re.compile(r"final answer(?: is)?\s*+:?\s*+(.+)", re.I)
 
 
 def extract_math_answer(text: str) -> str | None:
@@ -166,7 +220,7 @@ def extract_math_answer(text: str) -> str | None:
     boxed = extract_boxed(text)
     if boxed is not None:
         return boxed
-    m = re.findall(r"final answer(?: is)?\s*:?\s*(.+)", text, flags=re.I)
+    m = _FINAL_ANSWER.findall(text)
     if m:
         ans = m[-1].strip().rstrip(".").strip()
         inner = re.fullmatch(r"\$+(.*?)\$+", ans)
@@ -336,13 +390,16 @@ def math_equal(pred: str, ref: str, *, use_math_verify: bool = True) -> bool:
     """Whether two final answers are the same mathematical object: equal strings after
     normalisation, equal numbers (fractions, decimals, percents), Math-Verify's verdict when it is
     installed and enabled, else SymPy simplification of the difference. Answers that could not be
-    evaluated in bounded time (`_safe_to_evaluate`) only match as equal strings."""
+    evaluated in bounded time (`_safe_to_evaluate`) or longer than `MAX_ANSWER_CHARS` only
+    match as equal strings."""
 
     def norm(s: str) -> str:
         return re.sub(r"\s+|\\!|\\,|\$|\\left|\\right|\.$", "", s).replace("\\dfrac", "\\frac")
 
     if norm(pred) == norm(ref):
         return True
+    if len(pred) > MAX_ANSWER_CHARS or len(ref) > MAX_ANSWER_CHARS:
+        return False  # no parser below is linear in its input (module docstring)
     a_text, b_text = _latex_to_sympy(pred), _latex_to_sympy(ref)
     if not (_safe_to_evaluate(a_text) and _safe_to_evaluate(b_text)):
         return False
@@ -375,25 +432,46 @@ class MathVerifier:
             return Reward(0.0, "no final answer")
         ref = extract_boxed(reference) or reference
         if math_equal(pred, ref, use_math_verify=self.use_math_verify):
-            return Reward(1.0, f"{pred!r} == {ref!r}")
-        return Reward(0.0, f"{pred!r} != {ref!r}")
+            return Reward(1.0, "correct", detail=f"{clip(pred)} == {ref!r}")
+        return Reward(0.0, "wrong answer", detail=f"{clip(pred)} != {ref!r}")
 
 
 # -- code --------------------------------------------------------------------------------------
 
-_FENCE_RE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)(?:```|$)", re.S)
+_FENCE_LANG = re.compile(r"[ \t]*+([\w+-]*)")
+
+
+def code_blocks(text: str) -> list[tuple[str, str]]:
+    """(language tag, body) of every fenced block in order: a fence is three backticks, the
+    rest of its line is the info string (the tag is its first word), the body runs to the next
+    three backticks or the end of the text (less one final newline). A fence with no newline
+    after it opens no block. One forward pass with `str.find`: a backtracking regex for the
+    same blocks takes quadratic time on a long line after a fence."""
+    out, pos = [], 0
+    while True:
+        start = text.find("```", pos)
+        if start < 0:
+            return out
+        line_end = text.find("\n", start + 3)
+        if line_end < 0:
+            return out  # no later fence has a newline after it either
+        lang = _FENCE_LANG.match(text, start + 3, line_end).group(1)
+        close = text.find("```", line_end + 1)
+        if close < 0:
+            end = len(text) - 1 if text.endswith("\n") else len(text)
+            out.append((lang, text[line_end + 1 : max(end, line_end + 1)]))
+            return out
+        out.append((lang, text[line_end + 1 : close]))
+        pos = close + 3
 
 
 def extract_code(text: str, language: str = "python") -> str:
     """The last fenced code block in `language` (or an untagged one); the text itself when there
     is no fence."""
-    blocks = [
-        (lang.lower(), body)
-        for lang, body in _FENCE_RE.findall(text)
-        if lang.lower() in ("", language, *{"python": ("py", "python3")}.get(language, ()))
-    ]
+    aliases = ("", language, *{"python": ("py", "python3")}.get(language, ()))
+    blocks = [body for lang, body in code_blocks(text) if lang.lower() in aliases]
     if blocks:
-        return blocks[-1][1]
+        return blocks[-1]
     return text
 
 
@@ -424,8 +502,10 @@ class CodeVerifier:
             value = rate
         else:
             value = 1.0 if result.status in ("ok", "failed") and rate >= self.pass_threshold else 0
-        reason = f"{result.status}: {result.num_passed}/{result.num_tests} tests; {result.reason}"
-        return Reward(float(value), reason, metrics)
+        # the sandbox's reason quotes the program's own errors, which may print what the hidden
+        # tests call it with: detail only
+        reason = f"{result.status}: {result.num_passed}/{result.num_tests} tests"
+        return Reward(float(value), reason, metrics, detail=result.reason)
 
     def __call__(self, completion: str, tests: Sequence[Any], prefix: str = "") -> Reward:
         return self.reward(self.sandbox.run(self.program(completion, prefix), tests))
