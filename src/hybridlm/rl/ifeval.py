@@ -23,6 +23,12 @@ Where the reference draws a random value for a missing or invalid argument
 `None` arguments are dropped (IFEval rows carry every argument name, the unused ones null); the
 reference also drops other false values (a threshold of 0, an empty string) and then draws a
 random one, where a checker here takes 0 as given and rejects an empty string.
+
+The checkers score what a policy wrote, so each runs in time linear in the response: where the
+reference's regular expression backtracks super-linearly on some text (`\\s*` over a long run of
+whitespace, a lazy or greedy scan retried at every opening bracket of a line that never closes)
+an equivalent linear form is used, and the comment above it says why it finds what the
+reference finds; JSON is read by the bounded `hybridlm.untrusted.loads`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridlm.rl.ifeval_text import count_sentences, count_words, detect_language, word_tokenize
+from hybridlm.untrusted import JSONLimits, UntrustedJSONError, json_shape, loads
 
 Checker = Callable[..., bool]
 INSTRUCTIONS: dict[str, Checker] = {}
@@ -206,12 +213,20 @@ def nth_paragraph_first_word(
 # -- content -----------------------------------------------------------------------------------
 
 
+# The reference's `\[.*?\]` restarts at every `[` of a line that has no `]` after it: quadratic
+# on a long line of `[`. Its matches run from a `[` to the first `]` after it on the same line,
+# which is `\[[^\]\n]*\]`; when no `]` follows a `[` on its line, no later `[` of that line
+# matches either, so the form below takes the rest of the line in one step (group 1 empty) and
+# counts only the spans that close.
+_PLACEHOLDER = re.compile(r"\[[^\]\n]*+(\]?)")
+
+
 @register_instruction("detectable_content:number_placeholders")
 def number_placeholders(response: str, *, num_placeholders: int) -> bool:
     """At least `num_placeholders` square-bracket spans on one line, `[]` included
     (PlaceholderChecker)."""
-    found = re.findall(r"\[.*?\]", response)
-    return len(found) >= _number("num_placeholders", num_placeholders)
+    found = _PLACEHOLDER.findall(response).count("]")
+    return found >= _number("num_placeholders", num_placeholders)
 
 
 @register_instruction("detectable_content:postscript")
@@ -222,10 +237,30 @@ def postscript(response: str, *, postscript_marker: str) -> bool:
     if not marker:
         raise ValueError("detectable_content:postscript needs a postscript_marker")
     pattern = {"P.P.S": r"p\.\s?p\.\s?s", "P.S.": r"p\.\s?s\."}.get(marker, marker.lower())
-    return re.search(rf"\s*{pattern}.*$", response.lower(), flags=re.MULTILINE) is not None
+    # The reference's `\s*{pattern}.*$`, searched, retries `\s*` from every position of a
+    # whitespace run: quadratic on a long one. `(?<!\s)` starts it only where a run (or the
+    # text) begins: a match that starts inside a run also matches from the run's start, `\s*`
+    # taking the run up to where it did (`\s*` holds no group, and every assertion in the
+    # pattern looks at the same text), so a match exists exactly when the reference finds one,
+    # for any marker, and every run is walked once.
+    found = re.search(rf"(?<!\s)\s*{pattern}.*$", response.lower(), flags=re.MULTILINE)
+    return found is not None
 
 
 # -- format ------------------------------------------------------------------------------------
+
+
+# The reference's `^\s*X` (MULTILINE) starts at every line start, and `\s*` crosses newlines:
+# each line start of a run of blank lines walks the rest of the run, quadratic in its length.
+# Only whitespace can precede X, so from every line start of a run `\s*` ends where the run
+# ends: the reference matches from the first line start at or after its search position
+# exactly when X follows the run, and its match ends where a match from the run's last line
+# start ends. Starting at that last line start (`[^\S\n]*+`: no newline) gives the same number
+# of matches, each ending where the reference's does, and walks each line's indent once. `.*$`
+# is `.*`: `.` stops at a newline or the end, where `$` matches; `[^*]` may still be a newline,
+# and `.*` then takes the next line too (a star alone on a line hides the line after it).
+_STAR_BULLET = re.compile(r"^[^\S\n]*+\*[^*].*", re.MULTILINE)
+_DASH_BULLET = re.compile(r"^[^\S\n]*+-.*", re.MULTILINE)
 
 
 @register_instruction("detectable_format:number_bullet_lists")
@@ -233,9 +268,9 @@ def number_bullet_lists(response: str, *, num_bullets: int) -> bool:
     """Exactly `num_bullets` lines that start (after whitespace, which may span blank lines)
     with `*` not followed by another `*` (so "*a" counts and "**bold**" does not), or with `-`
     (so "---" counts) (BulletListChecker)."""
-    stars = re.findall(r"^\s*\*[^*].*$", response, flags=re.MULTILINE)
-    dashes = re.findall(r"^\s*-.*$", response, flags=re.MULTILINE)
-    return len(stars) + len(dashes) == _number("num_bullets", num_bullets)
+    stars = len(_STAR_BULLET.findall(response))
+    dashes = len(_DASH_BULLET.findall(response))
+    return stars + dashes == _number("num_bullets", num_bullets)
 
 
 @register_instruction("detectable_format:constrained_response")
@@ -245,14 +280,22 @@ def constrained_response(response: str) -> bool:
     return any(o in text for o in ("My answer is yes.", "My answer is no.", "My answer is maybe."))
 
 
+# HighlightSectionChecker's patterns, with the inside as a group; linear as they are: the inside
+# cannot hold `*` or a newline, so a failed attempt has passed no `*` where a retry could start.
+_HIGHLIGHT = re.compile(r"\*([^\n*]*)\*")
+_BOLD = re.compile(r"\*\*([^\n*]*)\*\*")
+
+
 @register_instruction("detectable_format:number_highlighted_sections")
 def number_highlighted_sections(response: str, *, num_highlights: int) -> bool:
     """At least `num_highlights` highlights: every `*...*` on one line with something but `*`
     and whitespace inside, plus every non-blank `**...**` again (a bold span counts twice when
     its inner `*...*` is non-blank) (HighlightSectionChecker)."""
-    single = [h for h in re.findall(r"\*[^\n*]*\*", response) if h.strip("*").strip()]
-    double = [h for h in re.findall(r"\*\*[^\n*]*\*\*", response) if h[2:-2].strip()]
-    return len(single) + len(double) >= _number("num_highlights", num_highlights)
+    # the reference's `h.strip("*").strip()` and `h[2:-2].strip()` of each match: the inside
+    # has no `*`, so both are the group, stripped (counted without a Python step per match)
+    single = sum(map(bool, map(str.strip, _HIGHLIGHT.findall(response))))
+    double = sum(map(bool, map(str.strip, _BOLD.findall(response))))
+    return single + double >= _number("num_highlights", num_highlights)
 
 
 @register_instruction("detectable_format:multiple_sections")
@@ -266,25 +309,57 @@ def multiple_sections(response: str, *, section_spliter: str, num_sections: int)
     return len(pieces) - 1 >= _number("num_sections", num_sections)
 
 
+# max_items >= max_chars: a text within the size limit never has too many items
+_JSON_LIMITS = JSONLimits(max_depth=256, max_chars=1 << 30, max_items=1 << 30)
+
+
 @register_instruction("detectable_format:json_format")
 def json_format(response: str) -> bool:
     """The stripped response parses as JSON after removing, in this order, the prefixes
-    "```json", "```Json", "```JSON", "```" and the suffix "```" (JsonFormat)."""
+    "```json", "```Json", "```JSON", "```" and the suffix "```" (JsonFormat: `json.loads`,
+    `ValueError` is "not followed"). Read by the bounded `hybridlm.untrusted.loads`: arrays and
+    objects nested deeper than `_JSON_LIMITS.max_depth` (256) count as not JSON (the reference
+    raises `RecursionError` a few thousand levels down); the size and item limits are far above
+    any reply. NaN and Infinity, which `loads` refuses and Python's `json` (the reference's
+    parser) takes, are accepted as the reference accepts them."""
     text = response.strip()
     for prefix in ("```json", "```Json", "```JSON", "```"):
         text = text.removeprefix(prefix)
     text = text.removesuffix("```").strip()
     try:
-        json.loads(text)
-    except ValueError:
-        return False
+        loads(text, _JSON_LIMITS, what="the response")
+    except UntrustedJSONError:
+        if "NaN" not in text and "Infinity" not in text:
+            return False
+        # `loads` may have stopped at a constant; read the text as the reference does once its
+        # nesting is known to be within the limit (`json_shape` counts it without recursion)
+        if json_shape(text)[0] > _JSON_LIMITS.max_depth:
+            return False
+        try:
+            json.loads(text)
+        except (ValueError, RecursionError):
+            return False
     return True
+
+
+# The reference's `<<[^\n]+>>` backtracks from the end of the line at every `<<` of a line with no
+# `>>` after it: quadratic on a long line of `<<`. Its greedy `[^\n]+` makes a match run from
+# the first `<<` of a line to the last `>>` of that line (at least one character between), and
+# then nothing of the line is left to match; when the first `<<` has no such `>>`, no later `<<`
+# of the line has one. So: the line from its first `<<` (`<<[^\n]*`, one step per line), cut
+# after its last `>>` when that starts 3 or more characters in.
+_TITLE_LINE = re.compile(r"<<[^\n]*")
 
 
 @register_instruction("detectable_format:title")
 def title(response: str) -> bool:
     """A `<<...>>` on one line with something besides brackets and whitespace (TitleChecker)."""
-    return any(t.lstrip("<").rstrip(">").strip() for t in re.findall(r"<<[^\n]+>>", response))
+    for m in _TITLE_LINE.finditer(response):
+        line = m.group()
+        end = line.rfind(">>")
+        if end >= 3 and line[: end + 2].lstrip("<").rstrip(">").strip():
+            return True
+    return False
 
 
 # -- combination, start / end, punctuation -----------------------------------------------------
@@ -378,6 +453,9 @@ def follow_instructions(
     if len(kwargs) != len(instruction_ids):
         raise ValueError("kwargs must have one entry per instruction id")
     variants = loose_variants(response) if loose else [response]
+    # a checker's result depends on the text alone: each distinct variant is checked once
+    # (without `*` or without first / last lines, several variants are often the same text)
+    variants = list(dict.fromkeys(variants))
     return [
         any(v.strip() and check_instruction(name, v, kw) for v in variants)
         for name, kw in zip(instruction_ids, kwargs, strict=True)

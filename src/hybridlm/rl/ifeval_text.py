@@ -34,14 +34,27 @@ langdetect. This module reproduces those measurements without model downloads:
   ambiguous text, so the reference itself is not deterministic there) when it imports, else
   py3langid; `None` when the text has no letters (langdetect's "no features" error, which the
   reference counts as a pass).
+
+All of it reads policy text (RL scores what the policy wrote) in time linear in its length,
+computing exactly what the algorithms above compute, so the cost per MiB is theirs:
+`count_words` is one regular expression pass; Punkt and the Treebank rules take a Python step
+per candidate boundary and per sentence, as NLTK's do (a context's verdict and a sentence's
+tokens are computed once per distinct text, and a Treebank rule runs only when the sentence
+holds a character its matches need), about 1-2 s per MiB of text that is nothing but short
+sentences and 5 s for the Treebank tokens of 1 MiB of distinct ones; langdetect runs three
+regular expressions over the whole text and detects on the first 10,000 characters they leave,
+under 0.5 s per MiB (the text is not cut before: URLs, e-mail addresses and runs of spaces
+shrink to one space, so no prefix is sure to hold those characters).
+tests/test_ifeval_hostile.py times them.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 import string
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +109,7 @@ _PUNKT_WORD = _rx(
 )
 _PERIOD_CONTEXT = _rx(rf"[.?!](?=(?P<after_tok>{_NON_WORD}|\s+(?P<next_tok>\S+)))")
 _REALIGN = _rx(r"""["')\]}\u2018\u2019\u201c\u201d\xab\xbb]+?(?:\s+|(?=--)|$)""", re.MULTILINE)
+_REALIGN_FIRST = frozenset("\"')]}\u2018\u2019\u201c\u201d\xab\xbb")  # what a match starts with
 _ELLIPSIS = _rx(r"\.\.+$")
 _NUMERIC = _rx(r"^-?[\.,]?\d[\d,\.-]*\.?$")
 _INITIAL = _rx(r"[^\W\d]\.$")
@@ -133,25 +147,23 @@ def _ortho_starts_sentence(tok: _Token, model: PunktModel) -> bool | None:
     return None
 
 
-def _annotate(tokens: list[_Token], model: PunktModel) -> None:
-    """Punkt's two annotation passes over the tokens of one candidate context."""
-    for t in tokens:  # first pass: by the token's type alone
-        if t.tok in (".", "?", "!"):
+def _first_pass(t: _Token, model: PunktModel) -> None:
+    """Punkt's first annotation pass: by the token's type alone."""
+    if t.tok in (".", "?", "!"):
+        t.sentbreak = True
+    elif _ELLIPSIS.match(t.tok):
+        t.ellipsis = True
+    elif t.period_final and not t.tok.endswith(".."):
+        stem = t.tok[:-1].lower()
+        if stem in model.abbreviations or stem.split("-")[-1] in model.abbreviations:
+            t.abbr = True
+        else:
             t.sentbreak = True
-        elif _ELLIPSIS.match(t.tok):
-            t.ellipsis = True
-        elif t.period_final and not t.tok.endswith(".."):
-            stem = t.tok[:-1].lower()
-            if stem in model.abbreviations or stem.split("-")[-1] in model.abbreviations:
-                t.abbr = True
-            else:
-                t.sentbreak = True
-    for t, nxt in zip(tokens, tokens[1:], strict=False):  # second pass: with the next one
-        if t.period_final:
-            _second_pass(t, nxt, model)
 
 
 def _second_pass(t: _Token, nxt: _Token, model: PunktModel) -> None:
+    """Punkt's second pass on a token ending in "." with the next token (whose annotations are
+    still the first pass's: Punkt runs the second pass left to right)."""
     typ, next_typ = t.type_no_period, nxt.type_no_sentperiod
     initial = bool(_INITIAL.match(t.tok))
     if (typ, next_typ) in model.collocations:  # "et al." and the like
@@ -175,66 +187,97 @@ def _second_pass(t: _Token, nxt: _Token, model: PunktModel) -> None:
 
 
 def _contains_break(context: str, model: PunktModel) -> bool:
-    """Whether a sentence break falls before the last token of a candidate context."""
-    tokens = [
-        _Token(m.group())
-        for line in context.split("\n")
-        if line.strip()
-        for m in _PUNKT_WORD.finditer(line)
-    ]
-    _annotate(tokens, model)
-    return any(t.sentbreak for t in tokens[:-1])
+    """Whether a sentence break falls before the last token of a candidate context. Punkt
+    annotates every token; only "?", "!" (always breaks) and tokens ending in "." can be breaks
+    (the first pass marks no other, and the second pass only revisits those), so only those and
+    the token after each are annotated here: a context of a million brackets costs a `findall`,
+    not a million annotated tokens."""
+    words = [w for line in context.split("\n") if line.strip() for w in _PUNKT_WORD.findall(line)]
+    for i in range(len(words) - 1):
+        w = words[i]
+        if w == "?" or w == "!":
+            return True
+        if w[-1] == ".":
+            t, nxt = _Token(w), _Token(words[i + 1])
+            _first_pass(t, model)
+            _first_pass(nxt, model)
+            _second_pass(t, nxt, model)
+            if t.sentbreak:
+                return True
+    return False
 
 
-def _last_space(text: str) -> int:
-    """Index of the last ASCII whitespace character; 0 when there is none (or it is the first
-    character: Punkt's `_get_last_whitespace_index` does not tell the two apart)."""
-    for i in range(len(text) - 1, -1, -1):
+def _last_space(text: str, lo: int, hi: int) -> int:
+    """Index in `text[lo:hi]` of its last ASCII whitespace character; 0 when there is none (or
+    it is the first character: Punkt's `_get_last_whitespace_index` does not tell the two
+    apart). Punkt's backward loop over a slice, without the slice; a long gap (one long word)
+    is searched by `rfind`, not a Python step per character."""
+    if hi - lo > 32:
+        return max(max(text.rfind(c, lo, hi) for c in string.whitespace) - lo, 0)
+    for i in range(hi - 1, lo - 1, -1):
         if text[i] in string.whitespace:
-            return i
+            return i - lo
     return 0
-
-
-def _candidates(text: str) -> Iterator[tuple[Any, str]]:
-    """(match of a `.?!`, its context: the word before it, the mark, what follows); of marks
-    inside one word ("acting!!!") only the last is a candidate
-    (PunktSentenceTokenizer._match_potential_end_contexts)."""
-    prev_start, prev_stop, prev = 0, 0, None
-    for m in _PERIOD_CONTEXT.finditer(text):
-        i = _last_space(text[prev_stop : m.start()])
-        start = i + prev_stop + 1 if i else prev_start
-        if prev is not None and prev_stop <= start:
-            yield prev, text[prev_start:prev_stop] + prev.group() + prev.group("after_tok")
-        prev, prev_start, prev_stop = m, start, m.start()
-    if prev is not None:
-        yield prev, text[prev_start:prev_stop] + prev.group() + prev.group("after_tok")
 
 
 def punkt_spans(text: str, model: PunktModel) -> list[tuple[int, int]]:
     """(start, end) of each sentence by the Punkt algorithm with `model`
-    (PunktSentenceTokenizer.span_tokenize, boundaries realigned)."""
-    slices, last = [], 0
-    for m, context in _candidates(text):
-        if _contains_break(context, model):
-            slices.append((last, m.end()))
-            last = m.start("next_tok") if m.group("next_tok") else m.end()
-    slices.append((last, len(text.rstrip())))
+    (PunktSentenceTokenizer.span_tokenize, boundaries realigned).
+
+    Candidates are Punkt's `_match_potential_end_contexts`: for each `.?!` match, the word
+    before it starts after the last whitespace since the previous mark, or where the previous
+    mark's word started when there is none (so of the marks inside one word, "acting!!!", only
+    the last is a candidate); a candidate's context is the word, the mark and `after_tok`
+    (group 1, a lookahead right after the mark: the context is one slice of the text). Linear:
+    every gap between marks is searched once, and a context's verdict, which depends on its
+    text alone, is memoised (repeated text is decided once; the contexts together are about
+    twice the text)."""
+    starts, stops = [0], []  # the sentences before realignment, one per break
+    breaks: dict[str, bool] = {}
+    prev_start, prev_stop, prev = 0, 0, None
+    for m in itertools.chain(_PERIOD_CONTEXT.finditer(text), (None,)):
+        if m is not None:
+            stop = m.start()
+            # a gap of one character is the previous mark (or the first one): no whitespace
+            i = _last_space(text, prev_stop, stop) if stop - prev_stop > 1 else 0
+            start = i + prev_stop + 1 if i else prev_start
+            if prev is None or prev_stop > start:  # prev is no candidate (yet: the end)
+                prev, prev_start, prev_stop = m, start, stop
+                continue
+        elif prev is None:
+            break
+        context = text[prev_start : prev.end(1)]
+        brk = breaks.get(context)
+        if brk is None:
+            brk = breaks[context] = _contains_break(context, model)
+        if brk:
+            stops.append(prev.end())
+            nxt = prev.start(2)  # next_tok: non-empty when it took part
+            starts.append(nxt if nxt >= 0 else prev.end())
+        if m is not None:
+            prev, prev_start, prev_stop = m, start, stop
+    stops.append(len(text.rstrip()))
+    # closing quotes/brackets join the sentence (Punkt's `_realign_boundaries`, which matches
+    # `text[next_start:next_stop]`: `match(text, pos, endpos)` reads the same characters, as
+    # `_REALIGN` looks neither behind `pos` nor past `endpos`, without copying each sentence, and
+    # only where the next sentence starts with a character it can match; `text[start:stop]` is
+    # non-empty exactly when stop > start)
     out, shift = [], 0
-    for k, (start, stop) in enumerate(slices):  # closing quotes/brackets join the sentence
-        start += shift
-        if k + 1 == len(slices):
-            if text[start:stop]:
-                out.append((start, stop))
-            continue
-        nxt = slices[k + 1]
-        m = _REALIGN.match(text[nxt[0] : nxt[1]])
-        if m:
-            out.append((start, nxt[0] + len(m.group(0).rstrip())))
-            shift = m.end()
-        else:
-            shift = 0
-            if text[start:stop]:
-                out.append((start, stop))
+    for k in range(len(stops) - 1):
+        start, stop = starts[k] + shift, stops[k]
+        shift = 0
+        nxt_start, nxt_stop = starts[k + 1], stops[k + 1]
+        if nxt_start < nxt_stop and text[nxt_start] in _REALIGN_FIRST:
+            m = _REALIGN.match(text, nxt_start, nxt_stop)
+            if m:
+                out.append((start, nxt_start + len(m.group(0).rstrip())))
+                shift = m.end() - nxt_start
+                continue
+        if stop > start:
+            out.append((start, stop))
+    start, stop = starts[-1] + shift, stops[-1]
+    if stop > start:
+        out.append((start, stop))
     return out
 
 
@@ -320,74 +363,106 @@ def count_sentences(text: str) -> int:
 
 # -- Treebank word tokens ---------------------------------------------------------------------
 # The substitutions of NLTK's `NLTKWordTokenizer.tokenize` (an improved Penn Treebank tokenizer),
-# in order; the text is then split on whitespace.
+# in order; the text is then split on whitespace. The third field holds characters one of which
+# every match of the rule contains (None: run it always). The rules only insert spaces, merge
+# whitespace, and turn `"` into "``" or "''", so a character absent from the sentence (and not
+# made from `"` or `'`) is absent at every turn, and a rule whose characters all are cannot match
+# and is skipped: most rules find nothing in most sentences, and a set lookup costs far less
+# than a pass of the regular expression.
 _CLOSE = r"""\]\)}>"'\xbb\u201d\u2019"""
 _TREEBANK_START = [
-    (r"([\xab\u201c\u2018\u201e]|[`]+)", r" \1 "),  # opening quotes
-    (r'^"', r"``"),
-    (r"(``)", r" \1 "),
-    (r"""([ (\[{<])("|'{2})""", r"\1 `` "),
-    (r"(?i)(?<!\w)(')(?!(?:re|ve|ll|m|t|s|d|n)\b)(?=\w)", r"\1 "),
+    (r"([\xab\u201c\u2018\u201e]|[`]+)", r" \1 ", "\xab\u201c\u2018\u201e`"),  # opening quotes
+    (r'^"', r"``", '"'),
+    (r"(``)", r" \1 ", "`"),
+    (r"""([ (\[{<])("|'{2})""", r"\1 `` ", "\"'"),
+    (r"(?i)(?<!\w)(')(?!(?:re|ve|ll|m|t|s|d|n)\b)(?=\w)", r"\1 ", "'"),
 ]
 _TREEBANK_PUNCT = [
     # the final period; `(?=(X*))\3` is X*+ (atomic, as NLTK writes it): no quadratic backtracking
     # over a long run of spaces that does not end the text
-    (rf"([^.])(\.)(?=([{_CLOSE} ]*))\3\s*$", r"\1 \2 \3 "),
-    (r"([:,])([^\d])", r" \1 \2"),
-    (r"([:,])$", r" \1 "),
-    (r"\.{2,}", r" \g<0> "),
-    (r"[;@#$%&]", r" \g<0> "),
-    (r"[\u2012-\u2015]", r" \g<0> "),  # figure, en and em dashes, horizontal bar
-    (r"""([^.])(\.)([\])}>"']*)\s*$""", r"\1 \2\3 "),
-    (r"[?!]", r" \g<0> "),
-    (r"([^'])' ", r"\1 ' "),
-    (r"[*]", r" \g<0> "),
-    (r"[\]\[(){}<>]", r" \g<0> "),  # brackets
-    (r"--", r" -- "),
+    (rf"([^.])(\.)(?=([{_CLOSE} ]*))\3\s*$", r"\1 \2 \3 ", "."),
+    (r"([:,])([^\d])", r" \1 \2", ":,"),
+    (r"([:,])$", r" \1 ", ":,"),
+    (r"\.{2,}", r" \g<0> ", "."),
+    (r"[;@#$%&]", r" \g<0> ", ";@#$%&"),
+    (r"[\u2012-\u2015]", r" \g<0> ", "\u2012\u2013\u2014\u2015"),  # figure/en/em dash, bar
+    (r"""([^.])(\.)([\])}>"']*)\s*$""", r"\1 \2\3 ", "."),
+    (r"[?!]", r" \g<0> ", "?!"),
+    (r"([^'])' ", r"\1 ' ", "'"),
+    (r"[*]", r" \g<0> ", "*"),
+    (r"[\]\[(){}<>]", r" \g<0> ", "[](){}<>"),  # brackets
+    (r"--", r" -- ", "-"),
 ]
 _TREEBANK_END = [
-    (r"([\xbb\u201d\u2019])", r" \1 "),  # closing quotes
-    (r"''", " '' "),
-    (r'"', " '' "),
-    (r"\s+", " "),
-    (r"([^' ])('[sS]|'[mM]|'[dD]|') ", r"\1 \2 "),  # clitics
-    (r"([^' ])('ll|'LL|'re|'RE|'ve|'VE|n't|N'T) ", r"\1 \2 "),
-    *(  # Robert MacIntyre's contractions: cannot, d'ye, gimme, gonna, gotta, lemme, more'n
-        (rf"(?i)\b({a})({b})\b", r" \1 \2 ")
-        for a, b in (
-            ("can", "not"),
-            ("d", "'ye"),
-            ("gim", "me"),
-            ("gon", "na"),
-            ("got", "ta"),
-            ("lem", "me"),
-            ("more", "'n"),
-        )
-    ),
+    (r"([\xbb\u201d\u2019])", r" \1 ", "\xbb\u201d\u2019"),  # closing quotes
+    (r"''", " '' ", "'"),
+    (r'"', " '' ", '"'),
+    (r"\s+", " ", None),
+    (r"([^' ])('[sS]|'[mM]|'[dD]|') ", r"\1 \2 ", "'"),  # clitics
+    (r"([^' ])('ll|'LL|'re|'RE|'ve|'VE|n't|N'T) ", r"\1 \2 ", "'"),
+]
+_CONTRACTION_PAIRS = (  # Robert MacIntyre's contractions, then wanna, 'tis, 'twas
+    ("can", "not"),
+    ("d", "'ye"),
+    ("gim", "me"),
+    ("gon", "na"),
+    ("got", "ta"),
+    ("lem", "me"),
+    ("more", "'n"),
+)
+_CONTRACTIONS = [
+    *((rf"(?i)\b({a})({b})\b", r" \1 \2 ") for a, b in _CONTRACTION_PAIRS),
     (r"(?i)\b(wan)(na)(?=\s)", r" \1 \2 "),
-    (r"(?i) ('t)(is)\b", r" \1 \2 "),  # 'tis, 'twas
+    (r"(?i) ('t)(is)\b", r" \1 \2 "),
     (r"(?i) ('t)(was)\b", r" \1 \2 "),
 ]
 _TREEBANK = [
-    [(_rx(p), r) for p, r in rules] for rules in (_TREEBANK_START, _TREEBANK_PUNCT, _TREEBANK_END)
+    [(_rx(p), r, None if needs is None else frozenset(needs)) for p, r, needs in rules]
+    for rules in (_TREEBANK_START, _TREEBANK_PUNCT, _TREEBANK_END)
 ]
+_CONTRACTION_RULES = [(_rx(p), r) for p, r in _CONTRACTIONS]
+# Every match of a contraction rule contains one of these words, found the same way (same engine,
+# case-insensitive); the rules only insert spaces, so when none is in the text before the first
+# rule, none of the ten can match.
+_CONTRACTION_WORDS = _rx(
+    "(?i)" + "|".join([a + b for a, b in _CONTRACTION_PAIRS] + ["wanna", "'tis", "'twas"])
+)
 
 
 def treebank_tokens(sentence: str) -> list[str]:
     """The tokens of one sentence by NLTK's `NLTKWordTokenizer`."""
     start, punct, end = _TREEBANK
+    chars = set(sentence)  # a superset of the characters of the text at every turn
+    chars.add(" ")
+    if '"' in chars:
+        chars.update("`'")
+    elif "'" in chars:  # "''" may become "``"
+        chars.add("`")
     text = sentence
-    for pat, rep in (*start, *punct):
-        text = pat.sub(rep, text)
+    for pat, rep, needs in (*start, *punct):
+        if needs is None or not needs.isdisjoint(chars):
+            text = pat.sub(rep, text)
     text = f" {text} "
-    for pat, rep in end:
-        text = pat.sub(rep, text)
+    for pat, rep, needs in end:
+        if needs is None or not needs.isdisjoint(chars):
+            text = pat.sub(rep, text)
+    if _CONTRACTION_WORDS.search(text):
+        for pat, rep in _CONTRACTION_RULES:
+            text = pat.sub(rep, text)
     return text.split()
 
 
 def word_tokenize(text: str) -> list[str]:
-    """`nltk.word_tokenize(text)`: Punkt sentences (`split_sentences`), then Treebank tokens."""
-    return [t for s in split_sentences(text) for t in treebank_tokens(s)]
+    """`nltk.word_tokenize(text)`: Punkt sentences (`split_sentences`), then Treebank tokens.
+    A sentence's tokens depend on its text alone: a repeated sentence is tokenized once."""
+    memo: dict[str, list[str]] = {}
+    out: list[str] = []
+    for s in split_sentences(text):
+        tokens = memo.get(s)
+        if tokens is None:
+            tokens = memo[s] = treebank_tokens(s)
+        out += tokens
+    return out
 
 
 # -- language ----------------------------------------------------------------------------------
