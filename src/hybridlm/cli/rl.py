@@ -33,6 +33,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8010)
     p.add_argument("--max-episodes", type=int, default=4096, help="live episodes kept")
+    p.add_argument(
+        "--token",
+        default=None,
+        help="clients must send 'Authorization: Bearer TOKEN' (default: $HYBRIDLM_ENV_TOKEN; "
+        "neither: no authentication)",
+    )
+    p.add_argument(
+        "--verify-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a completion may take to verify; past it, reward 0 (0: no deadline)",
+    )
+    p.add_argument("--verify-workers", type=int, default=1, help="verification processes")
+    p.add_argument(
+        "--debug-rewards",
+        action="store_true",
+        help="add each verdict's detail (which may hold the ground truth) to replies",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="debug also logs every request with its id",
+    )
     add_overrides_arg(p, "digits=5 --set seed=0 (fields of an RL config's envs[] entry)")
     p.set_defaults(fn=cmd_env_serve)
 
@@ -89,13 +113,32 @@ def cmd_tool_demos(args: argparse.Namespace) -> None:
 
 
 def cmd_env_serve(args: argparse.Namespace) -> None:
+    import os
+
     from ..config import apply_overrides
     from ..infer.server import run_app
     from ..rl.learner import EnvConfig, build_environment
-    from ..rl.remote import create_env_app
+    from ..rl.remote import TOKEN_ENV, create_env_app
 
     if args.env == "http":
         raise ValueError("env-serve serves a local environment; 'http' is the client of one")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.verify_timeout < 0 or args.verify_workers < 1:
+        raise ValueError("--verify-timeout must be >= 0 and --verify-workers >= 1")
+    token = args.token or os.environ.get(TOKEN_ENV) or None
     env = build_environment(apply_overrides(EnvConfig(kind=args.env), args.overrides))
-    print(f"[env-serve] {env.name}: {len(env)} problems on http://{args.host}:{args.port}")
-    run_app(create_env_app(env, max_episodes=args.max_episodes), args.host, args.port)
+    app = create_env_app(
+        env,
+        max_episodes=args.max_episodes,
+        token=token,
+        verify_timeout_s=args.verify_timeout,
+        verify_workers=args.verify_workers,
+        debug_rewards=args.debug_rewards,
+    )
+    auth = "token required" if token else "no authentication"
+    print(
+        f"[env-serve] {env.name}: {len(env)} problems on http://{args.host}:{args.port} "
+        f"({auth}; verification deadline {args.verify_timeout:g} s)"
+    )
+    run_app(app, args.host, args.port, args.log_level, authenticated=token is not None)

@@ -84,6 +84,9 @@ class Environment(ABC):
 
     name: str = "env"
     multi_turn: bool = False  # episodes take several replies (tools): rolled out by the workers
+    # scoring bounds its own time (code in the sandbox, a server, a judge model): not run in a
+    # `rl.scoring` worker under the verification deadline
+    own_deadline: bool = False
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -103,10 +106,11 @@ class Environment(ABC):
             raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
         return [self.score(p, c) for p, c in zip(problems, completions, strict=True)]
 
-    def episode(self) -> Episode:
+    def episode(self, scorer: Environment | None = None) -> Episode:
         """A fresh episode state for one rollout (`rl.episodes`): single-turn by default, the
-        reply scored by `score`."""
-        return SingleTurnEpisode(self)
+        reply scored by `scorer.score` (default: this environment's; `rl.scoring` passes the
+        environment seen through its pool, so episodes score under the deadline too)."""
+        return SingleTurnEpisode(scorer or self)
 
     def sample(self, n: int, *, seed: int = 0) -> list[Problem]:
         """`n` problems drawn uniformly with replacement, deterministic in `seed`."""
@@ -239,8 +243,8 @@ class ToolUseEnvironment(DatasetEnvironment):
     def tools(self) -> list[Tool]:
         raise NotImplementedError
 
-    def episode(self) -> Episode:
-        return ToolEpisode(self, self.tools(), max_turns=self.max_turns)
+    def episode(self, scorer: Environment | None = None) -> Episode:
+        return ToolEpisode(scorer or self, self.tools(), max_turns=self.max_turns)
 
     def calls(self, problem: Problem) -> list[tuple[str, dict[str, Any]]]:
         """The tool calls (name, arguments) that solve `problem`, for demonstrations."""
@@ -462,6 +466,8 @@ class CodeEnvironment(DatasetEnvironment):
     completion's code when it defines `entry_point`, else prompt + code as a continuation; the
     reward is `CodeVerifier`'s (all tests pass, or the pass rate with `partial_credit`)."""
 
+    own_deadline = True  # the sandbox has its own wall-clock limit per program
+
     def __init__(
         self,
         records: Sequence[Mapping[str, Any]],
@@ -679,6 +685,10 @@ class LowEffortEnvironment(Environment):
         self.count_tokens = count_tokens or (lambda s: len(s.encode("utf-8")))  # byte tokenizer
         self.seed, self.system_prompt = seed, system_prompt
 
+    @property
+    def own_deadline(self) -> bool:  # type: ignore[override]
+        return self.base.own_deadline
+
     def is_low_effort(self, problem_id: str) -> bool:
         """A stable per-id coin: the same prompts are low-effort in every run with this seed."""
         h = hashlib.sha256(f"{self.seed}:{problem_id}".encode()).digest()
@@ -770,9 +780,9 @@ class MixtureEnvironment(Environment):
         multi = [e for e in self.envs.values() if e.multi_turn]
         return MixtureEnvironment(multi) if multi else None
 
-    def episode(self) -> Episode:
+    def episode(self, scorer: Environment | None = None) -> Episode:
         """An episode of the environment its problem comes from (chosen at `reset`)."""
-        return _RoutedEpisode(self)
+        return _RoutedEpisode(self, scorer)
 
     def sample(self, n: int, *, seed: int = 0) -> list[Problem]:
         """Environment by weight, then a problem uniformly within it; deterministic in seed."""
@@ -813,12 +823,12 @@ class MixtureEnvironment(Environment):
 class _RoutedEpisode(Episode):
     """A mixture's episode: at `reset` it becomes an episode of the problem's environment."""
 
-    def __init__(self, mixture: MixtureEnvironment) -> None:
-        self.mixture = mixture
+    def __init__(self, mixture: MixtureEnvironment, scorer: Environment | None = None) -> None:
+        self.mixture, self.scorer = mixture, scorer
         self.inner: Episode | None = None
 
     def reset(self, problem: Problem) -> list[dict[str, Any]]:
-        self.inner = self.mixture.env_of(problem).episode()
+        self.inner = self.mixture.env_of(problem).episode(self.scorer)
         return self.inner.reset(problem)
 
     def step(self, reply: Mapping[str, Any]) -> Step:
@@ -922,6 +932,7 @@ class CodeToolEnvironment(ToolUseEnvironment):
         "You can call the python tool to run code and test it. When your function is ready, "
         "reply with the complete function in a ```python block and no tool call."
     )
+    own_deadline = True  # scored in the sandbox, which has its own wall-clock limit
 
     def __init__(
         self,

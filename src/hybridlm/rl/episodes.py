@@ -25,17 +25,18 @@ writing is `truncated` (overlong filtering can mask it).
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..infer.rollout import EpisodeResult, roll_out, start_episode
+from ..data.chat import TOOL_CALL_LIMITS
+from ..untrusted import UntrustedJSONError, clip, loads
 from .tools import Tool
 
 if TYPE_CHECKING:
     from ..infer.engine import Engine
+    from ..infer.rollout import EpisodeResult
     from ..infer.sampling import SamplingParams
 
 # `rl.environments` builds on this module (`Environment.episode()`), so its types are named
@@ -46,7 +47,7 @@ Problem = Any
 
 __all__ = [
     "Episode",
-    "EpisodeResult",
+    "EpisodeOver",
     "SingleTurnEpisode",
     "Step",
     "ToolEpisode",
@@ -97,20 +98,34 @@ def _score(env: Environment, problem: Problem | None, reply: Mapping[str, Any]) 
     return env.score(problem, reply.get("text", reply.get("content") or ""))
 
 
+def _verdict(reward: Any) -> dict[str, Any]:
+    """A final step's info about its reward: the reason category, and the detail when there is
+    one (an environment server drops it unless it debugs rewards)."""
+    return {"reason": reward.reason, **({"detail": reward.detail} if reward.detail else {})}
+
+
+class EpisodeOver(RuntimeError):
+    """A step on an episode that has ended: an episode pays its reward once."""
+
+
 class SingleTurnEpisode(Episode):
     """The one-step case: the reply's text is scored by the environment's verifier."""
 
     def __init__(self, env: Environment) -> None:
         self.env = env
         self.problem: Problem | None = None
+        self.done = False
 
     def reset(self, problem: Problem) -> list[dict[str, Any]]:
-        self.problem = problem
+        self.problem, self.done = problem, False
         return [dict(m) for m in problem.messages]
 
     def step(self, reply: Mapping[str, Any]) -> Step:
+        if self.done:
+            raise EpisodeOver("the episode is over")
+        self.done = True
         reward = _score(self.env, self.problem, reply)
-        return Step([], reward.value, True, {"reason": reward.reason})
+        return Step([], reward.value, True, _verdict(reward))
 
 
 class ToolEpisode(Episode):
@@ -131,21 +146,26 @@ class ToolEpisode(Episode):
         self.problem: Problem | None = None
         self.turns = 0
         self.calls = 0
+        self.done = False
 
     def reset(self, problem: Problem) -> list[dict[str, Any]]:
-        self.problem, self.turns, self.calls = problem, 0, 0
+        self.problem, self.turns, self.calls, self.done = problem, 0, 0, False
         return [dict(m) for m in problem.messages]
 
     def step(self, reply: Mapping[str, Any]) -> Step:
         if self.problem is None:
             raise RuntimeError("step() before reset()")
+        if self.done:
+            raise EpisodeOver("the episode is over")
         self.turns += 1
         calls = list(reply.get("tool_calls") or [])
         if not calls:
+            self.done = True
             reward = _score(self.env, self.problem, reply)
-            info = {"reason": reward.reason, "turns": self.turns, "tool_calls": self.calls}
+            info = {**_verdict(reward), "turns": self.turns, "tool_calls": self.calls}
             return Step([], reward.value, True, info)
         if self.turns >= self.max_turns:
+            self.done = True
             info = {"unfinished": True, "turns": self.turns, "tool_calls": self.calls}
             return Step([], 0.0, True, info)
         out = []
@@ -166,13 +186,15 @@ class ToolEpisode(Episode):
         name = function.get("name")
         tool = self._by_name.get(name) if isinstance(name, str) else None
         if tool is None:
-            return f"error: unknown tool {name!r}; the tools are {sorted(self._by_name)}"
+            return f"error: unknown tool {clip(name)}; the tools are {sorted(self._by_name)}"
         args = function.get("arguments") or "{}"
         if not isinstance(args, Mapping):  # OpenAI's form is a JSON string
+            if not isinstance(args, str):
+                return "error: the arguments must be a JSON object or a string holding one"
             try:
-                args = json.loads(args)
-            except (TypeError, json.JSONDecodeError):
-                return "error: the arguments are not valid JSON"
+                args = loads(args, TOOL_CALL_LIMITS, what="the arguments")
+            except UntrustedJSONError as err:
+                return f"error: {err}"
         return tool(args)
 
 
@@ -192,6 +214,8 @@ def run_episodes(
     the tokens: the policy learns to end its turn). The call steps the engine until its episodes
     end: requests that others added to the same engine advance too, but their outputs are not
     returned to anyone."""
+    from ..infer.rollout import roll_out, start_episode  # torch: only where episodes roll out
+
     starts = [start_episode(env, p, engine.tokenizer) for p in problems]
     roll_out(
         engine,

@@ -94,6 +94,7 @@ from .grpo import (
     group_advantages,
     grpo_loss,
 )
+from .scoring import with_deadline
 from .verifiers import GSM8KVerifier, Reward
 
 EnvKind = Literal[
@@ -193,6 +194,9 @@ class RLConfig(Config):
     parallel: Literal["ddp", "fsdp"] = "ddp"
     checkpoint_interval: int = 0  # steps between checkpoints (0: only the final one)
     keep_last_n: int = 3  # checkpoints kept (0: all)
+    # seconds one completion may take to verify, in a worker process (rl.scoring): past it the
+    # reward is 0 and the learner goes on; 0 verifies in this process with no deadline
+    verify_timeout_s: float = 10.0
 
     def validate(self) -> RLConfig:
         """The settings' ranges; the starting policy (`checkpoint`, often given on the command
@@ -216,6 +220,8 @@ class RLConfig(Config):
             raise ValueError(f"length_penalty must be >= 0, got {self.length_penalty}")
         if self.max_episode_tokens < 0:
             raise ValueError(f"max_episode_tokens must be >= 0, got {self.max_episode_tokens}")
+        if self.verify_timeout_s < 0:
+            raise ValueError(f"verify_timeout_s must be >= 0, got {self.verify_timeout_s}")
         for e in [*self.envs, *self.eval_envs]:
             e.validate()
         return self
@@ -275,9 +281,20 @@ def build_environment(spec: EnvConfig, *, tokenizer: Any = None) -> Environment:
         engine = Engine(judge.model.float().eval(), judge.tokenizer, max_batch_size=32)
         env = JudgedEnvironment(env, GenerativeJudge(engine))
     if spec.low_effort_fraction > 0:
-        count = (lambda s: len(tokenizer.encode(s, add_bos=False))) if tokenizer else None
+        count = _TokenCount(tokenizer) if tokenizer else None
         env = LowEffortEnvironment(env, fraction=spec.low_effort_fraction, count_tokens=count)
     return env
+
+
+@dataclass(frozen=True)
+class _TokenCount:
+    """The tokens of a text (low-effort length): a class, not a lambda, so the environment
+    pickles for the scoring workers (`rl.scoring`) and Ray."""
+
+    tokenizer: Any
+
+    def __call__(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_bos=False))
 
 
 class _FinalNumberEnvironment(DatasetEnvironment):
@@ -613,6 +630,9 @@ class GRPOLearner(TrainModule):
         self.tok = loaded.tokenizer
         self.env = env or build_mixture(cfg.envs, tokenizer=self.tok)
         self.eval_env = eval_env or build_mixture(eval_specs(cfg), tokenizer=self.tok)
+        if cfg.verify_timeout_s > 0:  # a verifier never stalls the learner (rl.scoring)
+            self.env = with_deadline(self.env, timeout_s=cfg.verify_timeout_s)
+            self.eval_env = with_deadline(self.eval_env, timeout_s=cfg.verify_timeout_s)
         self.eval_set = self.eval_env.sample(cfg.eval_problems, seed=cfg.seed + 12345)
         self.eval_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
         self.ref = None

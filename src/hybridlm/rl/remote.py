@@ -3,8 +3,8 @@ that the learner and the rollout workers use like a local one (the resource-serv
 NeMo Gym, Nemotron 3 Super §3.2.5: the environment runs in its own process, on its own
 machine, in any language, and the trainer only speaks the protocol).
 
-    hybridlm env-serve --env calculator --set digits=5 --port 8010     # serve an environment
-    hybridlm rl --set 'envs=[{kind: http, url: "http://127.0.0.1:8010"}]' ...
+    HYBRIDLM_ENV_TOKEN=s3cret hybridlm env-serve --env calculator --set digits=5 --port 8010
+    HYBRIDLM_ENV_TOKEN=s3cret hybridlm rl --set 'envs=[{kind: http, url: "http://127.0.0.1:8010"}]'
 
 The protocol (JSON bodies; every error is `{"error": {"message", "type", "param", "code"}}`
 with a 4xx status, or 500 when the environment itself failed):
@@ -20,33 +20,62 @@ with a 4xx status, or 500 when the environment itself failed):
     DELETE /episodes/{episode_id}    -> {"deleted": true}   (an episode the trainer abandons)
 
 `messages` are OpenAI chat messages; `tools` OpenAI tool definitions (offered in the system
-prompt); `reply` is the assistant message just generated (`tool_calls` as OpenAI's, `text` the
-raw generated text); `observation` the messages to append (tool results). An episode is
-forgotten when it is done or deleted, and the oldest live ones are dropped beyond
-`max_episodes` (a step on them is a 404). The server binds 127.0.0.1 unless told otherwise
-and has no authentication.
+prompt); `reply` is the assistant message just generated (`tool_calls` as OpenAI's, at most
+`MAX_TOOL_CALLS` of them, `text` the raw generated text); `observation` the messages to append
+(tool results). An episode is forgotten when it is done or deleted, and the oldest live ones are
+dropped beyond `max_episodes` (a step on them is a 404).
+
+The server holds against a hostile policy and hostile clients (tests/test_env_server_hostile.py):
+- **No ground truth in any reply.** A reward comes with its `reason` category ("correct",
+  "wrong answer", "verification timed out", ...; `verifiers.Reward`), never the reference or
+  the hidden tests, and messages quote input only as a short prefix (`untrusted.clip`). The
+  verdict spelt out (`Reward.detail`, e.g. "3 != 167436654") is added as `detail` only by a
+  server started with `debug_rewards` (`--debug-rewards`), for whoever runs it.
+- **Verification off the event loop, with a deadline**: completions are scored in
+  `rl.scoring` worker processes, `verify_timeout_s` each (a timeout is reward 0 with reason
+  "verification timed out"); a verifier stuck in a regular expression cannot hold this
+  process's interpreter, so other clients, `/info` included, are answered meanwhile.
+- **One step at a time per episode**: a step on an episode another step is still running on
+  is a 409 `episode_busy`; a step on a finished episode a 404; the turn limit is counted per
+  accepted step, so an episode pays its reward exactly once.
+- **Bounded input**: bodies at most `max_body_bytes` and read by the bounded JSON reader
+  (`untrusted`), tool-call arguments likewise, every parser of reply text linear in its length.
+- **Authentication**: with a `token` (`--token` or `HYBRIDLM_ENV_TOKEN`), every request must
+  send `Authorization: Bearer <token>` (401 otherwise); `HTTPEnvironment` sends it. The server
+  binds 127.0.0.1 unless told otherwise, and warns when it binds another address without a
+  token. Every response carries an `X-Request-ID`; `--log-level debug` logs each request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import threading
 import urllib.error
 import urllib.request
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from ..infer.server import DEFAULT_MAX_BODY_BYTES, APIError, base_app, read_json
+from ..untrusted import JSONLimits, UntrustedJSONError, clip, loads
 from .environments import Environment, Problem
-from .episodes import Episode, Step
+from .episodes import Episode, EpisodeOver, Step
+from .scoring import DEFAULT_TIMEOUT_S, DeadlineEnvironment, ScoringPool, with_deadline
 from .verifiers import Reward
 
 PROTOCOL = 1
+# what the client reads of a reply (a problem's messages, a step's tool results)
+_MAX_RESPONSE_BYTES = 64 << 20
+_RESPONSE_LIMITS = JSONLimits(max_depth=64, max_chars=_MAX_RESPONSE_BYTES, max_items=1 << 22)
+TOKEN_ENV = "HYBRIDLM_ENV_TOKEN"  # the shared secret, for the server and its clients
+MAX_TOOL_CALLS = 32  # tool calls one reply may make
 
 
 def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
@@ -58,8 +87,8 @@ def _field(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...]) ->
 
 
 def _reply(data: Mapping[str, Any]) -> dict[str, Any]:
-    """The step's `reply`, checked: an object with string/null `content`, a list of tool-call
-    objects, string `text`."""
+    """The step's `reply`, checked: an object with string/null `content`, a list of at most
+    `MAX_TOOL_CALLS` tool-call objects, string `text`."""
     reply = _field(data, "reply", dict)
     content = reply.get("content")
     if content is not None and not isinstance(content, str):
@@ -67,6 +96,11 @@ def _reply(data: Mapping[str, Any]) -> dict[str, Any]:
     calls = reply.get("tool_calls") or []
     if not isinstance(calls, list):
         raise APIError(400, "'reply.tool_calls' must be a list", param="reply.tool_calls")
+    if len(calls) > MAX_TOOL_CALLS:
+        raise APIError(
+            400, f"a reply makes at most {MAX_TOOL_CALLS} tool calls, got {len(calls)}",
+            param="reply.tool_calls",
+        )  # fmt: skip
     for i, call in enumerate(calls):
         where = f"reply.tool_calls[{i}]"
         fn = call.get("function") if isinstance(call, dict) else None
@@ -84,44 +118,83 @@ def _reply(data: Mapping[str, Any]) -> dict[str, Any]:
     return {"role": "assistant", "content": content, "tool_calls": calls, "text": text}
 
 
+def _reward_body(r: Reward, debug: bool) -> dict[str, Any]:
+    out = {"reward": float(r.value), "reason": r.reason, "metrics": dict(r.metrics)}
+    if debug and r.detail:
+        out["detail"] = r.detail
+    return out
+
+
 def create_env_app(
     env: Environment,
     *,
     max_episodes: int = 4096,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     expose_metadata: bool = False,
+    token: str | None = None,
+    verify_timeout_s: float = DEFAULT_TIMEOUT_S,
+    verify_workers: int = 1,
+    debug_rewards: bool = False,
 ):
     """The FastAPI app serving `env` (module docstring). Problems go out without their
     metadata unless `expose_metadata` (it may hold what solves them: operands, a reference
-    solution)."""
+    solution). `verify_timeout_s` 0 scores in this process without a deadline (an environment
+    that bounds its own scoring, `own_deadline`, always does)."""
     if max_episodes < 1:
         raise ValueError(f"max_episodes must be >= 1, got {max_episodes}")
+    if verify_timeout_s < 0:
+        raise ValueError(f"verify_timeout_s must be >= 0, got {verify_timeout_s}")
     by_id = {p.id: i for i, p in enumerate(env)}
     episodes: OrderedDict[str, Episode] = OrderedDict()
-    lock = threading.Lock()  # the episode table; each episode is stepped by one client
-    app = base_app(f"hybridlm environment {env.name}")
+    busy: set[str] = set()  # episodes a step is running on
+    lock = threading.Lock()  # the episode table and `busy`
+    pool = ScoringPool(verify_workers) if verify_timeout_s > 0 else None
+    served = with_deadline(env, timeout_s=verify_timeout_s, pool=pool) if pool else env
+
+    @asynccontextmanager
+    async def lifespan(app: Any):
+        yield
+        if pool is not None:
+            await run_in_threadpool(pool.close)
+
+    app = base_app(f"hybridlm environment {env.name}", lifespan=lifespan, token=token)
 
     def problem(problem_id: Any) -> Problem:
         if not isinstance(problem_id, str) or problem_id not in by_id:
             raise APIError(
-                404, f"unknown problem_id {problem_id!r}", param="problem_id", code="not_found"
-            )
+                404, f"unknown problem_id {clip(problem_id)}", param="problem_id",
+                code="not_found",
+            )  # fmt: skip
         return env[by_id[problem_id]]
 
-    def live(episode_id: str) -> Episode:
+    def claim(episode_id: str) -> Episode:
+        """The live episode, marked busy until `release`; 404 when unknown, 409 when a step is
+        already running on it."""
         with lock:
             ep = episodes.get(episode_id)
+            if ep is not None and episode_id in busy:
+                raise APIError(
+                    409, "a step is already running on this episode; send one at a time",
+                    param="episode_id", code="episode_busy",
+                )  # fmt: skip
+            if ep is not None:
+                busy.add(episode_id)
         if ep is None:
             raise APIError(
-                404,
-                f"unknown episode {episode_id!r} (done, deleted or expired)",
-                param="episode_id",
-                code="not_found",
-            )
+                404, f"unknown episode {clip(episode_id)} (done, deleted or expired)",
+                param="episode_id", code="not_found",
+            )  # fmt: skip
         return ep
 
+    def forget(episode_id: str, ep: Episode) -> None:
+        with lock:
+            if episodes.get(episode_id) is ep:
+                del episodes[episode_id]
+            busy.discard(episode_id)
+        ep.close()
+
     @app.get("/info")
-    def info() -> dict[str, Any]:
+    async def info() -> dict[str, Any]:
         return {
             "protocol": PROTOCOL,
             "name": env.name,
@@ -130,7 +203,7 @@ def create_env_app(
         }
 
     @app.get("/problems/{index}")
-    def get_problem(index: int) -> dict[str, Any]:
+    async def get_problem(index: int) -> dict[str, Any]:
         if not 0 <= index < len(env):
             raise APIError(404, f"problem index {index} not in [0, {len(env)})", code="not_found")
         p = env[index]
@@ -142,21 +215,27 @@ def create_env_app(
         data = await read_json(request, max_body_bytes)
         p = problem(data.get("problem_id"))
         completion = _field(data, "completion", str)
-        r = await run_in_threadpool(env.score, p, completion)
-        return {"reward": float(r.value), "reason": r.reason, "metrics": dict(r.metrics)}
+        scorer = served.env_of(p) if hasattr(served, "env_of") else served
+        if isinstance(scorer, DeadlineEnvironment):  # awaited: no thread held while it runs
+            r = await asyncio.wrap_future(scorer.submit(p, completion))
+        else:
+            r = await run_in_threadpool(served.score, p, completion)
+        return _reward_body(r, debug_rewards)
 
     @app.post("/episodes")
     async def reset(request: Request) -> dict[str, Any]:
         data = await read_json(request, max_body_bytes)
         p = problem(data.get("problem_id"))
-        ep = env.episode()
+        ep = served.episode()
         messages = await run_in_threadpool(ep.reset, p)
         episode_id = uuid.uuid4().hex
         with lock:
             episodes[episode_id] = ep
             evicted = []
             while len(episodes) > max_episodes:
-                evicted.append(episodes.popitem(last=False)[1])
+                old_id, old = episodes.popitem(last=False)
+                busy.discard(old_id)
+                evicted.append(old)
         for old in evicted:
             old.close()
         return {"episode_id": episode_id, "messages": messages, "tools": ep.tool_specs()}
@@ -164,25 +243,38 @@ def create_env_app(
     @app.post("/episodes/{episode_id}/step")
     async def step(episode_id: str, request: Request) -> dict[str, Any]:
         data = await read_json(request, max_body_bytes)
-        ep = live(episode_id)
-        out = await run_in_threadpool(ep.step, _reply(data))
-        if out.done:
+        reply = _reply(data)
+        ep = claim(episode_id)
+        try:
+            out = await run_in_threadpool(ep.step, reply)
+        except EpisodeOver:
+            forget(episode_id, ep)
+            raise APIError(
+                404, "the episode is over", param="episode_id", code="not_found"
+            ) from None
+        except BaseException:
             with lock:
-                episodes.pop(episode_id, None)
-            ep.close()
+                busy.discard(episode_id)
+            raise
+        if out.done:
+            forget(episode_id, ep)
+        else:
+            with lock:
+                busy.discard(episode_id)
+        info = {k: v for k, v in out.info.items() if k != "detail"}
+        if debug_rewards and "detail" in out.info:
+            info["detail"] = out.info["detail"]
         return {
             "observation": out.observation,
             "reward": float(out.reward),
             "done": bool(out.done),
-            "info": out.info,
+            "info": info,
         }
 
     @app.delete("/episodes/{episode_id}")
-    def delete(episode_id: str) -> dict[str, Any]:
-        ep = live(episode_id)
-        with lock:
-            episodes.pop(episode_id, None)
-        ep.close()
+    async def delete(episode_id: str) -> dict[str, Any]:
+        ep = claim(episode_id)
+        await run_in_threadpool(forget, episode_id, ep)
         return {"deleted": True}
 
     return app
@@ -196,13 +288,17 @@ class HTTPError(RuntimeError):
 class HTTPEnvironment(Environment):
     """An environment served over HTTP (module docstring), usable wherever a local one is:
     problems are fetched on first use and cached, `score` asks `/verify`, and `episode()` gives
-    episodes stepped by the server. Holds only its URL and caches, so Ray ships it to the
-    rollout workers as is."""
+    episodes stepped by the server. `token` (default: `$HYBRIDLM_ENV_TOKEN`) is sent as a bearer
+    token. Holds only its URL, token and caches, so Ray ships it to the rollout workers as
+    is."""
 
-    def __init__(self, url: str, *, timeout: float = 60.0) -> None:
+    own_deadline = True  # the server scores under its own deadline; `timeout` bounds a call
+
+    def __init__(self, url: str, *, timeout: float = 60.0, token: str | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"an environment URL starts with http:// or https://, got {url!r}")
         self.url, self.timeout = url.rstrip("/"), timeout
+        self.token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         info = self.call("GET", "/info")
         if info.get("protocol") != PROTOCOL:
             raise HTTPError(
@@ -215,21 +311,21 @@ class HTTPEnvironment(Environment):
 
     def call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.url + path,
-            data=data,
-            method=method,
-            headers={"Content-Type": "application/json"} if data is not None else {},
-        )
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return json.loads(resp.read())
+                return loads(resp.read(_MAX_RESPONSE_BYTES + 1), _RESPONSE_LIMITS, what="reply")
         except urllib.error.HTTPError as err:
             try:
-                message = json.loads(err.read())["error"]["message"]
+                message = loads(err.read(1 << 16), what="error")["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = err.reason
-            raise HTTPError(f"{method} {self.url}{path}: {err.code} {message}") from None
+            raise HTTPError(f"{method} {self.url}{path}: {err.code} {str(message)[:500]}") from None
+        except UntrustedJSONError as err:  # a server that is not one of ours, or broken
+            raise HTTPError(f"{method} {self.url}{path}: {err}") from None
         except (urllib.error.URLError, OSError) as err:
             raise HTTPError(f"{method} {self.url}{path}: {err}") from None
 
@@ -254,8 +350,8 @@ class HTTPEnvironment(Environment):
         r = self.call("POST", "/verify", {"problem_id": problem.id, "completion": completion})
         return Reward(float(r["reward"]), str(r.get("reason", "")), dict(r.get("metrics") or {}))
 
-    def episode(self) -> Episode:
-        return HTTPEpisode(self)
+    def episode(self, scorer: Environment | None = None) -> Episode:
+        return HTTPEpisode(self)  # scored by the server
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_problems": {}}
