@@ -87,6 +87,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_cmd(*args: str) -> list[str]:
+    """`torchrun --nproc_per_node=2 ARGS` on this machine's loopback, at a free port."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        *args,
+    ]
+
+
 def run_world2(
     tmp: Path,
     run: Any,
@@ -228,21 +241,9 @@ def test_torchrun_cli_pretrain_fsdp(tmp_path):
     run = tiny_run(tmp_path, "cli", batch_size=2, parallel="fsdp")
     cfg = tmp_path / "cli.yaml"
     run.save(cfg)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        "-m",
-        "hybridlm.cli",
-        "pretrain",
-        "--config",
-        str(cfg),
-        "--sample-tokens",
-        "4",
-    ]
+    cmd = torchrun_cmd(
+        "-m", "hybridlm.cli", "pretrain", "--config", str(cfg), "--sample-tokens", "4"
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]

@@ -22,13 +22,35 @@ decode errors and an unusable checkpoint) exits with 2; an I/O error (`OSError`:
 unreadable file, a full disk), a corrupt file caught by its reader (safetensors, zip, gzip) or
 a machine where the code sandbox cannot isolate (`SandboxUnavailable`) exits with 1. Anything
 else is a bug and keeps its traceback.
+
+Under torchrun (`torchrun --nproc_per_node=N -m hybridlm.cli pretrain ...`) rank 0's message is
+the one the user sees, and every rank exits non-zero:
+
+- a failure every rank meets (a bad config, no intact checkpoint to resume) is printed once, by
+  rank 0; the others exit without a word. Checks rank 0 makes for all (checkpoint integrity,
+  the output directory, the layout) reach the other ranks as its verdict; a failure each rank
+  finds by itself is left to rank 0 when rank 0 reports the same text within 10 s
+  (`train.parallel.REPORT_WAIT_S`);
+- a failure of one other rank alone is printed by that rank: `hybridlm pretrain: error: rank 3:
+  ...`;
+- a rank whose collective fails because another rank left (gloo's "Connection closed by peer",
+  torch.distributed's DistError) exits without a word: the rank that left says why;
+- a bug keeps its traceback on whichever rank it happens.
+
+The reporting rank's line (or traceback) also goes to torchrun's error file, so torchrun's
+closing `ChildFailedError` summary names it as the "Root Cause" instead of "To enable traceback
+see: ..."; the quiet ranks record there that they stopped because of it. That summary, the
+traceback torchrun prints above it (its own `raise ChildFailedError`), its log lines and its
+exit status (1) are torchrun's.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 import zipfile
 
 # stage groups, in the order `hybridlm --help` lists their commands
@@ -105,8 +127,45 @@ def main(argv: list[str] | None = None) -> int:
         args.fn(args)
     except Exception as err:
         status = _exit_status(err)
+        if _under_torchrun():
+            return _end_rank(args.command, err, status)
         if status is None:
             raise
         print(f"hybridlm {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return status
     return 0
+
+
+def _under_torchrun() -> bool:
+    """A rank of a torchrun job (also a job of one process: torchrun reads its error file)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or "TORCHELASTIC_ERROR_FILE" in os.environ
+
+
+def _end_rank(command: str, err: Exception, status: int | None) -> int:
+    """How one rank of a torchrun job ends after `err` (module docstring); its exit status."""
+    from ..train import parallel
+
+    rank = parallel.launch_rank()
+    if isinstance(err, parallel.MainFailed):  # rank 0 raised it too and reports it
+        parallel.main_failure()  # leave after rank 0 has
+        parallel.leave_quietly(f"rank {rank}: stopped by rank 0's failure")
+        return _exit_status(err.cause) or 1
+    if parallel.lost_peer(err):
+        parallel.leave_quietly(f"rank {rank}: stopped because another rank left the job")
+        return 1
+    if status is None:  # a bug: its traceback, printed before the other ranks are told
+        text = _one_line(err)
+        parallel.record_failure(text, "".join(traceback.format_exception(err)))
+        sys.excepthook(type(err), err, err.__traceback__)
+        sys.stderr.flush()
+        parallel.announce_failure(text)
+        return 1
+    text = _one_line(err)
+    if rank and parallel.main_failure() == text:  # every rank found it: rank 0 says it
+        parallel.leave_quietly(f"rank {rank}: stopped by rank 0's failure (the same)")
+        return status
+    line = f"hybridlm {command}: error: {f'rank {rank}: ' if rank else ''}{text}"
+    parallel.record_failure(line)
+    print(line, file=sys.stderr, flush=True)
+    parallel.announce_failure(text)
+    return status

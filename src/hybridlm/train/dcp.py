@@ -62,7 +62,7 @@ from ..io.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from .parallel import barrier, broadcast_object, get_rank, get_world_size, is_initialized, is_main
+from .parallel import get_rank, get_world_size, is_initialized, on_main
 
 
 @contextmanager
@@ -134,8 +134,8 @@ def save_sharded(
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
 
-    tmp_name = new_checkpoint_tmp(out_dir, step).name if is_main() else None
-    tmp = checkpoint_dir(out_dir) / broadcast_object(tmp_name)  # once rank 0 has cleaned up
+    # once rank 0 has cleaned up (a failure there, e.g. a full disk, stops every rank here)
+    tmp = checkpoint_dir(out_dir) / on_main(lambda: new_checkpoint_tmp(out_dir, step).name)
     writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
     with _single_process_quiet():
         dcp_save(_as_saved(_state(model, optimizer), model), storage_writer=writer)
@@ -144,7 +144,8 @@ def save_sharded(
     mine = {f.name: file_record(f) for f in sorted(tmp.glob(f"__{rank}_*"))}
     gathered = _all_gather((mine, rng_state()))
     final = checkpoint_dir(out_dir) / f"{PREFIX}{step:08d}"
-    if is_main():
+
+    def publish() -> None:  # rank 0
         files: dict[str, Any] = {}
         for records, _ in gathered:
             files.update(records)
@@ -164,7 +165,8 @@ def save_sharded(
             "files": dict(sorted(files.items())),  # written last: the files as they are on disk
         }
         publish_checkpoint(tmp, out_dir, step, full, keep_last_n)
-    barrier()  # the checkpoint is in place for every rank
+
+    on_main(publish, share=False)  # the checkpoint is in place for every rank (or none is)
     return final
 
 

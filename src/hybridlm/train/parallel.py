@@ -7,14 +7,26 @@ process group (nccl on CUDA, gloo on CPU); without it (one process) every helper
 FSDP2 `fully_shard` to every block of `model.layers`, to the MTP blocks, then to the root.
 `resolve_layout` turns `train.parallel` (a `ParallelConfig`) into the sizes of the job's
 DeviceMesh and `apply_layout` shards a model over it (expert parallelism, FSDP2 / HSDP).
+
+When a run must stop, rank 0's message is the one the user sees. `on_main` runs a step rank 0
+takes for all (a checkpoint's integrity, the output directory) and agrees on its outcome, so a
+failure stops every rank at the same point, raised as it is on rank 0 and as `MainFailed` on the
+others. `lost_peer`, `announce_failure`, `main_failure`, `record_failure` and `leave_quietly`
+are what the CLI needs to end each rank of a failed job (`hybridlm.cli` says what each prints).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
+import time
+from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,6 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from .config import ParallelConfig
 from .expert_parallel import moe_layers
 from .tensor_parallel import row_orders, to_canonical
+
+T = TypeVar("T")
 
 
 def is_initialized() -> bool:
@@ -89,6 +103,53 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj if get_rank() == src else None]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+class MainFailed(Exception):
+    """Raised on every rank but 0 when a step rank 0 took for all (`on_main`) failed there: rank
+    0 raises the failure itself and reports it, so these ranks exit without a word (the CLI).
+    `cause` is rank 0's exception (a RuntimeError naming it when it does not pickle)."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(cause)  # pickles back into the same
+        self.cause = cause
+
+    def __str__(self) -> str:
+        return f"rank 0 failed: {self.cause}"
+
+
+def on_main(fn: Callable[[], T], *, share: bool = True) -> T | None:
+    """Run `fn` on rank 0 while the other ranks wait, then agree on its outcome (collective):
+    its value on every rank (`share=False`: None on the others, which then read what rank 0
+    wrote), or its failure, raised as it is on rank 0 and as `MainFailed` on the others. A check
+    only rank 0 makes (checkpoint integrity, the output directory) so stops every rank at the
+    same point, reported once, instead of leaving the others in a collective with a rank that
+    has gone. One process: `fn()`."""
+    if not is_initialized():
+        return fn()
+    if not is_main():
+        ok, value = broadcast_object(None)
+        if not ok:
+            raise MainFailed(value)
+        return value
+    try:
+        value = fn()
+    except Exception as err:
+        # the others gone already: rank 0's own failure still stands
+        with suppress(Exception):
+            broadcast_object((False, _portable(err)))
+        raise
+    broadcast_object((True, value if share else None))
+    return value
+
+
+def _portable(err: Exception) -> Exception:
+    """`err` if it survives pickling (to reach the other ranks), else a RuntimeError naming it."""
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
+    return err
 
 
 def all_reduce_sum(x: torch.Tensor | float) -> torch.Tensor | float:
@@ -388,3 +449,122 @@ def load_full_state_dicts(
     set_optimizer_state_dict(
         model, optimizer, {"state": state, "param_groups": groups}, options=opts
     )
+
+
+# ---------------------------------------------------------------- when a run must stop
+# What the CLI does on each rank of a torchrun job that fails (hybridlm.cli's docstring says what
+# the user sees). torchrun stops the other ranks once one exits non-zero and prints a summary
+# whose "Root Cause" is the failure with the earliest time in whole seconds (ties: the rank it
+# saw exit first), read from the rank's error file (TORCHELASTIC_ERROR_FILE) when it wrote one.
+
+# gloo's words when the rank at the other end of a connection exited (NCCL raises DistError)
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+)
+# how long a rank waits for rank 0's verdict: ranks that all find the same failure find it
+# within moments of one another; a failure of this rank alone is reported after it
+REPORT_WAIT_S = 10.0
+_RANK0_FAILED = "rank0_failed"
+
+
+def launch_rank() -> int:
+    """This process's rank in the torchrun job (RANK), also before the process group starts."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether `err`, or an exception it was raised from or during, is this rank's side of
+    another rank leaving: a collective or store operation whose connection closed (gloo's
+    RuntimeError), or torch.distributed's DistError (NCCL, the store, the network). The rank
+    that left says why; this one has nothing to add."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, dist.DistError):
+            return True
+        if isinstance(e, RuntimeError) and any(words in str(e) for words in _PEER_GONE):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _stop_store() -> Any:
+    """The job's key-value store, to tell the other ranks that rank 0 failed: torchrun's agent
+    store (served by the agent, so up before the process group starts and after any rank has
+    exited) or the process group's; None without either or when it does not answer."""
+    try:
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                is_master=False,
+                timeout=timedelta(seconds=REPORT_WAIT_S),
+                wait_for_workers=False,
+            )
+        elif is_initialized():
+            store = dist.distributed_c10d._get_default_store()
+        else:
+            return None
+        return dist.PrefixStore("hybridlm/stop/", store)
+    except Exception:
+        return None
+
+
+def announce_failure(text: str) -> None:
+    """On rank 0, once it has reported its failure: tell the other ranks, with its text
+    (`main_failure`). Nothing on the others: a failure of theirs is theirs to report."""
+    if launch_rank() != 0:
+        return
+    store = _stop_store()
+    if store is not None:
+        with suppress(Exception):
+            store.set(_RANK0_FAILED, text)
+
+
+def main_failure() -> str | None:
+    """The text of rank 0's failure once rank 0 has reported one (`announce_failure`), waiting
+    up to `REPORT_WAIT_S`; None when it has not (it is still running, so a failure of this rank
+    is its own) or cannot be asked."""
+    store = _stop_store()
+    if store is None:
+        return None
+    # polled: a timed-out `store.wait` logs a socket warning on stderr
+    deadline = time.monotonic() + REPORT_WAIT_S
+    try:
+        while not store.check([_RANK0_FAILED]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+        return store.get(_RANK0_FAILED).decode()
+    except Exception:
+        return None
+
+
+def record_failure(message: str, traceback: str | None = None) -> None:
+    """Write this rank's failure to torchrun's error file, in the format of
+    `torch.distributed.elastic.multiprocessing.errors.record`: torchrun's summary then shows
+    `message` (or `traceback`) for this rank instead of "To enable traceback see: ...". Without
+    torchrun (no TORCHELASTIC_ERROR_FILE), nothing."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    extra = {"timestamp": str(int(time.time()))}
+    if traceback:
+        extra["py_callstack"] = traceback
+    with suppress(OSError):
+        Path(path).write_text(json.dumps({"message": {"message": message, "extraInfo": extra}}))
+
+
+def leave_quietly(why: str) -> None:
+    """Before a rank exits without a word because another rank failed: under torchrun, wait for
+    the next whole second, then record `why` (torchrun's summary lists it among the other
+    failures). The wait keeps this rank's time after the reporting rank's, so torchrun names
+    that one the root cause; torchrun usually stops this rank during it."""
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+        return
+    time.sleep(1.0 - time.time() % 1.0 + 0.01)
+    record_failure(why)

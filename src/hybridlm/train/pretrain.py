@@ -59,7 +59,7 @@ from ..report.plot import plot_loss_curves
 from .config import RunConfig
 from .distill import cache_pass_teacher, check_vocab, load_teacher, teacher_topk_at
 from .objectives import causal_lm_loss, shift_targets, topk_forward_kl
-from .parallel import barrier, is_main
+from .parallel import is_main, on_main
 from .teacher_cache import TextTeacherTopK, build_text_teacher_cache
 from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model, resolve_device
 
@@ -122,9 +122,7 @@ class Pretrain(TrainModule):
         if rt.cp > 1 and tc.z_loss > 0:
             raise ValueError("train.z_loss needs the logits of whole rows; it does not take cp > 1")
         # rank 0 tokenises and writes the shards; the others wait, then open the same files
-        if is_main():
-            sets = prepare_shards(dc)
-        barrier()
+        sets = on_main(lambda: prepare_shards(dc), share=False)
         if not is_main():
             sets = prepare_shards(dc)  # finds the manifest and reuses every shard
         vocab = max(s.vocab_size for s in sets.values())

@@ -42,7 +42,6 @@ from ..config import ModelConfig
 from ..io import load_model
 from ..io.checkpoint import (
     is_sharded_checkpoint,
-    latest_checkpoint,
     load_checkpoint,
     read_meta,
     resume_checkpoint,
@@ -74,6 +73,7 @@ from .parallel import (
     is_sharded,
     load_full_state_dicts,
     materialize_sharded,
+    on_main,
     resolve_layout,
 )
 
@@ -313,11 +313,13 @@ class Trainer:
         rank, world, dist_device = init_distributed(tc.device)
         self.rank, self.world_size = rank, world
         # before any work: refuse to start over an earlier run unless resumed or overwritten
-        out = prepare_run_dir(
-            tc.out_dir, resume=resume, overwrite=overwrite, remove=is_main(), log=self._print
+        # (rank 0 checks and removes for every rank: one verdict, reported once)
+        out = on_main(
+            lambda: prepare_run_dir(tc.out_dir, resume=resume, overwrite=overwrite, log=self._print)
         )
-        # the mesh layout of a torchrun job (a single process ignores train.parallel)
-        self.layout = resolve_layout(tc.layout(), world) if world > 1 else Layout()
+        # the mesh layout of a torchrun job (a single process ignores train.parallel); a layout
+        # that does not fit the world is rank 0's error, the same on every rank
+        self.layout = on_main(lambda: resolve_layout(tc.layout(), world)) if world > 1 else Layout()
         self.parallel = self.layout.style
         device = dist_device if dist_device is not None else resolve_device(tc.device)
         self.mesh = build_mesh(self.layout, device) if self.parallel == "fsdp" else None
@@ -393,15 +395,12 @@ class Trainer:
     # ------------------------------------------------------------------ resume + save
     def _resume(self) -> None:
         stage = self.module.stage
-        # rank 0 verifies and moves damaged checkpoints aside; the others then take the newest
-        path = resume_checkpoint(self.out, log=self._print) if is_main() else None
-        barrier()
-        if not is_main():
-            path = latest_checkpoint(self.out)
+        # rank 0 verifies and moves damaged checkpoints aside, and every rank takes its verdict:
+        # the newest intact checkpoint, or its error (none intact) on every rank at once
+        path = on_main(lambda: resume_checkpoint(self.out, log=self._print))
         if path is None:
             self._print(f"{stage}: no checkpoint under {self.out} to resume; starting from scratch")
-            if is_main():
-                truncate_metrics(self.metrics_path, None)
+            on_main(lambda: truncate_metrics(self.metrics_path, None), share=False)
             return
         if is_sharded_checkpoint(read_meta(path)):
             # any world size and layout: each rank reads the chunks it holds (train.dcp)
@@ -427,9 +426,7 @@ class Trainer:
         self.module.load_state_dict(meta)
         self.resumed_from = path
         # rows logged after the checkpoint (by the killed run) are replayed: drop them
-        if is_main():
-            truncate_metrics(self.metrics_path, self.step)
-        barrier()
+        on_main(lambda: truncate_metrics(self.metrics_path, self.step), share=False)
         self._print(f"{stage}: resumed from {path} at step {self.step}")
 
     def checkpoint_format(self) -> str:
@@ -468,20 +465,17 @@ class Trainer:
             msd, osd = full_state_dicts(self.model, self.optimizer)
             if is_main():
                 model, optimizer = _plain_copy(self.model.config, msd), _FixedState(osd)
-        if not is_main():
-            barrier()
-            return None
-        meta = self._checkpoint_meta()
-        path = save_checkpoint(
-            self.out,
-            step=self.step,
-            model=model,
-            optimizer=optimizer,
-            meta=meta,
-            keep_last_n=self.cfg.keep_last_n,
+        return on_main(
+            lambda: save_checkpoint(
+                self.out,
+                step=self.step,
+                model=model,
+                optimizer=optimizer,
+                meta=self._checkpoint_meta(),
+                keep_last_n=self.cfg.keep_last_n,
+            ),
+            share=False,
         )
-        barrier()
-        return path
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, Any]:
