@@ -218,6 +218,7 @@ def test_whole_flow_runs_and_writes_the_report(finished):
     assert md.startswith(f"# hybridlm speedrun — {run}\n") and "Not the default speedrun" in md
 
 
+@pytest.mark.slow  # three more runs of the flow (~1 min); .ci/run runs it
 def test_rerun_reuses_finished_stages_and_reruns_downstream_of_a_change(finished):
     _, run, _ = finished
     before = {s: json.loads((run / s / "stage.json").read_text()) for s in STAGE_NAMES[:-1]}
