@@ -273,3 +273,7 @@ def test_workers_that_cannot_start_fall_back_to_in_process(monkeypatch, caplog):
         assert guarded.score(env[0], right).value == 1.0  # scored all the same
         assert pool.broken and "exited with code 1" in pool.broken
         assert "without a deadline" in caplog.text
+    # the server awaits the pool's future: its failure is scored in-process there too, not a 500
+    with run_in_background(create_env_app(env, verify_timeout_s=1.0)) as url:
+        out = httpx.post(f"{url}/verify", json={"problem_id": env[0].id, "completion": right})
+        assert out.status_code == 200 and out.json()["reward"] == 1.0, out.text

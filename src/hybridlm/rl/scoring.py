@@ -387,15 +387,19 @@ class DeadlineEnvironment(Environment):
         return getattr(self.inner, name)
 
     def _registered(self) -> int | None:
+        """This environment's key in the pool (registered on first use), or None when it is
+        scored in this process."""
         with self._lock:
-            if self._key is None and not self._in_process:
-                self._pool = self._pool or shared_pool()
-                try:
-                    self._key = self._pool.register(self.inner)
-                except TypeError as err:
-                    log.warning("%s; it is scored in this process, without a deadline", err)
-                    self._in_process = True
-            return None if self._in_process else self._key
+            if self._in_process or self._key is not None:
+                return None if self._in_process else self._key
+            self._pool = self._pool or shared_pool()
+            try:
+                self._key = self._pool.register(self.inner)
+                return self._key
+            except TypeError as err:
+                why = str(err)
+        self._fall_back(why)
+        return None
 
     def _fall_back(self, why: str) -> None:
         with self._lock:
@@ -408,33 +412,43 @@ class DeadlineEnvironment(Environment):
                 self._in_process = True
 
     def submit(self, problem: Problem, completion: str) -> Future:
-        """The reward of one completion as a `Future` (it may raise `PoolUnavailable`, which
-        `score` / `score_many` turn into in-process scoring)."""
+        """The reward of one completion as a `Future`. Where the pool cannot score this
+        environment (`PoolUnavailable`, when submitting or later), it is scored in this process
+        instead (`_fall_back`), so a caller never sees the pool's failure."""
         key = self._registered()
         if key is not None:
             try:
-                return self._pool.submit(key, problem, completion, self.timeout_s)
+                pooled = self._pool.submit(key, problem, completion, self.timeout_s)
             except PoolUnavailable as err:
                 self._fall_back(str(err))
+            else:
+                out: Future = Future()
+                pooled.add_done_callback(lambda f: self._settle(out, f, problem, completion))
+                return out
         fut: Future = Future()
-        fut.set_result(self.inner.score(problem, completion))
+        _resolve(fut, self.inner.score, problem, completion)
         return fut
 
+    def _settle(self, out: Future, pooled: Future, problem: Problem, completion: str) -> None:
+        """`out` from the pool's future; a `PoolUnavailable` there is scored in this process,
+        on a thread of its own (this runs on the pool's dispatcher)."""
+        err = pooled.exception()
+        if err is None:
+            out.set_result(pooled.result())
+            return
+        self._fall_back(str(err))
+        threading.Thread(
+            target=_resolve, args=(out, self.inner.score, problem, completion), daemon=True
+        ).start()
+
     def score(self, problem: Problem, completion: str) -> Reward:
-        return self.score_many([problem], [completion])[0]
+        return self.submit(problem, completion).result()
 
     def score_many(self, problems: Sequence[Problem], completions: Sequence[str]) -> list[Reward]:
         if len(problems) != len(completions):
             raise ValueError(f"{len(problems)} problems but {len(completions)} completions")
         futures = [self.submit(p, c) for p, c in zip(problems, completions, strict=True)]
-        out = []
-        for fut, p, c in zip(futures, problems, completions, strict=True):
-            try:
-                out.append(fut.result())
-            except PoolUnavailable as err:
-                self._fall_back(str(err))
-                out.append(self.inner.score(p, c))
-        return out
+        return [f.result() for f in futures]
 
     def __getstate__(self) -> dict[str, Any]:  # a pool stays in its process (Ray ships envs)
         state = {**self.__dict__, "_pool": None, "_key": None}
@@ -444,6 +458,14 @@ class DeadlineEnvironment(Environment):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+
+def _resolve(fut: Future, fn: Any, *args: Any) -> None:
+    """`fut` set to `fn(*args)`, or to the exception it raised."""
+    try:
+        fut.set_result(fn(*args))
+    except Exception as err:  # noqa: BLE001 - the caller's `result()` raises it
+        fut.set_exception(err)
 
 
 def with_deadline(
