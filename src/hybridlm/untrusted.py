@@ -14,8 +14,8 @@ decoder never recurses deeply and never builds more than `max_items` values:
 - depth: arrays and objects nest at most `max_depth` deep (Python's decoder recurses once a
   level, and a few thousand levels end in `RecursionError`);
 - items: at most `max_items` array elements and object members in all;
-- numbers: NaN and Infinity are not JSON, and an integer of more than 4,300 digits is refused
-  by Python itself; both are `UntrustedJSONError`.
+- numbers: NaN and Infinity are not JSON (unless `allow_nan`), and an integer of more than
+  4,300 digits is refused by Python itself; both are `UntrustedJSONError`.
 
 Any failure is an `UntrustedJSONError` (a `ValueError`) whose message says which limit or which
 syntax error, never a `RecursionError` or `MemoryError`. Messages start with `what`, the name
@@ -50,6 +50,9 @@ class JSONLimits:
     max_depth: int = 64  # a chat request nests about 6 deep, tool-call arguments a few more
     max_chars: int = 4 << 20  # a request body's default limit (`infer.server`)
     max_items: int = 1 << 20
+    # NaN / Infinity literals: not JSON (RFC 8259), but Python's json reads them, and a checker
+    # that follows a reference built on it (IFEval's json_format) must too
+    allow_nan: bool = False
 
     def __post_init__(self) -> None:
         if self.max_depth < 1 or self.max_chars < 1 or self.max_items < 1:
@@ -119,15 +122,22 @@ def loads(text: str | bytes, limits: JSONLimits = DEFAULT_LIMITS, *, what: str =
         raise UntrustedJSONError(f"{what}: longer than {limits.max_chars} {unit}")
     _check_shape(text, limits, what)
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        return json.loads(text, **({} if limits.allow_nan else {"parse_constant": _no_constant}))
     except UntrustedJSONError:
         raise
     except (ValueError, RecursionError) as err:  # syntax, bad UTF-8, 4300+ digit integers
         raise UntrustedJSONError(f"{what}: not valid JSON ({err})") from None
 
 
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 _FIRST_WINDOW = 256
+_DECODERS = {
+    False: json.JSONDecoder(parse_constant=_no_constant),
+    True: json.JSONDecoder(),
+}
+
+
+def _decoder(limits: JSONLimits) -> json.JSONDecoder:
+    return _DECODERS[limits.allow_nan]
 
 
 def decode_prefix(
@@ -147,7 +157,7 @@ def decode_prefix(
         stop = min(len(text), start + window)
         chunk = text[start:stop]
         try:
-            value, end = _DECODER.raw_decode(chunk)
+            value, end = _decoder(limits).raw_decode(chunk)
         except UntrustedJSONError:
             raise
         except json.JSONDecodeError as err:

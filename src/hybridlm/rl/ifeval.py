@@ -34,14 +34,13 @@ reference finds; JSON is read by the bounded `hybridlm.untrusted.loads`.
 from __future__ import annotations
 
 import inspect
-import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hybridlm.rl.ifeval_text import count_sentences, count_words, detect_language, word_tokenize
-from hybridlm.untrusted import JSONLimits, UntrustedJSONError, json_shape, loads
+from hybridlm.untrusted import JSONLimits, UntrustedJSONError, loads
 
 Checker = Callable[..., bool]
 INSTRUCTIONS: dict[str, Checker] = {}
@@ -309,8 +308,9 @@ def multiple_sections(response: str, *, section_spliter: str, num_sections: int)
     return len(pieces) - 1 >= _number("num_sections", num_sections)
 
 
-# max_items >= max_chars: a text within the size limit never has too many items
-_JSON_LIMITS = JSONLimits(max_depth=256, max_chars=1 << 30, max_items=1 << 30)
+# max_items >= max_chars: a text within the size limit never has too many items; NaN and
+# Infinity are read as Python's json (the reference's parser) reads them
+_JSON_LIMITS = JSONLimits(max_depth=256, max_chars=1 << 30, max_items=1 << 30, allow_nan=True)
 
 
 @register_instruction("detectable_format:json_format")
@@ -320,8 +320,7 @@ def json_format(response: str) -> bool:
     `ValueError` is "not followed"). Read by the bounded `hybridlm.untrusted.loads`: arrays and
     objects nested deeper than `_JSON_LIMITS.max_depth` (256) count as not JSON (the reference
     raises `RecursionError` a few thousand levels down); the size and item limits are far above
-    any reply. NaN and Infinity, which `loads` refuses and Python's `json` (the reference's
-    parser) takes, are accepted as the reference accepts them."""
+    any reply; NaN and Infinity are accepted, as the reference accepts them."""
     text = response.strip()
     for prefix in ("```json", "```Json", "```JSON", "```"):
         text = text.removeprefix(prefix)
@@ -329,16 +328,7 @@ def json_format(response: str) -> bool:
     try:
         loads(text, _JSON_LIMITS, what="the response")
     except UntrustedJSONError:
-        if "NaN" not in text and "Infinity" not in text:
-            return False
-        # `loads` may have stopped at a constant; read the text as the reference does once its
-        # nesting is known to be within the limit (`json_shape` counts it without recursion)
-        if json_shape(text)[0] > _JSON_LIMITS.max_depth:
-            return False
-        try:
-            json.loads(text)
-        except (ValueError, RecursionError):
-            return False
+        return False
     return True
 
 
