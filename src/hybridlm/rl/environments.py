@@ -650,6 +650,12 @@ class InstructionFollowingEnvironment(DatasetEnvironment):
 LOW_EFFORT_SYSTEM = "Reasoning effort: low. Think briefly and answer concisely."
 
 
+def _utf8_length(text: str) -> int:
+    """Tokens of the byte tokenizer (a function, not a lambda: the environment pickles for the
+    scoring workers, `rl.scoring`, and Ray)."""
+    return len(text.encode("utf-8"))
+
+
 class LowEffortEnvironment(Environment):
     """Switches a deterministic `fraction` of the base environment's prompts to low-effort mode
     (a system message; Nemotron 3 Super §3.2.1 starts at 2% of RL prompts) and scores them with a
@@ -682,7 +688,7 @@ class LowEffortEnvironment(Environment):
         self.base, self.name = base, base.name
         self.fraction, self.penalty = fraction, penalty
         self.free_tokens, self.max_tokens = free_tokens, max_tokens
-        self.count_tokens = count_tokens or (lambda s: len(s.encode("utf-8")))  # byte tokenizer
+        self.count_tokens = count_tokens or _utf8_length  # the byte tokenizer's count
         self.seed, self.system_prompt = seed, system_prompt
 
     @property

@@ -186,11 +186,15 @@ def create_env_app(
             )  # fmt: skip
         return ep
 
+    def release(episode_id: str) -> None:
+        with lock:
+            busy.discard(episode_id)
+
     def forget(episode_id: str, ep: Episode) -> None:
         with lock:
             if episodes.get(episode_id) is ep:
                 del episodes[episode_id]
-            busy.discard(episode_id)
+        release(episode_id)
         ep.close()
 
     @app.get("/info")
@@ -253,17 +257,13 @@ def create_env_app(
                 404, "the episode is over", param="episode_id", code="not_found"
             ) from None
         except BaseException:
-            with lock:
-                busy.discard(episode_id)
+            release(episode_id)
             raise
         if out.done:
             forget(episode_id, ep)
         else:
-            with lock:
-                busy.discard(episode_id)
-        info = {k: v for k, v in out.info.items() if k != "detail"}
-        if debug_rewards and "detail" in out.info:
-            info["detail"] = out.info["detail"]
+            release(episode_id)
+        info = out.info if debug_rewards else {k: v for k, v in out.info.items() if k != "detail"}
         return {
             "observation": out.observation,
             "reward": float(out.reward),
