@@ -20,5 +20,8 @@ KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "nvfp4")
 # in BF16 in Nemotron 3 Super, so speculative acceptance is not traded for memory).
 PTQ_DEFAULT_EXCLUDE: tuple[str, ...] = ("lm_head", "mtp.*", "mtp_depths.*")
 
+# log levels of the HTTP servers (infer/server.py: `hybridlm serve`, `hybridlm env-serve`)
+LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
+
 # torch dtypes a model is evaluated in (eval/harness.py)
 EVAL_DTYPES: tuple[str, ...] = ("bfloat16", "float32", "float64")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..choices import LOG_LEVELS
+
 
 def add_overrides_arg(parser: argparse.ArgumentParser, example: str) -> None:
     """`--set KEY=VALUE` (repeatable) on a command line, collected into `args.overrides` for
@@ -16,3 +18,22 @@ def add_overrides_arg(parser: argparse.ArgumentParser, example: str) -> None:
         metavar="KEY=VALUE",
         help=f"dotted override, e.g. --set {example} (repeatable)",
     )
+
+
+def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
+    """`--host`, `--port` and `--log-level` of an HTTP server (`serve`, `env-serve`)."""
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: localhost only)"
+    )
+    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=LOG_LEVELS,
+        help="debug also logs every request with its id",
+    )
+
+
+def check_port(port: int) -> None:
+    if not 0 <= port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")

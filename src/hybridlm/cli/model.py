@@ -16,7 +16,7 @@ from typing import Any
 from ..choices import KV_CACHE_DTYPES, SSM_PRECISIONS
 from ..config import ModelConfig
 from ..presets import PRESETS, get_preset
-from .args import add_overrides_arg
+from .args import add_overrides_arg, add_server_args, check_port
 
 
 def _add_model_args(p: argparse.ArgumentParser, *, checkpoint: bool = True) -> None:
@@ -111,8 +111,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the [serve] extra)")
     _add_model_args(p)
     _add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
-    p.add_argument("--port", type=int, default=8000)
+    add_server_args(p, port=8000)
     p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
     p.add_argument(
         "--spec-max-batch",
@@ -136,12 +135,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="clients must send this bearer token, the openai client's api_key (default: "
         "$HYBRIDLM_API_KEY; none: no authentication)",
-    )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error", "critical"],
-        help="debug also logs every request with its id",
     )
     p.set_defaults(fn=cmd_serve)
 
@@ -387,8 +380,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ValueError(
             f"`hybridlm serve` needs FastAPI and uvicorn: pip install 'hybridlm[serve]' ({err})"
         ) from None
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    check_port(args.port)
     max_body = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
     if max_body < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {max_body}")

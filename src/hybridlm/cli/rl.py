@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from .args import add_overrides_arg
+from .args import add_overrides_arg, add_server_args, check_port
 from .train import add_resume_args
 
 
@@ -30,8 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "env-serve", help="serve an RL environment over HTTP (rl/remote.py's protocol)"
     )
     p.add_argument("--env", default="calculator", help="an environment kind (envs[].kind)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8010)
+    add_server_args(p, port=8010)
     p.add_argument("--max-episodes", type=int, default=4096, help="live episodes kept")
     p.add_argument(
         "--token",
@@ -50,12 +49,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--debug-rewards",
         action="store_true",
         help="add each verdict's detail (which may hold the ground truth) to replies",
-    )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        choices=["debug", "info", "warning", "error", "critical"],
-        help="debug also logs every request with its id",
     )
     add_overrides_arg(p, "digits=5 --set seed=0 (fields of an RL config's envs[] entry)")
     p.set_defaults(fn=cmd_env_serve)
@@ -122,8 +115,7 @@ def cmd_env_serve(args: argparse.Namespace) -> None:
 
     if args.env == "http":
         raise ValueError("env-serve serves a local environment; 'http' is the client of one")
-    if not 0 <= args.port < 65536:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    check_port(args.port)
     if args.verify_timeout < 0 or args.verify_workers < 1:
         raise ValueError("--verify-timeout must be >= 0 and --verify-workers >= 1")
     token = args.token or os.environ.get(TOKEN_ENV) or None
@@ -141,4 +133,4 @@ def cmd_env_serve(args: argparse.Namespace) -> None:
         f"[env-serve] {env.name}: {len(env)} problems on http://{args.host}:{args.port} "
         f"({auth}; verification deadline {args.verify_timeout:g} s)"
     )
-    run_app(app, args.host, args.port, args.log_level, authenticated=token is not None)
+    run_app(app, args.host, args.port, args.log_level)

@@ -116,6 +116,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 
 from .. import untrusted
+from ..choices import LOG_LEVELS
 from ..data import chat as chat_template
 from . import grammar
 from . import tools as tool_mod
@@ -1056,6 +1057,7 @@ def base_app(title: str, *, lifespan: Any = None, token: str | None = None) -> F
         raise ValueError("an empty token would let anyone in; give a secret or none")
     app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(_Guard, token=token)
+    app.state.token_required = token is not None
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError) -> Response:
@@ -1071,6 +1073,11 @@ def base_app(title: str, *, lifespan: Any = None, token: str | None = None) -> F
         return _error_response(APIError(err.status_code, str(err.detail), code=code))
 
     return app
+
+
+def _token_required(app: Any) -> bool:
+    """Whether `app` (a `base_app`) asks every request for a token."""
+    return bool(getattr(getattr(app, "state", None), "token_required", False))
 
 
 async def read_json(request: Request, max_body_bytes: int) -> dict[str, Any]:
@@ -1810,8 +1817,9 @@ async def _stream(job: _Job, gen: _Generation) -> AsyncIterator[bytes]:
 
 
 # ---------------------------------------------------------------------- running it
-def _warn_if_public(host: str, authenticated: bool = False) -> None:
-    if host not in ("127.0.0.1", "localhost", "::1") and not authenticated:
+def _warn_if_public(app: Any, host: str) -> None:
+    """A warning when `app` is reachable from other machines without a token (`base_app`)."""
+    if host not in ("127.0.0.1", "localhost", "::1") and not _token_required(app):
         log.warning("binding %s without a token: anyone who can reach this server can use it", host)
 
 
@@ -1827,10 +1835,7 @@ def serve(
 ) -> None:
     """Serve until interrupted (Ctrl-C). Binds to localhost unless told otherwise."""
     app = create_app(engine, model_name, max_body_bytes=max_body_bytes, api_key=api_key)
-    run_app(app, host, port, log_level, authenticated=api_key is not None)
-
-
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+    run_app(app, host, port, log_level)
 
 
 def _configure_logging(log_level: str) -> None:
@@ -1846,15 +1851,13 @@ def _configure_logging(log_level: str) -> None:
         logger.addHandler(handler)
 
 
-def run_app(
-    app: Any, host: str, port: int, log_level: str = "info", *, authenticated: bool = False
-) -> None:
+def run_app(app: Any, host: str, port: int, log_level: str = "info") -> None:
     """Serve the ASGI `app` with uvicorn until interrupted (a warning when it is reachable from
     other machines without a token)."""
     import uvicorn
 
     _configure_logging(log_level)
-    _warn_if_public(host, authenticated)
+    _warn_if_public(app, host)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
 
 
@@ -1894,7 +1897,7 @@ def run_in_background(
     no race)."""
     import uvicorn
 
-    _warn_if_public(host)
+    _warn_if_public(app, host)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto TCP, not the default 0: asyncio sets TCP_NODELAY only on sockets that say TCP, and
     # without it Nagle holds each response's body behind its headers for a delayed ACK (~40 ms)
