@@ -159,3 +159,32 @@ def tool_rl_config(checkpoint: str, out, **kw):
         micro_batch_size=4,
     )
     return RLConfig(**{**base, **kw})
+
+
+def tiny_sft_run(tmp: Path, out: str = "sft", *, steps: int = 1) -> Path:
+    """A finished SFT run of `tiny_train_model` on generated arithmetic chats in `tmp/out`:
+    run.yaml, checkpoints/step_*, hf/ (what `hybridlm speedrun` leaves in runs/speedrun/sft)."""
+    from hybridlm.train.sft import ChatSource, SFTConfig, SFTDataConfig, SFTRunConfig, run_sft
+
+    run_sft(
+        SFTRunConfig(
+            model=tiny_train_model(),
+            data=SFTDataConfig(
+                sources=[ChatSource(kind="arithmetic", max_rows=80, digits=1, seed=3)],
+                seq_len=128,
+                batch_size=2,
+                held_out=4,
+            ),
+            train=TrainConfig(
+                max_steps=steps,
+                warmup_steps=0,
+                eval_interval=0,
+                log_interval=1,
+                out_dir=str(tmp / out),
+                progress=False,
+                plot=False,
+            ),
+            sft=SFTConfig(eval_generate=0),
+        )
+    )
+    return tmp / out

@@ -4,6 +4,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -45,7 +46,7 @@ def test_generate_and_export(tmp_path, capsys):
     [
         (["info", "--preset", "tiny-super", "--set", "moe.top_k=99"], "exceeds"),
         (["info", "--config", "/nonexistent.yaml"], "not found"),
-        (["generate", "--checkpoint", "/nonexistent"], "neither a transformers directory"),
+        (["generate", "--checkpoint", "/nonexistent"], "'/nonexistent': no such model"),
         (["generate", "--preset", "tiny-super", "--max-new-tokens", "-1"], "max_new_tokens"),
         (["generate", "--preset", "tiny-olmo", "--speculative", "3"], "MTP"),
         (
@@ -61,6 +62,77 @@ def test_user_mistakes_are_reported(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_quantised_kv_cache_without_scales_names_a_command_that_parses(capsys):
+    """The FP8 KV-cache error names the quantize command that makes the scales; it parses as
+    written (there is no `quantize --set kv_cache=...` to suggest in its place)."""
+    argv = ["generate", "--preset", "tiny-super", "--kv-cache-dtype", "fp8"]
+    assert main([*argv, "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("hybridlm generate: error: kv_cache_dtype fp8 needs"), err
+    suggested = err.split("`")[1].split()
+    assert suggested[:2] == ["hybridlm", "quantize"], suggested
+    assert build_parser().parse_args(suggested[1:]).kv_cache == "fp8"
+
+
+def test_generate_help_names_the_checkpoints_own_tokenizer(capsys):
+    for argv in (["--help"], ["generate", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = " ".join(capsys.readouterr().out.split())
+        assert "(byte tokenizer)" not in out
+    assert "the tokenizer the checkpoint was trained with" in out
+
+
+# `hybridlm` with a module made unimportable, as in an install without the extra providing it
+_WITHOUT = """
+import sys
+sys.modules[sys.argv.pop(1)] = None  # `import` of it raises ImportError
+from hybridlm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    "missing,argv",
+    [
+        ("fastapi", ["serve", "--preset", "tiny-super", "--port", "0"]),
+        ("uvicorn", ["serve", "--preset", "tiny-super", "--port", "0"]),
+        ("uvicorn", ["env-serve", "--env", "calculator", "--port", "0"]),
+    ],
+)
+def test_a_server_without_the_serve_extra_names_it(missing, argv, tmp_path):
+    """One line naming the [serve] extra, before any model is loaded (uvicorn is imported only
+    when the server starts: without the check it failed with a traceback after loading)."""
+    res = subprocess.run(
+        [sys.executable, "-c", _WITHOUT, missing, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    want = f"hybridlm {argv[0]}: error: `hybridlm {argv[0]}` needs {missing}, which the [serve]"
+    assert last.startswith(want) and 'pip install -e ".[serve]"' in last, last
+
+
+def test_default_outputs_of_the_readme_rows_stay_out_of_git(tmp_path, monkeypatch, capsys):
+    """`hybridlm upsample-curve` writes under runs/ by default, and the README's `export-hf
+    --out hf/` lands in an ignored folder: neither leaves untracked files in a checkout."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["upsample-curve", "--target", "web=1.0", "--drop-below", "0.4"]) == 0
+    written = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ["runs/upsample/curves.jsonl", "runs/upsample/curves.png"], written
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    paths = [*written, "hf/config.json"]
+    res = subprocess.run(
+        ["git", "check-ignore", "--no-index", *paths], cwd=root, capture_output=True, text=True
+    )
+    assert sorted(res.stdout.split()) == sorted(paths), res.stdout
 
 
 def test_console_entry_point_runs():

@@ -4,6 +4,7 @@ import pytest
 
 from hybridlm import ModelConfig, MoEConfig, apply_overrides
 from hybridlm.config import AttentionConfig
+from hybridlm.data.config import DataConfig
 from hybridlm.presets import PRESETS, get_preset
 
 
@@ -81,6 +82,13 @@ def test_unknown_file_keys_and_missing_files(tmp_path):
         ModelConfig.load(tmp_path / "missing.yaml")
     with pytest.raises(ValueError, match="unknown preset"):
         get_preset("gpt-5")
+
+
+def test_a_missing_required_key_is_named():
+    """A source without its `name` (e.g. a chat source read as a pretraining one) is a
+    ValueError naming the key, not the constructor's TypeError."""
+    with pytest.raises(ValueError, match=r"missing key\(s\) \['data\.sources\[0\]\.name'\]"):
+        DataConfig.from_dict({"sources": [{"kind": "hf", "path": "x/y"}]})
 
 
 def test_sliding_layout_follows_olmo3():

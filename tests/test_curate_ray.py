@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -66,3 +68,29 @@ def test_ray_executor_matches_local(tmp_path, local_ray):
             b["dropped"],
         )
     assert remote.data["inputs"] == local.data["inputs"]
+
+
+# `hybridlm` with a module made unimportable, as in an install without the extra providing it
+WITHOUT = """
+import sys
+sys.modules[sys.argv.pop(1)] = None  # `import` of it raises ImportError
+from hybridlm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_without_the_data_extra_the_ray_executor_names_it(tmp_path):
+    """`ray` alone (the [rl] / [speedrun] extras) lacks pandas, which Ray Data imports: the
+    command stops with one line naming the [data] extra instead of an ImportError traceback."""
+    argv = ["curate", "--executor", "ray", "--output", str(tmp_path / "out"), "--no-progress"]
+    res = subprocess.run(
+        [sys.executable, "-c", WITHOUT, "pandas", *argv, "--num-cpus", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert last.startswith("hybridlm curate: error: executor ray needs Ray Data"), last
+    assert 'pip install -e ".[data]"' in last, last

@@ -51,8 +51,13 @@ def test_the_tokenizer_can_be_given_and_bad_paths_say_what_is_expected(tmp_path)
     with pytest.raises(ValueError, match="does not exist here"):
         load(tmp_path / "run")
     assert isinstance(load(tmp_path / "run", tokenizer="byte").tokenizer, ByteTokenizer)
-    with pytest.raises(ValueError, match=r"neither a transformers directory \(config.json\)"):
+    with pytest.raises(ValueError, match=r"'.*nothing': no such model; give a model path"):
         load(tmp_path / "nothing")
+    with pytest.raises(ValueError, match=r"^train.init_from='.*nothing': no such model; point "):
+        load_model(tmp_path / "nothing", setting="train.init_from")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"neither a transformers directory \(config.json\)"):
+        load(tmp_path / "empty")
     (tmp_path / "bare" / "checkpoints").mkdir(parents=True)
     with pytest.raises(ValueError, match="nor a run with checkpoints"):
         load_model(tmp_path / "bare")

@@ -1,7 +1,8 @@
 """MTP healing / boosting: the loss matches the pretraining MTP loss, only the head learns,
 hidden-state mixing feeds the true backbone hidden, a short boost of a random model's head on its
 own generations raises draft agreement and acceptance (the backbone, its router biases included,
-unchanged), and a resumed boost repeats the uninterrupted one."""
+unchanged), a resumed boost repeats the uninterrupted one, and an SFT run's chat prompts are the
+default prompts of a model it trained."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import json
 import pytest
 import torch
 
+from _tiny import tiny_sft_run
 from hybridlm import HybridLM
+from hybridlm.cli import main
 from hybridlm.data.tokenizer import ByteTokenizer
+from hybridlm.interop.hf import save_pretrained
 from hybridlm.io import load, load_model
 from hybridlm.model.model import shift_left
 from hybridlm.presets import get_preset
@@ -19,6 +23,7 @@ from hybridlm.train.mtp_boost import (
     MTPBoostConfig,
     mtp_boost_loss,
     mtp_boost_trainer,
+    prompts_from_checkpoint,
     run_mtp_boost,
 )
 from hybridlm.train.objectives import causal_lm_loss
@@ -188,3 +193,47 @@ def test_a_resumed_boost_repeats_the_uninterrupted_one(tmp_path, one_thread):
     assert loaded.kind == "checkpoint" and isinstance(loaded.tokenizer, ByteTokenizer)
     for k, v in loaded.model.state_dict().items():
         assert torch.equal(v, full.state_dict()[k]), k
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    return tiny_sft_run(tmp_path_factory.mktemp("sft"))
+
+
+def test_the_prompts_of_an_sft_model_are_its_runs_chat_prompts(sft_run, one_thread):
+    """The run directory, its checkpoint and its transformers export (run.yaml beside it) all
+    give the SFT run's conversations up to the assistant turn, as the model is prompted when
+    served; no prompt is both a boosting and a held-out one."""
+    tok = ByteTokenizer()
+    ckpt = next((sft_run / "checkpoints").iterdir())
+    for path in (sft_run, ckpt, sft_run / "hf"):
+        train, held = prompts_from_checkpoint(
+            str(path), tok, n_train=6, n_eval=2, prompt_len=64, seed=0
+        )
+        assert (len(train), len(held)) == (6, 2)
+        for ids in train + held:
+            text = tok.decode(ids)
+            assert text.startswith("<|im_start|>user\nWhat is "), text
+            assert text.endswith("<|im_end|>\n<|im_start|>assistant\n"), text
+        assert not {tuple(p) for p in train} & {tuple(p) for p in held}
+
+
+def test_mtp_boost_of_an_sft_run_from_the_command_line(sft_run, tmp_path, capsys, one_thread):
+    argv = ["mtp-boost", "--checkpoint", str(sft_run), "--out", str(tmp_path / "boost")]
+    for s in ("steps=1", "num_sequences=2", "eval_prompts=1", "gen_len=8", "eval_new_tokens=4"):
+        argv += ["--set", s]
+    assert main(argv) == 0
+    assert "[mtp-boost] 2 self-generated sequences" in capsys.readouterr().out
+
+
+def test_a_run_whose_data_is_neither_text_nor_chat_is_a_one_line_error(tmp_path, capsys):
+    save_pretrained(_model(), tmp_path / "run" / "hf", tokenizer=ByteTokenizer())
+    (tmp_path / "run" / "run.yaml").write_text(
+        "data:\n  sources:\n    - {kind: arithmetic, max_rows: 3, colour: red}\n"
+    )
+    argv = ["mtp-boost", "--checkpoint", str(tmp_path / "run" / "hf"), "--set", "steps=1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("hybridlm mtp-boost: error: the data section of "), err
+    assert "neither pretraining text nor chat sources" in err
+    assert err.endswith("--set prompts=sft_arithmetic"), err

@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _tiny import tiny_train_model
+from _tiny import tiny_sft_run, tiny_train_model
+from hybridlm.cli import main
 from hybridlm.cli.precision import register
 from hybridlm.data.config import DataConfig, SourceConfig
 from hybridlm.interop.hf import save_pretrained
-from hybridlm.interop.modelopt import load_modelopt
+from hybridlm.interop.modelopt import export_modelopt, load_modelopt
 from hybridlm.io.checkpoint import save_checkpoint
 from hybridlm.model.mlp import relu2
 from hybridlm.model.model import HybridLM
@@ -364,6 +365,54 @@ def test_cli_quantize_end_to_end(tmp_path: Path):
             ["quantize", str(ckpt), str(out), "--recipe", "autoquant", "--budget", "3"]
         )
         args.fn(args)
+
+
+def test_cli_quantize_takes_a_model_of_any_stage_with_set_overrides(tmp_path: Path, capsys):
+    """A model with an SFT run config beside it (the run directory, its transformers export) is
+    quantised on the stdlib corpus in its own tokenizer, calibrated on the run's chat rows;
+    `--set` sets `QuantizeConfig` fields after the flags; a ModelOpt export (quantised already)
+    is quantised anew from its dequantised weights."""
+    sft = tiny_sft_run(tmp_path)
+    small = ["calib_samples=2", "eval_batches=1", "per_layer=false", "progress=false"]
+    sets = [a for s in small for a in ("--set", s)]
+    for name, path in (("run", sft), ("hf", sft / "hf")):
+        out = tmp_path / name
+        assert main(["quantize", str(path), str(out), "--recipe", "nvfp4", *sets]) == 0
+        s = json.loads((out / "quantize.json").read_text())
+        assert s["calibration"]["data"] == "its run's chat data", s["calibration"]
+        assert "stdlib corpus" in s["source"] and s["settings"]["calib_samples"] == 2
+        assert s["settings"]["per_layer"] is False and "loss_delta" not in s["groups"][0]
+    out = tmp_path / "again"
+    argv = ["quantize", str(tmp_path / "hf"), str(out), *sets, "--set", "recipe=fp8"]
+    assert main([*argv, "--set", "kv_cache=fp8"]) == 0
+    s = json.loads((out / "quantize.json").read_text())
+    assert "(dequantised)" in s["source"] and set(s["plan"].values()) == {"fp8"}
+    assert s["kv_cache"]["format"] == "fp8"
+    assert main(["quantize", str(sft), str(tmp_path / "x"), "--set", "colour=red"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "hybridlm quantize: error: override 'colour=red': unknown key 'colour'", err
+
+
+def test_dequantize_model_gives_plain_modules_with_the_weights_computed_with(tmp_path: Path):
+    model = tiny_model()
+    b = batch(2, 24)
+    stats = ptq.calibrate(model, [b])
+    ptq.quantize_model(model, ptq.recipe_plan(model, "nvfp4"), stats)
+    export_modelopt(model, tmp_path, dtype=torch.float32)
+    loaded = load_modelopt(tmp_path)
+    dq = {n: m for n, m in loaded.named_modules() if isinstance(m, ptq.QuantLinear)}
+    dq_experts = {n: m for n, m in loaded.named_modules() if isinstance(m, ptq.QuantExperts)}
+    assert dq and dq_experts
+    ptq.dequantize_model(loaded)
+    for name, mod in dq.items():
+        plain = loaded.get_submodule(name)
+        assert type(plain) is nn.Linear and torch.equal(plain.weight, mod.weight_dq)
+    for name, mod in dq_experts.items():
+        plain = loaded.get_submodule(name)
+        assert not isinstance(plain, ptq.QuantExperts)
+        assert torch.equal(plain.up_proj, mod.up_proj_dq)
+        assert torch.equal(plain.down_proj, mod.down_proj_dq)
+    assert loaded.kv_cache_quant is None and ptq.find_ops(loaded)
 
 
 def test_quantised_model_decodes_through_the_cache():

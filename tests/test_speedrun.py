@@ -292,12 +292,13 @@ def test_interrupted_stage_keeps_its_outputs_only_for_the_same_settings(tmp_path
 
 
 def test_quantize_data_options_name_missing_runs(tmp_path):
+    from hybridlm.data.tokenizer import ByteTokenizer
     from hybridlm.train.quantize import run_data, sft_calibration_batches
 
     with pytest.raises(ValueError, match="no pretraining run config"):
         run_data(tmp_path)
     with pytest.raises(ValueError, match="no SFT run config"):
-        sft_calibration_batches(tmp_path / "sft", 8)
+        sft_calibration_batches(tmp_path / "sft", 8, ByteTokenizer())
 
 
 def test_report_of_a_partial_run(tmp_path):

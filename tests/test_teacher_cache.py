@@ -12,13 +12,13 @@ import torch
 
 from _tiny import tiny_run, tiny_train_model
 from hybridlm.cli.train import register
-from hybridlm.data.bpe import load_tokenizer
 from hybridlm.data.sft import SFTLoader
 from hybridlm.io import load_model
 from hybridlm.report.plot import read_metrics
 from hybridlm.train.distill import run_distill
 from hybridlm.train.sft import prepare_chat_data
 from hybridlm.train.teacher_cache import CacheSpec, TeacherTopK, build_teacher_cache
+from hybridlm.train.trainer import run_tokenizer
 from test_distill import offline_run, save_teacher
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _examples(tmp_path):
     run = offline_run(tmp_path, "unused")
-    data = prepare_chat_data(run.data, load_tokenizer(run.data.tokenizer))
+    data = prepare_chat_data(run.data, run_tokenizer(run.data, run.train))
     return run, data.examples
 
 

@@ -4,6 +4,7 @@ than the run's checkpoints is an actionable error."""
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from hybridlm.io import load_model
 from hybridlm.io.checkpoint import list_checkpoints
 from hybridlm.train.checkpoint import merge_checkpoints
 from hybridlm.train.config import RunConfig, TrainConfig
-from hybridlm.train.merge import merge_run, soup_runs
+from hybridlm.train.merge import checkpoints_kept, merge_run, soup_runs
 from hybridlm.train.pretrain import run_pretrain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -127,9 +128,33 @@ def test_window_larger_than_the_run_is_an_actionable_error(run_dir, tmp_path, ca
     with pytest.raises(ValueError, match=r"has 4 checkpoint\(s\) but window 6 .*keep_last_n"):
         merge_run(run_dir, windows=[2, 6], out=tmp_path / "m")
     rc = cli_main(["merge", "--run", str(run_dir), "--windows", "5", "--out", str(tmp_path)])
-    assert rc == 2 and "--windows up to 4" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2 and "--windows up to 4" in err
+    # the run saved 5 and kept 4: the setting to change, with its value
+    assert "(train.keep_last_n: 4 keeps the last 4)" in err, err
+    assert err.endswith("or train the run again with --set train.keep_last_n=5"), err
+    with pytest.raises(ValueError, match=r"again with --set train.keep_last_n=7 .*max_steps=7$"):
+        merge_run(run_dir, windows=[7], out=tmp_path / "m")  # 5 steps cannot save 7
     with pytest.raises(ValueError, match="unknown merge weighting"):
         merge_run(run_dir, windows=[2], weights=["ema"])
+
+
+def test_the_quickstart_run_keeps_the_checkpoints_the_readmes_merge_row_averages():
+    """README: `hybridlm merge --run runs/quickstart --windows 2,3` after `hybridlm pretrain`
+    (configs/quickstart.yaml): the run must keep as many checkpoints as the largest window."""
+    root = Path(__file__).resolve().parents[1]
+    row = re.search(r"hybridlm merge --run runs/quickstart --windows ([\d,]+)", _readme(root))
+    windows = [int(w) for w in row.group(1).split(",")] if row else [2, 3]
+    tc = RunConfig.load(root / "configs" / "quickstart.yaml").train
+    assert checkpoints_kept(tc) >= max(windows), (tc.keep_last_n, tc.checkpoint_interval)
+    assert checkpoints_kept(TrainConfig(max_steps=10, checkpoint_interval=4, keep_last_n=0)) == 3
+    assert checkpoints_kept(TrainConfig(max_steps=12, checkpoint_interval=4, keep_last_n=2)) == 2
+    assert checkpoints_kept(TrainConfig(max_steps=12, checkpoint_interval=0)) == 1
+
+
+def _readme(root: Path) -> str:
+    path = root / "README.md"
+    return path.read_text() if path.is_file() else ""
 
 
 def test_soup_of_two_seeds_evaluates_every_candidate_and_exports_the_best(

@@ -5,6 +5,7 @@ relative for the losses; weights in norm, WEIGHT_TOL): only the order of floatin
 differs."""
 
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -363,3 +364,43 @@ def test_vocab_parallel_cross_entropy_equals_the_whole_vocabulary(tmp_path):
     """The vocabulary-parallel CE (fp64, 2 ranks, chunked, ignored targets, targets on both
     ranks) equals F.cross_entropy over the whole logits: loss, d/dh and the gathered d/dW."""
     launch(tmp_path, VOCAB_CE_WORKER, [], world=2)
+
+
+TP_CHECK_WORKER = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from hybridlm.model.model import HybridLM
+    from hybridlm.train import parallel as P
+    from hybridlm.train.config import RunConfig
+    from hybridlm.train.tensor_parallel import apply_tensor_parallel
+
+    rank, world, dev = P.init_distributed("cpu")
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    run = RunConfig.load(sys.argv[1])
+    for overrides, want in (([], sys.argv[2]), (["model.mamba.n_groups=2"], "")):
+        with torch.device("meta"):
+            model = HybridLM(run.override(overrides).model_config())
+        try:
+            apply_tensor_parallel(model, mesh)
+            got = ""
+        except ValueError as err:
+            got = str(err)
+        assert got == want, (overrides, got)
+    P.destroy()
+    """
+)
+
+
+def test_tp2_on_the_quickstart_model_names_the_setting_to_change(tmp_path):
+    """The README's tensor-parallel row on the default model (configs/quickstart.yaml, one
+    Mamba-2 group): the error names model.mamba.n_groups and a value, and with that override
+    every split of tp 2 is even (vocabulary, heads, groups, shared expert, experts)."""
+    want = (
+        "train.parallel.tp=2 must divide the model's 1 Mamba-2 groups (B / C are split with "
+        "their heads): set model.mamba.n_groups to a multiple of 2 (--set "
+        "model.mamba.n_groups=2; a model trained from scratch), or a train.parallel.tp that "
+        "divides 1"
+    )
+    root = Path(__file__).resolve().parents[1]
+    launch(tmp_path, TP_CHECK_WORKER, [str(root / "configs" / "quickstart.yaml"), want])

@@ -493,6 +493,18 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
         # a mapping under an unknown name is most likely a misspelt section
         kind = "sections" if all(isinstance(data[k], dict) for k in unknown) else "key(s)"
         raise ValueError(f"unknown {kind} {[prefix + k for k in unknown]}; known: {sorted(names)}")
+    # a field without a default left out (a source without its `name`): the constructor's
+    # TypeError would not say which key of the file is missing
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init
+        and f.name not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ValueError(f"missing key(s) {[prefix + k for k in missing]}")
     kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in data.items()}
     return cls(**kwargs)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 
 from ..choices import LOG_LEVELS
 
@@ -37,3 +38,16 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
 def check_port(port: int) -> None:
     if not 0 <= port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {port}")
+
+
+def require_extra(command: str, extra: str, *modules: str) -> None:
+    """Import `modules` (what pyproject.toml's `extra` installs) before a command does any work,
+    or stop with one line that names the extra to install (a missing package is not a bug)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as err:
+            raise ValueError(
+                f"`hybridlm {command}` needs {name}, which the [{extra}] extra installs: pip "
+                f'install -e ".[{extra}]" ({err})'
+            ) from None

@@ -63,7 +63,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drop-below", type=float, default=0.0, help="quality percentile in [0, 1)")
     p.add_argument("--max-factor", type=float, default=7.0)
     p.add_argument("--buckets", type=int, default=20)
-    p.add_argument("--out", default="upsample")
+    p.add_argument(
+        "--out",
+        default="runs/upsample",
+        help="folder for curves.jsonl and curves.png (default: runs/upsample, kept out of git)",
+    )
     p.set_defaults(fn=cmd_upsample_curve)
 
     p = sub.add_parser("decon", help="benchmark decontamination of a JSONL corpus")

@@ -16,7 +16,7 @@ from typing import Any
 from ..choices import KV_CACHE_DTYPES, SSM_PRECISIONS
 from ..config import ModelConfig
 from ..presets import PRESETS, get_preset
-from .args import add_overrides_arg, add_server_args, check_port
+from .args import add_overrides_arg, add_server_args, check_port, require_extra
 
 
 def _add_model_args(p: argparse.ArgumentParser, *, checkpoint: bool = True) -> None:
@@ -61,7 +61,8 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         default="auto",
         help="attention KV cache storage: auto = the format the checkpoint declares "
-        "(kv_cache_quant_algo), else unquantised; fp8 / nvfp4 need the checkpoint's KV scales",
+        "(kv_cache_quant_algo), else unquantised; fp8 / nvfp4 need a checkpoint with KV scales "
+        "(`hybridlm quantize MODEL OUT --kv-cache fp8`)",
     )
 
 
@@ -77,7 +78,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=cmd_config, uses_torch=False)
 
     p = sub.add_parser(
-        "generate", help="generate text (byte tokenizer) from a preset or checkpoint"
+        "generate",
+        help="generate text from a preset or checkpoint (the checkpoint's own tokenizer; the "
+        "byte tokenizer for a preset or config)",
+        description="Continue --prompt with a model from --preset, --config or --checkpoint. The "
+        "prompt is encoded with the tokenizer the checkpoint was trained with "
+        "(hybridlm.io.load_tokenizer_for: its run's data.tokenizer or its tokenizer.json); "
+        "presets and config files have the byte tokenizer.",
     )
     _add_model_args(p)
     p.add_argument("--prompt", default="To be, or not to be")
@@ -374,12 +381,10 @@ def _model_name(args: argparse.Namespace) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    try:
-        from ..infer.server import DEFAULT_MAX_BODY_BYTES, serve
-    except ImportError as err:
-        raise ValueError(
-            f"`hybridlm serve` needs FastAPI and uvicorn: pip install 'hybridlm[serve]' ({err})"
-        ) from None
+    # uvicorn too: it is imported only when the server starts, after the model is loaded
+    require_extra("serve", "serve", "fastapi", "uvicorn")
+    from ..infer.server import DEFAULT_MAX_BODY_BYTES, serve
+
     check_port(args.port)
     max_body = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
     if max_body < 1:

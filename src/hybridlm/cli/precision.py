@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ..choices import PTQ_DEFAULT_EXCLUDE, PTQ_RECIPES
+from .args import add_overrides_arg
 from .train import add_overwrite_arg
 
 
@@ -25,8 +26,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "quantize",
         help="PTQ (FP8 W8A8, NVFP4 W4A4, AutoQuantize mixed) + ModelOpt/vLLM-format export",
+        description="Every flag is a field of train.quantize.QuantizeConfig, which --set KEY=VALUE "
+        "also sets (applied after the flags): the flag's name with _ for - (--calib-samples 8 "
+        "is --set calib_samples=8, --kv-cache fp8 is --set kv_cache=fp8), except --dtype "
+        "(export_dtype) and --no-per-layer (per_layer=false); --set exclude=[...] replaces the "
+        "whole list, the default exclusions included.",
     )
-    p.add_argument("checkpoint", help="training checkpoint, run directory or transformers dir")
+    p.add_argument(
+        "checkpoint",
+        help="the model: a run directory, a training checkpoint of any stage, or a transformers "
+        "/ ModelOpt directory",
+    )
     p.add_argument("out", help="output directory (quantised checkpoint + reports)")
     add_overwrite_arg(p)
     p.add_argument("--recipe", choices=PTQ_RECIPES, default="nvfp4")
@@ -77,8 +87,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--calib-data",
         default="",
-        help="calibrate on the chat data of this SFT run (dir or run.yaml) instead of `--data`",
+        help="calibrate on the chat data of this SFT run (dir or run.yaml) instead of `--data` "
+        "(default: the model's own run's chat data, when it was post-trained on chats)",
     )
+    add_overrides_arg(p, "calib_samples=16 --set kv_cache=fp8")
     p.set_defaults(fn=cmd_quantize)
 
 
@@ -102,23 +114,21 @@ def cmd_precision_plan(args: argparse.Namespace) -> None:
 def cmd_quantize(args: argparse.Namespace) -> None:
     from ..train.quantize import QuantizeConfig, run_quantize
 
-    run_quantize(
-        QuantizeConfig(
-            checkpoint=args.checkpoint,
-            out=args.out,
-            recipe=args.recipe,
-            budget=args.budget,
-            cost=args.cost,
-            calib_samples=args.calib_samples,
-            eval_batches=args.eval_batches,
-            weight_scale=args.weight_scale,
-            exclude=PTQ_DEFAULT_EXCLUDE + tuple(args.exclude or ()),
-            per_layer=args.per_layer,
-            kv_cache=args.kv_cache,
-            export_dtype=args.dtype,
-            device=args.device,
-            data=args.data,
-            calib_data=args.calib_data,
-        ),
-        overwrite=args.overwrite,
+    cfg = QuantizeConfig(
+        checkpoint=args.checkpoint,
+        out=args.out,
+        recipe=args.recipe,
+        budget=args.budget,
+        cost=args.cost,
+        calib_samples=args.calib_samples,
+        eval_batches=args.eval_batches,
+        weight_scale=args.weight_scale,
+        exclude=[*PTQ_DEFAULT_EXCLUDE, *(args.exclude or ())],
+        per_layer=args.per_layer,
+        kv_cache=args.kv_cache,
+        export_dtype=args.dtype,
+        device=args.device,
+        data=args.data,
+        calib_data=args.calib_data,
     )
+    run_quantize(cfg.override(args.overrides), overwrite=args.overwrite)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from .args import add_overrides_arg, add_server_args, check_port
+from .args import add_overrides_arg, add_server_args, check_port, require_extra
 from .train import add_resume_args
 
 
@@ -108,6 +108,7 @@ def cmd_tool_demos(args: argparse.Namespace) -> None:
 def cmd_env_serve(args: argparse.Namespace) -> None:
     import os
 
+    require_extra("env-serve", "serve", "fastapi", "uvicorn")
     from ..config import apply_overrides
     from ..infer.server import run_app
     from ..rl.learner import EnvConfig, build_environment

@@ -83,8 +83,13 @@ class RayExecutor(Executor):
     ) -> None:
         try:
             import ray
-        except ImportError as err:  # pragma: no cover - ray is in the [rl] / [data] extras
-            raise ImportError("the ray executor needs ray: pip install 'ray[data]'") from err
+            import ray.data  # noqa: F401  (its own imports: pandas, pyarrow)
+        except ImportError as err:
+            # `ray` alone (the [rl] / [speedrun] extras) lacks what Ray Data imports
+            install = 'pip install -e ".[data]"'
+            raise ValueError(
+                f"executor ray needs Ray Data, which the [data] extra installs: {install} ({err})"
+            ) from None
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         self._started = False

@@ -342,6 +342,11 @@ def tokenizer_sha256(tokenizer: Any) -> str:
 def load_tokenizer(spec: str | Path) -> Any:
     """`"byte"` or a saved byte tokenizer -> `ByteTokenizer()`; another directory or
     `tokenizer.json` path -> `BPETokenizer`."""
+    if not str(spec):
+        raise ValueError(
+            "no tokenizer named: give 'byte' or a tokenizer directory (a run's empty "
+            "data.tokenizer is its starting model's, resolved by train.trainer.run_tokenizer)"
+        )
     if str(spec) == "byte" or ByteTokenizer.is_saved(spec):
         return ByteTokenizer()
     return BPETokenizer.load(spec)

@@ -88,7 +88,9 @@ class DataConfig(Config):
     KEY = "data"
 
     sources: list[SourceConfig] = field(default_factory=_default_sources)
-    tokenizer: str = "byte"  # "byte" or a tokenizer directory (tokenizer.json)
+    # "byte", a tokenizer directory (tokenizer.json), or "": the tokenizer of the model the run
+    # starts from (train.init_from), byte for a fresh model (train.trainer.resolve_tokenizer)
+    tokenizer: str = ""
     tokenizer_vocab_size: int = 0  # > 0: train a BPE of this size into `tokenizer` if absent
     tokenizer_train_chars: int = 50_000_000  # characters of the sources to train it on
     shards_dir: str = "data/shards"
@@ -148,7 +150,7 @@ class DataConfig(Config):
                 raise ValueError(f"data.{name} must be positive, got {getattr(self, name)}")
         if self.num_workers < 0 or self.total_tokens < 0 or self.eval_docs < 0:
             raise ValueError("data.num_workers, data.total_tokens, data.eval_docs must be >= 0")
-        if self.tokenizer_vocab_size and self.tokenizer == "byte":
+        if self.tokenizer_vocab_size and self.tokenizer in ("", "byte"):
             raise ValueError(
                 "data.tokenizer_vocab_size trains a BPE: set data.tokenizer to the directory "
                 "to train it into (or set the vocab size to 0 for the byte tokenizer)"

@@ -110,8 +110,10 @@ def _training_texts(cfg: DataConfig) -> Iterator[Document]:
 
 def build_tokenizer(cfg: DataConfig) -> Any:
     """`cfg.tokenizer`: "byte", an existing tokenizer directory, or (with
-    `tokenizer_vocab_size > 0`) a directory to train a BPE into from the sources."""
-    if cfg.tokenizer == "byte":
+    `tokenizer_vocab_size > 0`) a directory to train a BPE into from the sources. "" (a run's
+    own, resolved from the model it starts from before this is called) is a fresh model's:
+    byte."""
+    if cfg.tokenizer in ("", "byte"):
         return load_tokenizer("byte")
     path = Path(cfg.tokenizer)
     if (path / "tokenizer.json").is_file() or path.is_file():

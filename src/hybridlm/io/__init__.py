@@ -43,7 +43,15 @@ from .sharded import load_sharded_model
 
 Kind = Literal["transformers", "modelopt", "checkpoint"]
 
-__all__ = ["Kind", "Loaded", "load", "load_model", "load_tokenizer_for", "resolve"]
+__all__ = [
+    "Kind",
+    "Loaded",
+    "load",
+    "load_model",
+    "load_tokenizer_for",
+    "resolve",
+    "tokenizer_spec_for",
+]
 
 
 @dataclass(frozen=True)
@@ -59,9 +67,18 @@ class Loaded:
     path: Path
 
 
-def resolve(path: str | Path) -> tuple[Path, Kind]:
-    """The directory a model path stands for and its kind (see the module docstring)."""
+def resolve(path: str | Path, *, setting: str = "") -> tuple[Path, Kind]:
+    """The directory a model path stands for and its kind (see the module docstring).
+    `setting` names the option the path came from (e.g. "train.init_from"), for the error."""
     p = Path(path)
+    if not str(path) or not p.exists():
+        kinds = "a run directory, training checkpoint, or transformers / ModelOpt directory"
+        if setting:
+            raise ValueError(
+                f"{setting}={str(path)!r}: no such model; point {setting} at one "
+                f"(--set {setting}=PATH: {kinds})"
+            )
+        raise ValueError(f"{str(path)!r}: no such model; give a model path ({kinds})")
     if (p / "config.json").is_file():
         return p, "modelopt" if is_modelopt(p) else "transformers"
     if (p / "meta.json").is_file() or (p / "checkpoints").is_dir():
@@ -73,12 +90,16 @@ def resolve(path: str | Path) -> tuple[Path, Kind]:
 
 
 def load(
-    path: str | Path, *, dtype: torch.dtype | None = None, tokenizer: str | Path | None = None
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    tokenizer: str | Path | None = None,
+    setting: str = "",
 ) -> Loaded:
     """The model, tokenizer and metadata of a model path. `dtype` casts the model (default: the
     checkpoint's own); `tokenizer` (a tokenizer spec, see `data.bpe.load_tokenizer`) replaces
-    the one the path names."""
-    where, kind = resolve(path)
+    the one the path names; `setting`: the option the path came from, named by errors."""
+    where, kind = resolve(path, setting=setting)
     model = _load_model(where, kind, dtype)
     tok = load_tokenizer(tokenizer) if tokenizer else load_tokenizer_for(where)
     if kind == "checkpoint":
@@ -88,27 +109,38 @@ def load(
     return Loaded(model=model, tokenizer=tok, meta=meta, kind=kind, path=where)
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype | None = None) -> HybridLM:
+def load_model(
+    path: str | Path, *, dtype: torch.dtype | None = None, setting: str = ""
+) -> HybridLM:
     """The model of a model path (training checkpoints come back in eval mode)."""
-    return _load_model(*resolve(path), dtype)
+    return _load_model(*resolve(path, setting=setting), dtype)
 
 
-def load_tokenizer_for(path: str | Path) -> Any:
-    """The tokenizer a model path was trained with: a training checkpoint or run directory reads
-    `data.tokenizer` from its run config; a transformers directory uses its `tokenizer.json`,
-    else the byte tokenizer (the embedded default)."""
-    path = Path(path)
-    if (path / "tokenizer.json").is_file():
-        return load_tokenizer(path)
-    if (path / "meta.json").is_file() or (path / "checkpoints").is_dir():
-        data = read_meta(resolve_checkpoint(path))["run_config"].get("data") or {}
-        spec = data.get("tokenizer", "byte")
-        if spec != "byte" and not Path(spec).exists():
-            raise ValueError(
-                f"{path} was trained with the tokenizer at {spec}, which does not exist here"
-            )
-        return load_tokenizer(spec)
-    return load_tokenizer("byte")
+def tokenizer_spec_for(path: str | Path, *, setting: str = "") -> str:
+    """The spec (`data.tokenizer`, see `data.bpe.load_tokenizer`) of the tokenizer a model path
+    was trained with: a directory holding `tokenizer.json` is its own spec; a training checkpoint
+    or run directory names it in its run config (`data.tokenizer`); anything else loadable has
+    the byte tokenizer (the embedded default)."""
+    where, kind = resolve(path, setting=setting)
+    if (Path(path) / "tokenizer.json").is_file():
+        return str(path)
+    if (where / "tokenizer.json").is_file():
+        return str(where)
+    if kind != "checkpoint":
+        return "byte"
+    data = read_meta(where)["run_config"].get("data") or {}
+    spec = str(data.get("tokenizer") or "byte")
+    if spec != "byte" and not Path(spec).exists():
+        raise ValueError(
+            f"{path} was trained with the tokenizer at {spec}, which does not exist here "
+            "(run from the directory the model was trained in, or set data.tokenizer)"
+        )
+    return spec
+
+
+def load_tokenizer_for(path: str | Path, *, setting: str = "") -> Any:
+    """The tokenizer a model path was trained with (`tokenizer_spec_for`)."""
+    return load_tokenizer(tokenizer_spec_for(path, setting=setting))
 
 
 def _load_model(path: Path, kind: Kind, dtype: torch.dtype | None) -> HybridLM:

@@ -180,8 +180,8 @@ def kv_codecs(
         return spec.codecs(spec.fmt, granularity)
     if spec is None:
         raise ValueError(
-            f"kv_cache_dtype {kv_cache_dtype} needs KV scales: quantise with "
-            "`hybridlm quantize --set kv_cache=fp8` (a checkpoint with kv_cache_quant_algo) or "
-            "calibrate with precision.kv_cache.calibrate_kv"
+            f"kv_cache_dtype {kv_cache_dtype} needs the KV scales of a checkpoint that declares "
+            f"a quantised KV cache: make one with `hybridlm quantize MODEL OUT --kv-cache "
+            f"{kv_cache_dtype}` and load OUT (or calibrate with precision.kv_cache.calibrate_kv)"
         )
     return spec.codecs(kv_cache_dtype, granularity)

@@ -582,6 +582,29 @@ def to_inference(model: nn.Module) -> nn.Module:
     return model
 
 
+def dequantize_model(model: nn.Module) -> nn.Module:
+    """Replace every fake-quant inference module (a loaded ModelOpt checkpoint's `QuantLinear` /
+    `QuantExperts`) by a plain one holding its dequantised weights, and drop the model's KV-cache
+    declaration, in place: the model a new quantisation starts from. The weights are the ones
+    the quantised modules compute with (cast to the activations' dtype, as their forward does);
+    the activation fake-quant goes. Returns the model."""
+    dtype = model.embeddings.weight.dtype
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, QuantLinear):
+            w = mod.weight_dq.to(dtype)
+            plain = nn.Linear(mod.in_features, mod.out_features, bias=False, device=w.device)
+            plain.weight = nn.Parameter(w)
+            _set_submodule(model, name, plain)
+        elif isinstance(mod, QuantExperts):
+            E, hidden, width = mod.up_proj_dq.shape
+            experts = Experts(E, width, hidden).to(mod.up_proj_dq.device)
+            experts.up_proj = nn.Parameter(mod.up_proj_dq.to(dtype))
+            experts.down_proj = nn.Parameter(mod.down_proj_dq.to(dtype))
+            _set_submodule(model, name, experts)
+    model.kv_cache_quant = None
+    return model
+
+
 # ============================================================================ operators
 @dataclass(kw_only=True)
 class Op:

@@ -61,7 +61,7 @@ from ..infer.engine import Engine
 from ..infer.rollout import Completion, RolloutPool, RolloutRequest
 from ..infer.sampling import SamplingParams
 from ..interop.hf import save_pretrained
-from ..io import load, load_model
+from ..io import load, load_model, resolve
 from ..model.model import HybridLM
 from ..model.moe import TopKRouter
 from ..report.plot import pyplot, save_figure
@@ -621,7 +621,7 @@ class GRPOLearner(TrainModule):
     ) -> None:
         super().__init__(rt)
         self.cfg = cfg
-        loaded = load(cfg.checkpoint)
+        loaded = load(cfg.checkpoint, setting="checkpoint")
         self.model = loaded.model.float().to(rt.device)
         if cfg.freeze_router:  # MoE routing fixed: weights and the balancing bias
             for m in self.model.modules():
@@ -637,7 +637,7 @@ class GRPOLearner(TrainModule):
         self.eval_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
         self.ref = None
         if cfg.grpo.kl_coef > 0:  # the initial policy, frozen
-            ref = load_model(cfg.checkpoint).float().to(rt.device)
+            ref = load_model(cfg.checkpoint, setting="checkpoint").float().to(rt.device)
             self.ref = ref.eval().requires_grad_(False)
         self.total_steps = cfg.steps
         self.sampler = ActiveSampler(batch_groups=cfg.groups_per_step, max_draws=cfg.max_draws)
@@ -921,6 +921,7 @@ def rl_trainer(
     cfg.validate()
     if not cfg.checkpoint:
         raise ValueError("rl needs a starting policy: set checkpoint (or --checkpoint)")
+    resolve(cfg.checkpoint, setting="checkpoint")  # a missing policy fails before any work
     return Trainer(
         rl_train_config(cfg, progress=progress),
         lambda rt: GRPOLearner(cfg, rt, env=env, eval_env=eval_env),

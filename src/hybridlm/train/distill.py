@@ -71,11 +71,10 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..data import builtin
-from ..data.bpe import load_tokenizer
 from ..data.chat import STOP, render
 from ..data.sft import Conversation, ReadReport, SFTLoader
 from ..infer.rollout import RolloutPool, RolloutRequest
-from ..io import load_model as load_model_from
+from ..io import load_model
 from ..model.model import HybridLM
 from .config import TeacherConfig, TrainConfig
 from .objectives import (
@@ -106,7 +105,17 @@ from .sft import (
     prompt_key,
 )
 from .teacher_cache import CacheSpec, TeacherTopK, build_teacher_cache
-from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model, resolve_device
+from .trainer import (
+    Loss,
+    Runtime,
+    Step,
+    Trainer,
+    TrainModule,
+    check_tokenizer,
+    initial_model,
+    resolve_device,
+    run_tokenizer,
+)
 
 Mode = Literal["offline", "on_policy"]
 PROXIMAL = "proximal"  # the route of MOPD stage 2's proximal teacher (DistillConfig)
@@ -261,17 +270,14 @@ class DistillRunConfig(PostTrainingRunConfig):
 
 
 # ---------------------------------------------------------------------------- teachers
-def load_teacher(path: str, *, device: torch.device, tokenizer: Any) -> HybridLM:
-    """A frozen teacher (eval mode, no grad) from a checkpoint, run dir or HF dir."""
-    if not path or not Path(path).exists():
-        raise ValueError(f"teacher checkpoint not found: {path!r}")
-    teacher = load_model_from(path).to(device).eval()
+def load_teacher(
+    path: str, *, device: torch.device, tokenizer: Any, setting: str = "distill.teacher"
+) -> HybridLM:
+    """A frozen teacher (eval mode, no grad) from any model path; it must have been trained with
+    the run's tokenizer (`setting` names the option the path came from)."""
+    teacher = load_model(path, setting=setting).to(device).eval()
     teacher.requires_grad_(False)
-    if tokenizer.vocab_size > teacher.config.vocab_size:
-        raise ValueError(
-            f"teacher {path} has vocab_size {teacher.config.vocab_size} but the tokenizer has "
-            f"{tokenizer.vocab_size} ids: distillation needs the teacher's tokenizer"
-        )
+    check_tokenizer(tokenizer, teacher, setting, path)
     return teacher
 
 
@@ -534,7 +540,7 @@ class OnPolicyDistiller(TrainModule):
         self.run, self.tc, self.dc, self.cfg = run, run.train, run.data, run.distill
         tc, dc, cfg = self.tc, self.dc, self.cfg
         self.device, self.out = rt.device, rt.out
-        self.tokenizer = load_tokenizer(dc.tokenizer)
+        self.tokenizer = run_tokenizer(dc, tc)
 
         # prompts: per domain, a held-out split (prompts with reference answers) and the rest
         self.read_report = ReadReport()
@@ -579,16 +585,15 @@ class OnPolicyDistiller(TrainModule):
 
         # student, teachers, optimizer, rollouts
         self.model = initial_model(tc, run.model, self.device)
-        if self.tokenizer.vocab_size > self.model.config.vocab_size:
-            raise ValueError(
-                f"the tokenizer has {self.tokenizer.vocab_size} ids but the student's vocab_size "
-                f"is {self.model.config.vocab_size}"
-            )
+        check_tokenizer(self.tokenizer, self.model, "train.init_from" if tc.init_from else "model")
         self.teachers: dict[str, HybridLM] = {}
         for name, path in cfg.teachers.items():
             if name in cfg.routes.values():  # unused teachers are not loaded
                 self.teachers[name] = load_teacher(
-                    path, device=self.device, tokenizer=self.tokenizer
+                    path,
+                    device=self.device,
+                    tokenizer=self.tokenizer,
+                    setting=f"distill.teachers.{name}",
                 )
                 check_vocab(self.model, self.teachers[name].config.vocab_size, name)
         # MOPD stage 2: the proximal teacher starts as the student (its weights' moving average)
@@ -867,7 +872,7 @@ def cache_teacher(cfg: DistillRunConfig, *, progress: bool = True) -> dict[str, 
     """Write (or finish) `distill.teacher_cache` for an offline run: the teacher's top-`top_k`
     on every training and held-out conversation the run will read (`train.teacher_cache`)."""
     dcfg = cfg.distill
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = run_tokenizer(cfg.data, cfg.train)
     device = resolve_device(cfg.train.device)
     teacher, spec = cache_pass_teacher(dcfg, device=device, tokenizer=tokenizer)
     data = prepare_chat_data(cfg.data, tokenizer)

@@ -38,7 +38,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..data.bpe import load_tokenizer
 from ..data.chat import parse_assistant, render_with_spans, validate
 from ..data.sft import ChatExample, Conversation, ReadReport, _raw_rows, encode_chat
 from ..files import atomic_write
@@ -60,7 +59,16 @@ from .sft import (
     prompt_and_answer,
     prompt_key,
 )
-from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model
+from .trainer import (
+    Loss,
+    Runtime,
+    Step,
+    Trainer,
+    TrainModule,
+    check_tokenizer,
+    initial_model,
+    run_tokenizer,
+)
 
 DEFAULT_BETA = {"dpo": 0.1, "dpo_norm": 5.0}
 
@@ -408,7 +416,7 @@ class DPODataConfig:
     max_rows: int = 0
     delta: DeltaConfig | None = None
     verified: VerifiedConfig | None = None
-    tokenizer: str = "byte"
+    tokenizer: str = ""  # "": the tokenizer of train.init_from (trainer.run_tokenizer)
     max_len: int = 512
     max_len_gap: int = 100  # Olmo 3 Instruct DPO length control; < 0 disables
     batch_size: int = 8  # pairs per micro-batch
@@ -483,13 +491,14 @@ class PairwiseStage(TrainModule):
         tc, dc = run.train, data
         self.tc, self.dc = tc, dc
         self.device, self.out = rt.device, rt.out
-        self.tokenizer = load_tokenizer(dc.tokenizer)
-        self.pad_id = pad_id_of(self.tokenizer)
         if not tc.init_from:
             raise ValueError(
                 f"{self.stage} needs train.init_from: the model to start from (the SFT model)"
             )
+        self.tokenizer = run_tokenizer(dc, tc)
+        self.pad_id = pad_id_of(self.tokenizer)
         self.model = self.initial_model()
+        check_tokenizer(self.tokenizer, self.model, "train.init_from")
         self.report = ReadReport()
         self.dropped: Counter = Counter()
 
@@ -515,6 +524,13 @@ class PairwiseStage(TrainModule):
         """The model trained, from `train.init_from`."""
         return initial_model(self.tc, None, self.device)
 
+    def generator_model(self, path: str, setting: str) -> HybridLM:
+        """A model beside the trained one (a generator of pairs, the reference; `setting` names
+        the option it came from), which must share the run's tokenizer."""
+        model = load_model(path, setting=setting).to(self.device)
+        check_tokenizer(self.tokenizer, model, setting, path)
+        return model
+
     def _pairs(self) -> list[PreferencePair]:
         dc = self.dc
         if dc.path:
@@ -528,7 +544,7 @@ class PairwiseStage(TrainModule):
         if dc.verified is not None:
             v = dc.verified
             pa = [prompt_and_answer(c) for c in load_source(v.prompts, self.report)]
-            model = load_model(v.model).to(self.device)
+            model = self.generator_model(v.model, "data.verified.model")
             sample = model_generator(
                 model,
                 self.tokenizer,
@@ -553,8 +569,8 @@ class PairwiseStage(TrainModule):
         prompts = [p for p, _ in pa]
         answers = {_key(p): a for p, a in pa}
         kw = {"max_new_tokens": delta.max_new_tokens, "temperature": delta.temperature}
-        strong = load_model(delta.strong).to(self.device)
-        weak = load_model(delta.weak).to(self.device)
+        strong = self.generator_model(delta.strong, "data.delta.strong")
+        weak = self.generator_model(delta.weak, "data.delta.weak")
         keep = None
         if delta.filter_chosen == "exact_answer":
 
@@ -674,7 +690,7 @@ class DPO(PairwiseStage):
         ref = (
             self.model
             if not pc.ref_from or pc.ref_from == tc.init_from
-            else load_model(pc.ref_from).float().to(self.device)
+            else self.generator_model(pc.ref_from, "dpo.ref_from").float()
         )
         cache = pc.ref_cache_dir or str(self.out / "ref_cache")
         all_pairs = self.train_pairs + self.held_pairs

@@ -33,7 +33,7 @@ from ..interop.hf import save_pretrained
 from ..io import load_tokenizer_for
 from ..io.checkpoint import list_checkpoints, read_meta, save_checkpoint
 from .checkpoint import merge_checkpoints, merge_weights
-from .config import RunConfig
+from .config import RunConfig, TrainConfig
 from .pretrain import pretrain_trainer
 
 
@@ -46,6 +46,41 @@ def load_run_config(run_dir: str | Path) -> RunConfig:
     if ckpts:
         return RunConfig.from_dict(read_meta(ckpts[-1])["run_config"])
     raise ValueError(f"{run_dir} has no run.yaml and no checkpoints; is it a pretrain out_dir?")
+
+
+def checkpoints_kept(tc: TrainConfig) -> int:
+    """How many checkpoints a finished run with these settings keeps: one every
+    `checkpoint_interval` steps and one at the last step (the Trainer's saves), of which the
+    newest `keep_last_n` (0: all)."""
+    saves = {tc.max_steps}
+    if tc.checkpoint_interval:
+        saves |= set(range(tc.checkpoint_interval, tc.max_steps + 1, tc.checkpoint_interval))
+    return min(len(saves), tc.keep_last_n) if tc.keep_last_n else len(saves)
+
+
+def _too_few_checkpoints(run_dir: Path, have: int, need: int) -> str:
+    """The error for a window of `need` checkpoints over a run that has `have`: which setting
+    to change, from the run's own config (the pruning, else the interval or the length)."""
+    text = f"{run_dir} has {have} checkpoint(s) but window {need} needs {need}"
+    text += f"; pass --windows up to {have}" if have else ""
+    try:
+        tc = load_run_config(run_dir).train
+    except ValueError:  # no readable pretraining run config: name the settings generally
+        return f"{text}, or train with train.keep_last_n >= {need} and enough checkpoints"
+    fixes = []
+    if 0 < tc.keep_last_n < need:
+        text += f" (train.keep_last_n: {tc.keep_last_n} keeps the last {tc.keep_last_n})"
+        fixes.append(f"--set train.keep_last_n={need}")
+    if checkpoints_kept(dataclasses.replace(tc, keep_last_n=0)) < need:
+        interval = tc.max_steps // need
+        fixes.append(
+            f"--set train.checkpoint_interval={interval}"
+            if interval
+            else f"--set train.checkpoint_interval=1 --set train.max_steps={need}"
+        )
+    if not fixes:  # its settings keep enough: stopped early, or checkpoints were removed
+        return f"{text}, or finish the run (--resume): its settings keep {checkpoints_kept(tc)}"
+    return f"{text}, or train the run again with {' '.join(fixes)}"
 
 
 def load_merged(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -153,11 +188,7 @@ def merge_run(
         merge_weights(1, kind)  # unknown weighting -> ValueError before any work
     ckpts = list_checkpoints(run_dir)
     if len(ckpts) < windows[-1]:
-        raise ValueError(
-            f"{run_dir} has {len(ckpts)} checkpoint(s) but window {windows[-1]} needs "
-            f"{windows[-1]}; pass --windows up to {len(ckpts)}, or train with "
-            f"train.keep_last_n >= {windows[-1]} (and a checkpoint_interval that saves that many)"
-        )
+        raise ValueError(_too_few_checkpoints(run_dir, len(ckpts), windows[-1]))
     out = Path(out) if out is not None else run_dir / "merged"
     run = load_run_config(run_dir)
 

@@ -43,7 +43,8 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -52,20 +53,23 @@ import torch
 import torch.nn.functional as F
 
 from ..config import Config
+from ..data.chat import render
 from ..data.config import SourceConfig
 from ..data.pipeline import build_source
+from ..data.sft import Conversation, ReadReport
 from ..data.tokenizer import ByteTokenizer
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
 from ..infer.speculative import SpecStats, speculative_generate
 from ..interop.hf import save_pretrained
 from ..io import load
-from ..io.checkpoint import read_meta, resolve_checkpoint
 from ..model.model import HybridLM, shift_left
 from ..report.plot import pyplot, read_metrics, save_figure
 from .config import TrainConfig
 from .mtp_init import CONSOLIDATIONS, HEAD_INITS, head_agreement, init_head
 from .parallel import broadcast_object, is_main
+from .run_data import training_data
+from .sft import SFTDataConfig, load_source, prompt_key
 from .trainer import Loss, Runtime, Step, Trainer, TrainModule
 
 
@@ -99,9 +103,10 @@ class MTPBoostConfig(Config):
     # head on its share of each batch (batch_size per rank)
     parallel: Literal["ddp", "fsdp"] = "ddp"
     seed: int = 0
-    # where prompts come from: "data" (the checkpoint's training data; the stdlib corpus for
-    # transformers directories) or an RL environment kind (e.g. "sft_arithmetic", "arithmetic"):
-    # healing after RL reuses the RL prompts (Nemotron 3 Super §4.7)
+    # where prompts come from: "data" (the checkpoint's training data: text windows of a
+    # pretraining run, the chat prompts of an SFT run; the stdlib corpus when there is no run
+    # data) or an RL environment kind (e.g. "sft_arithmetic", "arithmetic"): healing after RL
+    # reuses the RL prompts (Nemotron 3 Super §4.7)
     prompts: str = "data"
     # the head the warm-up starts from (`train.mtp_init`, Nemotron 3.5 §1): keep it, consolidate
     # per-depth heads (`consolidate`: average / first), build it from the backbone (fuse, a
@@ -683,40 +688,98 @@ def prompts_from_checkpoint(
     seed: int,
     train_len: int = 0,
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompt windows from the documents of the checkpoint's training data (its run config's
-    sources; the embedded stdlib corpus otherwise), split by document into boosting prompts and
-    held-out evaluation prompts (every 5th document, by a hash of its id). `train_len` > 0:
-    the boosting windows are that long instead, up to 4 disjoint ones per document."""
-    import zlib
+    """Prompts from the data the checkpoint was trained on (`run_data.training_data`), split
+    into boosting prompts and held-out evaluation prompts (every 5th document or conversation,
+    by a hash of its id or prompt):
 
-    sources = [SourceConfig(name="stdlib", kind="stdlib")]
+    - pretraining text (the sources of a pretraining run; the embedded stdlib corpus when the
+      run has none or there is no run): a window of `prompt_len` tokens of each document;
+    - chat sources (an SFT, distillation or QAD run): each conversation up to its last assistant
+      turn, rendered with the generation prompt, whole (what the model answers when served).
+
+    `train_len` > 0 (`data: text`): the boosting windows are that long instead, up to 4
+    disjoint ones per document (a conversation rendered whole is one document)."""
+    data = None
     if path is not None:
-        try:
-            data = read_meta(resolve_checkpoint(path))["run_config"].get("data") or {}
-            usable = [s for s in data.get("sources", []) if s.get("kind") != "shards"]
-            sources = [SourceConfig(**s) for s in usable] or sources
-        except ValueError:  # a transformers directory: no run config
-            pass
+        fix = "set prompts to an RL environment kind instead, e.g. --set prompts=sft_arithmetic"
+        data = training_data(path, fix=fix)
+    if isinstance(data, SFTDataConfig):
+        convs = _conversations(data)
+        if not train_len:
+            return _chat_prompts(convs, tokenizer, n_train=n_train, n_eval=n_eval)
+        docs: Iterable[tuple[str, str]] = (
+            (prompt_key(c), render(c, add_generation_prompt=False)) for c in convs
+        )
+    else:
+        sources = [SourceConfig(name="stdlib", kind="stdlib")]
+        if data is not None:  # shard directories hold token ids, not text to draw prompts from
+            sources = [s for s in data.sources if s.kind != "shards"] or sources
+        docs = ((doc.id, doc.text) for src in sources for doc in build_source(src))
     rng = random.Random(seed)
     train, held = [], []
-    for src in sources:
-        for doc in build_source(src):
-            ids = tokenizer.encode(doc.text, add_bos=False)
-            pool = held if zlib.crc32(doc.id.encode()) % 5 == 0 else train
-            n = train_len if train_len and pool is train else prompt_len
-            if len(ids) < 2 * n:
-                continue
-            starts = [rng.randrange(0, len(ids) - n)]
-            if n == train_len:  # disjoint windows from a random offset
-                offset = rng.randrange(0, n)
-                starts = list(range(offset, len(ids) - n, n))[:4]
-            for start in starts:
-                if len(pool) < (n_eval if pool is held else n_train):
-                    pool.append([tokenizer.bos_id, *ids[start : start + n - 1]])
-            if len(train) >= n_train and len(held) >= n_eval:
-                return train, held
+    for doc_id, text in docs:
+        ids = tokenizer.encode(text, add_bos=False)
+        pool = held if zlib.crc32(doc_id.encode()) % 5 == 0 else train
+        n = train_len if train_len and pool is train else prompt_len
+        if len(ids) < 2 * n:
+            continue
+        starts = [rng.randrange(0, len(ids) - n)]
+        if n == train_len:  # disjoint windows from a random offset
+            offset = rng.randrange(0, n)
+            starts = list(range(offset, len(ids) - n, n))[:4]
+        for start in starts:
+            if len(pool) < (n_eval if pool is held else n_train):
+                pool.append([tokenizer.bos_id, *ids[start : start + n - 1]])
+        if len(train) >= n_train and len(held) >= n_eval:
+            return train, held
     if not train or not held:
-        raise ValueError("the training data has too few documents long enough for prompts")
+        raise ValueError(
+            "the training data has too few documents long enough for prompts (at least twice "
+            f"{prompt_len} tokens, and {train_len} for the boosting windows): set prompt_len "
+            "(and gen_len) lower"
+            if train_len
+            else "the training data has too few documents long enough for prompts (at least "
+            f"twice {prompt_len} tokens): set prompt_len lower"
+        )
+    return train, held
+
+
+def _conversations(data: SFTDataConfig) -> list[Conversation]:
+    """The conversations of a chat data config's sources (their bad rows skipped)."""
+    report = ReadReport()
+    convs = [c for src in data.sources for c in load_source(src, report)]
+    if not convs:
+        raise ValueError(f"the run's chat sources hold no usable conversation ({report.summary()})")
+    return convs
+
+
+def _chat_prompts(
+    convs: list[Conversation], tokenizer: Any, *, n_train: int, n_eval: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Each distinct prompt (the messages before the last assistant turn) rendered with the
+    generation prompt and tokenised as `hybridlm sft` evaluates it; a prompt's hash puts it in
+    the held-out fifth or not, so a repeated question (generated sets repeat them) never lands
+    on both sides."""
+    train: list[list[int]] = []
+    held: list[list[int]] = []
+    seen = set()
+    for conv in convs:
+        last = max((i for i, m in enumerate(conv) if m.get("role") == "assistant"), default=None)
+        prompt = conv[:last] if last is not None else conv
+        key = prompt_key(conv)
+        if not prompt or key in seen:
+            continue
+        seen.add(key)
+        pool, cap = (held, n_eval) if zlib.crc32(key.encode()) % 5 == 0 else (train, n_train)
+        if len(pool) < cap:
+            pool.append(tokenizer.encode(render(prompt, add_generation_prompt=True)))
+        if len(train) >= n_train and len(held) >= n_eval:
+            break
+    if not train or not held:
+        raise ValueError(
+            f"the run's chat sources give {len(seen)} distinct prompt(s): too few for both "
+            "boosting and held-out prompts"
+        )
     return train, held
 
 
@@ -731,7 +794,8 @@ def boost_checkpoint(
     environment_prompts: Callable[..., tuple[list[list[int]], list[list[int]]]] | None = None,
 ) -> dict[str, Any]:
     """Boost the MTP head of a checkpoint (run, training checkpoint or transformers directory)
-    with its own tokenizer, on prompts from its training data (`cfg.prompts: data`) or from an
+    with its own tokenizer, on prompts from its training data (`cfg.prompts: data`,
+    `prompts_from_checkpoint`: pretraining text or an SFT run's chat prompts) or from an
     RL environment (`cfg.prompts` names its kind; `environment_prompts(kind, tokenizer, n_train=,
     n_eval=, seed=)` makes them, `rl.learner.environment_prompts`); writes under `out` as
     `run_mtp_boost` does (`overwrite`, `resume` as there)."""

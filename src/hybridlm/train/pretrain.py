@@ -61,7 +61,16 @@ from .distill import cache_pass_teacher, check_vocab, load_teacher, teacher_topk
 from .objectives import causal_lm_loss, shift_targets, topk_forward_kl
 from .parallel import is_main, on_main
 from .teacher_cache import TextTeacherTopK, build_text_teacher_cache
-from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model, resolve_device
+from .trainer import (
+    Loss,
+    Runtime,
+    Step,
+    Trainer,
+    TrainModule,
+    initial_model,
+    resolve_device,
+    resolve_tokenizer,
+)
 
 
 def measure_peak_flops(
@@ -372,6 +381,7 @@ def pretrain_trainer(
 ) -> Trainer:
     """The Trainer of a pretraining run (`run_cfg.resolved()`), ready to `train()`."""
     run = run_cfg.resolved()
+    resolve_tokenizer(run.data, run.train)
     return Trainer(run.train, lambda rt: Pretrain(run, rt), resume=resume, overwrite=overwrite)
 
 
@@ -379,6 +389,7 @@ def cache_text_teacher(run_cfg: RunConfig, *, progress: bool = True) -> dict[str
     """Write (or finish) `distill.teacher_cache` of a pretraining run: the teacher's top-`top_k`
     at every token of every source's shards, aligned with them (`teacher_cache`)."""
     run = run_cfg.resolved()
+    resolve_tokenizer(run.data, run.train)
     dd = run.distill
     device = resolve_device(run.train.device)
     teacher, spec = cache_pass_teacher(dd, device=device, tokenizer=build_tokenizer(run.data))

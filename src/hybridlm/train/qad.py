@@ -42,6 +42,7 @@ from typing import Any, Literal
 import torch
 
 from ..data.bpb import token_byte_lengths
+from ..data.bpe import tokenizer_sha256
 from ..data.chat import parse_assistant
 from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
 from ..data.sft import ChatExample, SFTLoader, tokenize_conversations
@@ -181,7 +182,7 @@ class QADistiller(OfflineDistiller):
             )
         # calibration on the data's chats, as `hybridlm quantize --calib-data` reads them (so a
         # plan's step 0, without `formats`, is that PTQ checkpoint)
-        self.calib = chat_batches(run.data, q.calib_samples)
+        self.calib = chat_batches(run.data, q.calib_samples, self.tokenizer)
         stats = calibrate(self.model, self.calib, exclude=exclude)
         self.applied = quantize_model(
             self.model, plan, stats, weight_scale=weight_scale, exclude=exclude, qat=True
@@ -249,7 +250,13 @@ class QADistiller(OfflineDistiller):
         train_loader, held_loader = build_loaders(data, prepare_shards(data))
         if held_loader is None:
             raise ValueError(f"qad.text_data {q.text_data} has no held-out split")
-        tb = token_byte_lengths(build_tokenizer(data), self.model.config.vocab_size)
+        text_tokenizer = build_tokenizer(data)
+        if tokenizer_sha256(text_tokenizer) != tokenizer_sha256(self.tokenizer):
+            raise ValueError(
+                f"qad.text_data={q.text_data} is tokenized with {data.tokenizer}, not the "
+                f"model's tokenizer ({self.dc.tokenizer}): give a run trained with it"
+            )
+        tb = token_byte_lengths(text_tokenizer, self.model.config.vocab_size)
         return (take(held_loader, q.text_batches), tb), (train_loader if q.text_per_step else None)
 
     def prepare_step(self, step: int) -> Step:

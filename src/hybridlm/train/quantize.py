@@ -6,13 +6,19 @@ export with `interop.modelopt`.
 
     hybridlm quantize --recipe autoquant --budget 4.75 runs/quickstart out/quickstart-aq
 
-CKPT is a training checkpoint (`meta.json`: its run config gives the data), a run directory (its
-newest checkpoint), or a transformers directory (data: that of `../run.yaml` when it is a run's
-export, else the embedded Python-stdlib corpus with the byte tokenizer, sharded under
-OUT/shards). OUT receives the quantised checkpoint (config.json, hf_quant_config.json,
-model.safetensors: what vLLM loads), `metrics.jsonl` (one row per evaluated model and per
-decision group) and `quantize.json` (settings, plan, sensitivities, results). An OUT that holds an
-earlier run's `metrics.jsonl` is an error unless `--overwrite` (then it is removed first).
+CKPT is any model path `hybridlm.io` loads: a training checkpoint of any stage, a run directory
+(its newest checkpoint), a transformers or ModelOpt directory (quantised already: its dequantised
+weights are the model quantised anew, `ptq.dequantize_model`). The held-out data is `--data` (a
+pretraining run), else that of the run the model comes from (`run_data.training_data`: the run
+config in meta.json, or `../run.yaml` beside a run's export): a pretraining run's text; for a
+model post-trained on chats (SFT, distillation, QAD) the embedded Python-stdlib corpus, with its
+run's chat rows as the calibration set (as `--calib-data` would); the stdlib corpus otherwise.
+The stdlib corpus is read in the model's own tokenizer and sharded under OUT/shards. Settings
+are flags or `--set key=value` on `QuantizeConfig`'s fields. OUT receives the quantised
+checkpoint (config.json, hf_quant_config.json, model.safetensors: what vLLM loads),
+`metrics.jsonl` (one row per evaluated model and per decision group) and `quantize.json`
+(settings, plan, sensitivities, results). An OUT that holds an earlier run's `metrics.jsonl` is
+an error unless `--overwrite` (then it is removed first).
 """
 
 from __future__ import annotations
@@ -21,18 +27,19 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from ..choices import PTQ_RECIPES
+from ..config import Config, from_dict, read_mapping
 from ..data.bpb import token_byte_lengths
 from ..data.config import DataConfig
 from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
 from ..interop.modelopt import export_modelopt
-from ..io import load_model, load_tokenizer_for, resolve
+from ..io import load_model, load_tokenizer_for, resolve, tokenizer_spec_for
 from ..io.checkpoint import read_meta
 from ..precision.autoquant import autoquantize, measure_sensitivities, print_table
 from ..precision.kv_cache import KV_FORMATS, calibrate_kv
@@ -41,6 +48,7 @@ from ..precision.ptq import (
     DEFAULT_EXCLUDE,
     calibrate,
     clone_model,
+    dequantize_model,
     evaluate,
     find_ops,
     groups_of,
@@ -51,12 +59,16 @@ from ..precision.ptq import (
 )
 from .checkpoint import METRICS, prepare_run_dir
 from .config import RunConfig
-from .sft import SFTRunConfig, chat_batches
+from .run_data import training_data
+from .sft import SFTDataConfig, chat_batches
 
 
 @dataclass(kw_only=True)
-class QuantizeConfig:
-    """Settings of one `hybridlm quantize` run."""
+class QuantizeConfig(Config):
+    """Settings of one `hybridlm quantize` run (its flags, or `--set key=value` on these
+    fields)."""
+
+    WHAT = "quantize config"
 
     checkpoint: str
     out: str
@@ -66,7 +78,7 @@ class QuantizeConfig:
     calib_samples: int = 64  # calibration rows (sequences of the data's seq_len)
     eval_batches: int = 8  # held-out batches for the loss / bpb comparison
     weight_scale: Literal["mse", "max"] = "mse"  # NVFP4 weight block scales
-    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    exclude: list[str] = field(default_factory=lambda: list(DEFAULT_EXCLUDE))
     per_layer: bool = True  # measure each decision group's loss delta alone
     # the attention KV cache the checkpoint declares (precision/kv_cache.py): scales calibrated
     # on the calibration rows, exported as kv_cache_quant_algo + k_scale / v_scale
@@ -78,7 +90,8 @@ class QuantizeConfig:
     data: str = ""
     # calibration rows from an SFT run's chat data (its directory or run.yaml): quantise a
     # post-trained model on the data it serves, as Nemotron 3 Super calibrates on its SFT set;
-    # "" = the training rows of `data`
+    # "" = the chat data of the model's own run when it has some, else the training rows of
+    # `data`
     calib_data: str = ""
     progress: bool = True
 
@@ -101,10 +114,11 @@ class QuantizeConfig:
 
 
 # ============================================================================ inputs
-def default_data(out: Path) -> DataConfig:
-    """The embedded corpus (Python stdlib source, byte tokenizer) with a held-out split."""
+def default_data(out: Path, tokenizer: str = "byte") -> DataConfig:
+    """The embedded corpus (Python stdlib source) in `tokenizer` (a spec: the model's own) with
+    a held-out split."""
     return DataConfig(
-        tokenizer="byte",
+        tokenizer=tokenizer,
         shards_dir=str(out / "shards"),
         seq_len=256,
         batch_size=8,
@@ -121,34 +135,57 @@ def run_data(path: str | Path) -> DataConfig:
         path = path / "run.yaml"
     if not path.is_file():
         raise ValueError(f"no pretraining run config at {path} (data: a run dir or its run.yaml)")
-    return RunConfig.load(path).data
+    try:
+        return RunConfig.load(path).data
+    except ValueError as err:  # e.g. an SFT run, whose chat data calibrate with calib_data
+        raise ValueError(
+            f"data: {path} is not a pretraining run config ({err}); give a pretraining run "
+            "(chat data: calib_data)"
+        ) from None
 
 
-def sft_calibration_batches(path: str | Path, rows: int) -> list:
-    """`rows` packed training rows of an SFT run (its directory or run.yaml)."""
+def sft_calibration_batches(path: str | Path, rows: int, tokenizer: Any) -> list:
+    """`rows` packed training rows of a run on chat data (SFT, distillation, QAD; its directory
+    or run.yaml), in `tokenizer`'s ids (the quantised model's)."""
     path = Path(path)
     if path.is_dir():
         path = path / "run.yaml"
     if not path.is_file():
         raise ValueError(f"no SFT run config at {path} (calib_data: an SFT run dir or run.yaml)")
-    return chat_batches(SFTRunConfig.load(path).data, rows)
+    data = read_mapping(path, "run config").get("data")
+    try:
+        chats = from_dict(SFTDataConfig, data if data is not None else {}, "data.")
+    except ValueError as err:
+        raise ValueError(f"calib_data: {path} holds no chat data ({err})") from None
+    return chat_batches(chats, rows, tokenizer)
 
 
-def load_checkpoint_and_data(ckpt: str | Path, out: Path) -> tuple[Any, DataConfig, str]:
-    """(model, DataConfig, description) for a training checkpoint, run dir or HF directory."""
-    path = Path(ckpt)
-    if not path.exists():
-        raise ValueError(f"checkpoint {path} does not exist")
-    path, kind = resolve(path)  # a run directory: its newest checkpoint
+_KINDS = {"checkpoint": "training checkpoint", "transformers": "transformers checkpoint"}
+
+
+def load_checkpoint_and_data(
+    ckpt: str | Path, out: Path, *, data: str = ""
+) -> tuple[Any, DataConfig, SFTDataConfig | None, str]:
+    """(model, held-out data, chat data to calibrate on or None, description) of any model path
+    `hybridlm.io` loads (module docstring); `data`: a pretraining run whose data to use."""
+    path, kind = resolve(ckpt)  # a run directory: its newest checkpoint
     model = load_model(path)
+    what = f"{_KINDS.get(kind, 'ModelOpt checkpoint')} {path}"
     if kind == "checkpoint":
-        meta = read_meta(path)
-        data = RunConfig.from_dict(meta["run_config"]).data
-        return model, data, f"training checkpoint {path} (step {meta.get('step')})"
-    if (path.parent / "run.yaml").is_file():  # a run's own export (`<run>/hf`)
-        data = RunConfig.load(path.parent / "run.yaml").data
-        return model, data, f"transformers checkpoint {path} (data of {path.parent})"
-    return model, default_data(out), f"transformers checkpoint {path} (stdlib corpus)"
+        what += f" (step {read_meta(path).get('step')})"
+    if kind == "modelopt":  # quantised already: start from the weights it computes with
+        dequantize_model(model)
+        what += " (dequantised)"
+    if data:
+        return model, run_data(data), None, f"{what}, data of {data}"
+    trained = training_data(ckpt, fix="give the evaluation data with --data (a pretraining run)")
+    if isinstance(trained, DataConfig):
+        return model, trained, None, f"{what}, data of its run"
+    # no pretraining text to evaluate on: the embedded corpus, in the model's own tokenizer
+    stdlib = default_data(out, tokenizer_spec_for(ckpt))
+    if isinstance(trained, SFTDataConfig):
+        return model, stdlib, trained, f"{what}, stdlib corpus, calibrated on its run's chat data"
+    return model, stdlib, None, f"{what}, stdlib corpus"
 
 
 # ============================================================================ run
@@ -161,10 +198,8 @@ def run_quantize(cfg: QuantizeConfig, *, overwrite: bool = False) -> dict[str, A
     console = Console(quiet=not cfg.progress)
     out = prepare_run_dir(cfg.out, overwrite=overwrite, outputs=(METRICS,))
     t0 = time.time()
-    model, data, what = load_checkpoint_and_data(cfg.checkpoint, out)
-    if cfg.data:
-        data = run_data(cfg.data)
-        what = f"{what.split(' (')[0]} (data of {cfg.data})"
+    model, data, chats, what = load_checkpoint_and_data(cfg.checkpoint, out, data=cfg.data)
+    tokenizer = load_tokenizer_for(cfg.checkpoint)
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     )
@@ -181,8 +216,10 @@ def run_quantize(cfg: QuantizeConfig, *, overwrite: bool = False) -> dict[str, A
     if held_loader is None:
         raise ValueError("the data has no held-out split (data.eval_fraction is 0)")
     if cfg.calib_data:
-        calib = sft_calibration_batches(cfg.calib_data, cfg.calib_samples)
+        calib = sft_calibration_batches(cfg.calib_data, cfg.calib_samples, tokenizer)
         what += f", calibrated on the chat data of {cfg.calib_data}"
+    elif chats is not None:
+        calib = chat_batches(chats, cfg.calib_samples, tokenizer)
     else:
         calib = take(train_loader, math.ceil(cfg.calib_samples / data.batch_size))
     held = take(held_loader, cfg.eval_batches)
@@ -250,7 +287,6 @@ def run_quantize(cfg: QuantizeConfig, *, overwrite: bool = False) -> dict[str, A
 
     kv = declare_kv_cache(qmodel, cfg.kv_cache, calib)
     dtype = getattr(torch, cfg.export_dtype)
-    tokenizer = load_tokenizer_for(cfg.checkpoint)
     export_modelopt(qmodel.to("cpu"), out, dtype=dtype, tokenizer=tokenizer)
     bits = model_bits(qmodel, applied, ops)
     summary = {
@@ -260,7 +296,8 @@ def run_quantize(cfg: QuantizeConfig, *, overwrite: bool = False) -> dict[str, A
         "calibration": {
             "batches": stats.batches,
             "tokens": stats.tokens,
-            "data": cfg.calib_data or "training rows of the evaluation data",
+            "data": cfg.calib_data
+            or ("its run's chat data" if chats else "training rows of the evaluation data"),
         },
         "eval": {"batches": len(held), "tokens": base["tokens"]},
         "unquantized": {"loss": base["loss"], "bpb": base["bpb"], "dtype": _dtype_name(model)},

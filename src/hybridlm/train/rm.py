@@ -31,7 +31,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..data.bpe import load_tokenizer
 from ..data.chat import STOP
 from ..io import load
 from ..model.model import HybridLM, ModelOutput
@@ -217,7 +216,6 @@ class RewardModelScorer:
 
 def rm_trainer(cfg: RMRunConfig, *, resume: bool = False, overwrite: bool = False) -> Trainer:
     """The Trainer of a reward-model run, ready to `train()`."""
-    load_tokenizer(cfg.data.tokenizer)  # a bad tokenizer name fails before any work
     return Trainer(
         cfg.train, lambda rt: RewardModelTraining(cfg, rt), resume=resume, overwrite=overwrite
     )

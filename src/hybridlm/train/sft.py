@@ -42,7 +42,6 @@ import numpy as np
 import torch
 
 from ..config import Config, ModelConfig
-from ..data.bpe import load_tokenizer
 from ..data.chat import STOP, parse_assistant, render
 from ..data.sft import (
     ChatExample,
@@ -63,7 +62,16 @@ from ..presets import PRESETS, get_preset
 from .config import TrainConfig
 from .objectives import sft_token_weights, shift_targets_float, token_nll
 from .parallel import is_main
-from .trainer import Loss, Runtime, Step, Trainer, TrainModule, initial_model
+from .trainer import (
+    Loss,
+    Runtime,
+    Step,
+    Trainer,
+    TrainModule,
+    check_tokenizer,
+    initial_model,
+    run_tokenizer,
+)
 
 LossNorm = Literal["token", "sample", "two_stage"]
 
@@ -96,11 +104,12 @@ class ChatSource:
 
 @dataclass(kw_only=True)
 class SFTDataConfig:
-    """Chat data: sources, tokenizer ("byte" or a tokenizer directory), packing, held-out split
+    """Chat data: sources, tokenizer ("byte", a tokenizer directory, or "" for the tokenizer of
+    the model the run starts from: `trainer.run_tokenizer`), packing, held-out split
     (`held_out` conversations drawn with `seed` before any transform) and reasoning modes."""
 
     sources: list[ChatSource] = field(default_factory=list)
-    tokenizer: str = "byte"
+    tokenizer: str = ""  # "": the starting model's (train.init_from), byte for a fresh model
     seq_len: int = 512
     batch_size: int = 8
     overflow: Literal["drop", "truncate"] = "drop"
@@ -326,12 +335,12 @@ def prepare_chat_data(dc: SFTDataConfig, tokenizer: Any) -> ChatData:
     )
 
 
-def chat_batches(dc: SFTDataConfig, num_rows: int) -> list[dict[str, torch.Tensor]]:
-    """About `num_rows` packed rows of an SFT data config's training conversations, e.g. to
-    calibrate post-training quantisation on the post-training data (Nemotron 3 Super calibrates
-    its NVFP4 checkpoint on 256 samples of the SFT set)."""
+def chat_batches(dc: SFTDataConfig, num_rows: int, tokenizer: Any) -> list[dict[str, torch.Tensor]]:
+    """About `num_rows` packed rows of an SFT data config's training conversations in
+    `tokenizer`'s ids (the model's), e.g. to calibrate post-training quantisation on the
+    post-training data (Nemotron 3 Super calibrates its NVFP4 checkpoint on 256 samples of the
+    SFT set)."""
 
-    tokenizer = load_tokenizer(dc.tokenizer)
     data = prepare_chat_data(dc, tokenizer)
     loader = SFTLoader(
         data.examples,
@@ -378,7 +387,7 @@ class SFT(TrainModule):
         tc, dc, sc = run.train, run.data, run.sft
         self.tc, self.dc, self.sc = tc, dc, sc
         self.device = rt.device
-        self.tokenizer = load_tokenizer(dc.tokenizer)
+        self.tokenizer = run_tokenizer(dc, tc)
 
         # data: read, hold out, transform, tokenise
         data = prepare_chat_data(dc, self.tokenizer)
@@ -401,11 +410,7 @@ class SFT(TrainModule):
         # model
         self.model = initial_model(tc, run.model, self.device)
         self.model_cfg = self.model.config
-        if self.tokenizer.vocab_size > self.model_cfg.vocab_size:
-            raise ValueError(
-                f"the tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size "
-                f"is {self.model_cfg.vocab_size}"
-            )
+        check_tokenizer(self.tokenizer, self.model, "train.init_from" if tc.init_from else "model")
         self.mtp_depth = self.model_cfg.mtp.depth if sc.mtp_depth < 0 else sc.mtp_depth
         if self.model.mtp is None:
             self.mtp_depth = 0

@@ -215,8 +215,8 @@ class _LocalMamba:
 
 def _mamba_tp(mixer: Mamba2Mixer, mesh: DeviceMesh) -> None:
     tp, m = mesh.size(), mixer.m
-    _divides(tp, m.num_heads, "Mamba-2 heads")
-    _divides(tp, m.n_groups, "Mamba-2 groups (B / C are split with their heads)")
+    _divides(tp, m.num_heads, "Mamba-2 heads", "mamba.num_heads")
+    _divides(tp, m.n_groups, "Mamba-2 groups (B / C are split with their heads)", "mamba.n_groups")
     in_rows, conv_rows = _mamba_rows(m, tp)
     _shard_rows(mixer.in_proj, "weight", mesh, in_rows)
     _shard_rows(mixer.conv1d, "weight", mesh, conv_rows)
@@ -273,9 +273,20 @@ def canonical_chunks(dt: DTensor, rows: torch.Tensor) -> DTensor:
     return DTensor(LocalShardsWrapper(pieces, offsets), spec, requires_grad=False)
 
 
-def _divides(tp: int, n: int, what: str) -> None:
+def _divides(tp: int, n: int, what: str, setting: str) -> None:
+    """Refuse a split of `n` units over `tp` ranks that is not even, naming the model setting
+    (`setting` in the model config) that sizes them and the values that would do."""
     if n % tp:
-        raise ValueError(f"train.parallel.tp={tp} must divide the model's {n} {what}")
+        raise ValueError(
+            f"train.parallel.tp={tp} must divide the model's {n} {what}: set model.{setting} to "
+            f"a multiple of {tp} (--set model.{setting}={_multiple(n, tp)}; a model trained from "
+            f"scratch), or a train.parallel.tp that divides {n}"
+        )
+
+
+def _multiple(n: int, tp: int) -> int:
+    """The smallest multiple of `tp` not below `n`."""
+    return -(-n // tp) * tp
 
 
 def _mlp_plan(mlp: MLP) -> dict[str, Any]:
@@ -295,14 +306,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, experts: boo
         raise ValueError(
             f"train.parallel.tp={tp}: tied embeddings are not split by tensor parallelism yet"
         )
-    _divides(tp, cfg.vocab_size, "vocabulary entries")
+    _divides(tp, cfg.vocab_size, "vocabulary entries", "vocab_size")
     blocks = list(model.layers) + [b for h in model.mtp_heads() for b in h.layers]
     for block in blocks:
         mixer = block.mixer
         if isinstance(mixer, Attention):
             a = mixer.a
-            _divides(tp, a.num_heads, "attention heads")
-            _divides(tp, a.num_kv_heads, "KV heads")
+            _divides(tp, a.num_heads, "attention heads", "attention.num_heads")
+            _divides(tp, a.num_kv_heads, "KV heads", "attention.num_kv_heads")
             plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel()}
             plan |= {"v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()}
             parallelize_module(mixer, tp_mesh, plan)
@@ -312,16 +323,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, experts: boo
         elif isinstance(mixer, Mamba2Mixer):
             _mamba_tp(mixer, tp_mesh)
         elif isinstance(mixer, MLP):
-            _divides(tp, mixer.down_proj.in_features, "MLP hidden units")
+            _divides(tp, mixer.down_proj.in_features, "MLP hidden units", "mlp.hidden")
             parallelize_module(mixer, tp_mesh, _mlp_plan(mixer))
         elif isinstance(mixer, MoE):
             if mixer.cfg.shared_expert_hidden:
                 shared = mixer.shared_experts
-                _divides(tp, shared.down_proj.in_features, "shared-expert hidden units")
+                hidden = shared.down_proj.in_features
+                _divides(tp, hidden, "shared-expert hidden units", "moe.shared_expert_hidden")
                 parallelize_module(shared, tp_mesh, _mlp_plan(shared))
             if experts:
                 ex = mixer.experts
-                _divides(tp, mixer.cfg.num_experts, "routed experts")
+                _divides(tp, mixer.cfg.num_experts, "routed experts", "moe.num_experts")
                 _shard_rows(ex, "up_proj", tp_mesh, None)
                 _shard_rows(ex, "down_proj", tp_mesh, None)
                 ex.dispatch = ExpertsOverGroup(tp_mesh)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
@@ -39,7 +40,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..io import load_model
+from ..data.bpe import load_tokenizer, tokenizer_sha256
+from ..io import load_model, tokenizer_spec_for
 from ..io.checkpoint import (
     is_sharded_checkpoint,
     load_checkpoint,
@@ -93,7 +95,7 @@ def initial_model(
     initialised from `tc.seed`; with `meta` (`Runtime.meta_init`) a fresh model stays on the
     meta device, and the Trainer gives each rank its shards once the layout is applied."""
     if tc.init_from:
-        return load_model(tc.init_from).float().to(device).train()
+        return load_model(tc.init_from, setting="train.init_from").float().to(device).train()
     if model is None:
         raise ValueError("give train.init_from (a model to start from) or a model config")
     cfg = get_preset(model) if isinstance(model, str) else copy.deepcopy(model)
@@ -101,6 +103,59 @@ def initial_model(
         with torch.device("meta"):
             return HybridLM(cfg).train()
     return build_model(cfg, seed=tc.seed, device=device)
+
+
+def resolve_tokenizer(data: Any, tc: TrainConfig) -> str:
+    """The tokenizer spec of a run whose data section is `data`: the one `data.tokenizer` names,
+    else the one the model in `train.init_from` was trained with, else "byte" (a model trained
+    from scratch). `data.tokenizer` is set to it, so run.yaml and the checkpoints record it and
+    the next stage finds it."""
+    if not data.tokenizer:
+        data.tokenizer = (
+            tokenizer_spec_for(tc.init_from, setting="train.init_from") if tc.init_from else "byte"
+        )
+    return data.tokenizer
+
+
+def run_tokenizer(data: Any, tc: TrainConfig) -> Any:
+    """The tokenizer of a run (`resolve_tokenizer`), loaded. A named tokenizer other than the
+    starting model's is used as asked, with a warning."""
+    named = bool(data.tokenizer)
+    tokenizer = load_tokenizer(resolve_tokenizer(data, tc))
+    if named and tc.init_from:
+        own = tokenizer_spec_for(tc.init_from, setting="train.init_from")
+        if tokenizer_sha256(load_tokenizer(own)) != tokenizer_sha256(tokenizer):
+            warn_main(
+                f"warning: data.tokenizer={data.tokenizer} is not the tokenizer {tc.init_from} "
+                f"was trained with ({own}); leave data.tokenizer unset to use the model's own"
+            )
+    return tokenizer
+
+
+def check_tokenizer(tokenizer: Any, model: HybridLM, setting: str, path: str = "") -> None:
+    """Refuse a tokenizer whose ids do not fit `model`'s vocabulary, naming the setting that
+    chose the model; with `path` (a model path), also one that is not the tokenizer that model
+    was trained with (a teacher, reference or generator must read the run's token ids)."""
+    where = f"{setting}={path}" if path else setting
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but the model of {where} has "
+            f"vocab_size {model.config.vocab_size}: use the model's own tokenizer (leave "
+            "data.tokenizer unset)"
+        )
+    if path:
+        own = tokenizer_spec_for(path, setting=setting)
+        if tokenizer_sha256(load_tokenizer(own)) != tokenizer_sha256(tokenizer):
+            raise ValueError(
+                f"{where} was trained with another tokenizer ({own}) than the run's: its "
+                "token ids mean other text"
+            )
+
+
+def warn_main(message: str) -> None:
+    """Print a warning line once, from the main process."""
+    if is_main():
+        print(message, file=sys.stderr, flush=True)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,0 +1,398 @@
+"""The README's commands work as a user runs them.
+
+Every command of the README (the stage table's command cells and the ```bash blocks) is listed
+here with how it is exercised: run by `test_stage_table_after_the_speedrun` (slow) against a
+tiny speedrun made in a fresh directory, as written apart from `--set` overrides that shorten
+the run (the README's rows show `--set` for exactly that), or by the test that covers it
+(benchmarks, servers, multi-process jobs). `test_every_readme_command_is_accounted_for` keeps
+the list and the README equal, so a new row comes with its check.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_speedrun import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def readme_commands(text: str | None = None) -> list[str]:
+    """The README's commands: backticked spans of the table cells that start like a command,
+    and the non-comment lines of ```bash blocks (continuations joined)."""
+    text = README.read_text() if text is None else text
+    out: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("|") and "`" in line:
+            last = re.split(r"(?<!\\)\|", line.rstrip().rstrip("|"))[-1]  # `\|` is a pipe
+            for span in re.findall(r"`([^`]+)`", last.replace("\\|", "|")):
+                if re.match(r"(hybridlm |python |torchrun |pip |pytest |[A-Z_]+=)", span):
+                    out.append(span)
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for cmd in block.replace("\\\n", " ").splitlines():
+            cmd = re.sub(r"\s+", " ", cmd.strip())
+            if cmd and not cmd.startswith("#"):
+                out.append(cmd)
+    return out
+
+
+# ---------------------------------------------------------------------------- the chain
+# A tiny speedrun (tests/test_speedrun.py's sizes; that test holds the whole flow to its
+# figures): here only the stages that make the models the rows start from.
+TINY_SPEEDRUN = [s for s in TINY if s.split(".")[0] in ("tokenizer", "pretrain", "sft")]
+
+# shortening overrides of the post-training configs' sizes (steps, rows, generation lengths)
+SHORT_CHAT = [
+    "train.max_steps=2",
+    "train.warmup_steps=1",
+    "train.eval_interval=2",
+    "train.checkpoint_interval=0",
+    "data.seq_len=256",
+    "data.held_out=4",
+]
+SHORT_SFT = [*SHORT_CHAT, "data.sources.0.max_rows=200", "sft.eval_generate=2"]
+SHORT_SFT += ["sft.max_new_tokens=16"]
+SHORT_DISTILL = [*SHORT_CHAT, "data.sources.0.max_rows=200", "distill.eval_generate=2"]
+SHORT_DISTILL += ["distill.eval_max_new_tokens=16"]
+SHORT_PAIRS = [
+    "train.max_steps=2",
+    "train.warmup_steps=1",
+    "train.eval_interval=2",
+    "data.held_out=2",
+    "data.max_len=256",
+]
+SHORT_RL = [
+    "steps=2",
+    "executor=inline",
+    "eval_problems=4",
+    "groups_per_step=2",
+    "group_size=2",
+    "max_draws=2",
+    "eval_interval=1",
+    "max_new_tokens=16",
+]
+
+# (README command, the overrides that shorten it); optional `[...]` parts are left out
+CHAIN: list[tuple[str, list[str]]] = [
+    (
+        "hybridlm speedrun [--skip rl] [--only eval,report] [--force sft] "
+        "[--set sft.train.max_steps=200]",
+        ["--skip=rl,mtp_heal,quantize,qad,eval", *TINY_SPEEDRUN],
+    ),
+    ("hybridlm report runs/speedrun", []),
+    (
+        "hybridlm sft [--config configs/sft.yaml] [--set train.max_steps=100] "
+        "[--resume | --overwrite]",
+        SHORT_SFT,
+    ),
+    (
+        "hybridlm dpo [--config configs/dpo.yaml] [--set dpo.loss=dpo] [--resume | --overwrite]",
+        [
+            *SHORT_PAIRS,
+            "data.delta.prompts.max_rows=24",
+            "data.delta.max_new_tokens=16",
+            # models of a few steps are rarely right, and greedy replies of both are often
+            # the same empty one: sample, and keep every chosen reply
+            "data.delta.filter_chosen=none",
+            "data.delta.temperature=1.0",
+            "dpo.eval_source.max_rows=8",
+            "dpo.eval_generate=2",
+            "dpo.max_new_tokens=16",
+        ],
+    ),
+    (
+        "hybridlm distill [--config configs/distill.yaml] [--set train.max_steps=50] "
+        "[--resume | --overwrite]",
+        SHORT_DISTILL,
+    ),
+    (
+        "hybridlm distill-cache --set distill.teacher_cache=runs/distill_cache",
+        ["data.sources.0.max_rows=200", "data.held_out=4", "data.seq_len=256"],
+    ),
+    (
+        "hybridlm distill --set distill.teacher_cache=runs/distill_cache",
+        [*SHORT_DISTILL, "train.out_dir=runs/distill_cached"],
+    ),
+    (
+        "hybridlm qad --config configs/qad.yaml --set train.init_from=runs/sft",
+        [
+            *SHORT_DISTILL,
+            "qad.teacher_replies=8",
+            "qad.correct_only=false",
+            "qad.calib_samples=4",
+        ],
+    ),
+    ("hybridlm rl --checkpoint runs/sft [--set steps=60] [--resume | --overwrite]", SHORT_RL),
+    (
+        "hybridlm mtp-boost --checkpoint runs/sft [--set prompts=sft_arithmetic] [--set steps=300]",
+        ["steps=2", "num_sequences=4", "eval_prompts=2", "gen_len=12", "eval_new_tokens=8"],
+    ),
+]
+
+SHORT_PRETRAIN = [
+    "data.sources.0.max_files=40",
+    "data.batch_size=2",
+    "train.max_steps=6",
+    "train.warmup_steps=1",
+    "train.eval_interval=3",
+    "train.checkpoint_interval=2",
+    "--sample-tokens=8",
+]
+CHAIN += [
+    (
+        "hybridlm pretrain [--config configs/quickstart.yaml] [--set train.max_steps=200] "
+        "[--resume | --overwrite]",
+        SHORT_PRETRAIN,
+    ),
+    ("hybridlm merge --run runs/quickstart --windows 2,3", []),
+    ("hybridlm export-hf --checkpoint runs/quickstart --out hf/", []),
+    (
+        "hybridlm quantize --recipe autoquant --budget 4.75 runs/quickstart out/qs-aq",
+        ["calib_samples=4", "eval_batches=1", "per_layer=false"],
+    ),
+    (
+        "hybridlm eval --checkpoint runs/quickstart --tasks spec_bench --limit 8 "
+        "--max-new-tokens 64",
+        ["--limit=1", "--max-new-tokens=8"],
+    ),
+]
+
+SHORT_GEN = ["--max-new-tokens=8"]
+CHAIN += [
+    ("hybridlm info --preset nemotron-3-super-120b-a12b", []),
+    ("hybridlm config --preset tiny-super --set moe.top_k=8 > my.yaml", []),
+    (
+        "hybridlm plan --preset nemotron-3-super-120b-a12b --gpus 512 --tp 2 --ep 64 "
+        "--seq 8192 --micro-batch 1",
+        [],
+    ),
+    ("hybridlm precision-plan --preset nemotron-3-super-120b-a12b", []),
+    (
+        'hybridlm generate --checkpoint runs/speedrun/pretrain --prompt "def " --temperature 0.7',
+        SHORT_GEN,
+    ),
+    ("hybridlm generate --preset tiny-super --speculative 3 [--temperature 0.8]", SHORT_GEN),
+    ("hybridlm generate --preset tiny-super --ssm-precision fp16-sr", SHORT_GEN),
+    (
+        "hybridlm eval --checkpoint runs/speedrun/sft --tasks "
+        "base_easy,mc,gsm8k,humaneval,ifeval,ruler --limit 50",
+        ["--limit=1", *SHORT_GEN],
+    ),
+    ("hybridlm upsample-curve --target web=1.0 --drop-below 0.4", []),
+    ("hybridlm speedrun --only curate,tokenizer,pretrain", TINY_SPEEDRUN),
+    (
+        "hybridlm tool-demos --out runs/tool_demos.jsonl && hybridlm sft --config "
+        "configs/sft_tools.yaml && hybridlm rl --config configs/rl_tools.yaml",
+        [
+            ["--num=40"],
+            [*SHORT_CHAT[:4], "data.held_out=4", "sft.eval_generate=0"],
+            [*SHORT_RL, "max_new_tokens=48"],
+        ],
+    ),
+    (
+        "hybridlm rm --config configs/rm.yaml && hybridlm rl --config configs/rlhf.yaml",
+        [
+            # a few-step SFT model answers no question right, so its verifier-labelled pairs
+            # are empty (a one-line error): the DPO row's pairs instead (tests/test_rm.py
+            # builds verified pairs from a model that is sometimes right)
+            [*SHORT_PAIRS, "data.verified=null", "data.path=runs/dpo/pairs.jsonl"],
+            SHORT_RL,
+        ],
+    ),
+]
+
+# README commands whose code another test runs, on reduced settings or through its library call
+# (command -> "file::test"); `test_every_readme_command_is_accounted_for` checks the test exists
+M = "tests/test_train_mesh.py::"
+COVERED_BY: dict[str, str] = {
+    "python benchmarks/decode.py": "tests/test_decode_benchmark.py::"
+    "test_decode_section_reports_ratio_and_agreement",
+    "python benchmarks/spec_speedup.py": "tests/test_spec_speedup_benchmark.py::"
+    "test_spec_speedup_trains_heals_reuses_and_projects",
+    "python benchmarks/ssm_state_precision.py": "tests/test_state_precision.py::"
+    "test_drift_study_writes_metrics_and_plot",
+    "python benchmarks/parallel_gpu.py": "tests/test_activation_checkpointing.py::"
+    "test_parallel_gpu_benchmark_smoke_run",
+    "python benchmarks/pretrain_throughput.py": "tests/test_pretrain_benchmark.py::"
+    "test_pretrain_throughput_benchmark_prints_a_finite_ratio",
+    "python benchmarks/curate_throughput.py [--out DIR]": "tests/test_curate_dedup.py::"
+    "test_curate_benchmark_runs_and_checks",
+    "python benchmarks/nvfp4_training.py": "tests/test_precision_training.py::"
+    "test_nvfp4_study_tracks_the_baseline",
+    "python benchmarks/kv_cache_quant.py": "tests/test_kv_cache_quant.py::"
+    "test_the_study_runs_and_its_unquantised_cache_equals_the_plain_forward",
+    "python benchmarks/spec_bench.py": "tests/test_eval_speculative.py::"
+    "test_benchmark_script_prints_a_line_per_category_and_overall",
+    "python benchmarks/contention.py [--rounds 3]": "tests/test_threads.py::"
+    "test_contention_benchmark_ratio",
+    "python benchmarks/train_step.py": "tests/test_benchmark.py::"
+    "test_train_step_benchmark_reports_ratio",
+    "hybridlm serve --preset tiny-super --port 8000 [--max-body-bytes 4194304]": (
+        "tests/test_server.py::test_completion_streamed_equals_plain_and_counts_usage"
+    ),
+    'hybridlm chat --preset tiny-super --system "Be brief."': (
+        "tests/test_server.py::test_chat_cli_with_piped_stdin"
+    ),
+    "hybridlm soup --runs runs/lc_a,runs/lc_b [--last 2]": "tests/test_train_merge.py::"
+    "test_soup_of_two_seeds_evaluates_every_candidate_and_exports_the_best",
+    "hybridlm mix --data data.yaml --out runs/mix [--proxy bigram|trainer]": (
+        "tests/test_curate_followups.py::test_mix_command_writes_a_quality_weighted_phase_two"
+    ),
+    "hybridlm decon-code-eval [--backend hashed|minilm]": "tests/test_curate_followups.py::"
+    "test_hashed_code_decon_recall_on_planted_solutions_and_stdlib_false_positives",
+    "HYBRIDLM_ENV_TOKEN=... hybridlm env-serve --env calculator --port 8010": (
+        "tests/test_env_server_hostile.py::test_env_serve_flags"
+    ),
+    "pytest tests/test_untrusted_text.py tests/test_env_server_hostile.py": (
+        "tests/test_env_server_hostile.py::test_no_reply_holds_the_ground_truth"
+    ),
+    "torchrun --nproc_per_node=2 -m hybridlm.cli pretrain": (
+        "tests/test_train_parallel.py::test_ddp_world2_matches_single_process"
+    ),
+    "torchrun --nproc_per_node=2 -m hybridlm.cli pretrain --set train.parallel=fsdp": (
+        "tests/test_train_parallel.py::test_torchrun_cli_pretrain_fsdp"
+    ),
+    "torchrun --nproc_per_node=4 -m hybridlm.cli pretrain --set train.parallel.dp_replicate=2 "
+    "--set train.parallel.dp_shard=2": M + "test_ep2_hsdp_world4_matches_single_process",
+    "torchrun --nproc_per_node=2 -m hybridlm.cli pretrain --set train.parallel=fsdp "
+    "--set train.parallel.ep=2": M + "test_ep2_world2_matches_single_process",
+    "torchrun --nproc_per_node=4 -m hybridlm.cli pretrain --set train.parallel.tp=2 "
+    "--set train.parallel.dp_shard=2 --set model.mamba.n_groups=2 "
+    "--set train.out_dir=runs/quickstart_tp": M
+    + "test_tp2_on_the_quickstart_model_names_the_setting_to_change",
+    "torchrun --nproc_per_node=2 -m hybridlm.cli pretrain --set train.parallel.cp=2": M
+    + "test_cp2_world2_matches_single_process",
+    'pip install -e ".[speedrun]" && hybridlm speedrun': ".ci/run",
+    'pip install -e ".[test]" && pytest -q': ".ci/run",
+    "HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m hybridlm.eval.lm_eval_adapter run "
+    "--model hybridlm --model_args path=runs/speedrun/rl/model --include_path examples/lm_eval "
+    "--tasks gsm8k_local --limit 50": "tests/test_eval_lm_eval.py::"
+    "test_documented_offline_gsm8k_commands",
+    "HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 lm_eval run --model hf --model_args "
+    "pretrained=runs/speedrun/rl/model,dtype=float32 --include_path examples/lm_eval "
+    "--tasks gsm8k_local --limit 50": "tests/test_eval_lm_eval.py::"
+    "test_documented_offline_gsm8k_commands",
+}
+
+# README commands no test runs yet (command -> why)
+NOT_YET: dict[str, str] = {
+    "python benchmarks/gpu_check.py [--profile]": "needs a CUDA GPU",
+    "python benchmarks/decode_profile.py": "benchmark without a test",
+    "python benchmarks/decon_recall.py": "benchmark without a test",
+    "python benchmarks/ptq_accuracy.py": "benchmark without a test",
+    "python benchmarks/long_context.py": "benchmark without a test",
+    "python benchmarks/mtp_init.py": "benchmark without a test",
+    "python benchmarks/rl_arithmetic.py [--sft runs/sft/checkpoints/step_00000500]": (
+        "benchmark without a test"
+    ),
+    "python benchmarks/rl_learns.py [--base runs/speedrun/sft]": "benchmark without a test",
+    "hybridlm generate --preset tiny-super --compile": "torch.compile takes minutes on CPU",
+    "hybridlm pretrain --config configs/midtrain.yaml": "not yet in the chain",
+    "hybridlm pretrain --config configs/long_context.yaml": "not yet in the chain",
+    "hybridlm speedrun --set 'skip=[]' --out runs/speedrun_long": (
+        "tests/test_speedrun.py runs the long-context variant through the library"
+    ),
+    "hybridlm curate [--config configs/curate.yaml] [--executor ray] [--output DIR]": (
+        "not yet in the chain"
+    ),
+    "hybridlm quality-train --pos P.jsonl --neg N.jsonl --out models/quality": (
+        "placeholder files P.jsonl / N.jsonl"
+    ),
+    "hybridlm decon --input docs.jsonl --report r.json [--benchmark NAME=FILE]": (
+        "placeholder file docs.jsonl"
+    ),
+    "hybridlm pretrain --set train.low_precision=nvfp4": "not yet in the chain",
+    "hybridlm quantize ... --kv-cache fp8": "a fragment of a command",
+    "hybridlm serve --kv-cache-dtype fp8": "a fragment of a command",
+    "hybridlm pretrain --set distill.teacher=runs/teacher --set train.intra_doc_masking=true": (
+        "placeholder teacher runs/teacher"
+    ),
+    "hybridlm distill-cache --pretraining --config run.yaml --set "
+    "distill.teacher_cache=runs/text_cache": "placeholder config run.yaml",
+    "hybridlm pretrain --config run.yaml --set distill.teacher_cache=runs/text_cache": (
+        "placeholder config run.yaml"
+    ),
+    "hybridlm mtp-boost --checkpoint runs/per_depth --set init=consolidate --set data=text": (
+        "placeholder run runs/per_depth"
+    ),
+    "python -m hybridlm.eval.lm_eval_adapter run --model hybridlm --model_args "
+    "path=runs/speedrun/sft --include_path examples/lm_eval --tasks gsm8k_local --limit 50": (
+        "not yet in the chain"
+    ),
+    "python -c \"from hybridlm.rl import Sandbox; print(Sandbox().run('def f(): return 1', "
+    "['assert f() == 1']))\"": "not yet in the chain",
+}
+
+
+def _short(cmd: str) -> list[str]:
+    """The command as written without its optional `[...]` parts, split like a shell."""
+    return shlex.split(re.sub(r"\s*\[[^\]]*\]", "", cmd))
+
+
+def _as_args(extra: list[str]) -> list[str]:
+    return [a if a.startswith("-") else f"--set={a}" for a in extra]
+
+
+def test_every_readme_command_is_accounted_for():
+    listed = [c for c, _ in CHAIN] + list(COVERED_BY) + list(NOT_YET)
+    missing = [c for c in readme_commands() if c not in listed]
+    stale = [c for c in listed if c not in readme_commands()]
+    assert not stale, f"listed here but not in the README: {stale}"
+    assert not missing, f"README commands no test exercises: {missing}"
+    for cmd, where in COVERED_BY.items():
+        file, _, name = where.partition("::")
+        assert (ROOT / file).is_file(), (cmd, where)
+        assert not name or f"def {name}(" in (ROOT / file).read_text(), (cmd, where)
+
+
+def _run(argv: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run a command as a shell would in `cwd`, with this interpreter's scripts first on PATH
+    (`hybridlm`, `torchrun`); a redirect goes through the shell."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    shell = ">" in argv
+    cmd: str | list[str] = shlex.join(argv).replace("'>'", ">") if shell else argv
+    return subprocess.run(
+        cmd,
+        cwd=cwd,
+        env=env,
+        shell=shell,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_stage_table_after_the_speedrun(tmp_path):
+    """The stage table's rows, in order, in a directory where only `hybridlm speedrun` ran
+    (shortened): each starts from what the README's earlier commands made."""
+    for name in ("configs", "examples", "benchmarks"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    commands = readme_commands()
+    assert not [c for c, _ in CHAIN if c not in commands], "run only the README's commands"
+    for cmd, extra in CHAIN:
+        parts = cmd.split(" && ")
+        extras = extra if extra and isinstance(extra[0], list) else [extra] * len(parts)
+        for part, more in zip(parts, extras, strict=True):
+            argv = _short(part) + _as_args(more)
+            done = _run(argv, tmp_path)
+            assert done.returncode == 0, (
+                f"{' '.join(argv)} exited {done.returncode}:\n{done.stderr[-3000:]}"
+            )
+    # every stage read the token ids of the speedrun's BPE tokenizer, the one its models carry
+    for run in ("sft", "dpo", "distill", "distill_cached", "qad"):
+        recorded = yaml.safe_load((tmp_path / "runs" / run / "run.yaml").read_text())
+        assert recorded["data"]["tokenizer"] == "runs/speedrun/tokenizer", run
+        assert (tmp_path / "runs" / run / "metrics.jsonl").is_file(), run
+    assert (tmp_path / "runs" / "rl" / "model" / "tokenizer.json").is_file()
