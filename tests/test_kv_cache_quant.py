@@ -123,7 +123,7 @@ def test_engine_kv_cache_dtype_and_errors():
 
     model = tiny_model()
     tok = load_tokenizer("byte")
-    with pytest.raises(ValueError, match="needs KV scales"):
+    with pytest.raises(ValueError, match="needs the KV scales"):
         Engine(model, tok, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         kvq.kv_codecs(model, "int4")
