@@ -123,13 +123,20 @@ def run_tokenizer(data: Any, tc: TrainConfig) -> Any:
     named = bool(data.tokenizer)
     tokenizer = load_tokenizer(resolve_tokenizer(data, tc))
     if named and tc.init_from:
-        own = tokenizer_spec_for(tc.init_from, setting="train.init_from")
-        if tokenizer_sha256(load_tokenizer(own)) != tokenizer_sha256(tokenizer):
+        own = foreign_tokenizer(tokenizer, tc.init_from, "train.init_from")
+        if own:
             warn_main(
                 f"warning: data.tokenizer={data.tokenizer} is not the tokenizer {tc.init_from} "
                 f"was trained with ({own}); leave data.tokenizer unset to use the model's own"
             )
     return tokenizer
+
+
+def foreign_tokenizer(tokenizer: Any, path: str, setting: str) -> str:
+    """The spec of the tokenizer the model at `path` was trained with when it is not
+    `tokenizer` (compared by content), else ""."""
+    own = tokenizer_spec_for(path, setting=setting)
+    return "" if tokenizer_sha256(load_tokenizer(own)) == tokenizer_sha256(tokenizer) else own
 
 
 def check_tokenizer(tokenizer: Any, model: HybridLM, setting: str, path: str = "") -> None:
@@ -144,8 +151,8 @@ def check_tokenizer(tokenizer: Any, model: HybridLM, setting: str, path: str = "
             "data.tokenizer unset)"
         )
     if path:
-        own = tokenizer_spec_for(path, setting=setting)
-        if tokenizer_sha256(load_tokenizer(own)) != tokenizer_sha256(tokenizer):
+        own = foreign_tokenizer(tokenizer, path, setting)
+        if own:
             raise ValueError(
                 f"{where} was trained with another tokenizer ({own}) than the run's: its "
                 "token ids mean other text"
