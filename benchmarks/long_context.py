@@ -2,6 +2,7 @@
 
     hybridlm speedrun --only curate,tokenizer,pretrain      # runs/speedrun/pretrain (~5 min)
     python benchmarks/long_context.py [--out runs/long_context_bench] [--samples 40] [--no-twin]
+        [--midtrain-set KEY=VALUE] [--extension-set KEY=VALUE] [--pretrain-set KEY=VALUE]
 
 Two model families of the same size (about 1.6 M parameters) and the same budgets:
 
@@ -81,8 +82,11 @@ def _train(cfg: RunConfig, rerun: bool, log) -> float:
     return minutes
 
 
-def _configs(family: str, base: Path, out: Path) -> tuple[RunConfig | None, RunConfig, RunConfig]:
-    """(pretrain or None, midtrain, long context) run configs of a family under `out`."""
+def _configs(
+    family: str, base: Path, out: Path, args: argparse.Namespace
+) -> tuple[RunConfig | None, RunConfig, RunConfig]:
+    """(pretrain or None, midtrain, long context) run configs of a family under `out`, with the
+    command line's overrides (`--pretrain-set` for the twin's pretraining)."""
     pre = None
     start = base
     if family == "twin":
@@ -93,6 +97,7 @@ def _configs(family: str, base: Path, out: Path) -> tuple[RunConfig | None, RunC
                 "model.attention.num_heads=8",
                 "model.attention.num_kv_heads=4",
                 f"train.out_dir={out / 'twin' / 'pretrain'}",
+                *args.pretrain_set,
             ]
         )
         start = Path(pre.train.out_dir)
@@ -101,6 +106,7 @@ def _configs(family: str, base: Path, out: Path) -> tuple[RunConfig | None, RunC
             f"train.init_from={start}",
             f"train.out_dir={out / family / 'midtrain'}",
             f"data.shards_dir={out / 'shards' / 'midtrain'}",
+            *args.midtrain_set,
         ]
     )
     lc = RunConfig.load(ROOT / "configs" / "long_context.yaml").override(
@@ -108,6 +114,7 @@ def _configs(family: str, base: Path, out: Path) -> tuple[RunConfig | None, RunC
             f"train.init_from={mid.train.out_dir}",
             f"train.out_dir={out / family / 'long_context'}",
             f"data.shards_dir={out / 'shards' / 'long_context'}",
+            *args.extension_set,
         ]
     )
     if family == "twin":
@@ -129,11 +136,12 @@ def _evaluate(path: Path, mid: RunConfig, docs, args, log) -> dict[str, Any]:
     )
     res["eval_seconds"] = time.time() - t0
     r = res["ruler"]["overall"]
+    pos = res["position_bpb"]  # None without a held-out document of the full length
     log(
         f"  {path}: RULER "
         + " ".join(f"@{L} {r[L]:.3f}" for L in res["ruler"]["lengths"])
         + f" | short bpb {res['short_bpb']['eval_bpb']:.4f}"
-        + f" | bpb@1024 {res['position_bpb']['bpb_all']:.4f}"
+        + (f" | bpb@1024 {pos['bpb_all']:.4f}" if pos else " | bpb@1024 n/a (no long document)")
         + f" | copy {res['copy']['first']:.2f} -> {res['copy']['second']:.2f}"
         + f" | cache@1024 {res['cache_bytes_4x'] / 1024:.0f} KiB ({res['eval_seconds']:.0f} s)"
     )
@@ -147,6 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=40, help="RULER samples per task and length")
     p.add_argument("--no-twin", action="store_true", help="the hybrid only")
     p.add_argument("--rerun", action="store_true", help="retrain runs found in OUT")
+    for stage, what in (
+        ("midtrain", "configs/midtrain.yaml"),
+        ("extension", "configs/long_context.yaml"),
+        ("pretrain", "the twin's pretraining (the base run's run.yaml)"),
+    ):
+        p.add_argument(
+            f"--{stage}-set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help=f"override of {what}, e.g. train.max_steps=20 (repeatable)",
+        )
     args = p.parse_args(argv)
     base, out = Path(args.base), Path(args.out)
     if not (base / "run.yaml").is_file():
@@ -167,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     results: dict[str, Any] = {"provenance": provenance, "families": {}}
     for fam in families:
-        pre, mid, lc = _configs(fam, base, out)
+        pre, mid, lc = _configs(fam, base, out, args)
         pre_min = _train(pre, args.rerun, log) if pre is not None else 0.0
         chain_min = _train(mid, args.rerun, log) + _train(lc, args.rerun, log)
         # the held-out standard-library files (the runs' own hash split), scored up to 4x

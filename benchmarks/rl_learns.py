@@ -375,8 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rerun", action="store_true")
     args = p.parse_args(argv)
     if not Path(args.base).exists():
-        print(f"[rl_learns] skipped: no model at {args.base} (hybridlm speedrun --only sft)")
-        return 0
+        p.error(f"--base {args.base}: no such model; run `hybridlm speedrun --only sft` first")
     tasks = [t for t in args.tasks.split(",") if t]
     if set(tasks) - set(TASKS):
         raise SystemExit(f"--tasks: choose from {TASKS}")
@@ -404,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, out, out / "rl_learns.png")
     for task in tasks:
         g, c = results[task]["grpo"]["sampled"], results[task]["control"]["sampled"]
-        met = g["gain"] >= 3 * g["gain_se"] and c["gain"] <= 0 + 1e-12
+        # a gain, >= 3 standard errors (no change at all is not one), the control not improving
+        met = g["gain"] > 0 and g["gain"] >= 3 * g["gain_se"] and c["gain"] <= 0 + 1e-12
         diff, diff_se = paired_gain(c["per_problem"], g["per_problem"])
         print(
             f"[verdict] {task}: GRPO sampled gain {g['gain']:+.3f} = "

@@ -62,10 +62,17 @@ def worst_cases(
 
 
 def _run_cases(fn: Callable[[str], object], cases: list[tuple[str, str]], conn) -> None:
-    try:  # first calls import and compile (SymPy, Math-Verify, regexes): not what is timed
-        fn("warm up: The answer is \\boxed{1}. <tool_call>{}</tool_call>")
-    except Exception:  # noqa: BLE001, S110 - the cases report errors
-        pass
+    # first calls import and compile (SymPy, Math-Verify, regexes) and load models (langdetect's
+    # profiles, reached only by all-lowercase or all-uppercase text): not what is timed
+    for warm in (
+        "warm up: The answer is \\boxed{1}. <tool_call>{}</tool_call>",
+        "warm up",
+        "WARM UP",
+    ):
+        try:
+            fn(warm)
+        except Exception:  # noqa: BLE001, S110 - the cases report errors
+            pass
     for i, (_, text) in enumerate(cases):
         t = time.perf_counter()
         try:

@@ -13,8 +13,11 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -210,6 +213,125 @@ CHAIN += [
     ),
 ]
 
+SANDBOX = (
+    "python -c \"from hybridlm.rl import Sandbox; print(Sandbox().run('def f(): return 1', "
+    "['assert f() == 1']))\""
+)
+# the stages that continue the speedrun's pretrained model, and the rows after them
+SHORT_MID = [
+    "data.sources.1.max_files=40",
+    "train.max_steps=2",
+    "train.warmup_steps=1",
+    "train.eval_interval=2",
+    "train.checkpoint_interval=2",
+]
+SHORT_TWO_STEPS = [*SHORT_PRETRAIN[:2], *SHORT_MID[1:]]
+# the cached teacher covers every token of the data: fewer files (the same for both commands)
+SHORT_CACHE = ["data.sources.0.max_files=8", "data.batch_size=2"]
+# a server command runs until it is stopped: it is started, answers a completion and a chat
+# request of the official `openai` client, and is stopped (`_serve`)
+SERVE = ["--max-model-len=512"]
+CHAIN += [
+    ("hybridlm pretrain --config configs/midtrain.yaml", SHORT_MID),
+    (
+        "hybridlm pretrain --config configs/long_context.yaml",
+        [*SHORT_MID, "data.sources.3.max_files=40", "train.eval_batches=1"],
+    ),
+    ("hybridlm curate [--config configs/curate.yaml] [--executor ray] [--output DIR]", []),
+    ("hybridlm quality-train --example --out runs/quality", ["--per-source=300"]),
+    (
+        "hybridlm decon --input runs/curate/data --report runs/decon.json [--benchmark NAME=FILE]",
+        [],
+    ),
+    (
+        "hybridlm pretrain --set train.low_precision=nvfp4 "
+        "--set train.out_dir=runs/quickstart_nvfp4",
+        SHORT_TWO_STEPS,
+    ),
+    (
+        "hybridlm quantize --recipe fp8 --kv-cache fp8 runs/speedrun/sft runs/sft_fp8",
+        ["calib_samples=4", "eval_batches=1", "per_layer=false"],
+    ),
+    ("hybridlm serve --checkpoint runs/sft_fp8 --kv-cache-dtype fp8", SERVE),
+    ("hybridlm serve --preset tiny-super --port 8000 [--max-body-bytes 4194304]", SERVE),
+    (
+        "hybridlm pretrain --set distill.teacher=runs/quickstart "
+        "--set train.intra_doc_masking=true --set train.out_dir=runs/distilled",
+        SHORT_TWO_STEPS,
+    ),
+    (
+        "hybridlm distill-cache --pretraining --set distill.teacher=runs/quickstart "
+        "--set train.intra_doc_masking=true --set distill.teacher_cache=runs/text_cache",
+        SHORT_CACHE,
+    ),
+    (
+        "hybridlm pretrain --set distill.teacher_cache=runs/text_cache "
+        "--set train.intra_doc_masking=true --set train.out_dir=runs/distilled_cached",
+        [*SHORT_CACHE, *SHORT_MID[1:]],
+    ),
+    (
+        "hybridlm pretrain --config runs/speedrun/pretrain/run.yaml --set model.mtp.shared=false "
+        "--set train.out_dir=runs/mtp_init/pretrain_per_depth",
+        ["data.sources.1.max_files=40", *SHORT_MID[1:]],
+    ),
+    (
+        "hybridlm mtp-boost --checkpoint runs/mtp_init/pretrain_per_depth --set init=consolidate "
+        "--set data=text",
+        ["steps=2", "num_sequences=4", "eval_prompts=2", "eval_new_tokens=8"],
+    ),
+    (SANDBOX, []),
+    ("hybridlm generate --preset tiny-super --compile", SHORT_GEN),
+    # the benchmarks, on the models above, shortened by their own flags
+    ("python benchmarks/gpu_check.py [--profile]", []),  # one line on a machine without CUDA
+    ("python benchmarks/decode_profile.py", ["--models=tiny-super", "--tokens=4"]),
+    ("python benchmarks/decon_recall.py", ["--items=20", "--clean=20", "--near=50"]),
+    (
+        "python benchmarks/ptq_accuracy.py",
+        ["--checkpoint=runs/quickstart", "--calib-samples=4"],
+    ),
+    (
+        "python benchmarks/long_context.py",
+        [
+            "--no-twin",
+            "--samples=1",
+            *(f"--midtrain-set={o}" for o in SHORT_MID),
+            *(f"--extension-set={o}" for o in SHORT_MID[:2]),
+            "--extension-set=data.sources.3.max_files=40",
+            "--extension-set=train.warmup_steps=1",
+            "--extension-set=train.max_steps=3",
+            "--extension-set=train.checkpoint_interval=1",
+            "--extension-set=train.eval_interval=3",
+            "--extension-set=train.eval_batches=1",
+        ],
+    ),
+    ("python benchmarks/mtp_init.py", ["--steps=2", "--eval-prompts=2"]),
+    (
+        "python benchmarks/rl_learns.py [--base runs/speedrun/sft]",
+        [
+            "--executor=inline",
+            "--steps=1",
+            "--tool-rl-steps=1",
+            "--groups=2",
+            "--group-size=2",
+            "--max-new-tokens=16",
+            "--max-episode-tokens=96",
+            "--problems=4",
+            "--samples=1",
+            "--curve-problems=2",
+            "--eval-interval=1",
+            "--tool-demos=40",
+            "--mode-chats=40",
+            "--mode-steps=2",
+            "--tool-steps=2",
+        ],
+    ),
+]
+
+# what a command's output must hold, beyond its exit status 0
+PRINTS: dict[str, str] = {
+    SANDBOX: "status='ok'",
+}
+
 # README commands whose code another test runs, on reduced settings or through its library call
 # (command -> "file::test"); `test_every_readme_command_is_accounted_for` checks the test exists
 M = "tests/test_train_mesh.py::"
@@ -272,6 +394,8 @@ COVERED_BY: dict[str, str] = {
     "torchrun --nproc_per_node=2 -m hybridlm.cli pretrain --set train.parallel.cp=2": M
     + "test_cp2_world2_matches_single_process",
     'pip install -e ".[speedrun]" && hybridlm speedrun': ".ci/run",
+    "hybridlm speedrun --set 'skip=[]' --out runs/speedrun_long": "tests/test_speedrun.py::"
+    "test_whole_flow_runs_and_writes_the_report",
     'pip install -e ".[test]" && pytest -q': ".ci/run",
     "HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m hybridlm.eval.lm_eval_adapter run "
     "--model hybridlm --model_args path=runs/speedrun/rl/model --include_path examples/lm_eval "
@@ -284,53 +408,7 @@ COVERED_BY: dict[str, str] = {
 }
 
 # README commands no test runs yet (command -> why)
-NOT_YET: dict[str, str] = {
-    "python benchmarks/gpu_check.py [--profile]": "needs a CUDA GPU",
-    "python benchmarks/decode_profile.py": "benchmark without a test",
-    "python benchmarks/decon_recall.py": "benchmark without a test",
-    "python benchmarks/ptq_accuracy.py": "benchmark without a test",
-    "python benchmarks/long_context.py": "benchmark without a test",
-    "python benchmarks/mtp_init.py": "benchmark without a test",
-    "python benchmarks/rl_arithmetic.py [--sft runs/sft/checkpoints/step_00000500]": (
-        "benchmark without a test"
-    ),
-    "python benchmarks/rl_learns.py [--base runs/speedrun/sft]": "benchmark without a test",
-    "hybridlm generate --preset tiny-super --compile": "torch.compile takes minutes on CPU",
-    "hybridlm pretrain --config configs/midtrain.yaml": "not yet in the chain",
-    "hybridlm pretrain --config configs/long_context.yaml": "not yet in the chain",
-    "hybridlm speedrun --set 'skip=[]' --out runs/speedrun_long": (
-        "tests/test_speedrun.py runs the long-context variant through the library"
-    ),
-    "hybridlm curate [--config configs/curate.yaml] [--executor ray] [--output DIR]": (
-        "not yet in the chain"
-    ),
-    "hybridlm quality-train --pos P.jsonl --neg N.jsonl --out models/quality": (
-        "placeholder files P.jsonl / N.jsonl"
-    ),
-    "hybridlm decon --input docs.jsonl --report r.json [--benchmark NAME=FILE]": (
-        "placeholder file docs.jsonl"
-    ),
-    "hybridlm pretrain --set train.low_precision=nvfp4": "not yet in the chain",
-    "hybridlm quantize ... --kv-cache fp8": "a fragment of a command",
-    "hybridlm serve --kv-cache-dtype fp8": "a fragment of a command",
-    "hybridlm pretrain --set distill.teacher=runs/teacher --set train.intra_doc_masking=true": (
-        "placeholder teacher runs/teacher"
-    ),
-    "hybridlm distill-cache --pretraining --config run.yaml --set "
-    "distill.teacher_cache=runs/text_cache": "placeholder config run.yaml",
-    "hybridlm pretrain --config run.yaml --set distill.teacher_cache=runs/text_cache": (
-        "placeholder config run.yaml"
-    ),
-    "hybridlm mtp-boost --checkpoint runs/per_depth --set init=consolidate --set data=text": (
-        "placeholder run runs/per_depth"
-    ),
-    "python -m hybridlm.eval.lm_eval_adapter run --model hybridlm --model_args "
-    "path=runs/speedrun/sft --include_path examples/lm_eval --tasks gsm8k_local --limit 50": (
-        "not yet in the chain"
-    ),
-    "python -c \"from hybridlm.rl import Sandbox; print(Sandbox().run('def f(): return 1', "
-    "['assert f() == 1']))\"": "not yet in the chain",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def _short(cmd: str) -> list[str]:
@@ -373,6 +451,46 @@ def _run(argv: list[str], cwd: Path, timeout: int = 900) -> subprocess.Completed
     )
 
 
+def _serve(argv: list[str], cwd: Path, timeout: float = 300) -> None:
+    """Start a server command on a free port, send it a completion and a chat request with the
+    official `openai` client, and stop it (Ctrl-C)."""
+    from openai import OpenAI
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+    log = cwd / f"serve_{port}.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([*argv, f"--port={port}"], cwd=cwd, env=env, stdout=out, stderr=out)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        deadline = time.monotonic() + timeout
+        while True:
+            exited = proc.poll()
+            assert exited is None, f"{argv} exited {exited}:\n{log.read_text()[-3000:]}"
+            try:
+                model = client.models.list().data[0].id
+                break
+            except Exception:
+                assert time.monotonic() < deadline, f"{argv} not up in {timeout} s"
+                time.sleep(1)
+        done = client.completions.create(model=model, prompt="2+3=", max_tokens=4)
+        assert done.usage.completion_tokens >= 1, done
+        chat = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is 2+3?"}], max_tokens=4
+        )
+        assert chat.choices[0].message.role == "assistant", chat
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.slow
 def test_stage_table_after_the_speedrun(tmp_path):
     """The stage table's rows, in order, in a directory where only `hybridlm speedrun` ran
@@ -381,15 +499,24 @@ def test_stage_table_after_the_speedrun(tmp_path):
         (tmp_path / name).symlink_to(ROOT / name)
     commands = readme_commands()
     assert not [c for c, _ in CHAIN if c not in commands], "run only the README's commands"
+    seconds: list[tuple[float, str]] = []
     for cmd, extra in CHAIN:
         parts = cmd.split(" && ")
         extras = extra if extra and isinstance(extra[0], list) else [extra] * len(parts)
         for part, more in zip(parts, extras, strict=True):
             argv = _short(part) + _as_args(more)
-            done = _run(argv, tmp_path)
-            assert done.returncode == 0, (
-                f"{' '.join(argv)} exited {done.returncode}:\n{done.stderr[-3000:]}"
-            )
+            t0 = time.perf_counter()
+            if argv[:2] == ["hybridlm", "serve"]:
+                _serve(argv, tmp_path)
+            else:
+                done = _run(argv, tmp_path)
+                assert done.returncode == 0, (
+                    f"{' '.join(argv)} exited {done.returncode}:\n"
+                    f"{done.stdout[-1500:]}\n{done.stderr[-3000:]}"
+                )
+                assert PRINTS.get(cmd, "") in done.stdout, (cmd, done.stdout[-1500:])
+            seconds.append((time.perf_counter() - t0, part))
+    print("\n".join(f"{t:6.1f} s  {cmd}" for t, cmd in sorted(seconds, reverse=True)))
     # every stage read the token ids of the speedrun's BPE tokenizer, the one its models carry
     for run in ("sft", "dpo", "distill", "distill_cached", "qad"):
         recorded = yaml.safe_load((tmp_path / "runs" / run / "run.yaml").read_text())

@@ -41,9 +41,9 @@ def test_speculative_greedy_equals_greedy(name, draft_len):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-super", "tiny-lightning"])
-@pytest.mark.parametrize("draft_len", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("draft_len", [1, 2, 5, 7])  # 3 (and 7) in the default suite too
 def test_speculative_greedy_equals_greedy_many_prompts_and_seeds(name, draft_len):
-    _check(name, draft_len, seeds=[0, 1, 2], prompt_lens=[1, 5, 17, 40])
+    _check(name, draft_len, seeds=[0, 1], prompt_lens=[1, 5, 17, 40])
 
 
 def test_drafts_are_accepted_when_the_head_agrees():

@@ -72,6 +72,7 @@ TINY = [
     "qad.distill.eval_max_new_tokens=16",
     "qad.qad.calib_samples=8",
     "qad.qad.text_batches=1",
+    "qad.qad.teacher_replies=16",
     "qad.qad.correct_only=false",  # a few steps' model gets few answers right
     "eval.arithmetic_problems=4",
     "eval.text_batches=1",

@@ -118,7 +118,7 @@ META_INIT_WORKER = textwrap.dedent(
     [
         (2, 2, 1, "shared"),
         (2, 1, 2, "shared"),
-        (2, 1, 2, "per_depth"),
+        pytest.param(2, 1, 2, "per_depth", marks=pytest.mark.slow),
         pytest.param(4, 2, 1, "shared", marks=pytest.mark.slow),
     ],
     ids=["ep2", "tp2", "tp2_per_depth_mtp", "ep2_fsdp4"],
@@ -188,7 +188,11 @@ def test_cp2_world2_matches_single_process(tmp_path):
     _parity(tmp_path, "cp2", world=2, batch_per_rank=4, dp_shard=1, cp=2)
 
 
-@pytest.mark.parametrize("alternate", [False, True], ids=["one_length", "long_and_short"])
+@pytest.mark.parametrize(
+    "alternate",
+    [pytest.param(False, marks=pytest.mark.slow), True],  # the alternating run has both lengths
+    ids=["one_length", "long_and_short"],
+)
 def test_cp2_packed_documents_world2_matches_single_process(tmp_path, alternate):
     """Intra-document masking across shard boundaries: attention, conv taps and the SSD state
     stop at document starts in whichever shard they fall. `long_and_short` is the long-context
@@ -242,7 +246,9 @@ STEPS = dict(max_steps=4, eval_interval=2, checkpoint_interval=2)
     ("save", "resume"),
     [
         ({"ep": 2}, None),  # EP 2 at world 2 -> one process
-        ({"dp_shard": 1, "cp": 2}, {"ep": 2}),  # CP 2 -> EP 2 (experts resharded)
+        pytest.param(  # CP 2 -> EP 2 (experts resharded)
+            {"dp_shard": 1, "cp": 2}, {"ep": 2}, marks=pytest.mark.slow
+        ),
         ({"dp_shard": 1, "tp": 2}, {"ep": 2}),  # TP 2 -> EP 2 (heads, vocabulary regathered)
     ],
     ids=["ep2->world1", "cp2->ep2", "tp2->ep2"],

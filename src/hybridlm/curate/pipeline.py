@@ -136,7 +136,7 @@ class CurateConfig(Config):
 
     inputs: list[CurateInput] = field(default_factory=default_inputs)
     stages: list[dict[str, Any]] = field(default_factory=default_stages)
-    output_dir: str = "data/curated"
+    output_dir: str = "runs/curate"
     output_format: Literal["jsonl", "parquet"] = "jsonl"
     write_removed: bool = True
     max_doc_chars: int = 10_000_000  # longer documents are skipped as "huge"

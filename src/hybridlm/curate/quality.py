@@ -20,7 +20,7 @@ Partitioning (Olmo 3 §2.2 step 6): documents are split by topic, then by qualit
 topic's 19 inner quantiles, `assign` maps scores to buckets 0..19 (19 = best 5%).
 
     clf = FastTextClassifier.train(texts, labels, ClassifierConfig(epochs=5))
-    clf.save("models/quality");  clf = FastTextClassifier.load("models/quality")
+    clf.save("runs/quality");  clf = FastTextClassifier.load("runs/quality")
     p_high = clf.score(texts, "high")                     # P(label) per document
 """
 
