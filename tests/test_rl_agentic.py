@@ -95,6 +95,8 @@ def test_rl_trains_on_tool_episodes_and_resumes_mid_run(tool_policy, tmp_path, o
     assert _rows(tmp_path / "part") == _rows(tmp_path / "full")
 
 
+# the episodes on a worker: test_workers_roll_out_...; RL on Ray workers: tests/test_rl_remote.py
+@pytest.mark.slow
 def test_rl_tool_episodes_on_ray_workers(tool_policy, tmp_path):
     ray = pytest.importorskip("ray")
     cfg = _cfg(tool_policy, tmp_path / "ray", executor="ray", steps=2, sync_timeout_s=120)

@@ -221,7 +221,8 @@ def test_world2_checkpoint_resumes_at_world1(tmp_path, parallel):
     print(f"{parallel} world2 -> world1 resume: worst relative difference {worst:.2e}")
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+# FSDP2 world 2 -> world 2 also in tests/test_train_dcp.py (sharded checkpoints)
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_world2_checkpoint_resumes_at_world2(tmp_path, parallel):
     """Kill-free restart at the same world size: the gathered checkpoint is loaded back into
     the (sharded, under FSDP) model and optimizer of every rank."""
