@@ -37,6 +37,50 @@ def test_meta_build_then_init_equals_direct_build():
         assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_build_paths_agree_tie_and_compute_buffers(tied):
+    """`build_model`, `HybridLM.empty` + a copy and `HybridLM.from_state_dict` (assigned) give
+    the directly built model: same logits, a tied head that is the embedding, and the RoPE
+    buffers a meta build lacks recomputed."""
+    from hybridlm.model.model import build_model
+
+    cfg = _small("tiny-olmo")  # RoPE attention: non-persistent frequency buffers
+    cfg.tie_embeddings = tied
+    direct = HybridLM(cfg, seed=3).eval()
+    x = _ids(cfg)
+    with torch.no_grad():
+        ref = direct(x).logits
+    empty = HybridLM.empty(cfg)
+    empty.load_state_dict(direct.state_dict())
+    # a tied head is absent from a transformers checkpoint's tensors
+    state = {k: v.clone() for k, v in direct.state_dict().items()}
+    if tied:
+        del state["lm_head.weight"]
+    built = {
+        "build_model": build_model(cfg, seed=3, device="cpu"),
+        "empty": empty,
+        "from_state_dict": HybridLM.from_state_dict(cfg, state),
+    }
+    for name, model in built.items():
+        assert (model.lm_head.weight is model.embeddings.weight) == tied, name
+        for (key, a), b in zip(direct.named_buffers(), model.buffers(), strict=True):
+            assert torch.equal(a, b), (name, key)
+        with torch.no_grad():
+            torch.testing.assert_close(model.eval()(x).logits, ref, atol=0, rtol=0, msg=name)
+
+
+def test_from_state_dict_names_what_does_not_match():
+    cfg = _small("tiny-super")
+    state = HybridLM(cfg, seed=0).state_dict()
+    norm = state.pop("norm_f.weight")
+    with pytest.raises(ValueError, match=r"checkpoint X does not match .*missing \['norm_f"):
+        HybridLM.from_state_dict(cfg, state, what="checkpoint X")
+    partial = HybridLM.from_state_dict(cfg, state, missing_ok={"norm_f.weight"})
+    assert partial.norm_f.weight.is_meta  # left for the caller to fill
+    with pytest.raises(ValueError, match=r"unexpected \['extra'\]"):
+        HybridLM.from_state_dict(cfg, {**state, "norm_f.weight": norm, "extra": norm})
+
+
 def test_init_laws():
     cfg = _small("tiny-super")
     model = HybridLM(cfg, seed=0)

@@ -523,3 +523,19 @@ def test_stage_table_after_the_speedrun(tmp_path):
         assert recorded["data"]["tokenizer"] == "runs/speedrun/tokenizer", run
         assert (tmp_path / "runs" / run / "metrics.jsonl").is_file(), run
     assert (tmp_path / "runs" / "rl" / "model" / "tokenizer.json").is_file()
+
+
+def test_the_python_examples_run(tmp_path):
+    """The README's ```python blocks run as written, in order in one interpreter (a later block
+    uses the `model` of an earlier one), in an empty directory (they write `ckpt/`)."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) >= 2
+    done = subprocess.run(
+        [sys.executable, "-c", "\n".join(blocks)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -49,8 +49,7 @@ from ..data.loader import IGNORE_INDEX, PackedLoader, Phase
 from ..data.pipeline import build_tokenizer, prepare_shards
 from ..data.shards import ShardSet
 from ..data.tokenizer import ByteTokenizer
-from ..io.checkpoint import load_checkpoint
-from ..model.model import build_model
+from ..io import load_model
 from ..presets import get_preset
 from ..report.plot import pyplot, save_figure
 from ..train.config import RunConfig, TrainConfig
@@ -235,9 +234,8 @@ class TrainerProxy:
         run_cfg = self.run_config(weights, run)
         # a proxy run's directory belongs to this swarm: a rerun of the swarm replaces it
         result = self.last_result = run_pretrain(run_cfg, overwrite=True)
-        model_cfg = run_cfg.model_config()
-        model = build_model(model_cfg, seed=self.seed, device=torch.device("cpu"))
-        load_checkpoint(result["checkpoint"], model, restore_rng=False)
+        model = load_model(result["checkpoint"])
+        model_cfg = model.config
         token_bytes = token_byte_lengths(build_tokenizer(run_cfg.data), model_cfg.vocab_size)
         out = {}
         for name, path in self.shard_dirs.items():

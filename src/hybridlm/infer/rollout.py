@@ -379,11 +379,9 @@ class RolloutWorker:
     ) -> None:
         if threads > 0:
             torch.set_num_threads(threads)
-        with torch.device("meta"):
-            model = HybridLM(model_cfg)
-        model.to_empty(device=device)
+        # copied into memory of its own: the state may be read-only (Ray's object store)
+        model = HybridLM.empty(model_cfg, device)
         model.load_state_dict(state_dict, strict=True)
-        model.init_buffers()  # non-persistent buffers (RoPE frequencies) are not in the state
         self.engine = Engine(model.eval(), tokenizer, **(engine_kwargs or {}))
         self.engine.weight_version = version
         self.worker_id = worker_id

@@ -581,15 +581,6 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> Hy
     has_mtp = any(k.removeprefix("language_model.").startswith("mtp.") for k in tensors)
     cfg = from_hf_config(hf_cfg, has_mtp=has_mtp)
     sd = from_hf_state_dict(cfg, tensors)
-    with torch.device("meta"):
-        model = HybridLM(cfg)
-    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
-    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"checkpoint {path} does not match its config: missing {missing[:6]}, "
-            f"unexpected {unexpected[:6]}"
-        )
     if dtype is None:
         dtype = _DTYPES.get(
             hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "float32", torch.float32
@@ -597,12 +588,7 @@ def load_pretrained(path: str | Path, *, dtype: torch.dtype | None = None) -> Hy
     for name, t in sd.items():
         keep_fp32 = name.endswith(("gate.weight", "e_score_correction_bias"))  # router stays fp32
         sd[name] = t.to(torch.float32 if keep_fp32 else dtype)
-    if cfg.tie_embeddings:
-        sd["lm_head.weight"] = sd["embeddings.weight"]
-    model.load_state_dict(sd, assign=True, strict=True)
-    model.tie_weights()
-    model.init_buffers()
-    return model
+    return HybridLM.from_state_dict(cfg, sd, what=f"checkpoint {path}")
 
 
 # ====================================================================== model directories

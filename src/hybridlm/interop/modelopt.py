@@ -340,22 +340,14 @@ def load_modelopt(path: str | Path, *, dtype: torch.dtype | None = None) -> Hybr
 
     if dtype is None:
         dtype = _DTYPES.get(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype"), torch.float32)
-    with torch.device("meta"):
-        model = HybridLM(cfg)
     rest = {}
     for name, t in sd.items():
         if name in quantised:
             continue
         router = name.endswith(("gate.weight", "e_score_correction_bias"))
         rest[name] = t.to(torch.float32 if router else dtype)
-    if cfg.tie_embeddings:
-        rest["lm_head.weight"] = rest["embeddings.weight"]
-    missing, unexpected = model.load_state_dict(rest, strict=False, assign=True)
-    if unexpected or set(missing) != quantised:
-        raise ValueError(
-            f"checkpoint {path} does not match its config: missing "
-            f"{sorted(set(missing) - quantised)[:6]}, unexpected {sorted(unexpected)[:6]}"
-        )
+    # the quantised weights stay on the meta device until their modules are replaced below
+    model = HybridLM.from_state_dict(cfg, rest, missing_ok=quantised, what=f"checkpoint {path}")
     experts: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
     for name in sorted(quantised):
         t = {"weight": sd[name], **fields[name]}
@@ -375,8 +367,6 @@ def load_modelopt(path: str | Path, *, dtype: torch.dtype | None = None) -> Hybr
         if len(fmts) != 1:
             raise ValueError(f"{path}: {module} mixes formats {sorted(fmts)} across projections")
         _set(model, module, QuantExperts(fmts.pop(), projs))
-    model.tie_weights()
-    model.init_buffers()
     model.kv_cache_quant = kv_spec
     meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if meta:

@@ -154,12 +154,7 @@ def _load_model(path: Path, kind: Kind, dtype: torch.dtype | None) -> HybridLM:
 def _from_checkpoint(path: Path, dtype: torch.dtype | None) -> HybridLM:
     """A training checkpoint's model, built from the run config in its meta.json, in eval mode
     (a sharded checkpoint's shards of every rank consolidated)."""
-    cfg = checkpoint_model_config(path)
-    with torch.device("meta"):
-        model = HybridLM(cfg)
-    model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gives each module its own tensor: share the tied one again
-    model.init_buffers()
+    model = HybridLM.empty(checkpoint_model_config(path), "cpu")
     if is_sharded_checkpoint(read_meta(path)):
         load_sharded_model(path, model)
     else:

@@ -9,11 +9,11 @@ for the fused LM-head + CE), with `mtp_depth=k` the hidden states (and logits) o
 1..k, and in training the MoE sequence-level balancing loss in `aux["moe_aux"]`. The losses
 (next-token CE, MTP, the balancing term) are computed from these in `train/objectives.py`.
 
-Build on the meta device and initialise in one place:
-
-    with torch.device("meta"):
-        model = HybridLM(cfg)
-    model.to_empty(device="cpu"); model.init_weights(seed=0)
+Every model is built on the meta device and materialised in one of three ways:
+`build_model(cfg, seed=0, device="cpu")` (initialised once), `HybridLM.empty(cfg, device)`
+(allocated, for a loader that copies weights in) or `HybridLM.from_state_dict(cfg, state)` (the
+state's tensors assigned, no copy). Each ties the embeddings and computes the non-persistent
+buffers, which a meta-built model lacks.
 """
 
 from __future__ import annotations
@@ -196,6 +196,51 @@ class HybridLM(nn.Module):
                 "depth (mtp.shared: false): consolidate them first "
                 "(hybridlm mtp-boost --set init=consolidate)"
             )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def empty(cls, config: ModelConfig, device: torch.device | str = "cpu") -> HybridLM:
+        """A model allocated on `device` with uninitialised weights (for a loader that copies
+        them in, or `init_weights`): built on meta, tied again (`to_empty` gives every module its
+        own tensor), non-persistent buffers computed."""
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device=device)
+        model.tie_weights()
+        model.init_buffers()
+        return model
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        config: ModelConfig,
+        state: dict[str, torch.Tensor],
+        *,
+        device: torch.device | str | None = None,
+        strict: bool = True,
+        missing_ok: frozenset[str] | set[str] = frozenset(),
+        what: str = "the state dict",
+    ) -> HybridLM:
+        """A model holding `state`'s tensors (assigned, not copied; then moved to `device`
+        when given). A tied LM head may be absent from `state`. With `strict`, a parameter
+        missing from `state` (other than `missing_ok`, which the caller replaces or fills and
+        which stay on the meta device) or a key the model lacks is an error naming `what`."""
+        with torch.device("meta"):
+            model = cls(config)
+        if config.tie_embeddings and "lm_head.weight" not in state and "embeddings.weight" in state:
+            state = {**state, "lm_head.weight": state["embeddings.weight"]}
+        missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+        missing = sorted(set(missing) - set(missing_ok))
+        if strict and (missing or unexpected):
+            raise ValueError(
+                f"{what} does not match its model config: missing {missing[:6]}, "
+                f"unexpected {sorted(unexpected)[:6]}"
+            )
+        if device is not None:
+            model.to(device)
+        model.tie_weights()  # assign replaced the shared tensor: share it again
+        model.init_buffers()
+        return model
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when `tie_embeddings` is set."""
@@ -443,11 +488,8 @@ class HybridLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def build_model(cfg: ModelConfig, *, seed: int, device: torch.device) -> HybridLM:
+def build_model(cfg: ModelConfig, *, seed: int, device: torch.device | str) -> HybridLM:
     """Build on the meta device, materialise on `device`, initialise once (model.init_weights)."""
-    with torch.device("meta"):
-        model = HybridLM(cfg)
-    model.to_empty(device=device)
-    model.init_buffers()
+    model = HybridLM.empty(cfg, device)
     model.init_weights(seed=seed)
     return model

@@ -70,13 +70,10 @@ def with_score_head(model: HybridLM, *, seed: int = 0) -> HybridLM:
         return model
     cfg = dataclasses.replace(model.config, num_labels=1)
     device = model.embeddings.weight.device
-    with torch.device("meta"):
-        rm = HybridLM(cfg)
-    rm.to_empty(device=device)
+    rm = HybridLM.empty(cfg, device)  # the weights copied: `model` keeps its own
     missing, unexpected = rm.load_state_dict(model.state_dict(), strict=False)
     if set(missing) != {"score.weight"} or unexpected:
         raise RuntimeError(f"unexpected keys adding the score head: {missing} {unexpected}")
-    rm.init_buffers()
     g = torch.Generator().manual_seed(seed)
     d = cfg.d_model
     w = torch.randn(rm.score.weight.shape, generator=g) / math.sqrt(d + 1)

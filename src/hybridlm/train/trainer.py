@@ -748,12 +748,7 @@ class _FixedState:
 
 def _plain_copy(cfg: Any, state: dict[str, torch.Tensor]) -> HybridLM:
     """An unsharded CPU HybridLM holding `state` (what a gathered FSDP checkpoint saves)."""
-    with torch.device("meta"):
-        model = HybridLM(cfg)
-    model.load_state_dict(state, assign=True, strict=False)
-    model.tie_weights()  # assign replaced the shared tensor: share it again
-    model.init_buffers()
-    return model
+    return HybridLM.from_state_dict(cfg, state, strict=False)
 
 
 def _progress(label: str, enabled: bool) -> Iterator[Any]:
