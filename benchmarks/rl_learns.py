@@ -55,7 +55,8 @@ from hybridlm.rl.environments import ToolUseEnvironment
 from hybridlm.rl.episodes import run_episodes
 from hybridlm.rl.learner import EnvConfig, RLConfig, build_environment, run_rl
 from hybridlm.train.config import TrainConfig
-from hybridlm.train.sft import ChatSource, SFTConfig, SFTDataConfig, SFTRunConfig, run_sft
+from hybridlm.train.post_training import ChatSource, SFTDataConfig
+from hybridlm.train.sft import SFTConfig, SFTRunConfig, run_sft
 
 TASKS = ("single", "multi")
 

@@ -43,8 +43,8 @@ from hybridlm.provenance import command_line, cpu_info, git_state, library_versi
 from hybridlm.report.plot import read_metrics
 from hybridlm.train.config import RunConfig, TeacherConfig, TrainConfig
 from hybridlm.train.distill import DistillConfig, DistillRunConfig, cache_teacher, run_distill
+from hybridlm.train.post_training import ChatSource, SFTDataConfig
 from hybridlm.train.pretrain import cache_text_teacher, run_pretrain
-from hybridlm.train.sft import ChatSource, SFTDataConfig
 
 VOCAB, K, ROWS, SEQ = 4096, 128, 8, 256
 ROOT = Path(__file__).resolve().parents[1]

@@ -91,7 +91,7 @@ def test_loaders_without_a_path_read_the_packaged_sets():
     from hybridlm.data.sft import ReadReport
     from hybridlm.rl.learner import EnvConfig, RLConfig, build_environment, eval_specs
     from hybridlm.train.distill import PromptSource, load_prompts
-    from hybridlm.train.sft import ChatSource, load_source
+    from hybridlm.train.post_training import ChatSource, load_source
 
     convs = load_source(ChatSource(kind="gsm8k", max_rows=3), ReadReport())
     assert len(convs) == 3 and convs[0][0]["content"].startswith("Natalia sold clips")

@@ -27,7 +27,7 @@ from hybridlm.train.distill import (
     run_distill,
 )
 from hybridlm.train.objectives import distill_loss, skew_reverse_kl
-from hybridlm.train.sft import ChatSource, SFTDataConfig
+from hybridlm.train.post_training import ChatSource, SFTDataConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -312,7 +312,8 @@ def test_sft_micro_batches_give_the_big_batch_gradient(mode, tmp_path):
     from _tiny import tiny_train_model
     from hybridlm.data.sft import collate_rows
     from hybridlm.train.config import TrainConfig
-    from hybridlm.train.sft import ChatSource, SFTDataConfig, SFTRunConfig, sft_trainer
+    from hybridlm.train.post_training import ChatSource, SFTDataConfig
+    from hybridlm.train.sft import SFTRunConfig, sft_trainer
     from hybridlm.train.trainer import Step
 
     run = SFTRunConfig(

@@ -16,7 +16,7 @@ from hybridlm.data.sft import SFTLoader
 from hybridlm.io import load_model
 from hybridlm.report.plot import read_metrics
 from hybridlm.train.distill import run_distill
-from hybridlm.train.sft import prepare_chat_data
+from hybridlm.train.post_training import prepare_chat_data
 from hybridlm.train.teacher_cache import CacheSpec, TeacherTopK, build_teacher_cache
 from hybridlm.train.trainer import run_tokenizer
 from test_distill import offline_run, save_teacher

@@ -184,7 +184,8 @@ def sft(tmp: Path) -> Result:
     """`run_sft` of `tiny_train_model` on generated arithmetic chats (as tests/test_sft.py):
     the two-stage loss normalisation (token for 10 steps, then sample), the MTP loss with
     weight 0.3, the MoE balancing loss and bias step; held-out NLL at 0 and 20."""
-    from hybridlm.train.sft import ChatSource, SFTConfig, SFTDataConfig, SFTRunConfig, run_sft
+    from hybridlm.train.post_training import ChatSource, SFTDataConfig
+    from hybridlm.train.sft import SFTConfig, SFTRunConfig, run_sft
 
     cfg = SFTRunConfig(
         model=tiny_train_model(),
@@ -232,7 +233,7 @@ def distill(tmp: Path) -> Result:
     `tiny_train_model` teacher on generated arithmetic chats (as tests/test_distill.py); linear
     decay; the teacher's reference row, held-out NLL and KL at 0 and 20."""
     from hybridlm.train.distill import DistillConfig, DistillRunConfig, run_distill
-    from hybridlm.train.sft import ChatSource, SFTDataConfig
+    from hybridlm.train.post_training import ChatSource, SFTDataConfig
 
     teacher = _checkpoint(tmp / "teacher", tiny_train_model(), seed=5, sharpen=30.0)
     cfg = DistillRunConfig(

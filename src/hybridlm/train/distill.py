@@ -88,13 +88,10 @@ from .objectives import (
     topk_forward_kl,
 )
 from .parallel import broadcast_object, full_model_state, is_main
-from .sft import (
-    SFT,
+from .post_training import (
     ChatSource,
     PostTrainingRunConfig,
-    SFTConfig,
     SFTDataConfig,
-    SFTRunConfig,
     answer_matches,
     export_hf,
     generate_replies,
@@ -104,6 +101,7 @@ from .sft import (
     prompt_and_answer,
     prompt_key,
 )
+from .sft import SFT, SFTConfig, SFTRunConfig
 from .teacher_cache import CacheSpec, TeacherTopK, build_teacher_cache
 from .trainer import (
     Loss,

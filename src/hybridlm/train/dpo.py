@@ -46,7 +46,7 @@ from ..model.model import IGNORE_INDEX, HybridLM, ModelOutput
 from .config import TrainConfig
 from .objectives import dpo_loss, sequence_logps
 from .parallel import is_main
-from .sft import (
+from .post_training import (
     ChatSource,
     PostTrainingRunConfig,
     answer_matches,

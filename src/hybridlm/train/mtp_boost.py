@@ -68,8 +68,8 @@ from ..report.plot import pyplot, read_metrics, save_figure
 from .config import TrainConfig
 from .mtp_init import CONSOLIDATIONS, HEAD_INITS, head_agreement, init_head
 from .parallel import broadcast_object, is_main
+from .post_training import SFTDataConfig, load_source, prompt_key
 from .run_data import training_data
-from .sft import SFTDataConfig, load_source, prompt_key
 from .trainer import Loss, Runtime, Step, Trainer, TrainModule
 
 

@@ -66,8 +66,14 @@ from ..precision.ptq import evaluate as text_eval
 from .distill import DistillConfig, DistillRunConfig, OfflineDistiller
 from .objectives import IGNORE_INDEX, shift_targets
 from .parallel import is_main
+from .post_training import (
+    answer_matches,
+    chat_batches,
+    generate_replies,
+    pad_id_of,
+    prompt_and_answer,
+)
 from .quantize import declare_kv_cache, run_data
-from .sft import answer_matches, chat_batches, generate_replies, pad_id_of, prompt_and_answer
 from .trainer import Loss, Runtime, Step, Trainer
 
 

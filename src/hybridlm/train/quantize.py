@@ -59,8 +59,8 @@ from ..precision.ptq import (
 )
 from .checkpoint import METRICS, prepare_run_dir
 from .config import RunConfig
+from .post_training import SFTDataConfig, chat_batches
 from .run_data import training_data
-from .sft import SFTDataConfig, chat_batches
 
 
 @dataclass(kw_only=True)

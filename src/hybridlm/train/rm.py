@@ -37,7 +37,7 @@ from ..model.model import HybridLM, ModelOutput
 from .config import TrainConfig
 from .dpo import DPODataConfig, PairwiseStage, TokenizedPair, collate_pairs
 from .parallel import is_main
-from .sft import PostTrainingRunConfig, moe_balancing
+from .post_training import PostTrainingRunConfig, moe_balancing
 from .trainer import Loss, Runtime, Step, Trainer, initial_model
 
 

@@ -20,7 +20,7 @@ from ..config import from_dict, read_mapping
 from ..data.config import DataConfig
 from ..io import resolve
 from ..io.checkpoint import read_meta
-from .sft import SFTDataConfig
+from .post_training import SFTDataConfig
 
 
 def run_config_of(path: str | Path) -> tuple[dict[str, Any], str]:

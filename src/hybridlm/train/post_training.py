@@ -1,0 +1,298 @@
+"""The pieces every post-training stage shares (SFT, DPO, RM, distillation, QAD, quantise's
+calibration, MTP boosting): chat sources and their config, the held-out split by prompt, greedy
+replies and answer matching, packed chat batches, the run-config base, the MoE balancing term
+and the transformers export of a finished run. No stage module imports another for these."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from ..config import Config
+from ..data.chat import STOP, parse_assistant, render
+from ..data.sft import (
+    ChatExample,
+    Conversation,
+    ReadReport,
+    ReasoningModes,
+    SFTLoader,
+    apply_reasoning_modes,
+    arithmetic_conversations,
+    gsm8k_conversations,
+    read_conversations,
+    tokenize_conversations,
+)
+from ..infer.generate import generate
+from ..interop.hf import save_pretrained, to_hf_config
+from ..model.model import HybridLM
+from ..presets import PRESETS, get_preset
+from .trainer import (
+    Loss,
+)
+
+
+@dataclass(kw_only=True)
+class ChatSource:
+    """One source of conversations. `kind`: `file` (JSONL / Parquet / saved HF dataset at
+    `path`), `hf` (a hub dataset name at `path`, `split`), `gsm8k` (GSM8K JSONL at `path`, the
+    packaged train split when empty; the worked solution as the reasoning trace) or
+    `arithmetic` (`max_rows` generated questions with `digits` digits, from `seed`).
+    `max_rows`: 0 = all rows."""
+
+    kind: Literal["file", "hf", "gsm8k", "arithmetic"] = "file"
+    path: str = ""
+    split: str = "train"
+    messages_field: str = "messages"
+    max_rows: int = 0
+    digits: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind in ("file", "hf") and not self.path:
+            raise ValueError(f"a chat source of kind {self.kind!r} needs a path")
+        if self.kind == "arithmetic" and self.max_rows <= 0:
+            raise ValueError("an arithmetic chat source needs max_rows > 0 (how many to generate)")
+        if self.max_rows < 0 or self.digits < 1:
+            raise ValueError("chat source max_rows must be >= 0 and digits >= 1")
+
+
+@dataclass(kw_only=True)
+class SFTDataConfig:
+    """Chat data: sources, tokenizer ("byte", a tokenizer directory, or "" for the tokenizer of
+    the model the run starts from: `trainer.run_tokenizer`), packing, held-out split
+    (`held_out` conversations drawn with `seed` before any transform) and reasoning modes."""
+
+    sources: list[ChatSource] = field(default_factory=list)
+    tokenizer: str = ""  # "": the starting model's (train.init_from), byte for a fresh model
+    seq_len: int = 512
+    batch_size: int = 8
+    overflow: Literal["drop", "truncate"] = "drop"
+    held_out: int = 64
+    seed: int = 0
+    reasoning: ReasoningModes = field(default_factory=ReasoningModes)
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2 or self.batch_size < 1 or self.held_out < 0:
+            raise ValueError("data.seq_len >= 2, data.batch_size >= 1 and data.held_out >= 0")
+
+
+class PostTrainingRunConfig(Config):
+    """A post-training run (SFT, DPO, distillation): `model` (DPO: none), `train` and the stage's
+    own sections, declared as fields by the subclasses; `REQUIRED` names those a file must give."""
+
+    EXPAND = {"model": get_preset}
+
+    def __post_init__(self) -> None:
+        model = getattr(self, "model", None)
+        if isinstance(model, str) and model not in PRESETS:
+            raise ValueError(f"model {model!r} is not a preset; use one of {sorted(PRESETS)}")
+
+
+def load_source(src: ChatSource, report: ReadReport) -> list[Conversation]:
+    """The conversations of one `ChatSource` (bad rows counted in `report`)."""
+    limit = src.max_rows or None
+    if src.kind == "arithmetic":
+        convs = arithmetic_conversations(src.max_rows, seed=src.seed, digits=src.digits)
+        report.rows += len(convs)
+        report.kept += len(convs)
+        return convs
+    if src.kind == "gsm8k":
+        if src.path and not Path(src.path).is_file():
+            raise ValueError(f"GSM8K file not found: {src.path}")
+        convs = gsm8k_conversations(src.path or None, max_rows=limit)
+        report.rows += len(convs)
+        report.kept += len(convs)
+        return convs
+    kind = "hf" if src.kind == "hf" else "auto"
+    return list(
+        read_conversations(
+            src.path,
+            kind=kind,
+            split=src.split,
+            messages_field=src.messages_field,
+            max_rows=limit,
+            report=report,
+        )
+    )
+
+
+def prompt_key(conv: Conversation) -> str:
+    """The prompt of a conversation (messages before its last assistant turn) as a string key."""
+    last = max((i for i, m in enumerate(conv) if m.get("role") == "assistant"), default=len(conv))
+    return json.dumps(conv[:last], sort_keys=True, ensure_ascii=False)
+
+
+def split_held_out(
+    convs: list[Conversation], n: int, seed: int
+) -> tuple[list[Conversation], list[Conversation], int]:
+    """(train, held-out, removed): `n` conversations drawn with `seed`; the rest in their order,
+    minus every conversation whose prompt equals a held-out prompt (exact decontamination:
+    generated sets repeat questions), whose number is `removed`."""
+    if n == 0:
+        return convs, [], 0
+    if n >= len(convs):
+        raise ValueError(f"held_out={n} leaves no training data ({len(convs)} conversations)")
+    held = set(np.random.default_rng([seed, 5]).choice(len(convs), n, replace=False).tolist())
+    held_keys = {prompt_key(convs[i]) for i in held}
+    train = [c for i, c in enumerate(convs) if i not in held]
+    clean = [c for c in train if prompt_key(c) not in held_keys]
+    return clean, [convs[i] for i in sorted(held)], len(train) - len(clean)
+
+
+def prompt_and_answer(conv: Conversation) -> tuple[Conversation, str]:
+    """The messages before the last assistant turn, and that turn's content."""
+    last = max(i for i, m in enumerate(conv) if m.get("role") == "assistant")
+    return conv[:last], str(conv[last].get("content") or "")
+
+
+@torch.no_grad()
+def generate_replies(
+    model: HybridLM,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[dict[str, Any]]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 32,
+) -> list[str]:
+    """The assistant reply (text up to `<|im_end|>`) of `model` to each conversation prompt;
+    greedy by default. Prompts are batched with left padding."""
+
+    device = next(model.parameters()).device
+    stop_id = tokenizer.token_to_id(STOP) if hasattr(tokenizer, "token_to_id") else None
+    replies: list[str] = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        encoded = [tokenizer.encode(render(p, add_generation_prompt=True)) for p in chunk]
+        width = max(len(e) for e in encoded)
+        ids_BL = torch.zeros(len(encoded), width, dtype=torch.long)
+        mask_BL = torch.zeros(len(encoded), width, dtype=torch.long)
+        for b, e in enumerate(encoded):
+            ids_BL[b, width - len(e) :] = torch.tensor(e)
+            mask_BL[b, width - len(e) :] = 1
+        out_BN = generate(
+            model,
+            ids_BL.to(device),
+            max_new_tokens,
+            temperature=temperature,
+            eos_id=stop_id,
+            seed=seed + i,
+            attention_mask=mask_BL.to(device),
+        )
+        for row in out_BN.tolist():
+            text = tokenizer.decode(row)
+            replies.append(text.split(STOP, 1)[0])
+    return replies
+
+
+def answer_matches(reply: str, expected: str) -> bool:
+    """Exact match of a reply's content (reasoning stripped) with the expected answer."""
+    got = parse_assistant(reply).get("content") or ""
+    return got.strip() == expected.strip()
+
+
+def progress_bar(label: str, enabled: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    return Progress(
+        TextColumn(f"[bold]{label}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        disable=not enabled,
+    )
+
+
+@dataclass(kw_only=True)
+class ChatData:
+    """An SFT data config read, split, transformed and tokenised."""
+
+    examples: list[ChatExample]  # training conversations (reasoning modes applied)
+    train_convs: list[Conversation]  # the same, as conversations
+    held_convs: list[Conversation]  # held-out conversations (their prompts kept out of training)
+    held_examples: list[ChatExample]
+    read_report: ReadReport
+    mode_counts: dict[str, int]
+    dropped: dict[str, int]
+
+
+def pad_id_of(tokenizer: Any) -> int:
+    return getattr(tokenizer, "pad_id", None) or 0
+
+
+def prepare_chat_data(dc: SFTDataConfig, tokenizer: Any) -> ChatData:
+    """Read the chat sources, hold out `held_out` conversations (and every training conversation
+    with a held-out prompt), apply the reasoning modes and tokenise with the assistant mask."""
+    if not dc.sources:
+        raise ValueError("data.sources is empty: give at least one chat source")
+    report = ReadReport()
+    convs: list[Conversation] = []
+    for src in dc.sources:
+        convs += load_source(src, report)
+    if not convs:
+        raise ValueError(f"no usable conversations ({report.summary()})")
+    train_convs, held_convs, decontaminated = split_held_out(convs, dc.held_out, dc.seed)
+    train_convs, mode_counts = apply_reasoning_modes(train_convs, dc.reasoning, tokenizer)
+    tok = tokenize_conversations(train_convs, tokenizer, max_len=dc.seq_len, overflow=dc.overflow)
+    if not tok.examples:
+        raise ValueError(f"no conversation fits data.seq_len={dc.seq_len} ({tok.dropped})")
+    dropped = dict(tok.dropped)
+    if decontaminated:
+        dropped["prompt of a held-out conversation"] = decontaminated
+    held = tokenize_conversations(held_convs, tokenizer, max_len=dc.seq_len, overflow="truncate")
+    return ChatData(
+        examples=list(tok.examples),
+        train_convs=train_convs,
+        held_convs=held_convs,
+        held_examples=list(held.examples),
+        read_report=report,
+        mode_counts=dict(mode_counts),
+        dropped=dropped,
+    )
+
+
+def chat_batches(dc: SFTDataConfig, num_rows: int, tokenizer: Any) -> list[dict[str, torch.Tensor]]:
+    """About `num_rows` packed rows of an SFT data config's training conversations in
+    `tokenizer`'s ids (the model's), e.g. to calibrate post-training quantisation on the
+    post-training data (Nemotron 3 Super calibrates its NVFP4 checkpoint on 256 samples of the
+    SFT set)."""
+
+    data = prepare_chat_data(dc, tokenizer)
+    loader = SFTLoader(
+        data.examples,
+        seq_len=dc.seq_len,
+        batch_size=dc.batch_size,
+        seed=dc.seed + 1,  # other rows than the run's first steps
+        pad_id=pad_id_of(tokenizer),
+    )
+    return [next(loader) for _ in range(max(1, -(-num_rows // dc.batch_size)))]
+
+
+def export_hf(model: HybridLM, out: Path, tokenizer: Any, stage: str) -> Path | None:
+    """`<out>/hf`: the final weights as a transformers directory with the run's tokenizer,
+    chat template and generation config (as `hybridlm pretrain` writes); None, with a note,
+    for a model transformers has no class for."""
+
+    try:
+        to_hf_config(model.config)
+    except ValueError as err:
+        print(f"{stage}: no transformers export ({err})")
+        return None
+    return save_pretrained(model, out / "hf", tokenizer=tokenizer)
+
+
+def moe_balancing(value: torch.Tensor, metrics: dict[str, float], out: Any, n_micro: int) -> Loss:
+    """`Loss` of a micro-batch whose forward `out` may carry the MoE sequence-level balancing
+    loss (Nemotron 3 Super §2.1.1): a mean over the call's sequences, averaged over the step's
+    `n_micro` micro-batches (`Loss.mean`)."""
+    aux = out.aux.get("moe_aux")
+    if aux is not None:
+        metrics["moe_aux"] = float(aux.detach()) / n_micro
+    return Loss(value, metrics, mean=aux)
