@@ -293,7 +293,7 @@ def test_qad_keeps_the_correct_replies_and_follows_text_by_kl_alone(tmp_path, mo
 
 
 def test_top_k_zero_is_the_whole_vocabulary():
-    from hybridlm.train.distill import teacher_topk_at
+    from hybridlm.train.teacher import teacher_topk_at
 
     t = torch.randn(2, 3, 11)
     mask = torch.tensor([[True, False, True], [False, True, True]])

@@ -57,9 +57,9 @@ from ..model.model import IGNORE_INDEX
 from ..model.stock import project
 from ..report.plot import plot_loss_curves
 from .config import RunConfig
-from .distill import cache_pass_teacher, check_vocab, load_teacher, teacher_topk_at
 from .objectives import causal_lm_loss, shift_targets, topk_forward_kl
 from .parallel import is_main, on_main
+from .teacher import cache_pass_teacher, check_vocab, load_teacher, teacher_topk_at
 from .teacher_cache import TextTeacherTopK, build_text_teacher_cache
 from .trainer import (
     Loss,
