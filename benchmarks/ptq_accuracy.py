@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     ckpt = find_checkpoint(args)
-    model, data, _, what = load_checkpoint_and_data(ckpt, out)  # its text data, not chats
+    model, data, _, _, what = load_checkpoint_and_data(ckpt, out)  # its text data, not chats
     model.eval()
     sets = prepare_shards(data)
     train_loader, held_loader = build_loaders(data, sets)

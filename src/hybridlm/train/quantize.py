@@ -29,17 +29,18 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
 from ..choices import PTQ_RECIPES
 from ..config import Config, from_dict, read_mapping
 from ..data.bpb import token_byte_lengths
+from ..data.bpe import load_tokenizer
 from ..data.config import DataConfig
 from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
 from ..interop.modelopt import export_modelopt
-from ..io import load_model, load_tokenizer_for, resolve, tokenizer_spec_for
+from ..io import load_model, resolve, tokenizer_spec_for
 from ..io.checkpoint import read_meta
 from ..precision.autoquant import autoquantize, measure_sensitivities, print_table
 from ..precision.kv_cache import KV_FORMATS, calibrate_kv
@@ -163,12 +164,21 @@ def sft_calibration_batches(path: str | Path, rows: int, tokenizer: Any) -> list
 _KINDS = {"checkpoint": "training checkpoint", "transformers": "transformers checkpoint"}
 
 
-def load_checkpoint_and_data(
-    ckpt: str | Path, out: Path, *, data: str = ""
-) -> tuple[Any, DataConfig, SFTDataConfig | None, str]:
-    """(model, held-out data, chat data to calibrate on or None, description) of any model path
-    `hybridlm.io` loads (module docstring); `data`: a pretraining run whose data to use."""
+class Inputs(NamedTuple):
+    """What a quantisation starts from (`load_checkpoint_and_data`)."""
+
+    model: Any
+    data: DataConfig  # the held-out (and, without chats, calibration) data
+    chats: SFTDataConfig | None  # chat data to calibrate on, or None
+    tokenizer: str  # the spec of the model's own tokenizer
+    what: str  # a description for the report
+
+
+def load_checkpoint_and_data(ckpt: str | Path, out: Path, *, data: str = "") -> Inputs:
+    """The model of any model path `hybridlm.io` loads (module docstring), its data and its
+    tokenizer; `data`: a pretraining run whose data to use."""
     path, kind = resolve(ckpt)  # a run directory: its newest checkpoint
+    spec = tokenizer_spec_for(ckpt)
     model = load_model(path)
     what = f"{_KINDS.get(kind, 'ModelOpt checkpoint')} {path}"
     if kind == "checkpoint":
@@ -177,15 +187,16 @@ def load_checkpoint_and_data(
         dequantize_model(model)
         what += " (dequantised)"
     if data:
-        return model, run_data(data), None, f"{what}, data of {data}"
+        return Inputs(model, run_data(data), None, spec, f"{what}, data of {data}")
     trained = training_data(ckpt, fix="give the evaluation data with --data (a pretraining run)")
     if isinstance(trained, DataConfig):
-        return model, trained, None, f"{what}, data of its run"
+        return Inputs(model, trained, None, spec, f"{what}, data of its run")
     # no pretraining text to evaluate on: the embedded corpus, in the model's own tokenizer
-    stdlib = default_data(out, tokenizer_spec_for(ckpt))
+    stdlib = default_data(out, spec)
     if isinstance(trained, SFTDataConfig):
-        return model, stdlib, trained, f"{what}, stdlib corpus, calibrated on its run's chat data"
-    return model, stdlib, None, f"{what}, stdlib corpus"
+        what += ", stdlib corpus, calibrated on its run's chat data"
+        return Inputs(model, stdlib, trained, spec, what)
+    return Inputs(model, stdlib, None, spec, f"{what}, stdlib corpus")
 
 
 # ============================================================================ run
@@ -198,8 +209,8 @@ def run_quantize(cfg: QuantizeConfig, *, overwrite: bool = False) -> dict[str, A
     console = Console(quiet=not cfg.progress)
     out = prepare_run_dir(cfg.out, overwrite=overwrite, outputs=(METRICS,))
     t0 = time.time()
-    model, data, chats, what = load_checkpoint_and_data(cfg.checkpoint, out, data=cfg.data)
-    tokenizer = load_tokenizer_for(cfg.checkpoint)
+    model, data, chats, spec, what = load_checkpoint_and_data(cfg.checkpoint, out, data=cfg.data)
+    tokenizer = load_tokenizer(spec)
     device = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device
     )
