@@ -68,7 +68,7 @@ from ..report.plot import pyplot, read_metrics, save_figure
 from .config import TrainConfig
 from .mtp_init import CONSOLIDATIONS, HEAD_INITS, head_agreement, init_head
 from .parallel import broadcast_object, is_main
-from .post_training import SFTDataConfig, load_source, prompt_key
+from .post_training import SFTDataConfig, load_source, prompt_key, prompt_of
 from .run_data import training_data
 from .trainer import Loss, Runtime, Step, Trainer, TrainModule
 
@@ -764,8 +764,7 @@ def _chat_prompts(
     held: list[list[int]] = []
     seen = set()
     for conv in convs:
-        last = max((i for i, m in enumerate(conv) if m.get("role") == "assistant"), default=None)
-        prompt = conv[:last] if last is not None else conv
+        prompt = prompt_of(conv)
         key = prompt_key(conv)
         if not prompt or key in seen:
             continue

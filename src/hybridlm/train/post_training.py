@@ -122,10 +122,16 @@ def load_source(src: ChatSource, report: ReadReport) -> list[Conversation]:
     )
 
 
-def prompt_key(conv: Conversation) -> str:
-    """The prompt of a conversation (messages before its last assistant turn) as a string key."""
+def prompt_of(conv: Conversation) -> Conversation:
+    """The prompt of a conversation: the messages before its last assistant turn (all of them
+    when it has none)."""
     last = max((i for i, m in enumerate(conv) if m.get("role") == "assistant"), default=len(conv))
-    return json.dumps(conv[:last], sort_keys=True, ensure_ascii=False)
+    return conv[:last]
+
+
+def prompt_key(conv: Conversation) -> str:
+    """The prompt of a conversation (`prompt_of`) as a string key."""
+    return json.dumps(prompt_of(conv), sort_keys=True, ensure_ascii=False)
 
 
 def split_held_out(
