@@ -27,7 +27,9 @@ from hybridlm.cli import main  # noqa: E402
 from hybridlm.data.chat import render  # noqa: E402
 from hybridlm.data.tokenizer import ByteTokenizer  # noqa: E402
 from hybridlm.infer.engine import Engine  # noqa: E402
-from hybridlm.infer.server import SPEC_HEADER, serve_in_background, spec_stats_dict  # noqa: E402
+from hybridlm.infer.protocol import SPEC_HEADER  # noqa: E402
+from hybridlm.infer.responses import spec_stats_dict  # noqa: E402
+from hybridlm.infer.server import serve_in_background  # noqa: E402
 from hybridlm.model.model import HybridLM  # noqa: E402
 from hybridlm.presets import get_preset  # noqa: E402
 

@@ -27,16 +27,17 @@ import pytest
 import test_server as base
 from hybridlm.cli import build_parser
 from hybridlm.data.tokenizer import ByteTokenizer
+from hybridlm.infer import responses as responses_module
 from hybridlm.infer import server as server_module
 from hybridlm.infer.engine import Engine
-from hybridlm.infer.server import (
+from hybridlm.infer.protocol import (
     DEFAULT_MAX_BODY_BYTES,
     MAX_JSON_DEPTH,
     MAX_STOP,
     ChatCompletionRequest,
     CompletionRequest,
-    serve_in_background,
 )
+from hybridlm.infer.server import serve_in_background
 from hybridlm.model.model import HybridLM
 from hybridlm.presets import get_preset
 
@@ -479,7 +480,7 @@ def test_internal_errors_are_500s_that_keep_the_connection(srv, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected \ud800 bug")  # a surrogate even, to render safely
 
-    monkeypatch.setattr(server_module, "_usage", broken)
+    monkeypatch.setattr(responses_module, "_usage", broken)
     host, port = _addr(srv)
     conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT)
     conn.request("POST", "/v1/completions", body=json.dumps(COMPLETION))

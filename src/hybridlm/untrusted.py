@@ -48,7 +48,7 @@ class JSONLimits:
     """What one JSON text may hold (module docstring)."""
 
     max_depth: int = 64  # a chat request nests about 6 deep, tool-call arguments a few more
-    max_chars: int = 4 << 20  # a request body's default limit (`infer.server`)
+    max_chars: int = 4 << 20  # a request body's default limit (`infer.protocol`)
     max_items: int = 1 << 20
     # NaN / Infinity literals: not JSON (RFC 8259), but Python's json reads them, and a checker
     # that follows a reference built on it (IFEval's json_format) must too

@@ -383,7 +383,8 @@ def _model_name(args: argparse.Namespace) -> str:
 def cmd_serve(args: argparse.Namespace) -> None:
     # uvicorn too: it is imported only when the server starts, after the model is loaded
     require_extra("serve", "serve", "fastapi", "uvicorn")
-    from ..infer.server import DEFAULT_MAX_BODY_BYTES, serve
+    from ..infer.protocol import DEFAULT_MAX_BODY_BYTES
+    from ..infer.server import serve
 
     check_port(args.port)
     max_body = DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes

@@ -63,7 +63,8 @@ from typing import Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from ..infer.server import DEFAULT_MAX_BODY_BYTES, APIError, base_app, read_json
+from ..infer.protocol import DEFAULT_MAX_BODY_BYTES, APIError
+from ..infer.server import base_app, read_json
 from ..untrusted import JSONLimits, UntrustedJSONError, clip, loads
 from .environments import Environment, Problem
 from .episodes import Episode, EpisodeOver, Step
