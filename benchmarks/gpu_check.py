@@ -139,7 +139,7 @@ def section_train(
 ) -> None:
     import torch.distributed as dist
 
-    from hybridlm.train.pretrain import measure_peak_flops
+    from hybridlm.train.text_training import measure_peak_flops
     from parallel_gpu import hybrid_1b, run_mode
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -145,7 +145,7 @@ def main() -> int:
     dist.init_process_group("nccl" if cuda else "gloo")
     cfg = hybrid_1b(args.tiny)
     counts = cfg.num_params()
-    from hybridlm.train.pretrain import measure_peak_flops
+    from hybridlm.train.text_training import measure_peak_flops
 
     peak = measure_peak_flops(
         device, torch.bfloat16 if cuda else torch.float32, 8192 if cuda else 512

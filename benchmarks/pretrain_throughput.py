@@ -53,7 +53,7 @@ def build_trainer(cfg, tmp: Path, *, batch: int, seq: int, device: str):
     """A real `Trainer` (byte data written to `tmp`) with its loader replaced by one batch."""
     from hybridlm.data.config import DataConfig, SourceConfig
     from hybridlm.train.config import RunConfig, TrainConfig
-    from hybridlm.train.pretrain import pretrain_trainer
+    from hybridlm.train.text_training import pretrain_trainer
 
     txt = tmp / "txt"
     txt.mkdir()
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad()
 
     runners = {"hybridlm": trainer.train_step, "transformers": hf_step}
-    from hybridlm.train.pretrain import measure_peak_flops
+    from hybridlm.train.text_training import measure_peak_flops
 
     peak = measure_peak_flops(device)
     times: dict[str, list[float]] = {k: [] for k in runners}

@@ -79,7 +79,7 @@ def set_dotted(d: dict, key: str, value) -> None:
 def exact_match(model, tok, problems, env) -> tuple[float, float]:
     import torch
 
-    from hybridlm.rl.learner import evaluate_policy
+    from hybridlm.rl.env_config import evaluate_policy
 
     with torch.no_grad():
         p = evaluate_policy(model.float().eval(), tok, problems, env, max_new_tokens=96)
@@ -101,7 +101,7 @@ def main() -> None:
 
     from hybridlm.io import load_model
     from hybridlm.provenance import collect
-    from hybridlm.rl.learner import build_mixture, eval_specs
+    from hybridlm.rl.env_config import build_mixture, eval_specs
     from hybridlm.speedrun import Speedrun, load_config
     from hybridlm.train.qad import QADRunConfig, qad_figures, run_qad
 
@@ -114,7 +114,7 @@ def main() -> None:
     config = args.config or str(run_dir / "speedrun.yaml")
     flow = Speedrun(load_config(config, [], out=str(run_dir)), progress=False)
     tok = flow.tokenizer()
-    env = build_mixture(eval_specs(flow.cfg.rl), tokenizer=tok)
+    env = build_mixture(eval_specs(flow.cfg.rl.envs, flow.cfg.rl.eval_envs), tokenizer=tok)
     problems = env.sample(args.problems, seed=flow.cfg.rl.seed + 12345)  # the RL eval set
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

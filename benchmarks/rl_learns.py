@@ -51,9 +51,10 @@ from hybridlm.infer.sampling import SamplingParams
 from hybridlm.io import load, read_meta, resolve_checkpoint
 from hybridlm.provenance import git_state
 from hybridlm.report.plot import pyplot, save_figure
+from hybridlm.rl.env_config import EnvConfig, build_environment
 from hybridlm.rl.environments import ToolUseEnvironment
 from hybridlm.rl.episodes import run_episodes
-from hybridlm.rl.learner import EnvConfig, RLConfig, build_environment, run_rl
+from hybridlm.rl.learner import RLConfig, run_rl
 from hybridlm.train.config import TrainConfig
 from hybridlm.train.post_training import ChatSource, SFTDataConfig
 from hybridlm.train.sft import SFTConfig, SFTRunConfig, run_sft

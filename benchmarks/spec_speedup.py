@@ -68,13 +68,12 @@ from hybridlm.infer import speculative as spec  # noqa: E402
 from hybridlm.infer.engine import Engine  # noqa: E402
 from hybridlm.infer.generate import generate  # noqa: E402
 from hybridlm.infer.sampling import SamplingParams  # noqa: E402
-from hybridlm.infer.speculative import DraftVocab, speculative_generate  # noqa: E402
+from hybridlm.infer.speculative import DraftVocab, merge_stats, speculative_generate  # noqa: E402
 from hybridlm.io import load_model  # noqa: E402
 from hybridlm.model.cache import HybridCache  # noqa: E402
 from hybridlm.report.plot import pyplot, save_figure  # noqa: E402
 from hybridlm.train.mtp_boost import (  # noqa: E402
     MTPBoostConfig,
-    merge_stats,
     run_mtp_boost,
     self_generate,
 )

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybridlm.interop.hf import save_pretrained
     from hybridlm.presets import get_preset
     from hybridlm.train.objectives import causal_lm_loss
-    from hybridlm.train.pretrain import measure_peak_flops
+    from hybridlm.train.text_training import measure_peak_flops
 
     torch.manual_seed(0)
     cfg = get_preset(args.preset)

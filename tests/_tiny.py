@@ -137,7 +137,8 @@ class ForcedTokens:
 def tool_rl_config(checkpoint: str, out, **kw):
     """A two-step GRPO run on calculator episodes (2-digit products, 3 turns) for the
     `tool_policy` fixture; random rewards, so groups vary whatever the tiny policy answers."""
-    from hybridlm.rl.learner import EnvConfig, RLConfig
+    from hybridlm.rl.env_config import EnvConfig
+    from hybridlm.rl.learner import RLConfig
 
     base = dict(
         checkpoint=checkpoint,

@@ -89,8 +89,9 @@ def test_loaders_without_a_path_read_the_packaged_sets():
     from hybridlm.data.config import SourceConfig
     from hybridlm.data.pipeline import build_source
     from hybridlm.data.sft import ReadReport
-    from hybridlm.rl.learner import EnvConfig, RLConfig, build_environment, eval_specs
-    from hybridlm.train.distill import PromptSource, load_prompts
+    from hybridlm.rl.env_config import EnvConfig, build_environment, eval_specs
+    from hybridlm.train.distill import load_prompts
+    from hybridlm.train.distillation import PromptSource
     from hybridlm.train.post_training import ChatSource, load_source
 
     convs = load_source(ChatSource(kind="gsm8k", max_rows=3), ReadReport())
@@ -100,7 +101,7 @@ def test_loaders_without_a_path_read_the_packaged_sets():
     env = build_environment(EnvConfig(kind="gsm8k", limit=2))
     assert len(env) == 2 and "Natalia" in env[0].user_text
     assert len(build_environment(EnvConfig(kind="code", limit=0))) == 164
-    (held,) = eval_specs(RLConfig(envs=[EnvConfig(kind="gsm8k")]))
+    (held,) = eval_specs([EnvConfig(kind="gsm8k")])
     assert held.path == str(builtin.path(builtin.GSM8K_TEST))
     src = build_source(SourceConfig(name="ts", kind="tinyshakespeare"))
     assert next(iter(src)).text.startswith("First Citizen:")

@@ -18,13 +18,12 @@ from hybridlm.io.checkpoint import save_checkpoint
 from hybridlm.model.model import build_model
 from hybridlm.report.plot import read_metrics
 from hybridlm.train.config import TrainConfig
-from hybridlm.train.distill import (
+from hybridlm.train.distill import distill_trainer, run_distill
+from hybridlm.train.distillation import (
     DistillConfig,
     DistillRunConfig,
     PromptSource,
-    distill_trainer,
     offline_distill_loss,
-    run_distill,
 )
 from hybridlm.train.objectives import distill_loss, skew_reverse_kl
 from hybridlm.train.post_training import ChatSource, SFTDataConfig

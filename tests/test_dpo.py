@@ -18,18 +18,20 @@ from hybridlm.model.model import build_model
 from hybridlm.train.config import TrainConfig
 from hybridlm.train.dpo import (
     DPOConfig,
-    DPODataConfig,
     DPORunConfig,
+    dpo_trainer,
+    policy_logps,
+    reference_logps,
+    run_dpo,
+)
+from hybridlm.train.pairs import (
+    PairDataConfig,
     PreferencePair,
     build_delta_pairs,
     collate_pairs,
-    dpo_trainer,
     filter_pairs,
     model_generator,
-    policy_logps,
     read_pairs,
-    reference_logps,
-    run_dpo,
     tokenize_pair,
     write_pairs,
 )
@@ -172,7 +174,7 @@ def _dpo_run(tmp_path, out, *, steps, batch_size=4, grad_accum=1, loss="dpo_norm
         meta = {"run_config": {"model": model.config.to_dict()}}
         save_checkpoint(init, step=0, model=model, optimizer=None, meta=meta)
     return DPORunConfig(
-        data=DPODataConfig(path=str(path), max_len=256, batch_size=batch_size, held_out=8),
+        data=PairDataConfig(path=str(path), max_len=256, batch_size=batch_size, held_out=8),
         train=TrainConfig(
             lr=lr,
             warmup_steps=1,
@@ -285,7 +287,7 @@ def test_config_cli_and_errors(tmp_path):
     args.fn(args)
     assert (tmp_path / "cli" / "checkpoints" / "step_00000002").is_dir()
     with pytest.raises(ValueError, match="exactly one of"):
-        DPODataConfig()
+        PairDataConfig()
     with pytest.raises(ValueError, match="dpo.loss"):
         DPOConfig(loss="ipo")
     with pytest.raises(ValueError, match="needs a 'dpo' section"):

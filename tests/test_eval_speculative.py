@@ -26,10 +26,10 @@ from hybridlm.eval.speculative import (
     run_spec_bench,
 )
 from hybridlm.eval.tasks import EvalRunner, bootstrap_ratio_stderr, get_task, resolve_tasks
-from hybridlm.infer.speculative import SpecStats
+from hybridlm.infer.speculative import SpecStats, merge_stats
 from hybridlm.interop.hf import save_pretrained
 from hybridlm.presets import get_preset
-from hybridlm.train.mtp_boost import measure_acceptance, merge_stats
+from hybridlm.train.mtp_boost import measure_acceptance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,7 +18,7 @@ from hybridlm.io.checkpoint import load_checkpoint
 from hybridlm.model.model import HybridLM
 from hybridlm.precision import ptq
 from hybridlm.report.plot import read_metrics
-from hybridlm.train.distill import DistillConfig
+from hybridlm.train.distillation import DistillConfig
 from hybridlm.train.objectives import hidden_mse
 from hybridlm.train.qad import QADConfig, QADRunConfig, qad_trainer, run_qad
 from test_distill import offline_run, save_teacher

@@ -22,7 +22,8 @@ from hybridlm.provenance import collect, config_diff, git_state
 from hybridlm.report.card import render_report
 from hybridlm.report.doc import fmt_duration
 from hybridlm.report.stats import reward_window, wilson_interval
-from hybridlm.speedrun import STAGE_NAMES, SpeedrunConfig
+from hybridlm.speedrun import SpeedrunConfig
+from hybridlm.stages import STAGE_NAMES, STAGES
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "speedrun.yaml"
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "wbr"}
@@ -272,7 +273,7 @@ def fake_run(run: Path, *, overrides: list[str] | None = None) -> Path:
 # ---------------------------------------------------------------------------- tests
 def test_report_html_is_valid_and_shows_provenance(tmp_path):
     run = fake_run(tmp_path / "run", overrides=["pretrain.train.max_steps=12", "rl.steps=6"])
-    out = render_report(run)
+    out = render_report(run, STAGES)
     page = check_report_html(Path(out["report_html"]))
     assert len(page.imgs) == len(out["plots"]) == 6
     md = Path(out["report_md"]).read_text()
@@ -307,13 +308,13 @@ def test_report_html_is_valid_and_shows_provenance(tmp_path):
 def test_report_without_provenance_says_so(tmp_path):
     run = fake_run(tmp_path / "run")
     (run / "provenance.json").unlink()
-    md = Path(render_report(run)["report_md"]).read_text()
+    md = Path(render_report(run, STAGES)["report_md"]).read_text()
     assert "No provenance.json in this run directory" in md
     assert "| pretrain | finished | 48.7 s |" in md  # times from the stage records
 
 
 def test_default_settings_are_marked_default(tmp_path):
-    md = Path(render_report(fake_run(tmp_path / "run"))["report_md"]).read_text()
+    md = Path(render_report(fake_run(tmp_path / "run"), STAGES)["report_md"]).read_text()
     assert "The default speedrun" in md and "Not the default" not in md
 
 
@@ -380,7 +381,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed")
 def test_report_renders_in_a_headless_browser(tmp_path):
     run = fake_run(tmp_path / "run")
-    page = Path(render_report(run)["report_html"])
+    page = Path(render_report(run, STAGES)["report_html"])
     png = tmp_path / "shot.png"
     subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={png}",

@@ -17,13 +17,14 @@ from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.infer.rollout import RolloutRequest, RolloutWorker
 from hybridlm.io import load_model
 from hybridlm.model.moe import TopKRouter
+from hybridlm.rl.env_config import EnvConfig
 from hybridlm.rl.environments import (
     ArithmeticEnvironment,
     CalculatorEnvironment,
     MixtureEnvironment,
 )
 from hybridlm.rl.grpo import group_advantages
-from hybridlm.rl.learner import EnvConfig, RLConfig, completion_logprobs, run_rl
+from hybridlm.rl.learner import RLConfig, completion_logprobs, run_rl
 
 TOK = ByteTokenizer()
 

@@ -14,9 +14,9 @@ from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.infer.engine import Engine
 from hybridlm.infer.sampling import SamplingParams
 from hybridlm.presets import get_preset
+from hybridlm.rl.env_config import EnvConfig, build_environment
 from hybridlm.rl.environments import CodeToolEnvironment
 from hybridlm.rl.episodes import run_episodes
-from hybridlm.rl.learner import EnvConfig, build_environment
 from hybridlm.rl.sandbox import Sandbox, SandboxConfig
 from hybridlm.rl.tools import PythonTool
 

@@ -44,9 +44,11 @@ def test_group_advantages_centred_and_std():
     torch.testing.assert_close(group_advantages(rewards), expected)
     # std variant, sample std: group 0: Σd² = 4·0.25 = 1, var = 1/3, std = 0.57735 -> ±0.866025
     # group 1: Σd² = 3·0.0625 + 0.5625 = 0.75, var = 0.25, std = 0.5 -> 0.5, 0.5, 0.5, -1.5
-    expected_std = torch.tensor([[0.866025, -0.866025, -0.866025, 0.866025], [0.5, 0.5, 0.5, -1.5]])
+    # (each divided by std + eps, eps = 1e-6); relative 1e-6, ~8 fp32 ulps
+    std = torch.tensor([[math.sqrt(1 / 3)], [0.5]], dtype=torch.float64) + 1e-6
+    expected_std = (expected.double() / std).float()
     torch.testing.assert_close(
-        group_advantages(rewards, std_normalize=True), expected_std, atol=1e-5, rtol=0
+        group_advantages(rewards, std_normalize=True), expected_std, rtol=1e-6, atol=0
     )
     # an all-equal group has zero advantage in both variants (eps keeps std division finite)
     flat = torch.tensor([[1.0, 1.0, 1.0]])
@@ -206,10 +208,15 @@ def test_gradient_matches_reference_autograd():
     b = logp0.clone().requires_grad_(True)
     ref_loss = _reference_loss(b, old, rollout, adv, mask, 0.2, 0.28, 2.0, 0.05, ref)
     ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss)
-    torch.testing.assert_close(a.grad, b.grad)
+    # fp64 both ways, so 1e-10 relative (measured: loss 3e-16, gradients equal); the gradient
+    # of a masked position is exactly 0, hence the tiny absolute floor
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=0)
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-15)
     assert 0 < stats["clip_frac"].item() < 1 and 0 < stats["tis_truncated_frac"].item() < 1
-    # and against finite differences of the loss itself (fp64), where no token sits on a kink
+    # and against finite differences of the loss itself (fp64), where no token sits on a kink:
+    # relative 1e-6 (measured <= 1e-8; gradients here are 1e-4 .. 0.1); the absolute 1e-9 is the
+    # round-off of a central difference, 2.2e-16 · |loss| (~1) / step (1e-6) ~ 2e-10, and the
+    # floor of masked positions (exactly 0)
     eps = 1e-6
     flat = logp0.flatten()
     for i in range(0, flat.numel(), 7):
@@ -219,7 +226,8 @@ def test_gradient_matches_reference_autograd():
         f = lambda x: grpo_loss(  # noqa: E731
             x.view(B, T), old, adv, mask, rollout_logp_BT=rollout, ref_logp_BT=ref, config=cfg
         )[0].item()
-        assert (f(up) - f(dn)) / (2 * eps) == pytest.approx(a.grad.flatten()[i].item(), abs=1e-6)
+        fd = (f(up) - f(dn)) / (2 * eps)
+        assert fd == pytest.approx(a.grad.flatten()[i].item(), rel=1e-6, abs=1e-9)
 
 
 def test_grpo_loss_errors():

@@ -12,9 +12,9 @@ from hybridlm.infer.engine import Engine
 from hybridlm.infer.sampling import SamplingParams
 from hybridlm.interop.hf import save_pretrained
 from hybridlm.presets import get_preset
+from hybridlm.rl.env_config import EnvConfig, build_environment
 from hybridlm.rl.environments import ArithmeticEnvironment
 from hybridlm.rl.judge import GenerativeJudge, JudgedEnvironment, parse_preference, parse_rating
-from hybridlm.rl.learner import EnvConfig, build_environment
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOK = ByteTokenizer()

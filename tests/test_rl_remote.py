@@ -16,13 +16,14 @@ from hybridlm.infer.engine import Engine
 from hybridlm.infer.sampling import SamplingParams
 from hybridlm.infer.server import run_in_background
 from hybridlm.io import load_model
+from hybridlm.rl.env_config import EnvConfig
 from hybridlm.rl.environments import (
     ArithmeticEnvironment,
     CalculatorEnvironment,
     MixtureEnvironment,
 )
 from hybridlm.rl.episodes import run_episodes
-from hybridlm.rl.learner import EnvConfig, run_rl
+from hybridlm.rl.learner import run_rl
 from hybridlm.rl.remote import HTTPEnvironment, HTTPError, create_env_app
 
 TOK = ByteTokenizer()

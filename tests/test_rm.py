@@ -15,16 +15,10 @@ from hybridlm.model.model import build_model
 from hybridlm.rl.environments import MixtureEnvironment
 from hybridlm.rl.learner import RLConfig, run_rl
 from hybridlm.train.config import TrainConfig
-from hybridlm.train.dpo import DPODataConfig, build_verified_pairs
-from hybridlm.train.rm import (
-    RewardModelScorer,
-    RMConfig,
-    RMRunConfig,
-    bradley_terry_loss,
-    run_rm,
-    sequence_rewards,
-    with_score_head,
-)
+from hybridlm.train.objectives import bradley_terry_loss
+from hybridlm.train.pairs import PairDataConfig, build_verified_pairs
+from hybridlm.train.reward_model import RewardModelScorer, sequence_rewards, with_score_head
+from hybridlm.train.rm import RMConfig, RMRunConfig, run_rm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOK = ByteTokenizer()
@@ -44,7 +38,7 @@ def _rm_run(tmp_path, out, *, steps, **rm) -> RMRunConfig:
     if not path.exists():
         path.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_pairs(48, seed=2)))
     return RMRunConfig(
-        data=DPODataConfig(path=str(path), max_len=256, batch_size=4, held_out=16),
+        data=PairDataConfig(path=str(path), max_len=256, batch_size=4, held_out=16),
         train=TrainConfig(
             lr=3e-3,
             warmup_steps=1,

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridlm.report.card import STAGE_ORDER, render_report
-from hybridlm.speedrun import STAGE_NAMES, STAGES, Speedrun, SpeedrunConfig, load_config
+from hybridlm.report.card import render_report
+from hybridlm.speedrun import Speedrun, SpeedrunConfig, load_config
+from hybridlm.stages import STAGE_NAMES, STAGES
 from test_report import check_report_html
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "speedrun.yaml"
@@ -119,16 +120,27 @@ def test_config_file_parses_and_rejects_mistakes(tmp_path):
         Speedrun(cfg, only=["evaluate"])
 
 
-def test_stage_table():
-    """The table names each stage once, reads only stages before it, gives every stage with
-    settings its config section, and matches the run directory layout the report reads."""
+def test_stage_registry():
+    """The registry names each stage once, each reads only stages before it, every stage with
+    a config has its section of the speedrun config, the report is the one derived stage, and
+    every module that holds a stage is in the import-linter contract that keeps stage modules
+    from importing each other."""
+    import tomllib
+
     assert len(set(STAGE_NAMES)) == len(STAGES)
     for i, stage in enumerate(STAGES):
         assert set(stage.inputs) <= set(STAGE_NAMES[:i]), stage.name
         if stage.config is not None:
             assert isinstance(getattr(SpeedrunConfig(), stage.name), stage.config), stage.name
-    assert [s.name for s in STAGES if not s.derived] == list(STAGE_ORDER)
     assert [s.name for s in STAGES if s.derived] == ["report"]
+    pyproject = tomllib.loads((CONFIG.parents[1] / "pyproject.toml").read_text())
+    (independent,) = [
+        c["modules"]
+        for c in pyproject["tool"]["importlinter"]["contracts"]
+        if c["type"] == "independence"
+    ]
+    holders = {s.run.__module__ for s in STAGES if not s.derived}
+    assert holders <= set(independent), sorted(holders - set(independent))
 
 
 def test_whole_flow_runs_and_writes_the_report(finished):
@@ -294,16 +306,17 @@ def test_interrupted_stage_keeps_its_outputs_only_for_the_same_settings(tmp_path
 
 def test_quantize_data_options_name_missing_runs(tmp_path):
     from hybridlm.data.tokenizer import ByteTokenizer
-    from hybridlm.train.quantize import run_data, sft_calibration_batches
+    from hybridlm.train.quantize import sft_calibration_batches
+    from hybridlm.train.run_data import pretraining_data
 
     with pytest.raises(ValueError, match="no pretraining run config"):
-        run_data(tmp_path)
+        pretraining_data(tmp_path)
     with pytest.raises(ValueError, match="no SFT run config"):
         sft_calibration_batches(tmp_path / "sft", 8, ByteTokenizer())
 
 
 def test_report_of_a_partial_run(tmp_path):
-    out = render_report(tmp_path)
+    out = render_report(tmp_path, STAGES)
     md = Path(out["report_md"]).read_text()
     assert "Stages finished: 0 of 11" in md and "The rl stage did not run." in md
     assert out["plots"] == []
@@ -327,5 +340,5 @@ def test_a_stage_whose_checkpoints_are_all_damaged_says_how_to_start_it_again(tm
         )
 
     with pytest.raises(CheckpointError, match=r"hybridlm speedrun --force pretrain"):
-        flow._continue_or_start("pretrain", run)
+        flow.continue_or_start("pretrain", run)
     assert seen == [{"resume": True, "overwrite": False}]

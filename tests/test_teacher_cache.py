@@ -221,7 +221,7 @@ def test_pretraining_loss_is_the_weighted_kl_and_ce(tmp_path):
     """One step's loss by hand: kl_weight * KL(teacher || student) + ce_weight * CE + MTP."""
     from hybridlm.data.pipeline import build_loaders, prepare_shards
     from hybridlm.train.objectives import causal_lm_loss
-    from hybridlm.train.pretrain import pretrain_trainer
+    from hybridlm.train.text_training import pretrain_trainer
 
     teacher_path = save_teacher(tmp_path, "teacher", tiny_train_model(), seed=5, sharpen=30.0)
     run = _text_run(tmp_path, "one", teacher_path, steps=1, top_k=0)

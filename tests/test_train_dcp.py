@@ -244,8 +244,10 @@ def test_merge_reads_sharded_checkpoints(tmp_path):
     merged = merge_checkpoints(paths, "uniform")
     want = {k: (v + b.state_dict()[k]) / 2 for k, v in a.state_dict().items()}
     assert merged.keys() == want.keys()
+    # relative: an average of two fp32 tensors rounds once (<= 1 ulp, 1.2e-7); the weights go down
+    # to ~1e-7, which an absolute 1e-7 did not compare at all (measured: equal)
     for k, v in want.items():
-        torch.testing.assert_close(merged[k], v, atol=1e-7, rtol=0)
+        torch.testing.assert_close(merged[k], v, rtol=2.4e-7, atol=0)
 
 
 def test_partial_save_is_never_used_and_damage_is_found(tmp_path, monkeypatch):

@@ -87,8 +87,8 @@ def cmd_tool_demos(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from ..config import apply_overrides
+    from ..rl.env_config import EnvConfig, build_environment
     from ..rl.environments import ToolUseEnvironment
-    from ..rl.learner import EnvConfig, build_environment
 
     spec = apply_overrides(EnvConfig(kind=args.env), args.overrides)
     env = build_environment(spec)
@@ -111,7 +111,7 @@ def cmd_env_serve(args: argparse.Namespace) -> None:
     require_extra("env-serve", "serve", "fastapi", "uvicorn")
     from ..config import apply_overrides
     from ..infer.server import run_app
-    from ..rl.learner import EnvConfig, build_environment
+    from ..rl.env_config import EnvConfig, build_environment
     from ..rl.remote import TOKEN_ENV, create_env_app
 
     if args.env == "http":

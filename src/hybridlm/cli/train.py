@@ -4,8 +4,9 @@ mtp-boost`: the training stages."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-from typing import Any
+from dataclasses import dataclass
 
 from .args import add_overrides_arg
 
@@ -40,6 +41,62 @@ def add_run_args(p: argparse.ArgumentParser, default_config: str) -> None:
     add_resume_args(p)
 
 
+@dataclass(frozen=True)
+class RunCommand:
+    """`hybridlm NAME --config configs/NAME.yaml [--set ...] [--resume | --overwrite]`: a
+    training stage that runs one run config. Its config class and run function are named, not
+    imported (parsing never imports torch); `keys`: the result fields it prints."""
+
+    name: str
+    help: str
+    module: str  # under hybridlm
+    config: str  # the run config class
+    run: str  # run(cfg, resume=, overwrite=) -> result
+    keys: tuple[str, ...] = ("step", "eval", "checkpoint", "plot", "data")
+
+
+RUN_COMMANDS = (
+    RunCommand(
+        "sft",
+        "supervised fine-tuning on chat data (assistant-only loss)",
+        "train.sft",
+        "SFTRunConfig",
+        "run_sft",
+    ),  # data: rows read, kept, skipped
+    RunCommand(
+        "dpo",
+        "direct preference optimisation (dpo / dpo_norm)",
+        "train.dpo",
+        "DPORunConfig",
+        "run_dpo",
+    ),
+    RunCommand(
+        "rm",
+        "a Bradley-Terry reward model on preference pairs",
+        "train.rm",
+        "RMRunConfig",
+        "run_rm",
+    ),
+    RunCommand(
+        "distill",
+        "distillation: offline top-k KL + CE, or on-policy multi-teacher",
+        "train.distill",
+        "DistillRunConfig",
+        "run_distill",
+        ("step", "eval", "checkpoint", "plot"),
+    ),
+    RunCommand(
+        "qad",
+        "quantisation-aware distillation: the quantised model (NVFP4 / FP8) trained toward "
+        "itself unquantised; exports a ModelOpt checkpoint",
+        "train.qad",
+        "QADRunConfig",
+        "run_qad",
+        ("step", "eval", "checkpoint", "hf", "plot", "figures"),
+    ),
+)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the training commands to the CLI's sub-command parsers."""
     p = sub.add_parser("pretrain", help="pretrain from a run YAML (default: the quickstart)")
@@ -70,23 +127,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="export directory (default: FIRST_RUN/soup)")
     p.set_defaults(fn=cmd_soup)
 
-    p = sub.add_parser("sft", help="supervised fine-tuning on chat data (assistant-only loss)")
-    add_run_args(p, "configs/sft.yaml")
-    p.set_defaults(fn=cmd_sft)
-
-    p = sub.add_parser("dpo", help="direct preference optimisation (dpo / dpo_norm)")
-    add_run_args(p, "configs/dpo.yaml")
-    p.set_defaults(fn=cmd_dpo)
-
-    p = sub.add_parser("rm", help="a Bradley-Terry reward model on preference pairs")
-    add_run_args(p, "configs/rm.yaml")
-    p.set_defaults(fn=cmd_rm)
-
-    p = sub.add_parser(
-        "distill", help="distillation: offline top-k KL + CE, or on-policy multi-teacher"
-    )
-    add_run_args(p, "configs/distill.yaml")
-    p.set_defaults(fn=cmd_distill)
+    for c in RUN_COMMANDS:
+        p = sub.add_parser(c.name, help=c.help)
+        add_run_args(p, f"configs/{c.name}.yaml")
+        p.set_defaults(fn=cmd_run, command=c)
 
     p = sub.add_parser(
         "distill-cache",
@@ -105,14 +149,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_overrides_arg(p, "distill.teacher_cache=runs/distill_cache")
     p.set_defaults(fn=cmd_distill_cache)
-
-    p = sub.add_parser(
-        "qad",
-        help="quantisation-aware distillation: the quantised model (NVFP4 / FP8) trained toward "
-        "itself unquantised; exports a ModelOpt checkpoint",
-    )
-    add_run_args(p, "configs/qad.yaml")
-    p.set_defaults(fn=cmd_qad)
 
     p = sub.add_parser(
         "mtp-boost",
@@ -136,7 +172,7 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     from ..infer.generate import generate
     from ..interop.hf import save_pretrained
     from ..train import RunConfig, parallel
-    from ..train.pretrain import pretrain_trainer
+    from ..train.text_training import pretrain_trainer
 
     path = Path(args.config)
     if not path.is_file():
@@ -208,44 +244,19 @@ def cmd_soup(args: argparse.Namespace) -> None:
     soup_runs(parse_list(args.runs), last=args.last, eval_run=args.eval_run, out=args.out)
 
 
-def _post_training(load: Any, run: Any, args: argparse.Namespace, keys: tuple[str, ...]) -> None:
-    """Load a stage's run config, apply `--set`, run it and print the result's `keys` as JSON
-    (under torchrun: rank 0 prints, every rank leaves the process group together)."""
+def cmd_run(args: argparse.Namespace) -> None:
+    """Load a training command's run config, apply `--set`, run it and print the result's
+    `keys` as JSON (under torchrun: rank 0 prints, every rank leaves the process group
+    together)."""
     from ..train import parallel
 
-    cfg = load(args.config).override(args.overrides)
-    result = run(cfg, resume=args.resume, overwrite=args.overwrite)
+    c: RunCommand = args.command
+    module = importlib.import_module(f"hybridlm.{c.module}")
+    cfg = getattr(module, c.config).load(args.config).override(args.overrides)
+    result = getattr(module, c.run)(cfg, resume=args.resume, overwrite=args.overwrite)
     if parallel.is_main():
-        print(json.dumps({k: result[k] for k in keys}, indent=1))
+        print(json.dumps({k: result[k] for k in c.keys}, indent=1))
     parallel.destroy()
-
-
-def cmd_sft(args: argparse.Namespace) -> None:
-    from ..train.sft import SFTRunConfig, run_sft
-
-    keys = ("step", "eval", "checkpoint", "plot", "data")  # data: rows read, kept, skipped
-    _post_training(SFTRunConfig.load, run_sft, args, keys)
-
-
-def cmd_dpo(args: argparse.Namespace) -> None:
-    from ..train.dpo import DPORunConfig, run_dpo
-
-    keys = ("step", "eval", "checkpoint", "plot", "data")
-    _post_training(DPORunConfig.load, run_dpo, args, keys)
-
-
-def cmd_rm(args: argparse.Namespace) -> None:
-    from ..train.rm import RMRunConfig, run_rm
-
-    keys = ("step", "eval", "checkpoint", "plot", "data")
-    _post_training(RMRunConfig.load, run_rm, args, keys)
-
-
-def cmd_distill(args: argparse.Namespace) -> None:
-    from ..train.distill import DistillRunConfig, run_distill
-
-    keys = ("step", "eval", "checkpoint", "plot")
-    _post_training(DistillRunConfig.load, run_distill, args, keys)
 
 
 def cmd_distill_cache(args: argparse.Namespace) -> None:
@@ -258,24 +269,18 @@ def cmd_distill_cache(args: argparse.Namespace) -> None:
         cfg = RunConfig.load(args.config or "configs/quickstart.yaml").override(args.overrides)
         result = cache_text_teacher(cfg)
     else:
-        from ..train.distill import DistillRunConfig, cache_teacher
+        from ..train.distill import cache_teacher
+        from ..train.distillation import DistillRunConfig
 
         cfg = DistillRunConfig.load(args.config or "configs/distill.yaml").override(args.overrides)
         result = cache_teacher(cfg)
     print(json.dumps({"teacher_cache": cfg.distill.teacher_cache, **result}, indent=1))
 
 
-def cmd_qad(args: argparse.Namespace) -> None:
-    from ..train.qad import QADRunConfig, run_qad
-
-    keys = ("step", "eval", "checkpoint", "hf", "plot", "figures")
-    _post_training(QADRunConfig.load, run_qad, args, keys)
-
-
 def cmd_mtp_boost(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from ..rl.learner import environment_prompts
+    from ..rl.env_config import environment_prompts
     from ..train import parallel
     from ..train.mtp_boost import MTPBoostConfig, boost_checkpoint
 

@@ -75,6 +75,8 @@ from ..data.sources import (
     SourceStats,
 )
 from ..files import atomic_write
+from ..stage import Flow, Report
+from ..stage import Stage as FlowStage
 from .core import (
     CurateDoc,
     DocStage,
@@ -814,3 +816,41 @@ def write_report(out_dir: Path, report: CurateReport) -> None:
             f"({exp['zero_copies']} rounded to 0 copies).",
         ]
     atomic_write(out_dir / "report.md", ("\n".join(lines) + "\n").encode())
+
+
+# ---------------------------------------------------------------------------- the flow's stage
+def _stage_settings(flow: Flow) -> dict[str, Any]:
+    data = flow.format_paths(flow.cfg.curate.to_dict())
+    data["output_dir"] = str(flow.stage_dir("curate"))
+    data["progress"] = flow.progress
+    return data
+
+
+def _stage_run(flow: Flow) -> dict[str, Any]:
+    report = run_curate(CurateConfig.from_dict(flow.settings("curate")))
+    if report.docs_out == 0:
+        raise ValueError("curation kept no documents: loosen the filters in `curate.stages`")
+    return {
+        "data": str(flow.stage_dir("curate") / "data"),
+        "docs_out": report.docs_out,
+        "output": report.data["output"],
+        "report": str(flow.stage_dir("curate") / "report.md"),
+        "stages": [
+            {k: st.get(k) for k in ("stage", "docs_in", "docs_out", "seconds")}
+            for st in report.data["stages"]
+        ],
+    }
+
+
+def _headline(s: dict[str, Any], report: Report) -> str:
+    return f"documents kept: {s['output']['docs']:,} ({s['output']['chars']:,} chars)"
+
+
+# the embedded corpus through the curation chain (filters, exact / MinHash / substring dedup)
+STAGE = FlowStage(
+    "curate",
+    config=CurateConfig,
+    settings=_stage_settings,
+    run=_stage_run,
+    headline=_headline,
+)

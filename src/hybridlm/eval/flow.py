@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -30,8 +31,9 @@ from ..io import load_model
 from ..precision.ptq import evaluate as text_loss
 from ..precision.ptq import take
 from ..presets import get_preset
-from ..rl.learner import build_mixture, eval_specs, evaluate_policy
-from ..train.quantize import run_data
+from ..rl.env_config import build_mixture, eval_specs, evaluate_policy
+from ..stage import Flow, Report, Stage
+from ..train.run_data import pretraining_data
 from .harness import EvalConfig, LoadedModel, evaluate
 
 
@@ -66,7 +68,7 @@ def cache_memory_rows(name: str, cfg: ModelConfig, contexts: list[int]) -> list[
     ]
 
 
-def evaluate_flow(flow: Any, out: Path) -> dict[str, Any]:
+def evaluate_flow(flow: Flow, out: Path) -> dict[str, Any]:
     """Evaluate the finished models of a `Speedrun` (`flow`); returns the summary rows."""
     ecfg = flow.cfg.eval
     out.mkdir(parents=True, exist_ok=True)
@@ -80,12 +82,12 @@ def evaluate_flow(flow: Any, out: Path) -> dict[str, Any]:
     tok = flow.tokenizer()
     held = None
     if flow.done("pretrain"):
-        data = run_data(flow.stage_dir("pretrain"))
+        data = pretraining_data(flow.stage_dir("pretrain"))
         _, held_loader = build_loaders(data, prepare_shards(data))
         if held_loader is not None:
             held = take(held_loader, ecfg.text_batches)
     rl = flow.cfg.rl
-    env = build_mixture(eval_specs(rl), tokenizer=tok)
+    env = build_mixture(eval_specs(rl.envs, rl.eval_envs), tokenizer=tok)
     problems = env.sample(ecfg.arithmetic_problems, seed=rl.seed + 12345)  # the RL eval set
     harness_on = not ecfg.data_dir or Path(ecfg.data_dir).is_dir()  # "": the packaged data
     rows = []
@@ -154,3 +156,63 @@ def _run_tasks(loaded: Any, cfg: Any, ecfg: Any, out: Path) -> None:
             dataclasses.replace(cfg, tasks=rest, limit=ecfg.harness_limit, prompt_format="base"),
             out_dir=out,
         )
+
+
+# ---------------------------------------------------------------------------- the flow's stage
+@dataclass(kw_only=True)
+class EvalStageConfig:
+    """What the eval stage measures on every model of the chain."""
+
+    text_batches: int = 8  # held-out pretraining batches: loss and bits per byte
+    arithmetic_problems: int = 96  # held-out arithmetic (the RL eval set), greedy exact match
+    max_new_tokens: int = 96
+    spec_models: list[str] = field(default_factory=lambda: ["mtp_heal", "quantize"])
+    spec_prompts: int = 4  # prompts per SPEED-Bench category (5 categories)
+    spec_new_tokens: int = 48
+    spec_prompt_format: Literal["base", "chat"] = "chat"
+    # harness tasks on `harness_models`, over the packaged GSM8K / HumanEval / tinyshakespeare
+    # (`data_dir` "") or a folder of them (run only when it exists)
+    harness_tasks: list[str] = field(default_factory=lambda: ["base_easy"])
+    harness_models: list[str] = field(default_factory=lambda: ["pretrain", "mtp_heal"])
+    harness_limit: int = 32
+    data_dir: str = ""
+    cache_contexts: list[int] = field(
+        default_factory=lambda: [2**k for k in range(10, 21)]  # 1K .. 1M tokens
+    )
+
+
+def _check(section: EvalStageConfig, cfg: Any, stages: tuple[Stage, ...]) -> None:
+    model_stages = [s.name for s in stages if s.model]
+    bad = sorted(set(section.spec_models + section.harness_models) - set(model_stages))
+    if bad:
+        raise ValueError(f"eval: unknown model stages {bad}; use {model_stages}")
+
+
+def _settings(flow: Flow) -> dict[str, Any]:
+    return {
+        **dataclasses.asdict(flow.cfg.eval),
+        "models": flow.models(),
+        "rl_eval": flow.cfg.rl.to_dict()["envs"],
+    }
+
+
+def _headline(s: dict[str, Any], report: Report) -> str:
+    ms = s["models"]
+    n = ms[0]["problems"] if ms else 0
+    return f"arithmetic exact match (n={n}): " + ", ".join(
+        f"{m['model']} {m['exact_match']:.2f}" for m in ms
+    )
+
+
+# every model of the chain on held-out text (bpb) and arithmetic (exact match), speculative
+# decoding at draft length 7, cache memory vs context
+STAGE = Stage(
+    "eval",
+    # pretrain's held-out text, rl's problems, and every model it evaluates
+    inputs=("pretrain", "rl", "sft", "mtp_heal", "quantize", "qad"),
+    config=EvalStageConfig,
+    settings=_settings,
+    run=lambda flow: evaluate_flow(flow, flow.stage_dir("eval")),
+    check=_check,
+    headline=_headline,
+)

@@ -26,9 +26,12 @@ the trainer's own evaluation), `extension_verdict` compares the models before an
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +41,13 @@ from ..data.bpb import token_byte_lengths
 from ..data.config import DataConfig
 from ..data.pipeline import prepare_shards
 from ..io import load
+from ..io.checkpoint import read_meta, resolve_checkpoint
 from ..model.cache import HybridCache
 from ..model.model import HybridLM
 from ..report.plot import pyplot, save_figure
+from ..stage import Flow, Report, Stage, scalars, warm_start_settings
 from ..train.config import RunConfig
-from ..train.merge import Evaluator
+from ..train.text_training import HeldOutEvaluator, run_pretrain
 from .loglik import LN2
 from .ruler import RULER_TASKS, score_prediction
 from .tasks import EvalRunner, mean_stderr, ruler_generate
@@ -247,12 +252,12 @@ def copy_probe(model: HybridLM, *, length: int = 64, rows: int = 8, vocab: int =
 
 def heldout_bpb(run: RunConfig, model_path: str | Path) -> dict[str, float]:
     """The held-out split of `run`'s data (all of it, at its `seq_len`) scored by the model at
-    `model_path`, through the trainer's evaluation (`train.merge.Evaluator`)."""
+    `model_path`, through the trainer's evaluation (`train.text_training.HeldOutEvaluator`)."""
     run = dataclasses.replace(
         run, train=dataclasses.replace(run.train, init_from=str(model_path), eval_batches=0)
     )
     with tempfile.TemporaryDirectory(prefix="hybridlm-lc-eval-") as scratch:
-        return Evaluator(run, scratch).trainer.module.evaluate()
+        return HeldOutEvaluator(run, scratch).trainer.module.evaluate()
 
 
 def held_out_documents(data: DataConfig, source: str) -> list[list[int]]:
@@ -407,3 +412,92 @@ def plot_long_context(
         ax1.axvline(original, color="grey", ls=":", lw=1)
     Path(out_png).parent.mkdir(parents=True, exist_ok=True)
     return save_figure(fig, out_png)
+
+
+# ---------------------------------------------------------------------------- the flow's stage
+@dataclass(kw_only=True)
+class LongContextStageConfig(RunConfig):
+    """The extension run (`configs/long_context.yaml`'s sections; its start is the newest model
+    before it) and what measures it: RULER (`ruler_tasks`, `ruler_samples` per task and length)
+    at 1x, 2x, 4x the starting model's training length, bpb by position over the held-out
+    documents of `eval_source`, short-context bpb on the starting run's held-out split."""
+
+    WHAT = "long_context stage config"
+
+    ruler_samples: int = 20
+    ruler_tasks: list[str] = field(
+        default_factory=lambda: ["niah_single", "niah_multikey", "vt", "cwe", "fwe"]
+    )
+    eval_source: str = "code"
+
+    def run_config(self) -> RunConfig:
+        """The training run alone (what its checkpoints record)."""
+        return RunConfig(model=self.model, data=self.data, train=self.train)
+
+
+def _stage_run(flow: Flow) -> dict[str, Any]:
+    cfg = LongContextStageConfig.from_dict(flow.settings("long_context"))
+    run = cfg.run_config()
+    out = flow.stage_dir("long_context")
+    result = flow.continue_or_start("long_context", lambda **kw: run_pretrain(run, **kw))
+    # before / after on the same samples: the starting model, trained at its run's length
+    start = run.train.init_from
+    start_run = RunConfig.from_dict(read_meta(resolve_checkpoint(start))["run_config"])
+    original = start_run.data.seq_len
+    measure = functools.partial(
+        measure_extension,
+        original=original,
+        short_run=start_run,
+        documents=held_out_documents(run.data, cfg.eval_source),
+        tasks=cfg.ruler_tasks,
+        num_samples=cfg.ruler_samples,
+    )
+    before, after = measure(start), measure(out)
+    verdict = extension_verdict(before, after)
+    change = verdict["bpb_change_by_position"]
+    plot_long_context(
+        {"before": before, "after": after},
+        out / "long_context.png",
+        changes={"after - before": change} if change else None,
+        original=original,
+    )
+    (out / "measurements.json").write_text(
+        json.dumps({"before": before, "after": after, "verdict": verdict}, default=str) + "\n"
+    )
+    lengths = before["ruler"]["lengths"]
+    return {
+        "model": str(out),
+        **scalars(result),
+        "original_length": original,
+        "ruler_before": {str(L): before["ruler"]["overall"][L] for L in lengths},
+        "ruler_after": {str(L): after["ruler"]["overall"][L] for L in lengths},
+        "ruler_gain": verdict["ruler_gain"],
+        "short_bpb_before": verdict["short_bpb_before"],
+        "short_bpb_after": verdict["short_bpb_after"],
+        "short_bpb_change": verdict["short_bpb_change"],
+        "target_met": verdict["met"],
+    }
+
+
+def _headline(s: dict[str, Any], report: Report) -> str:
+    L, g = 4 * s["original_length"], s["ruler_gain"]
+    return (
+        f"RULER at {L} tokens: {s['ruler_before'][str(L)]:.3f} -> "
+        f"{s['ruler_after'][str(L)]:.3f} ({g['z']:+.1f} SE); short-context bpb "
+        f"{s['short_bpb_before']:.3f} -> {s['short_bpb_after']:.3f} "
+        f"({100 * s['short_bpb_change']:+.2f}%)"
+    )
+
+
+# extension to 4x the training length on long documents and synthetic tasks, long and short
+# sequences in turn (Olmo 3 §5, Nemotron 3 Super §2.6), RULER and bpb by position before and
+# after
+STAGE = Stage(
+    "long_context",
+    inputs=("curate", "tokenizer"),
+    config=LongContextStageConfig,
+    settings=lambda flow: warm_start_settings(flow, "long_context"),
+    run=_stage_run,
+    model="model",
+    headline=_headline,
+)

@@ -19,7 +19,7 @@ verification step = accepted drafts + 1, reported per category and as their mean
 2. **Acceptance** (`measure_prompts`): every prompt is decoded by `speculative_generate` with
    draft length `draft_len` for `new_tokens` tokens (no EOS) at each temperature: temperature 0
    verifies drafts by exact match; T=1 by rejection sampling (Leviathan et al. 2023 Alg. 1),
-   seeded per prompt. Per-request `SpecStats` are merged with `train.mtp_boost.merge_stats`
+   seeded per prompt. Per-request `SpecStats` are merged with `infer.speculative.merge_stats`
    (ratio of sums over verify steps, so long prompts weigh by their steps). The overall figure
    is the mean over categories, as SPEED-Bench's "Average" row (Table 2: the mean of the 11
    category rows, 3.45 for Super); the pooled ratio over all prompts is reported too.
@@ -72,10 +72,9 @@ from ..data.chat import render
 from ..infer.engine import Engine
 from ..infer.generate import generate
 from ..infer.sampling import SamplingParams
-from ..infer.speculative import MAX_DRAFT_LEN, SpecStats, speculative_generate
+from ..infer.speculative import MAX_DRAFT_LEN, SpecStats, merge_stats, speculative_generate
 from ..model.model import HybridLM
 from ..report.plot import pyplot, read_metrics, save_figure
-from ..train.mtp_boost import merge_stats
 from .tasks import (
     PROMPT_FORMATS,
     EvalRunner,

@@ -127,6 +127,19 @@ class SpecStats:
         }
 
 
+def merge_stats(stats: list[SpecStats]) -> dict[str, int | float | list[float]]:
+    """Acceptance over many requests: length = tokens per verify step; rates per position."""
+    k = max(s.draft_len for s in stats)
+    total = SpecStats(draft_len=k)
+    for s in stats:
+        total.steps += s.steps
+        total.accepted += s.accepted
+        for i in range(s.draft_len):
+            total.accepted_at[i] += s.accepted_at[i]
+            total.drafted_at[i] += s.drafted_at[i]
+    return total.to_dict()
+
+
 def residual_probs(p_V: Tensor, q_V: Tensor) -> Tensor:
     """norm(max(0, p - q)): the distribution of the token emitted after a draft from q is
     rejected against p (Leviathan et al. 2023 Alg. 1). Where p <= q everywhere (p == q up to

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -185,3 +185,19 @@ def kv_codecs(
             f"{kv_cache_dtype}` and load OUT (or calibrate with precision.kv_cache.calibrate_kv)"
         )
     return spec.codecs(kv_cache_dtype, granularity)
+
+
+def declare_kv_cache(model: torch.nn.Module, fmt: str, calib: list) -> dict[str, Any]:
+    """Calibrate the quantised model's KV cache on `calib` and declare `fmt` for it (the
+    export's kv_cache_quant_algo); returns what quantize.json records ({} for "none")."""
+    if fmt == "none":
+        return {}
+    spec = calibrate_kv(model, calib)
+    spec.fmt = fmt
+    model.kv_cache_quant = spec
+    return {
+        "format": fmt,
+        "tokens": spec.tokens,
+        "k_scale": {str(i): float(k) for i, (k, _) in spec.scales(fmt).items()},
+        "v_scale": {str(i): float(v) for i, (_, v) in spec.scales(fmt).items()},
+    }

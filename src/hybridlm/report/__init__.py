@@ -5,5 +5,5 @@
     stats.py     Wilson / bootstrap intervals, reward-curve windows
     doc.py       a document rendered to Markdown and self-contained HTML; numbers for people
     figures.py   the report card's figures
-    card.py      `render_report(run_dir)`: report.md, report.html and plots/ of a flow run
+    card.py      `render_report(run_dir, stages)`: report.md, report.html and plots/ of a flow run
 """

@@ -22,29 +22,16 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..stage import Report, Stage
+from ..stage import dotted_get as _get
 from .doc import Doc, fmt_duration, fmt_pm, fmt_rate
 from .figures import plot_acceptance, plot_bpb, plot_cache, plot_loss, plot_quant, plot_reward
 from .plot import read_metrics
-from .stats import heal_intervals, reward_ends
-
-# the flow's stages in chain order, one folder each in a run directory: the speedrun's stage table
-# less the report itself (tests/test_speedrun.py keeps the two the same)
-STAGE_ORDER = (
-    "curate",
-    "tokenizer",
-    "pretrain",
-    "midtrain",
-    "long_context",
-    "sft",
-    "rl",
-    "mtp_heal",
-    "quantize",
-    "qad",
-    "eval",
-)
+from .stats import heal_intervals, reward_ends, window_text
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -56,18 +43,6 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:,.2f} MiB" if b < 2**30 else f"{b / 2**30:,.2f} GiB"
 
 
-def _get(tree: Any, dotted: str, default: Any = None) -> Any:
-    """`pretrain.train.eval_batches` of a plain config tree (`default` when absent)."""
-    for key in dotted.split("."):
-        if isinstance(tree, dict) and key in tree:
-            tree = tree[key]
-        elif isinstance(tree, list) and key.isdigit() and int(key) < len(tree):
-            tree = tree[int(key)]
-        else:
-            return default
-    return tree
-
-
 def _short_time(iso: str | None) -> str:
     """`2025-01-31 14:02` from an ISO time (as written; no zone conversion)."""
     if not iso:
@@ -75,9 +50,9 @@ def _short_time(iso: str | None) -> str:
     return iso.replace("T", " ")[:16]
 
 
-def _records(run: Path) -> dict[str, dict[str, Any]]:
+def _records(run: Path, order: list[str]) -> dict[str, dict[str, Any]]:
     out = {}
-    for name in STAGE_ORDER:
+    for name in order:
         path = run / name / "stage.json"
         if path.is_file():
             out[name] = json.loads(path.read_text())
@@ -340,14 +315,18 @@ def definitions(
     return rows, names
 
 
-def render_report(run_dir: str | Path) -> dict[str, Any]:
-    """Write `report.md`, `report.html` and `plots/` for the run; returns their paths."""
+def render_report(run_dir: str | Path, stages: Sequence[Stage]) -> dict[str, Any]:
+    """Write `report.md`, `report.html` and `plots/` for the run of the flow `stages` (the
+    registry, `hybridlm.stages.STAGES`); returns their paths."""
     run = Path(run_dir)
     if not run.is_dir():
         raise ValueError(f"no run directory at {run}")
     plots = run / "plots"
     plots.mkdir(parents=True, exist_ok=True)
-    rec = _records(run)
+    # the stages in chain order, one folder each in a run directory (the report itself aside)
+    measured = [s for s in stages if not s.derived]
+    stage_order = [s.name for s in measured]
+    rec = _records(run, stage_order)
     prov = _read_json(run / "provenance.json")
     cfg = _config(run)
     pre = read_jsonl(run / "pretrain" / "metrics.jsonl")
@@ -379,7 +358,10 @@ def render_report(run_dir: str | Path) -> dict[str, Any]:
         return dict(sorted(d.items(), key=lambda kv: order.get(kv[0], len(order))))
 
     quant, spec, harness = chain(quant), chain(spec), chain(harness)
-    sft_n = min(_get(cfg, "sft.sft.eval_generate", 0) or 0, _get(cfg, "sft.data.held_out", 0) or 0)
+    sft_n = min(
+        _get(cfg, "sft.sft.eval_generate", 0) or 0,
+        _get(cfg, "sft.data.held_out", 0) or 0,
+    )
     defs, names = definitions(cfg, pre, models, quant, sft_n)
 
     label = prov.get("run_dir") or str(run_dir)
@@ -399,12 +381,12 @@ def render_report(run_dir: str | Path) -> dict[str, Any]:
     doc.h(2, "Stages")
     total = sum(r["seconds"] for r in rec.values())
     budget = prov.get("budget_minutes", cfg.get("budget_minutes"))
-    done = [s for s in STAGE_ORDER if s in rec]
+    done = [s for s in stage_order if s in rec]
     skipped = set(cfg.get("skip") or [])
-    wanted = [s for s in STAGE_ORDER if s not in skipped or s in rec]
+    wanted = [s for s in stage_order if s not in skipped or s in rec]
     doc.p(
         f"Stages finished: {len(done)} of {len(wanted)} ({', '.join(done) or 'none'})"
-        + (f"; skipped: {', '.join(s for s in STAGE_ORDER if s not in wanted)}" if skipped else "")
+        + (f"; skipped: {', '.join(s for s in stage_order if s not in wanted)}" if skipped else "")
         + ". "
         f"Compute time of the stage outputs in this directory: {fmt_duration(total)}"
         + (f" (budget {budget:g} min)" if budget else "")
@@ -412,9 +394,10 @@ def render_report(run_dir: str | Path) -> dict[str, Any]:
         "metrics files; their data sets are defined in the next section."
     )
     stage_rows = []
-    for s in STAGE_ORDER:
-        status, wall = _status(s, prov, rec.get(s))
-        stage_rows.append([s, status, wall, _headline(s, rec.get(s), rl, cfg, names)])
+    report = Report(run, cfg, names)
+    for s in measured:
+        status, wall = _status(s.name, prov, rec.get(s.name))
+        stage_rows.append([s.name, status, wall, _headline(s, rec.get(s.name), report)])
     doc.table(["stage", "status", "wall time", "headline (metric: value)"], stage_rows)
 
     doc.h(2, "Figures and their data")
@@ -498,7 +481,7 @@ def render_report(run_dir: str | Path) -> dict[str, Any]:
         ev_rl = [r for r in rl if r.get("kind") == "eval"]
         rl_n = _get(cfg, "rl.eval_problems")
         doc.p(
-            f"GRPO train reward, {_window_text(k, len(train_rl))}: {first:.3f} -> {last:.3f}. "
+            f"GRPO train reward, {window_text(k, len(train_rl))}: {first:.3f} -> {last:.3f}. "
             "Held-out solved by step: "
             + ", ".join(f"step {r['step']}: {r['all/solved']:.2f}" for r in ev_rl[:-1])
             + (", " if len(ev_rl) > 1 else "")
@@ -688,88 +671,15 @@ def _reward_ends(train: list[dict]) -> tuple[int, float, float]:
     return k, first, last
 
 
-def _window_text(k: int, n: int) -> str:
-    if k == 1:
-        return f"first -> last step of {n}"
-    return f"mean of the first / last {k} of {n} steps"
-
-
-def _headline(
-    stage: str,
-    rec: dict[str, Any] | None,
-    rl: list[dict],
-    cfg: dict[str, Any],
-    names: dict[str, str],
-) -> str:
+def _headline(stage: Stage, rec: dict[str, Any] | None, report: Report) -> str:
+    """The stage's headline of its summary ("done" when a summary lacks what it reads)."""
     if rec is None:
         return "not run"
-    s = rec["summary"]
     try:
-        if stage == "curate":
-            return f"documents kept: {s['output']['docs']:,} ({s['output']['chars']:,} chars)"
-        if stage == "tokenizer":
-            bpt = s.get("bytes_per_token")
-            return f"vocabulary: {s['vocab_size']} ids" + (
-                f", {bpt:.2f} bytes/token" if bpt else ""
-            )
-        if stage == "pretrain":
-            ev = s.get("eval") or {}
-            bpb = ev.get("eval_bpb")
-            return f"{names['trainer_bpb']}: " + (
-                f"{bpb:.3f} at step {s.get('step')}"
-                if bpb is not None
-                else f"– (step {s.get('step')})"
-            )
-        if stage == "midtrain":
-            bpb = (s.get("eval") or {}).get("eval_bpb")
-            return f"{names['trainer_bpb']}: " + (f"{bpb:.3f}" if bpb is not None else "–")
-        if stage == "long_context":
-            L, g = 4 * s["original_length"], s["ruler_gain"]
-            return (
-                f"RULER at {L} tokens: {s['ruler_before'][str(L)]:.3f} -> "
-                f"{s['ruler_after'][str(L)]:.3f} ({g['z']:+.1f} SE); short-context bpb "
-                f"{s['short_bpb_before']:.3f} -> {s['short_bpb_after']:.3f} "
-                f"({100 * s['short_bpb_change']:+.2f}%)"
-            )
-        if stage == "sft":
-            ev = s.get("eval") or {}
-            acc = ev.get("eval_accuracy")
-            text = f"steps: {s.get('step')}"
-            if ev.get("eval_loss") is not None:
-                text += f"; held-out NLL: {ev['eval_loss']:.3f} nats/token"
-            if acc is not None:
-                n = min(_get(cfg, "sft.sft.eval_generate", 0), _get(cfg, "sft.data.held_out", 0))
-                text += f"; SFT exact match: {acc:.2f}" + (f" (n={n})" if n else "")
-            return text
-        if stage == "rl":
-            train = [r for r in rl if r.get("kind") == "train"]
-            if train:
-                k, first, last = _reward_ends(train)
-                return f"train reward ({_window_text(k, len(train))}): {first:.3f} -> {last:.3f}"
-            return "train reward: no steps logged"
-        if stage == "mtp_heal":
-            return f"AL at draft length {s['draft_len']}, before -> after: " + ", ".join(
-                f"{t.replace('T', 'T=')} {b:.2f} -> {a:.2f}"
-                for t, (b, a) in s["acceptance_length"].items()
-            )
-        if stage == "quantize":
-            return f"{names['quant_bpb']} change: " + ", ".join(
-                f"{n} {r['delta']['bpb_rel'] * 100:+.2f}%" for n, r in s["results"].items()
-            )
-        if stage == "qad":
-            f = s["figures"]
-            u, p, q = f["unquantized"], f["ptq"], f["qad"]
-            return (
-                f"{s['steps']} steps; SFT held-out exact match: unquantised {u['accuracy']:.2f}, "
-                f"PTQ {p['accuracy']:.2f} -> QAD {q['accuracy']:.2f}; held-out KL to the "
-                f"unquantised model {p['kl']:.4f} -> {q['kl']:.4f}"
-            )
-        if stage == "eval":
-            ms = s["models"]
-            n = ms[0]["problems"] if ms else 0
-            return f"arithmetic exact match (n={n}): " + ", ".join(
-                f"{m['model']} {m['exact_match']:.2f}" for m in ms
-            )
+        return stage.headline(rec["summary"], report)
     except (KeyError, TypeError, ValueError, IndexError):
-        pass
-    return "done"
+        return "done"
+
+
+# report.md + report.html with plots, from the other stages' files
+STAGE = Stage("report", run=lambda flow: render_report(flow.run_dir, flow.stages), derived=True)

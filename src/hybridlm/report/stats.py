@@ -67,3 +67,10 @@ def reward_ends(rewards: list[float]) -> tuple[int, float | None, float | None]:
     if not k:
         return 0, None, None
     return k, sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+
+
+def window_text(k: int, n: int) -> str:
+    """How `reward_ends` of `n` steps averaged its ends (window `k`), for a report."""
+    if k == 1:
+        return f"first -> last step of {n}"
+    return f"mean of the first / last {k} of {n} steps"

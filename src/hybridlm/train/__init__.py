@@ -7,7 +7,7 @@ result = run_pretrain(cfg)              # or run_pretrain(cfg, resume=True)
 """
 
 from .config import RunConfig, TrainConfig
-from .pretrain import pretrain_trainer, run_pretrain
+from .text_training import pretrain_trainer, run_pretrain
 from .trainer import Trainer, TrainModule
 
 __all__ = [

@@ -34,7 +34,7 @@ from ..io import load_tokenizer_for
 from ..io.checkpoint import list_checkpoints, read_meta, save_checkpoint
 from .checkpoint import merge_checkpoints, merge_weights
 from .config import RunConfig, TrainConfig
-from .pretrain import pretrain_trainer
+from .text_training import HeldOutEvaluator, load_merged
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:
@@ -83,19 +83,6 @@ def _too_few_checkpoints(run_dir: Path, have: int, need: int) -> str:
     return f"{text}, or train the run again with {' '.join(fixes)}"
 
 
-def load_merged(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a (merged) checkpoint state dict; tied weights are stored once, so a missing tied
-    partner is fine, anything else is an error."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight", "embeddings.weight"} if model.config.tie_embeddings else set()
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise ValueError(
-            f"merged weights do not match the run's model: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
-
-
 def export(model: torch.nn.Module, out: Path, run: RunConfig, tokenizer: Any) -> str:
     """Write `model` to `out` as a transformers directory, or, for an architecture transformers
     has no class for (e.g. RoPE attention next to Mamba-2), as a training checkpoint under
@@ -108,32 +95,6 @@ def export(model: torch.nn.Module, out: Path, run: RunConfig, tokenizer: Any) ->
         meta = {"run_config": dataclasses.replace(run, model=model.config).to_dict()}
         save_checkpoint(out, step=0, model=model, optimizer=None, meta=meta)
         return f"training checkpoint ({err})"
-
-
-class Evaluator:
-    """The trainer's eval path for a run, without training: a `Trainer` built from the run's
-    config (shards reused) whose weights are swapped in before each `evaluate()`."""
-
-    def __init__(self, run: RunConfig, scratch: str | Path) -> None:
-        # A Trainer claims its out_dir for a new run (and refuses one holding a run): point it at
-        # an empty scratch dir so the run's own directory is only read.
-        run = dataclasses.replace(
-            run, train=dataclasses.replace(run.train, out_dir=str(scratch), progress=False)
-        )
-        self.trainer = pretrain_trainer(run)
-        if self.trainer.module.held_loader is None:
-            raise ValueError(
-                "the run has no held-out split (data.eval_fraction is 0); nothing to compare "
-                "merges on"
-            )
-
-    @property
-    def model(self) -> torch.nn.Module:
-        return self.trainer.model
-
-    def __call__(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
-        load_merged(self.trainer.model, state)
-        return self.trainer.module.evaluate()
 
 
 def _score_and_export(
@@ -150,7 +111,7 @@ def _score_and_export(
     rows: list[dict[str, Any]] = []
     best_state: dict[str, torch.Tensor] | None = None
     with tempfile.TemporaryDirectory(prefix=scratch_prefix) as scratch:
-        evaluate = Evaluator(run, scratch)
+        evaluate = HeldOutEvaluator(run, scratch)
         for fields, paths, weighting in candidates:
             state = merge_checkpoints(paths, weighting)
             ev = evaluate(state)

@@ -60,11 +60,12 @@ from ..data.sft import Conversation, ReadReport
 from ..data.tokenizer import ByteTokenizer
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
-from ..infer.speculative import SpecStats, speculative_generate
+from ..infer.speculative import merge_stats, speculative_generate
 from ..interop.hf import save_pretrained
 from ..io import load
 from ..model.model import HybridLM, shift_left
 from ..report.plot import pyplot, read_metrics, save_figure
+from .callbacks import Callback, Close, EndRows, Export, Plot, StartRows, Summary, Throughput
 from .config import TrainConfig
 from .mtp_init import CONSOLIDATIONS, HEAD_INITS, head_agreement, init_head
 from .parallel import broadcast_object, is_main
@@ -265,19 +266,6 @@ def self_generate(
     return [p + o.token_ids for p, o in zip(prompts, outs, strict=True)]
 
 
-def merge_stats(stats: list[SpecStats]) -> dict[str, Any]:
-    """Acceptance over many requests: length = tokens per verify step; rates per position."""
-    k = max(s.draft_len for s in stats)
-    total = SpecStats(draft_len=k)
-    for s in stats:
-        total.steps += s.steps
-        total.accepted += s.accepted
-        for i in range(s.draft_len):
-            total.accepted_at[i] += s.accepted_at[i]
-            total.drafted_at[i] += s.drafted_at[i]
-    return total.to_dict()
-
-
 @torch.no_grad()
 def measure_acceptance(
     model: HybridLM,
@@ -427,11 +415,6 @@ class MTPBoost(TrainModule):
     def trained_module(self) -> torch.nn.Module:
         return self.model.mtp
 
-    def train_mode(self) -> None:
-        # the frozen backbone stays in eval mode (its hidden states are the head's inputs)
-        self.model.eval()
-        self.model.mtp.train()
-
     def prepare_step(self, step: int) -> Step:
         """The step's global batch of `batch_size * world` sequences (every rank draws the same
         ones), its target counts per depth and hidden-state mixing draws; this rank's rows."""
@@ -472,11 +455,24 @@ class MTPBoost(TrainModule):
         )
         return Loss(value, metrics)
 
+    def callbacks(self) -> list[Callback]:
+        return [
+            StartRows(self.start_rows),
+            Throughput(),
+            Close(self.close),
+            EndRows(self.end_rows),
+            Export(self.export),
+            Plot(self.plot),
+            Summary(self.summary),
+        ]
+
     def start_rows(self) -> list[dict[str, Any]]:
+        """The incoming head's agreement and the acceptance before boosting."""
         rows = [{**r, "step": 0} for r in self.head_rows]
         return rows + _acceptance_rows(self.model, self.eval_prompts, self.cfg, "before", 0)
 
     def end_rows(self) -> list[dict[str, Any]]:
+        """The head's agreement and the acceptance after boosting."""
         if self._t0 is not None:
             self.train_s = time.perf_counter() - self._t0
         if any(r["when"] == "after" for r in _read_rows(self.rt.metrics_path, "acceptance")):
@@ -489,6 +485,7 @@ class MTPBoost(TrainModule):
         )
 
     def close(self) -> None:
+        """The model as it came: every parameter trainable, in eval mode."""
         self.model.requires_grad_(True)
         self.model.eval()
 

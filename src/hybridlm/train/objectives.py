@@ -1,5 +1,6 @@
 """Every training loss: the causal LM loss of pretraining, SFT loss normalisation, DPO,
-distillation. The model returns values (`ModelOutput`); the losses are computed here.
+Bradley-Terry reward models, distillation. The model returns values (`ModelOutput`); the losses
+are computed here.
 
 Shape legend: B rows (or pairs), L sequence, V vocabulary, T tokens (flattened), K teacher top-k.
 
@@ -26,6 +27,10 @@ micro-batch computes its share exactly and the shares add up to the loss of the 
 DPO (Rafailov et al. 2023): L = -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))) with
 sequence log-probs; `dpo_norm` (open-instruct, used for Olmo 3 Instruct DPO with beta = 5)
 uses the per-token mean log-probs instead of the sums (length-normalised).
+
+Bradley-Terry (reward models, InstructGPT §3.5): L = -log sigmoid(r_c - r_r) with the rewards
+of the chosen and rejected sequences, plus `center_coef` * (r_c + r_r)^2 to keep rewards centred
+(TRL's `center_rewards_coefficient`).
 
 Distillation (SPEC §3):
 - `topk_forward_kl`: KL(p_T^K || q_S) on the teacher's top-k logits. The teacher distribution is
@@ -152,6 +157,13 @@ def causal_lm_loss(
     return total, parts
 
 
+def z_loss(logits_BLV: Tensor, labels_BL: Tensor, denom: int) -> Tensor:
+    """sum over CE targets of logsumexp(logits)^2 / denom (Olmo 3 z-loss, PaLM §5)."""
+    mask = labels_BL[:, 1:] != IGNORE_INDEX  # target of position t is labels[t + 1]
+    lse = torch.logsumexp(logits_BLV[:, :-1].float(), dim=-1)
+    return (lse.square() * mask).sum() / denom
+
+
 # ---------------------------------------------------------------------------- SFT
 def sft_token_weights(
     labels_BL: Tensor,
@@ -254,6 +266,24 @@ def dpo_loss(
             "reward_accuracy": (chosen_B > rejected_B).float(),
         }
     return losses_B, metrics
+
+
+# ---------------------------------------------------------------------------- reward models
+def bradley_terry_loss(
+    r_chosen: Tensor, r_rejected: Tensor, *, center_coef: float = 0.0
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-pair -log sigmoid(r_c - r_r) (+ center_coef (r_c + r_r)^2) and per-pair metrics."""
+    diff = r_chosen - r_rejected
+    loss = -F.logsigmoid(diff)
+    if center_coef:
+        loss = loss + center_coef * (r_chosen + r_rejected) ** 2
+    metrics = {
+        "accuracy": (diff > 0).float(),
+        "margin": diff.detach(),
+        "reward_chosen": r_chosen.detach(),
+        "reward_rejected": r_rejected.detach(),
+    }
+    return loss, metrics
 
 
 # ---------------------------------------------------------------------------- distillation

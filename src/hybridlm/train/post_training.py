@@ -1,7 +1,8 @@
 """The pieces every post-training stage shares (SFT, DPO, RM, distillation, QAD, quantise's
 calibration, MTP boosting): chat sources and their config, the held-out split by prompt, greedy
-replies and answer matching, packed chat batches, the run-config base, the MoE balancing term
-and the transformers export of a finished run. No stage module imports another for these."""
+replies and answer matching, packed chat batches, the run-config base, the MoE balancing term,
+the transformers export of a finished run, and `ChatModule`, the training module on chats that
+SFT, offline distillation and QAD build on. No stage module imports another for these."""
 
 from __future__ import annotations
 
@@ -32,8 +33,16 @@ from ..infer.generate import generate
 from ..interop.hf import save_pretrained, to_hf_config
 from ..model.model import HybridLM
 from ..presets import PRESETS, get_preset
+from .callbacks import Callback, DataRow, Export, Progress, Throughput, curves
+from .objectives import token_nll
 from .trainer import (
     Loss,
+    Runtime,
+    Step,
+    TrainModule,
+    check_tokenizer,
+    initial_model,
+    run_tokenizer,
 )
 
 
@@ -302,3 +311,140 @@ def moe_balancing(value: torch.Tensor, metrics: dict[str, float], out: Any, n_mi
     if aux is not None:
         metrics["moe_aux"] = float(aux.detach()) / n_micro
     return Loss(value, metrics, mean=aux)
+
+
+# ---------------------------------------------------------------------------- chat training
+class ChatModule(TrainModule):
+    """Training on the run's chats (SFT, offline distillation, QAD): the chats read, held out by
+    prompt, transformed and packed (`prepare_chat_data`, `SFTLoader`), the model from
+    `train.init_from` or `model`, the loader position in checkpoints, held-out assistant-token
+    NLL and greedy exact match of `eval_generate` held-out answers, and the transformers export.
+    A stage adds the micro-batch `loss` and, when it varies, the step's `norm_at`."""
+
+    plot_train: tuple[str, ...] = ("loss",)  # the PNG's train-row keys
+    plot_eval: tuple[str, ...] | None = ("eval_loss", "eval_accuracy")  # eval-row keys
+    progress_keys: tuple[str, ...] = ("loss",)  # the progress bar's train-row keys
+
+    def __init__(self, run: Any, rt: Runtime, *, eval_generate: int, max_new_tokens: int) -> None:
+        super().__init__(rt)
+        self.run = run
+        tc, dc = run.train, run.data
+        self.tc, self.dc = tc, dc
+        self.eval_generate, self.max_new_tokens = eval_generate, max_new_tokens
+        self.device = rt.device
+        self.tokenizer = run_tokenizer(dc, tc)
+
+        # data: read, hold out, transform, tokenise
+        data = prepare_chat_data(dc, self.tokenizer)
+        self.read_report, self.held_convs = data.read_report, data.held_convs
+        self.train_convs = data.train_convs
+        self.mode_counts, self.dropped = data.mode_counts, data.dropped
+        self.held_examples = data.held_examples
+        # data parallelism: every rank packs the global batch of world * batch_size rows, each
+        # trains on its own rows (Runtime.shard), the loss normalised by the global counts
+        self.loader = SFTLoader(
+            data.examples,
+            seq_len=dc.seq_len,
+            batch_size=dc.batch_size * rt.world_size,
+            seed=dc.seed,
+            pad_id=pad_id_of(self.tokenizer),
+        )
+        self.tokens_per_step = dc.batch_size * rt.world_size * dc.seq_len * tc.grad_accum
+        self.total_steps = tc.num_steps(self.tokens_per_step)
+
+        # model
+        self.model = initial_model(tc, run.model, self.device)
+        self.model_cfg = self.model.config
+        check_tokenizer(self.tokenizer, self.model, "train.init_from" if tc.init_from else "model")
+        self.step = 0  # steps whose data was read
+
+    # ------------------------------------------------------------------ one step
+    def prepare_step(self, step: int) -> Step:
+        norm = self.norm_at(step)
+        batches = [next(self.loader) for _ in range(self.tc.grad_accum)]
+        self.step = step + 1
+        n_tok = sum(int(b["num_loss_tokens"]) for b in batches)
+        n_conv = sum(int(b["num_conversations"]) for b in batches)
+        return Step(
+            [self.rt.shard(b) for b in batches],
+            ctx={"norm": norm, "num_tokens": n_tok, "num_convs": n_conv},
+            info={"norm": norm, "loss_tokens": n_tok, "conversations": n_conv},
+        )
+
+    def norm_at(self, step: int) -> str:
+        """The loss normalisation of optimizer step `step` (`objectives.sft_token_weights`)."""
+        return "token"
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out assistant-token NLL and greedy exact match."""
+        if not self.held_examples:
+            return {}
+        self.model.eval()
+        try:
+            loader = SFTLoader(
+                self.held_examples,
+                seq_len=self.dc.seq_len,
+                batch_size=self.dc.batch_size,
+                sequential=True,
+            )
+            nats, n = 0.0, 0
+            for batch in loader:
+                labels_BL = batch["labels"].to(self.device)
+                out = self.model(
+                    batch["input_ids"].to(self.device),
+                    doc_ids=batch["doc_ids"].to(self.device),
+                )
+                nats += float(token_nll(out.logits, labels_BL, 1).sum())
+                n += int(batch["num_loss_tokens"])
+            row: dict[str, float] = {"eval_loss": nats / max(1, n)}
+            k = min(self.eval_generate, len(self.held_convs))
+            if k:
+                pairs = [prompt_and_answer(c) for c in self.held_convs[:k]]
+                replies = generate_replies(
+                    self.model,
+                    self.tokenizer,
+                    [p for p, _ in pairs],
+                    max_new_tokens=self.max_new_tokens,
+                )
+                hits = sum(answer_matches(r, a) for r, (_, a) in zip(replies, pairs, strict=True))
+                row["eval_accuracy"] = hits / k
+                self.last_replies = replies
+        finally:
+            self.model.train()
+        return row
+
+    # ------------------------------------------------------------------ checkpoints + log
+    def run_config(self) -> dict[str, Any]:
+        return {**self.run.to_dict(), "model": self.model_cfg.to_dict()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokens_seen": self.step * self.tokens_per_step, "loader": self.loader.state_dict()}
+
+    def load_state_dict(self, meta: dict[str, Any]) -> None:
+        self.step = meta["step"]
+        self.loader.load_state_dict(meta["loader"])
+
+    def data_summary(self) -> dict[str, Any]:
+        return {
+            "read": self.read_report.summary(),
+            "modes": dict(self.mode_counts),
+            "dropped": dict(self.dropped),
+            "train_conversations": len(self.loader.examples),
+            "held_out": len(self.held_examples),
+            "rows_per_epoch": self.loader.rows_per_epoch,
+        }
+
+    def export(self) -> Path | None:
+        """The finished model as a transformers directory `<out>/hf`."""
+        return export_hf(self.model, self.rt.out, self.tokenizer, self.stage)
+
+    def callbacks(self) -> list[Callback]:
+        return [
+            DataRow(self.data_summary),
+            Throughput("tokens_per_s", self.tokens_per_step),
+            Progress(keys=self.progress_keys),
+            Export(self.export),
+            curves(self.rt.out, self.stage, self.plot_train, self.plot_eval),
+        ]

@@ -47,6 +47,7 @@ from ..data.chat import parse_assistant
 from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
 from ..data.sft import ChatExample, SFTLoader, tokenize_conversations
 from ..interop.modelopt import export_modelopt
+from ..precision.kv_cache import declare_kv_cache
 from ..precision.ptq import (
     DEFAULT_EXCLUDE,
     calibrate,
@@ -63,7 +64,9 @@ from ..precision.ptq import (
     to_inference,
 )
 from ..precision.ptq import evaluate as text_eval
-from .distill import DistillConfig, DistillRunConfig, OfflineDistiller
+from ..stage import Flow, Report, Stage
+from .callbacks import Callback, Summary
+from .distillation import DistillConfig, DistillRunConfig, OfflineDistiller
 from .objectives import IGNORE_INDEX, shift_targets
 from .parallel import is_main
 from .post_training import (
@@ -73,7 +76,7 @@ from .post_training import (
     pad_id_of,
     prompt_and_answer,
 )
-from .quantize import declare_kv_cache, run_data
+from .run_data import pretraining_data
 from .trainer import Loss, Runtime, Step, Trainer
 
 
@@ -252,7 +255,7 @@ class QADistiller(OfflineDistiller):
         `text_per_step`) of `qad.text_data`."""
         if not q.text_data:
             return None, None
-        data = run_data(q.text_data)
+        data = pretraining_data(q.text_data)
         train_loader, held_loader = build_loaders(data, prepare_shards(data))
         if held_loader is None:
             raise ValueError(f"qad.text_data {q.text_data} has no held-out split")
@@ -324,13 +327,16 @@ class QADistiller(OfflineDistiller):
         export_modelopt(model, out, dtype=dtype, tokenizer=self.tokenizer)
         return out
 
+    def callbacks(self) -> list[Callback]:
+        return [*super().callbacks(), Summary(self.summary)]
+
     def summary(self) -> dict[str, Any]:
         """The run's figures (`qad.json`): plan, calibration, unquantised / PTQ / QAD metrics,
         and the held-out text comparison in `hybridlm quantize`'s layout (quantize.json)."""
         bits = model_bits(self.model, self.applied, self.ops)
         figures = qad_figures(self.rt.metrics_path)
         result: dict[str, Any] = {
-            **super().summary(),
+            "data": self.data_summary(),
             "plan": self.applied,
             "effective_bits": bits,
             "calibration": {**self.calibration, "data": "the run's training chats"},
@@ -414,9 +420,60 @@ def run_qad(
     ModelOpt checkpoint) and the figures of `qad.json`."""
     trainer = qad_trainer(cfg, resume=resume, overwrite=overwrite)
     if is_main():  # the resolved config (the teacher set)
-        run = trainer.module.distill_run
+        run = trainer.module.run
         run.save(Path(run.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)
 
 
 __all__ = ["QADConfig", "QADRunConfig", "QADistiller", "qad_figures", "run_qad"]
+
+
+# ---------------------------------------------------------------------------- the flow's stage
+def _stage_settings(flow: Flow) -> dict[str, Any]:
+    """The qad section, on the SFT stage's chats and tokenizer, from the newest model; held-out
+    text of the pretraining run. `qad.plan` (e.g. `{run}/quantize/nvfp4`) takes a quantize
+    recipe's operators, exclusions and weight-scale search."""
+    data = flow.format_paths(flow.cfg.qad.to_dict())
+    data["data"] = flow.format_paths(flow.cfg.sft.to_dict())["data"]
+    data["data"]["tokenizer"] = flow.tokenizer_spec()
+    data["train"]["out_dir"] = str(flow.stage_dir("qad"))
+    data["train"]["init_from"] = flow.model_path("qad")
+    data["qad"]["text_data"] = str(flow.stage_dir("pretrain")) if flow.done("pretrain") else ""
+    return data
+
+
+def _stage_run(flow: Flow) -> dict[str, Any]:
+    cfg = QADRunConfig.from_dict(flow.settings("qad"))
+    result = flow.continue_or_start("qad", lambda **kw: run_qad(cfg, **kw))
+    name = Path(cfg.qad.plan).name if cfg.qad.plan else cfg.qad.recipe
+    name += "_mixed_qad" if cfg.qad.formats else "_qad"  # `qad.formats` changed some operators
+    return {
+        "model": result["hf"],
+        "models": {name: result["hf"]},
+        "from": cfg.train.init_from,
+        "steps": result["step"],
+        "figures": result["figures"],
+    }
+
+
+def _headline(s: dict[str, Any], report: Report) -> str:
+    f = s["figures"]
+    u, p, q = f["unquantized"], f["ptq"], f["qad"]
+    return (
+        f"{s['steps']} steps; SFT held-out exact match: unquantised {u['accuracy']:.2f}, "
+        f"PTQ {p['accuracy']:.2f} -> QAD {q['accuracy']:.2f}; held-out KL to the "
+        f"unquantised model {p['kl']:.4f} -> {q['kl']:.4f}"
+    )
+
+
+# quantisation-aware distillation of the quantised newest model from itself unquantised, on
+# the SFT chats (Nemotron 3.5's deployment recipe)
+STAGE = Stage(
+    "qad",
+    inputs=("pretrain", "sft", "quantize"),  # held-out text, the chats, the NVFP4 plan
+    config=QADRunConfig,
+    settings=_stage_settings,
+    run=_stage_run,
+    model="variants",
+    headline=_headline,
+)

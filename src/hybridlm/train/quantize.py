@@ -43,7 +43,7 @@ from ..interop.modelopt import export_modelopt
 from ..io import load_model, resolve, tokenizer_spec_for
 from ..io.checkpoint import read_meta
 from ..precision.autoquant import autoquantize, measure_sensitivities, print_table
-from ..precision.kv_cache import KV_FORMATS, calibrate_kv
+from ..precision.kv_cache import KV_FORMATS, declare_kv_cache
 from ..precision.ptq import (
     BITS,
     DEFAULT_EXCLUDE,
@@ -58,10 +58,10 @@ from ..precision.ptq import (
     recipe_plan,
     take,
 )
+from ..stage import Flow, Report, Stage
 from .checkpoint import METRICS, prepare_run_dir
-from .config import RunConfig
 from .post_training import SFTDataConfig, chat_batches
-from .run_data import training_data
+from .run_data import pretraining_data, training_data
 
 
 @dataclass(kw_only=True)
@@ -129,22 +129,6 @@ def default_data(out: Path, tokenizer: str = "byte") -> DataConfig:
     )
 
 
-def run_data(path: str | Path) -> DataConfig:
-    """The `data` section of a pretraining run (its directory or its run.yaml)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "run.yaml"
-    if not path.is_file():
-        raise ValueError(f"no pretraining run config at {path} (data: a run dir or its run.yaml)")
-    try:
-        return RunConfig.load(path).data
-    except ValueError as err:  # e.g. an SFT run, whose chat data calibrate with calib_data
-        raise ValueError(
-            f"data: {path} is not a pretraining run config ({err}); give a pretraining run "
-            "(chat data: calib_data)"
-        ) from None
-
-
 def sft_calibration_batches(path: str | Path, rows: int, tokenizer: Any) -> list:
     """`rows` packed training rows of a run on chat data (SFT, distillation, QAD; its directory
     or run.yaml), in `tokenizer`'s ids (the quantised model's)."""
@@ -187,7 +171,7 @@ def load_checkpoint_and_data(ckpt: str | Path, out: Path, *, data: str = "") -> 
         dequantize_model(model)
         what += " (dequantised)"
     if data:
-        return Inputs(model, run_data(data), None, spec, f"{what}, data of {data}")
+        return Inputs(model, pretraining_data(data), None, spec, f"{what}, data of {data}")
     trained = training_data(ckpt, fix="give the evaluation data with --data (a pretraining run)")
     if isinstance(trained, DataConfig):
         return Inputs(model, trained, None, spec, f"{what}, data of its run")
@@ -347,22 +331,6 @@ def run_quantize(cfg: QuantizeConfig, *, overwrite: bool = False) -> dict[str, A
     return summary
 
 
-def declare_kv_cache(model: torch.nn.Module, fmt: str, calib: list) -> dict[str, Any]:
-    """Calibrate the quantised model's KV cache on `calib` and declare `fmt` for it (the
-    export's kv_cache_quant_algo); returns what quantize.json records ({} for "none")."""
-    if fmt == "none":
-        return {}
-    spec = calibrate_kv(model, calib)
-    spec.fmt = fmt
-    model.kv_cache_quant = spec
-    return {
-        "format": fmt,
-        "tokens": spec.tokens,
-        "k_scale": {str(i): float(k) for i, (k, _) in spec.scales(fmt).items()},
-        "v_scale": {str(i): float(v) for i, (_, v) in spec.scales(fmt).items()},
-    }
-
-
 def _dtype_name(model: torch.nn.Module) -> str:
     return str(model.embeddings.weight.dtype).removeprefix("torch.")
 
@@ -412,3 +380,99 @@ def _print_summary(console, s: dict[str, Any]) -> None:
         f"{100 * d['loss_rel']:+.3f}%",
     )
     console.print(total)
+
+
+# ---------------------------------------------------------------------------- the flow's stage
+@dataclass(kw_only=True)
+class QuantizeStageConfig:
+    """`hybridlm quantize` settings (`QuantizeConfig`) for the flow's final model, one
+    checkpoint per recipe in `recipes` (`<run>/quantize/<recipe>`); the held-out loss / bpb
+    is measured on the pretraining data. Nemotron 3 Super's NVFP4 checkpoint is `autoquant`:
+    NVFP4 with MSE weight scales and dynamic activation scales, with the most sensitive
+    operators raised to FP8 / BF16 under the bit budget (§4.2)."""
+
+    recipes: list[Literal["fp8", "nvfp4", "autoquant"]] = field(
+        default_factory=lambda: ["nvfp4", "autoquant"]
+    )
+    # calibration rows: the SFT chat data (Nemotron 3 Super calibrates on its SFT set) or the
+    # pretraining text; the held-out loss / bpb is always on the pretraining text
+    calibration: Literal["sft", "pretrain"] = "sft"
+    budget: float = 6.0  # autoquant: mean bits per quantised weight (NVFP4 4.5, FP8 8, BF16 16)
+    calib_samples: int = 32
+    # kept in BF16 besides lm_head and MTP: Nemotron 3 Super's checkpoints keep attention and the
+    # MoE latent projections in BF16 (precision.ptq.NEMOTRON_FP8_EXCLUDE)
+    exclude: list[str] = field(
+        default_factory=lambda: ["*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*latent_proj"]
+    )
+    eval_batches: int = 8
+    weight_scale: Literal["mse", "max"] = "mse"
+    per_layer: bool = True
+    # the KV cache the checkpoints declare (Nemotron 3.5 serves with an FP8 KV cache)
+    kv_cache: Literal["none", "fp8", "nvfp4"] = "none"
+
+    def validate(self) -> None:
+        if not self.recipes:  # the values are checked when the config is read
+            raise ValueError("quantize.recipes must name at least one of fp8 / nvfp4 / autoquant")
+
+
+def _stage_settings(flow: Flow) -> dict[str, Any]:
+    sft = flow.cfg.quantize.calibration == "sft" and flow.done("sft")
+    return {
+        **dataclasses.asdict(flow.cfg.quantize),
+        "checkpoint": flow.model_path("quantize"),
+        "data": str(flow.stage_dir("pretrain")),
+        "calib_data": str(flow.stage_dir("sft")) if sft else "",
+    }
+
+
+def _stage_run(flow: Flow) -> dict[str, Any]:
+    s = flow.settings("quantize")
+    models, results = {}, {}
+    for recipe in s["recipes"]:
+        out = flow.stage_dir("quantize") / recipe
+        qcfg = QuantizeConfig(
+            checkpoint=s["checkpoint"],
+            out=str(out),
+            recipe=recipe,
+            budget=s["budget"],
+            calib_samples=s["calib_samples"],
+            eval_batches=s["eval_batches"],
+            weight_scale=s["weight_scale"],
+            per_layer=s["per_layer"],
+            kv_cache=s["kv_cache"],
+            data=s["data"],
+            calib_data=s["calib_data"],
+            exclude=DEFAULT_EXCLUDE + tuple(s["exclude"]),
+            progress=flow.progress,
+        )
+        # the checkpoint carries its model's tokenizer; an interrupted attempt is replaced
+        summary = run_quantize(qcfg, overwrite=True)
+        models[recipe] = str(out)
+        results[recipe] = {
+            k: summary[k] for k in ("unquantized", "quantized", "delta", "calibration")
+        }
+    return {
+        "model": models[s["recipes"][-1]],
+        "models": models,
+        "from": s["checkpoint"],
+        "results": results,
+    }
+
+
+def _headline(s: dict[str, Any], report: Report) -> str:
+    return f"{report.names['quant_bpb']} change: " + ", ".join(
+        f"{n} {r['delta']['bpb_rel'] * 100:+.2f}%" for n, r in s["results"].items()
+    )
+
+
+# post-training quantisation of the newest model, ModelOpt layout
+STAGE = Stage(
+    "quantize",
+    inputs=("pretrain", "sft"),  # held-out text, calibration chats
+    config=QuantizeStageConfig,
+    settings=_stage_settings,
+    run=_stage_run,
+    model="variants",
+    check=lambda section, cfg, stages: section.validate(),
+    headline=_headline,
+)

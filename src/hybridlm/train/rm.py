@@ -1,43 +1,38 @@
 """Bradley-Terry reward models: `run_rm(cfg)` and `hybridlm rm`.
 
-The reward model is the same `HybridLM` with a scalar `score` head (`ModelConfig.num_labels =
-1`) read at a sequence's last token: r(x, y) = score(h_final[last]) (InstructGPT §3.5; the
-Nemotron 3 Super RLHF stage rewards with such a model). It starts from `train.init_from` (the
-SFT model; the head is new, N(0, 1/sqrt(d_model + 1)) as TRL initialises it) and is trained on
-preference pairs with the Bradley-Terry loss
+The reward model (`train.reward_model`: a `HybridLM` with a scalar `score` head read at a
+sequence's last token) starts from `train.init_from` (the SFT model; the head is new) and is
+trained on preference pairs with the Bradley-Terry loss (`train.objectives.bradley_terry_loss`)
 
     L = -log sigmoid(r(x, y_chosen) - r(x, y_rejected))   [+ center_coef * (r_c + r_r)^2]
 
 (the optional term keeps rewards centred, TRL's `center_rewards_coefficient`). The pairs are
 DPO's (`data`: a file, delta learning, or verifier-labelled samples of a model, `verified`),
-with the same filtering, held-out split and data order (`train.dpo.PairwiseStage`).
+with the same filtering, held-out split and data order (`train.pairs.PairwiseModule`).
 
 Metrics: loss, accuracy (the fraction of pairs with r_c > r_r), margin (mean r_c - r_r) and the
-mean chosen / rejected rewards, on training and held-out pairs. transformers has no sequence
-classifier for NemotronH, so the artifact is the run directory (`hybridlm.io.load_model` loads
-its newest checkpoint with the head); `RewardModelScorer` scores token sequences with it (the
-RL learner's `reward: rm`).
+mean chosen / rejected rewards, on training and held-out pairs. The artifact is the run
+directory: `train.reward_model.RewardModelScorer` scores token sequences with it (the RL
+learner's `reward: rm`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from ..data.chat import STOP
-from ..io import load
 from ..model.model import HybridLM, ModelOutput
+from .callbacks import Callback, Summary
 from .config import TrainConfig
-from .dpo import DPODataConfig, PairwiseStage, TokenizedPair, collate_pairs
+from .objectives import bradley_terry_loss
+from .pairs import PairDataConfig, PairwiseModule, TokenizedPair, collate_pairs
 from .parallel import is_main
 from .post_training import PostTrainingRunConfig, moe_balancing
+from .reward_model import sequence_rewards, with_score_head
 from .trainer import Loss, Runtime, Step, Trainer, initial_model
 
 
@@ -57,70 +52,12 @@ class RMRunConfig(PostTrainingRunConfig):
     REQUIRED = ("data",)
     WHAT = "reward model run config"
 
-    data: DPODataConfig
+    data: PairDataConfig
     train: TrainConfig = field(default_factory=TrainConfig)
     rm: RMConfig = field(default_factory=RMConfig)
 
 
-def with_score_head(model: HybridLM, *, seed: int = 0) -> HybridLM:
-    """`model` with a new scalar `score` head (a model that has one is returned as is)."""
-    if model.config.num_labels:
-        if model.config.num_labels != 1:
-            raise ValueError(f"a reward model has 1 label, this model {model.config.num_labels}")
-        return model
-    cfg = dataclasses.replace(model.config, num_labels=1)
-    device = model.embeddings.weight.device
-    rm = HybridLM.empty(cfg, device)  # the weights copied: `model` keeps its own
-    missing, unexpected = rm.load_state_dict(model.state_dict(), strict=False)
-    if set(missing) != {"score.weight"} or unexpected:
-        raise RuntimeError(f"unexpected keys adding the score head: {missing} {unexpected}")
-    g = torch.Generator().manual_seed(seed)
-    d = cfg.d_model
-    w = torch.randn(rm.score.weight.shape, generator=g) / math.sqrt(d + 1)
-    with torch.no_grad():
-        rm.score.weight.copy_(w)
-    return rm.train(model.training)
-
-
-def sequence_rewards(
-    model: HybridLM,
-    ids_BL: torch.Tensor,
-    lengths_B: torch.Tensor,
-    *,
-    forward: torch.nn.Module | None = None,
-) -> tuple[torch.Tensor, ModelOutput]:
-    """r [B] (fp32): the score head at each row's last token (rows right-padded: a causal model
-    never sees the padding), and the forward's output (its MoE balancing loss)."""
-    if model.score is None:
-        raise ValueError("not a reward model: the model has no score head (num_labels 0)")
-    rows = torch.arange(ids_BL.shape[0], device=ids_BL.device)
-    last_B = lengths_B.to(ids_BL.device) - 1
-
-    def score(out: ModelOutput) -> torch.Tensor:  # inside the forward: data parallelism sees it
-        return model.score(out.hidden[rows, last_B]).float()[:, 0]
-
-    out = (forward or model)(ids_BL, return_logits=False, head=score)
-    return out.head, out
-
-
-def bradley_terry_loss(
-    r_chosen: torch.Tensor, r_rejected: torch.Tensor, *, center_coef: float = 0.0
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-pair -log sigmoid(r_c - r_r) (+ center_coef (r_c + r_r)^2) and per-pair metrics."""
-    diff = r_chosen - r_rejected
-    loss = -F.logsigmoid(diff)
-    if center_coef:
-        loss = loss + center_coef * (r_chosen + r_rejected) ** 2
-    metrics = {
-        "accuracy": (diff > 0).float(),
-        "margin": diff.detach(),
-        "reward_chosen": r_chosen.detach(),
-        "reward_rejected": r_rejected.detach(),
-    }
-    return loss, metrics
-
-
-class RewardModelTraining(PairwiseStage):
+class RewardModelTraining(PairwiseModule):
     """A Bradley-Terry reward model trained on pairs (module docstring)."""
 
     stage = "rm"
@@ -134,8 +71,7 @@ class RewardModelTraining(PairwiseStage):
     def initial_model(self) -> HybridLM:
         return with_score_head(initial_model(self.tc, None, self.device), seed=self.tc.seed)
 
-    def progress_info(self, row: dict[str, Any]) -> str:
-        return f"loss {row['loss']:.4f} acc {row['accuracy']:.2f}"
+    progress_keys = ("loss", "accuracy")
 
     def _loss(
         self, idx: Sequence[int], pairs: Sequence[TokenizedPair], denom: int
@@ -161,54 +97,8 @@ class RewardModelTraining(PairwiseStage):
         loss, parts, _ = self._loss(idx, self.held_pairs, denom)
         return loss, parts
 
-    def summary(self) -> dict[str, Any]:
-        return {"data": self.data_summary(), "model": str(self.out)}
-
-
-def reward_input(ids: Sequence[int], tokenizer: Any) -> list[int]:
-    """A conversation's token ids as the reward model reads them: as `encode_chat` renders a
-    finished turn, with the newline after its end-of-turn string (a sampled reply ends at the
-    string itself; the score head was trained at the newline)."""
-    out = list(ids)
-    stop = tokenizer.encode(STOP, add_bos=False)
-    if stop and out[-len(stop) :] == stop:
-        out += tokenizer.encode("\n", add_bos=False)
-    return out
-
-
-class RewardModelScorer:
-    """Scores token sequences with a trained reward model (a run directory, a checkpoint):
-    `score(sequences)` -> one float per sequence, batched, in eval mode. The sequences are token
-    ids of the model's tokenizer (`tokenizer`), e.g. a rollout's prompt + completion exactly as
-    sampled."""
-
-    def __init__(
-        self, path: str | Path, *, device: str | torch.device = "cpu", batch_size: int = 16
-    ) -> None:
-        loaded = load(path)
-        self.model = loaded.model.float().to(device).eval()
-        if self.model.score is None:
-            raise ValueError(
-                f"{path} is not a reward model (no score head); train one: hybridlm rm"
-            )
-        self.tokenizer = loaded.tokenizer
-        self.device, self.batch_size = torch.device(device), batch_size
-
-    @torch.no_grad()
-    def score(self, sequences: Sequence[Sequence[int]]) -> list[float]:
-        out: list[float] = []
-        for i in range(0, len(sequences), self.batch_size):
-            rows = [list(s) for s in sequences[i : i + self.batch_size]]
-            if any(not r for r in rows):
-                raise ValueError("cannot score an empty sequence")
-            L = max(len(r) for r in rows)
-            ids = torch.zeros(len(rows), L, dtype=torch.long)
-            for b, r in enumerate(rows):
-                ids[b, : len(r)] = torch.tensor(r)
-            lengths = torch.tensor([len(r) for r in rows])
-            r, _ = sequence_rewards(self.model, ids.to(self.device), lengths)
-            out += [float(x) for x in r]
-        return out
+    def callbacks(self) -> list[Callback]:
+        return [*super().callbacks(), Summary(lambda: {"model": str(self.out)})]
 
 
 def rm_trainer(cfg: RMRunConfig, *, resume: bool = False, overwrite: bool = False) -> Trainer:
@@ -233,13 +123,4 @@ def run_rm(
     return trainer.train(until_step=until_step)
 
 
-__all__ = [
-    "RMConfig",
-    "RMRunConfig",
-    "RewardModelScorer",
-    "bradley_terry_loss",
-    "reward_input",
-    "run_rm",
-    "sequence_rewards",
-    "with_score_head",
-]
+__all__ = ["RMConfig", "RMRunConfig", "run_rm"]

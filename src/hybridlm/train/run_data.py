@@ -3,6 +3,7 @@
 from, for a model of any stage.
 
     data = training_data("runs/speedrun/sft")   # SFTDataConfig: the run's chat sources
+    text = pretraining_data("runs/speedrun/pretrain")   # DataConfig of a pretraining run dir
 
 A training checkpoint (a run directory stands for its newest) keeps its run config in
 meta.json; a transformers or ModelOpt directory that a run exported (`<run>/hf`) has the run's
@@ -20,6 +21,7 @@ from ..config import from_dict, read_mapping
 from ..data.config import DataConfig
 from ..io import resolve
 from ..io.checkpoint import read_meta
+from .config import RunConfig
 from .post_training import SFTDataConfig
 
 
@@ -56,3 +58,19 @@ def training_data(path: str | Path, *, fix: str = "") -> DataConfig | SFTDataCon
                 f"the data section of {where} is neither pretraining text nor chat sources "
                 f"({err}){': ' + fix if fix else ''}"
             ) from None
+
+
+def pretraining_data(path: str | Path) -> DataConfig:
+    """The `data` section of a pretraining run (its directory or its run.yaml)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "run.yaml"
+    if not path.is_file():
+        raise ValueError(f"no pretraining run config at {path} (data: a run dir or its run.yaml)")
+    try:
+        return RunConfig.load(path).data
+    except ValueError as err:  # e.g. an SFT run, whose chat data calibrate with calib_data
+        raise ValueError(
+            f"data: {path} is not a pretraining run config ({err}); give a pretraining run "
+            "(chat data: calib_data)"
+        ) from None

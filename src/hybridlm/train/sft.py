@@ -18,7 +18,7 @@ conversation) and the MoE balancing loss. Optimizer, LR schedule, checkpoints (e
 weights, optimizer, loader position, RNG) and `metrics.jsonl` are the pretraining ones
 (`train.optim`, `train.schedule`, `train.checkpoint`). The final weights are also written as a
 transformers directory `<out>/hf` with the tokenizer, chat template and generation config (the
-SFT, DPO and distillation runs alike: `PostTrainingLoop.export_hf`).
+SFT, DPO and distillation runs alike: `post_training.export_hf`).
 
 Evaluation (`eval_interval`, at step 0 and at the end): held-out assistant-token NLL, and exact
 match of the final answers that the model generates greedily for `sft.eval_generate` held-out
@@ -39,31 +39,12 @@ from typing import Any, Literal
 import torch
 
 from ..config import ModelConfig
-from ..data.sft import SFTLoader
+from ..stage import Flow, Report, Stage, scalars
 from .config import TrainConfig
 from .objectives import sft_token_weights, shift_targets_float, token_nll
 from .parallel import is_main
-from .post_training import (
-    PostTrainingRunConfig,
-    SFTDataConfig,
-    answer_matches,
-    export_hf,
-    generate_replies,
-    moe_balancing,
-    pad_id_of,
-    prepare_chat_data,
-    prompt_and_answer,
-)
-from .trainer import (
-    Loss,
-    Runtime,
-    Step,
-    Trainer,
-    TrainModule,
-    check_tokenizer,
-    initial_model,
-    run_tokenizer,
-)
+from .post_training import ChatModule, PostTrainingRunConfig, SFTDataConfig, moe_balancing
+from .trainer import Loss, Runtime, Step, Trainer
 
 LossNorm = Literal["token", "sample", "two_stage"]
 
@@ -106,69 +87,23 @@ class SFTRunConfig(PostTrainingRunConfig):
 
 
 # ---------------------------------------------------------------------------- the trainer
-class SFT(TrainModule):
-    """Chat data, assistant-only CE (+ MTP, MoE balancing), held-out NLL and exact match."""
+class SFT(ChatModule):
+    """Assistant-only CE (+ MTP, MoE balancing) on the run's chats; the data, evaluation and
+    checkpoints are `ChatModule`'s."""
 
     stage = "sft"
     plot_train = ("loss", "nll_token", "mtp")
-    plot_eval = ("eval_loss", "eval_accuracy")
-    rate_key = "tokens_per_s"
-
-    @property
-    def units_per_step(self) -> int:
-        return self.tokens_per_step
-
-    def progress_info(self, row: dict[str, Any]) -> str:
-        return f"{row['norm']} loss {row['loss']:.3f} nll/tok {row['nll_token']:.3f}"
+    progress_keys = ("norm", "loss", "nll_token")
 
     def __init__(self, run: SFTRunConfig, rt: Runtime) -> None:
-
-        super().__init__(rt)
-        self.run = run
-        tc, dc, sc = run.train, run.data, run.sft
-        self.tc, self.dc, self.sc = tc, dc, sc
-        self.device = rt.device
-        self.tokenizer = run_tokenizer(dc, tc)
-
-        # data: read, hold out, transform, tokenise
-        data = prepare_chat_data(dc, self.tokenizer)
-        self.read_report, self.held_convs = data.read_report, data.held_convs
-        self.train_convs = data.train_convs
-        self.mode_counts, self.dropped = data.mode_counts, data.dropped
-        self.held_examples = data.held_examples
-        # data parallelism: every rank packs the global batch of world * batch_size rows, each
-        # trains on its own rows (Runtime.shard), the loss normalised by the global counts
-        self.loader = SFTLoader(
-            data.examples,
-            seq_len=dc.seq_len,
-            batch_size=dc.batch_size * rt.world_size,
-            seed=dc.seed,
-            pad_id=pad_id_of(self.tokenizer),
-        )
-        self.tokens_per_step = dc.batch_size * rt.world_size * dc.seq_len * tc.grad_accum
-        self.total_steps = tc.num_steps(self.tokens_per_step)
-
-        # model
-        self.model = initial_model(tc, run.model, self.device)
-        self.model_cfg = self.model.config
-        check_tokenizer(self.tokenizer, self.model, "train.init_from" if tc.init_from else "model")
+        sc = self.sc = run.sft
+        super().__init__(run, rt, eval_generate=sc.eval_generate, max_new_tokens=sc.max_new_tokens)
         self.mtp_depth = self.model_cfg.mtp.depth if sc.mtp_depth < 0 else sc.mtp_depth
         if self.model.mtp is None:
             self.mtp_depth = 0
-        self.step = 0  # steps whose data was read
 
-    # ------------------------------------------------------------------ one step
-    def prepare_step(self, step: int) -> Step:
-        norm = self.sc.norm_at(step, self.total_steps)
-        batches = [next(self.loader) for _ in range(self.tc.grad_accum)]
-        self.step = step + 1
-        n_tok = sum(int(b["num_loss_tokens"]) for b in batches)
-        n_conv = sum(int(b["num_conversations"]) for b in batches)
-        return Step(
-            [self.rt.shard(b) for b in batches],
-            ctx={"norm": norm, "num_tokens": n_tok, "num_convs": n_conv},
-            info={"norm": norm, "loss_tokens": n_tok, "conversations": n_conv},
-        )
+    def norm_at(self, step: int) -> str:
+        return self.sc.norm_at(step, self.total_steps)
 
     def loss(self, micro: dict[str, torch.Tensor], step: Step) -> Loss:
         """This micro-batch's share of the step's loss and its parts (module docstring)."""
@@ -210,73 +145,6 @@ class SFT(TrainModule):
             metrics["mtp"] = float(mtp.detach())
         return moe_balancing(value, metrics, out, self.tc.grad_accum)
 
-    # ------------------------------------------------------------------ eval
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Held-out assistant-token NLL and greedy exact match."""
-        if not self.held_examples:
-            return {}
-        self.model.eval()
-        try:
-            loader = SFTLoader(
-                self.held_examples,
-                seq_len=self.dc.seq_len,
-                batch_size=self.dc.batch_size,
-                sequential=True,
-            )
-            nats, n = 0.0, 0
-            for batch in loader:
-                labels_BL = batch["labels"].to(self.device)
-                out = self.model(
-                    batch["input_ids"].to(self.device),
-                    doc_ids=batch["doc_ids"].to(self.device),
-                )
-                nats += float(token_nll(out.logits, labels_BL, 1).sum())
-                n += int(batch["num_loss_tokens"])
-            row: dict[str, float] = {"eval_loss": nats / max(1, n)}
-            k = min(self.sc.eval_generate, len(self.held_convs))
-            if k:
-                pairs = [prompt_and_answer(c) for c in self.held_convs[:k]]
-                replies = generate_replies(
-                    self.model,
-                    self.tokenizer,
-                    [p for p, _ in pairs],
-                    max_new_tokens=self.sc.max_new_tokens,
-                )
-                hits = sum(answer_matches(r, a) for r, (_, a) in zip(replies, pairs, strict=True))
-                row["eval_accuracy"] = hits / k
-                self.last_replies = replies
-        finally:
-            self.model.train()
-        return row
-
-    # ------------------------------------------------------------------ checkpoints + log
-    def run_config(self) -> dict[str, Any]:
-        return {**self.run.to_dict(), "model": self.model_cfg.to_dict()}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"tokens_seen": self.step * self.tokens_per_step, "loader": self.loader.state_dict()}
-
-    def load_state_dict(self, meta: dict[str, Any]) -> None:
-        self.step = meta["step"]
-        self.loader.load_state_dict(meta["loader"])
-
-    def data_summary(self) -> dict[str, Any]:
-        return {
-            "read": self.read_report.summary(),
-            "modes": dict(self.mode_counts),
-            "dropped": dict(self.dropped),
-            "train_conversations": len(self.loader.examples),
-            "held_out": len(self.held_examples),
-            "rows_per_epoch": self.loader.rows_per_epoch,
-        }
-
-    def export(self) -> Path | None:
-        return export_hf(self.model, self.rt.out, self.tokenizer, self.stage)
-
-    def summary(self) -> dict[str, Any]:
-        return {"data": self.data_summary()}
-
 
 def sft_trainer(cfg: SFTRunConfig, *, resume: bool = False, overwrite: bool = False) -> Trainer:
     """The Trainer of an SFT run, ready to `train()`."""
@@ -297,3 +165,42 @@ def run_sft(
     if is_main():
         cfg.save(Path(cfg.train.out_dir) / "run.yaml")
     return trainer.train(until_step=until_step)
+
+
+# ---------------------------------------------------------------------------- the flow's stage
+def _stage_settings(flow: Flow) -> dict[str, Any]:
+    data = flow.format_paths(flow.cfg.sft.to_dict())
+    data["train"]["out_dir"] = str(flow.stage_dir("sft"))
+    data["data"]["tokenizer"] = flow.tokenizer_spec()
+    data["train"]["init_from"] = flow.model_path("sft")
+    return data
+
+
+def _stage_run(flow: Flow) -> dict[str, Any]:
+    cfg = SFTRunConfig.from_dict(flow.settings("sft"))
+    result = flow.continue_or_start("sft", lambda **kw: run_sft(cfg, **kw))
+    return {"model": str(flow.stage_dir("sft")), **scalars(result)}
+
+
+def _headline(s: dict[str, Any], report: Report) -> str:
+    ev = s.get("eval") or {}
+    acc = ev.get("eval_accuracy")
+    text = f"steps: {s.get('step')}"
+    if ev.get("eval_loss") is not None:
+        text += f"; held-out NLL: {ev['eval_loss']:.3f} nats/token"
+    if acc is not None:
+        n = min(report.get("sft.sft.eval_generate", 0), report.get("sft.data.held_out", 0))
+        text += f"; SFT exact match: {acc:.2f}" + (f" (n={n})" if n else "")
+    return text
+
+
+# chat SFT (assistant-only loss, packing, MTP loss) from the newest model
+STAGE = Stage(
+    "sft",
+    inputs=("tokenizer",),
+    config=SFTRunConfig,
+    settings=_stage_settings,
+    run=_stage_run,
+    model="model",
+    headline=_headline,
+)

@@ -11,8 +11,10 @@ object that supplies data and `loss(micro, step) -> Loss` (OLMo-core's TrainModu
   then `optim.optimizer_step` (clip, schedule, finiteness check, MoE bias step). A step whose loss
   or gradient norm is not finite is skipped and logged; `max_consecutive_skips` in a row stop
   the run;
-- `metrics.jsonl` (and TensorBoard), the progress bar, periodic evaluation, checkpoints with
-  exact resume (weights, optimizer, RNG, the module's data position), the PNG at the end.
+- `metrics.jsonl` (and TensorBoard), the progress bar, and the callbacks (`train.callbacks`):
+  periodic evaluation and checkpoints with exact resume (weights, optimizer, RNG, the module's
+  data position) are the Trainer's own; the stage's (data rows, throughput, export, plot,
+  result fields) come from `TrainModule.callbacks()`.
 
 Loss scaling under data parallelism (DESIGN habit 13): a micro-batch's `Loss.value` is this
 rank's share of a term normalised by *global* counts (over micro-batches and ranks), so the
@@ -54,8 +56,8 @@ from ..model.model import HybridLM, build_model
 from ..precision.monitor import LowPrecisionMonitor
 from ..precision.policy import PrecisionPolicy, convert_for_low_precision
 from ..presets import get_preset
-from ..report.plot import plot_post_training
 from .activation_checkpointing import apply_activation_checkpointing
+from .callbacks import Callback, Checkpoint, Evaluate, Throughput
 from .checkpoint import prepare_run_dir, truncate_metrics
 from .config import TrainConfig
 from .dcp import load_sharded, save_sharded
@@ -253,15 +255,15 @@ class Loss:
 
 
 class TrainModule:
-    """A training stage on the `Trainer`. A subclass is built with the run's `Runtime`, sets
-    `model` and `total_steps`, and implements `prepare_step` and `loss`; the rest are hooks with
-    defaults. Forward training batches through `forward_model` (the DDP wrapper under DDP)."""
+    """What a step of a training stage does, on the `Trainer`. A subclass is built with the
+    run's `Runtime`, sets `model` and `total_steps`, and implements `prepare_step` and `loss`;
+    `evaluate`, `state_dict` / `load_state_dict` (its part of a checkpoint) and `run_config`
+    have defaults. Everything around the steps — data and reference rows, throughput, progress
+    text, export, plot, result fields — comes from its `callbacks()` (`train.callbacks`).
+    Forward training batches through `forward_model` (the DDP wrapper under DDP)."""
 
     stage: ClassVar[str] = "train"
-    plot_train: ClassVar[tuple[str, ...]] = ("loss",)  # train-row keys of the PNG
-    plot_eval: ClassVar[tuple[str, ...] | None] = None  # eval-row keys (None: every one)
-    rate_key: ClassVar[str] = "steps_per_s"
-    # post-training logs its data row and evaluates before the first step
+    # post-training evaluates before the first step (`callbacks.Evaluate`)
     eval_at_start: ClassVar[bool] = True
     # the stage's forwards take context-parallel shards of their rows (train.parallel.cp)
     context_parallel: ClassVar[bool] = False
@@ -273,7 +275,6 @@ class TrainModule:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
 
-    # ------------------------------------------------------------------ required
     def prepare_step(self, step: int) -> Step:
         """The micro-batches of optimizer step `step` (0-based)."""
         raise NotImplementedError
@@ -282,31 +283,11 @@ class TrainModule:
         """One micro-batch's loss (forward through `forward_model`)."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------------ hooks
     def trained_module(self) -> nn.Module:
         """The module whose parameters the optimizer trains and whose MoE routers take the bias
-        step (default: the whole model)."""
+        step (default: the whole model). A part of the model trains in training mode and the
+        frozen rest in eval mode (e.g. the MTP head on a frozen backbone)."""
         return self.model
-
-    def train_mode(self) -> None:
-        """Put the model in training mode before a step (a stage that trains a part of the
-        model, e.g. the MTP head, keeps the frozen rest in eval mode)."""
-        self.model.train()
-
-    @property
-    def units_per_step(self) -> int:
-        """Units of `rate_key` per step (tokens, pairs; 1 for steps)."""
-        return 1
-
-    def throughput(self, steps: int, seconds: float) -> dict[str, float]:
-        """Throughput fields of a train row over `steps` steps that took `seconds`."""
-        return {self.rate_key: steps * self.units_per_step / max(seconds, 1e-9)}
-
-    def after_update(self, step: Step, outcome: StepOutcome | None) -> dict[str, Any]:
-        """Called after every step (e.g. to send the new weights to rollout workers; `outcome`
-        None: the step had no micro-batches, nothing was updated); returns extra fields for the
-        step's row."""
-        return {}
 
     def evaluate(self) -> dict[str, float]:
         """Held-out metrics (empty: nothing to evaluate)."""
@@ -323,38 +304,10 @@ class TrainModule:
         """The run's configuration, stored in checkpoints."""
         return {}
 
-    def data_summary(self) -> dict[str, Any] | None:
-        """The data row logged before the first step (None: none)."""
-        return None
-
-    def start_rows(self) -> list[dict[str, Any]]:
-        """Rows logged once before the first step, after the data row."""
-        return []
-
-    def end_rows(self) -> list[dict[str, Any]]:
-        """Rows logged once after the last step, before `export` and `plot` (a measurement
-        of the final model, e.g. MTP acceptance after boosting)."""
-        return []
-
-    def progress_info(self, row: dict[str, Any]) -> str:
-        return f"loss {row['loss']:.4f}"
-
-    def export(self) -> Path | None:
-        """Written once at the end of the run (e.g. a transformers directory)."""
-        return None
-
-    def plot(self, metrics_path: Path) -> Path | None:
-        """The run's PNG, rendered from `metrics_path` at the end."""
-        return plot_post_training(
-            metrics_path, self.rt.out / f"{self.stage}.png", self.plot_train, self.plot_eval
-        )
-
-    def summary(self) -> dict[str, Any]:
-        """Extra fields of `Trainer.train`'s result (rank 0)."""
-        return {}
-
-    def close(self) -> None:
-        """Release resources (rollout workers) when the loop ends."""
+    def callbacks(self) -> list[Callback]:
+        """What the loop does around the steps for this stage (`train.callbacks`); the
+        Trainer appends its `Evaluate` and `Checkpoint`."""
+        return [Throughput()]
 
 
 class Trainer:
@@ -402,6 +355,11 @@ class Trainer:
 
         self.module = build(self.rt)
         m = self.module
+        self.callbacks: list[Callback] = [*m.callbacks(), Evaluate(), Checkpoint()]
+        self.console: Any = None  # the progress bar's console while the loop runs
+        self.last_eval: dict[str, float] = {}
+        self.last_checkpoint: Path | None = None
+        self.finished = False  # the last `train()` reached total_steps
         # a meta-device build: its unsharded structure, for the per-unit init after sharding
         template = copy.deepcopy(m.model) if m.model.embeddings.weight.is_meta else None
         if self.layout.cp > 1 and not m.context_parallel:
@@ -545,7 +503,10 @@ class Trainer:
         tc, m, T = self.cfg, self.module, self.layout.tp
         # the ranks FSDP2 averages gradients over; a tensor-parallel group computes one loss
         W = self.world_size // T
-        m.train_mode()
+        trained = m.trained_module()
+        if trained is not m.model:  # a part trains; the frozen rest stays in eval mode
+            m.model.eval()
+        trained.train()
         step = m.prepare_step(self.step)
         # low-precision health metrics on the steps that get logged (Nemotron 3 Super §2.3)
         monitor_now = self.lp_monitor is not None and (
@@ -553,7 +514,8 @@ class Trainer:
         )
         if not step.micro:  # nothing to train on (e.g. every RL group filtered): no update
             self.step += 1
-            return {"step": self.step, **step.info, "skipped": False, **m.after_update(step, None)}
+            fields = self._after_update(step, None)
+            return {"step": self.step, **step.info, "skipped": False, **fields}
         if monitor_now:
             self.lp_monitor.arm()
         n = len(step.micro)
@@ -605,11 +567,18 @@ class Trainer:
             "grad_norm": grad_norm,
             "skipped": not done.finite,
             **lp_metrics,
-            **m.after_update(step, done),
+            **self._after_update(step, done),
         }
 
+    def _after_update(self, step: Step, outcome: StepOutcome | None) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        for cb in self.callbacks:
+            fields |= cb.after_update(self, step, outcome)
+        return fields
+
     # ------------------------------------------------------------------ logging
-    def _log(self, row: dict[str, Any]) -> None:
+    def log(self, row: dict[str, Any]) -> None:
+        """Append `row` to metrics.jsonl (rank 0; mirrored to TensorBoard)."""
         if not is_main():
             return
         with open(self.metrics_path, "a") as f:
@@ -634,13 +603,15 @@ class Trainer:
             self._tb_writer = SummaryWriter(str(self.out / "tensorboard"))
         return self._tb_writer
 
-    def _evaluate_and_log(self, console: Any = None) -> dict[str, float]:
+    def evaluate_and_log(self) -> dict[str, float]:
+        """The module's evaluation, logged as an "eval" row (and shown while the loop runs)."""
         result = self.module.evaluate()
         if result:
-            self._log({"kind": "eval", "step": self.step, **result})
-            if console is not None and is_main():
+            self.log({"kind": "eval", "step": self.step, **result})
+            if self.console is not None and is_main():
                 text = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float))
-                console.print(f"step {self.step}: {text}")
+                self.console.print(f"step {self.step}: {text}")
+            self.last_eval = result
         return result
 
     def _skip(self, row: dict[str, Any], console: Any) -> None:
@@ -649,7 +620,7 @@ class Trainer:
                 f"[yellow]step {row['step']}: non-finite loss/grad (loss {row['loss']}, grad "
                 f"norm {row['grad_norm']}); step skipped"
             )
-        self._log(
+        self.log(
             {
                 "kind": "skip",
                 "step": row["step"],
@@ -669,71 +640,66 @@ class Trainer:
         """Run to `total_steps` (or stop after `until_step`, e.g. to simulate a crash)."""
         tc, m = self.cfg, self.module
         end = self.total_steps if until_step is None else min(until_step, self.total_steps)
-        last_eval: dict[str, float] = {}
-        if self.step == 0 and m.eval_at_start:
-            summary = m.data_summary()
-            if summary is not None:
-                self._log({"kind": "data", "step": 0, **summary})
-            for extra in m.start_rows():
-                self._log(extra)
-            last_eval = self._evaluate_and_log()
-        last_ckpt = self.resumed_from
+        cbs = self.callbacks
+        self.last_eval, self.last_checkpoint = {}, self.resumed_from
+        if self.step == 0:
+            for cb in cbs:
+                cb.on_start(self)
         row: dict[str, Any] = {}
-        window_t, window_steps = time.perf_counter(), 0
+        window_s, window_steps = 0.0, 0  # training time since the last train row
         try:
             with _progress(m.stage, tc.progress and is_main()) as bar:
+                self.console = bar.console
                 task = bar.add_task("", total=self.total_steps, completed=self.step, info="")
                 while self.step < end:
+                    t0 = time.perf_counter()
                     r = self.train_step()
+                    window_s += time.perf_counter() - t0
                     window_steps += 1
                     if r["skipped"]:
                         self._skip(r, bar.console)
                     if self.step % tc.log_interval == 0 or self.step == end:
-                        now = time.perf_counter()
                         row = {"kind": "train", **{k: v for k, v in r.items() if k != "skipped"}}
-                        row |= m.throughput(window_steps, now - window_t)
+                        for cb in cbs:
+                            row |= cb.log_fields(self, window_steps, window_s)
                         row["skipped_steps"] = self.skipped_steps
-                        window_t, window_steps = now, 0
-                        self._log(row)
-                        bar.update(task, info=m.progress_info(row))
+                        window_s, window_steps = 0.0, 0
+                        self.log(row)
+                        bar.update(task, info=self._progress_text(row))
                     bar.update(task, completed=self.step)
-                    final = self.step == self.total_steps
-                    if (tc.eval_interval and self.step % tc.eval_interval == 0) or final:
-                        last_eval = self._evaluate_and_log(bar.console) or last_eval
-                        window_t, window_steps = time.perf_counter(), 0  # not throughput
-                    if (
-                        tc.checkpoint_interval and self.step % tc.checkpoint_interval == 0
-                    ) or final:
-                        last_ckpt = self.save()
-                        window_t, window_steps = time.perf_counter(), 0
+                    for cb in cbs:
+                        cb.on_step(self)
         finally:
-            m.close()
-        finished = self.step == self.total_steps
-        if is_sharded(self.model) and finished:
-            # the run is over: hand callers (sampling, export) a plain, unsharded model on
-            # every rank, as in a single process (tensor-parallel rows in canonical order)
-            full = full_model_state(self.model, every_rank=True)
-            m.model = m.forward_model = _plain_copy(self.model.config, full).to(self.device)
-        if finished:
-            for extra in m.end_rows():
-                self._log(extra)
-        exported = plot = None
-        if finished and is_main():
-            exported = m.export()
-            if tc.plot and self.metrics_path.exists():
-                plot = m.plot(self.metrics_path)
-        return {
+            self.console = None
+            for cb in cbs:
+                cb.close(self)
+        result: dict[str, Any] = {
             "step": self.step,
             "total_steps": self.total_steps,
             "skipped_steps": self.skipped_steps,
             "last_train": row,
-            "eval": last_eval,
-            "checkpoint": str(last_ckpt) if last_ckpt else None,
+            "eval": self.last_eval,
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "metrics": str(self.metrics_path),
-            "plot": str(plot) if plot else None,
-            "hf": str(exported) if exported else None,
-            **(m.summary() if is_main() else {}),  # read from the files rank 0 wrote
+            "plot": None,
+            "hf": None,
         }
+        self.finished = self.step == self.total_steps
+        if self.finished and is_sharded(self.model):
+            # the run is over: hand callers (sampling, export) a plain, unsharded model on
+            # every rank, as in a single process (tensor-parallel rows in canonical order)
+            full = full_model_state(self.model, every_rank=True)
+            m.model = m.forward_model = _plain_copy(self.model.config, full).to(self.device)
+        for cb in cbs:
+            cb.on_end(self, result)
+        return result
+
+    def _progress_text(self, row: dict[str, Any]) -> str:
+        for cb in self.callbacks:
+            text = cb.progress(row)
+            if text is not None:
+                return text
+        return f"loss {row['loss']:.4f}"
 
 
 @dataclass
