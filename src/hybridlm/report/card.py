@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -315,59 +316,143 @@ def definitions(
     return rows, names
 
 
+@dataclass
+class _Card:
+    """What the report's sections read: the run's records, config, provenance and metrics files
+    (read once), and the document they write (`add`: a plot, when one was drawn)."""
+
+    run: Path
+    run_dir: str | Path
+    measured: list[Stage]  # the registry's stages less the report itself, in chain order
+    stage_order: list[str]
+    rec: dict[str, dict[str, Any]]
+    prov: dict[str, Any]
+    cfg: dict[str, Any]
+    pre: list[dict]
+    sft: list[dict]
+    rl: list[dict]
+    heal: list[dict]
+    models: list[dict]
+    cache: list[dict]
+    spec: dict[str, list[dict]]
+    harness: dict[str, list[dict]]
+    quant: dict[str, Any]
+    sft_n: int
+    defs: list[list[str]]
+    names: dict[str, str]
+    plots: Path
+    doc: Doc = field(default_factory=Doc)
+    title: str = ""
+    out_plots: list[str] = field(default_factory=list)
+
+    def add(self, png: Path | None, alt: str) -> None:
+        if png is not None:
+            self.doc.img(png, alt)
+            self.out_plots.append(str(png))
+
+    @classmethod
+    def read(cls, run_dir: str | Path, stages: Sequence[Stage]) -> _Card:
+        run = Path(run_dir)
+        if not run.is_dir():
+            raise ValueError(f"no run directory at {run}")
+        plots = run / "plots"
+        plots.mkdir(parents=True, exist_ok=True)
+        # the stages in chain order, one folder each in a run directory (the report itself aside)
+        measured = [s for s in stages if not s.derived]
+        stage_order = [s.name for s in measured]
+        rec = _records(run, stage_order)
+        prov = _read_json(run / "provenance.json")
+        cfg = _config(run)
+        pre = read_jsonl(run / "pretrain" / "metrics.jsonl")
+        sft = read_jsonl(run / "sft" / "metrics.jsonl")
+        rl = read_jsonl(run / "rl" / "metrics.jsonl")
+        heal = read_jsonl(run / "mtp_heal" / "metrics.jsonl")
+        ev = read_jsonl(run / "eval" / "metrics.jsonl")
+        models = [r for r in ev if r.get("kind") == "model"]
+        cache = [r for r in ev if r.get("kind") == "cache_memory"]
+        spec = {}
+        harness: dict[str, list[dict]] = {}
+        for sub in sorted((run / "eval").glob("*/metrics.jsonl")):
+            rows = read_jsonl(sub)
+            if any(r.get("task") == "spec_bench" for r in rows):
+                spec[sub.parent.name] = rows
+            rest = [r for r in rows if r.get("task") != "spec_bench"]
+            if rest:
+                harness[sub.parent.name] = rest
+        quant = {
+            q.parent.name: json.loads(q.read_text())
+            for q in sorted((run / "quantize").glob("*/quantize.json"))
+        }
+        qad = _read_json(run / "qad" / "qad.json")
+        if (
+            "qad" in rec and "delta" in qad
+        ):  # QAD's held-out text figures, in quantize.json's layout
+            quant[next(iter(rec["qad"]["summary"]["models"]))] = qad
+        order = {r["model"]: i for i, r in enumerate(models)}  # chain order, as evaluated
+
+        def chain(d: dict[str, Any]) -> dict[str, Any]:
+            return dict(sorted(d.items(), key=lambda kv: order.get(kv[0], len(order))))
+
+        quant, spec, harness = chain(quant), chain(spec), chain(harness)
+        sft_n = min(
+            _get(cfg, "sft.sft.eval_generate", 0) or 0,
+            _get(cfg, "sft.data.held_out", 0) or 0,
+        )
+        defs, names = definitions(cfg, pre, models, quant, sft_n)
+        return cls(
+            run=run,
+            run_dir=run_dir,
+            measured=measured,
+            stage_order=stage_order,
+            rec=rec,
+            prov=prov,
+            cfg=cfg,
+            pre=pre,
+            sft=sft,
+            rl=rl,
+            heal=heal,
+            models=models,
+            cache=cache,
+            spec=spec,
+            harness=harness,
+            quant=quant,
+            sft_n=sft_n,
+            defs=defs,
+            names=names,
+            plots=plots,
+        )
+
+
 def render_report(run_dir: str | Path, stages: Sequence[Stage]) -> dict[str, Any]:
     """Write `report.md`, `report.html` and `plots/` for the run of the flow `stages` (the
     registry, `hybridlm.stages.STAGES`); returns their paths."""
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise ValueError(f"no run directory at {run}")
-    plots = run / "plots"
-    plots.mkdir(parents=True, exist_ok=True)
-    # the stages in chain order, one folder each in a run directory (the report itself aside)
-    measured = [s for s in stages if not s.derived]
-    stage_order = [s.name for s in measured]
-    rec = _records(run, stage_order)
-    prov = _read_json(run / "provenance.json")
-    cfg = _config(run)
-    pre = read_jsonl(run / "pretrain" / "metrics.jsonl")
-    sft = read_jsonl(run / "sft" / "metrics.jsonl")
-    rl = read_jsonl(run / "rl" / "metrics.jsonl")
-    heal = read_jsonl(run / "mtp_heal" / "metrics.jsonl")
-    ev = read_jsonl(run / "eval" / "metrics.jsonl")
-    models = [r for r in ev if r.get("kind") == "model"]
-    cache = [r for r in ev if r.get("kind") == "cache_memory"]
-    spec = {}
-    harness: dict[str, list[dict]] = {}
-    for sub in sorted((run / "eval").glob("*/metrics.jsonl")):
-        rows = read_jsonl(sub)
-        if any(r.get("task") == "spec_bench" for r in rows):
-            spec[sub.parent.name] = rows
-        rest = [r for r in rows if r.get("task") != "spec_bench"]
-        if rest:
-            harness[sub.parent.name] = rest
-    quant = {
-        q.parent.name: json.loads(q.read_text())
-        for q in sorted((run / "quantize").glob("*/quantize.json"))
-    }
-    qad = _read_json(run / "qad" / "qad.json")
-    if "qad" in rec and "delta" in qad:  # QAD's held-out text figures, in quantize.json's layout
-        quant[next(iter(rec["qad"]["summary"]["models"]))] = qad
-    order = {r["model"]: i for i, r in enumerate(models)}  # chain order, as evaluated
+    c = _Card.read(run_dir, stages)
+    _header_section(c)
+    _stages_section(c)
+    c.doc.h(2, "Figures and their data")
+    c.doc.table(["figure", "data and method", "unit"], c.defs)
+    for section in (
+        _data_section,
+        _training_section,
+        _rl_section,
+        _speculative_section,
+        _quantisation_section,
+        _harness_section,
+        _cache_section,
+    ):
+        section(c)
+    md = c.run / "report.md"
+    md.write_text(c.doc.markdown(c.run))
+    page = c.run / "report.html"
+    page.write_text(c.doc.html(c.title))
+    return {"report_md": str(md), "report_html": str(page), "plots": c.out_plots}
 
-    def chain(d: dict[str, Any]) -> dict[str, Any]:
-        return dict(sorted(d.items(), key=lambda kv: order.get(kv[0], len(order))))
 
-    quant, spec, harness = chain(quant), chain(spec), chain(harness)
-    sft_n = min(
-        _get(cfg, "sft.sft.eval_generate", 0) or 0,
-        _get(cfg, "sft.data.held_out", 0) or 0,
-    )
-    defs, names = definitions(cfg, pre, models, quant, sft_n)
-
-    label = prov.get("run_dir") or str(run_dir)
-    title = f"hybridlm speedrun — {label}"
-    doc = Doc()
-    doc.h(1, title)
+def _header_section(c: _Card) -> None:
+    """The title, whether the run used the default settings, and its provenance."""
+    run, prov, doc = c.run, c.prov, c.doc
+    c.title = f"hybridlm speedrun — {prov.get('run_dir') or str(c.run_dir)}"
+    doc.h(1, c.title)
     if prov.get("overrides"):
         doc.note(
             f"Not the default speedrun: {_settings_differ(len(prov['overrides']))} from "
@@ -378,6 +463,19 @@ def render_report(run_dir: str | Path, stages: Sequence[Stage]) -> dict[str, Any
         doc.p("The default speedrun: the settings of `configs/speedrun.yaml`, no overrides.")
     provenance_section(doc, prov, run)
 
+
+def _stages_section(c: _Card) -> None:
+    """Each stage's status, wall time and headline (`Stage.headline`), in registry order."""
+    run, measured, stage_order, rec, prov, cfg, names, doc = (
+        c.run,
+        c.measured,
+        c.stage_order,
+        c.rec,
+        c.prov,
+        c.cfg,
+        c.names,
+        c.doc,
+    )
     doc.h(2, "Stages")
     total = sum(r["seconds"] for r in rec.values())
     budget = prov.get("budget_minutes", cfg.get("budget_minutes"))
@@ -400,16 +498,10 @@ def render_report(run_dir: str | Path, stages: Sequence[Stage]) -> dict[str, Any
         stage_rows.append([s.name, status, wall, _headline(s, rec.get(s.name), report)])
     doc.table(["stage", "status", "wall time", "headline (metric: value)"], stage_rows)
 
-    doc.h(2, "Figures and their data")
-    doc.table(["figure", "data and method", "unit"], defs)
 
-    out_plots = []
-
-    def add(png: Path | None, alt: str) -> None:
-        if png is not None:
-            doc.img(png, alt)
-            out_plots.append(str(png))
-
+def _data_section(c: _Card) -> None:
+    """What curation kept, stage by stage, and the tokenizer."""
+    rec, doc = c.rec, c.doc
     doc.h(2, "Data: curation and tokenizer")
     if "curate" in rec:
         s = rec["curate"]["summary"]
@@ -439,6 +531,20 @@ def render_report(run_dir: str | Path, stages: Sequence[Stage]) -> dict[str, Any
             + ")."
         )
 
+
+def _training_section(c: _Card) -> None:
+    """Pretraining and SFT: steps, tokens, held-out figures; the loss and bpb plots."""
+    rec, pre, sft, models, sft_n, names, plots, doc, add = (
+        c.rec,
+        c.pre,
+        c.sft,
+        c.models,
+        c.sft_n,
+        c.names,
+        c.plots,
+        c.doc,
+        c.add,
+    )
     doc.h(2, "Pretraining and SFT")
     if "pretrain" in rec:
         s = rec["pretrain"]["summary"]
@@ -474,6 +580,10 @@ def render_report(run_dir: str | Path, stages: Sequence[Stage]) -> dict[str, Any
     add(plot_loss(pre, sft, plots / "loss.png", names), "pretraining and SFT loss")
     add(plot_bpb(pre, models, plots / "bpb.png", names), "bits per byte")
 
+
+def _rl_section(c: _Card) -> None:
+    """GRPO reward and held-out accuracy; every model's held-out figures."""
+    rec, cfg, rl, models, plots, doc, add = c.rec, c.cfg, c.rl, c.models, c.plots, c.doc, c.add
     doc.h(2, "RL (GRPO) and held-out accuracy")
     train_rl = [r for r in rl if r.get("kind") == "train"]
     if "rl" in rec and train_rl:
@@ -510,6 +620,10 @@ def render_report(run_dir: str | Path, stages: Sequence[Stage]) -> dict[str, Any
         )
     add(plot_reward(rl, models, plots / "reward.png", _get(cfg, "rl.eval_problems")), "reward")
 
+
+def _speculative_section(c: _Card) -> None:
+    """MTP acceptance before / after healing and SPEED-Bench."""
+    heal, spec, plots, doc, add = c.heal, c.spec, c.plots, c.doc, c.add
     doc.h(2, "Speculative decoding (MTP)")
     acc = [r for r in heal if r.get("kind") == "acceptance"]
     if acc:
@@ -570,6 +684,18 @@ def render_report(run_dir: str | Path, stages: Sequence[Stage]) -> dict[str, Any
         doc.p("Neither MTP healing nor SPEED-Bench ran.")
     add(plot_acceptance(heal, spec, plots / "acceptance.png"), "acceptance by position")
 
+
+def _quantisation_section(c: _Card) -> None:
+    """The quantised checkpoints (PTQ recipes and QAD) against the unquantised model."""
+    rec, models, quant, names, plots, doc, add = (
+        c.rec,
+        c.models,
+        c.quant,
+        c.names,
+        c.plots,
+        c.doc,
+        c.add,
+    )
     doc.h(2, "Post-training quantisation")
     if quant:
         em = {r["model"]: r for r in models}
@@ -618,6 +744,10 @@ def render_report(run_dir: str | Path, stages: Sequence[Stage]) -> dict[str, Any
         doc.p("The quantize stage did not run.")
     add(plot_quant(quant, models, plots / "quantization.png", names), "quantisation deltas")
 
+
+def _harness_section(c: _Card) -> None:
+    """The harness tasks' figures, per model."""
+    harness, doc = c.harness, c.doc
     if harness:
         doc.h(2, "Harness tasks")
         rows = []
@@ -631,6 +761,10 @@ def render_report(run_dir: str | Path, stages: Sequence[Stage]) -> dict[str, Any
                     )
         doc.table(["model", "task", "metric", "value (95% CI from the task's s.e.)"], rows)
 
+
+def _cache_section(c: _Card) -> None:
+    """Decode-cache memory against context, hybrid vs all attention."""
+    cache, plots, doc, add = c.cache, c.plots, c.doc, c.add
     doc.h(2, "Decode-cache memory vs context")
     if cache:
         rows = []
@@ -652,12 +786,6 @@ def render_report(run_dir: str | Path, stages: Sequence[Stage]) -> dict[str, Any
         )
         doc.p("Computed from the model configs (KV bytes per token x context + fixed Mamba state).")
     add(plot_cache(cache, plots / "cache_memory.png"), "cache memory vs context")
-
-    md = run / "report.md"
-    md.write_text(doc.markdown(run))
-    page = run / "report.html"
-    page.write_text(doc.html(title))
-    return {"report_md": str(md), "report_html": str(page), "plots": out_plots}
 
 
 def _fixed(x: float | None, digits: int) -> str:
