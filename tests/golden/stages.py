@@ -47,13 +47,19 @@ Result = tuple[dict[str, Any], list[Row]]
 # fp32 runs there repeat bit for bit (also across torch 2.13 / 2.14.1 and thread counts); 1e-6
 # (~8 fp32 ulps) leaves room for a reordered sum, nothing more.
 RTOL = 1e-6
-# Absolute floor for values near zero: some logged values are differences of O(1) fp32 numbers
-# that are 0 in exact arithmetic (DPO rewards and margin at step 1, policy == reference; the RL
-# engine-trainer log-prob gap; a GRPO loss of centred advantages, ~1e-9). Their size is rounding
-# noise of O(1) operands, one fp32 ulp of 1 is 1.2e-7, so relative differences of them mean
-# nothing; 1e-7 still holds every genuinely small logged value (MoE aux ~3e-4, KL ~2e-2) to
-# better than 1e-3 of itself.
+# Absolute floor of the fields that are differences of O(1) fp32 numbers, 0 in exact arithmetic
+# (`RESIDUALS`: DPO rewards and margin at step 1, policy == reference; the RL engine-trainer
+# log-prob gap; a GRPO loss of centred advantages, ~1e-9 at step 1): their size is rounding noise
+# of O(1) operands (one fp32 ulp of 1 is 1.2e-7), so relative differences of them mean nothing.
+# Every other value, however small (learning rates, MoE aux ~3e-4, KL ~2e-2), is held to RTOL
+# of itself.
 ATOL = 1e-7
+RESIDUALS = {
+    "dpo": frozenset(
+        f"{p}reward_{k}" for p in ("", "eval_") for k in ("chosen", "rejected", "margin")
+    ),
+    "rl": frozenset({"loss", "logprob_diff_mean"}),
+}
 # Relative tolerance of a replay compared with a recording from another platform
 # (`recordings.py`: kernel family, native kernels on/off, CPU model), per stage: 4x or more the
 # largest difference measured between platforms, rounded up. Measured (largest over every
@@ -362,12 +368,13 @@ def split_rows(rows: list[Row]) -> tuple[list[Row], list[Row]]:
 
 
 # ---------------------------------------------------------------------------- comparison
-def difference(a: Any, b: Any) -> float:
-    """How far replayed `b` is from recorded `a`: for numbers |a - b| / max(|a|, |b|, ATOL /
-    RTOL), so a value agrees iff this is <= RTOL (within RTOL relatively, or ATOL near zero);
-    counts (two ints), flags, strings and None must be equal (0 or inf); lists element-wise."""
+def difference(a: Any, b: Any, residual: bool = False) -> float:
+    """How far replayed `b` is from recorded `a`: for numbers |a - b| / max(|a|, |b|), so a
+    value agrees iff this is <= RTOL (a `residual` field: |a - b| / max(|a|, |b|, ATOL / RTOL),
+    within ATOL near zero); counts (two ints), flags, strings and None must be equal (0 or
+    inf); lists element-wise."""
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return max(map(difference, a, b), default=0.0)
+        return max((difference(x, y, residual) for x, y in zip(a, b, strict=True)), default=0.0)
     numbers = (int, float)
     if isinstance(a, bool) or isinstance(b, bool) or not isinstance(a, numbers):
         return 0.0 if a == b and type(a) is type(b) else math.inf
@@ -379,15 +386,20 @@ def difference(a: Any, b: Any) -> float:
         return 0.0 if math.isnan(a) and math.isnan(b) else math.inf
     if a == b:  # also equal infinities
         return 0.0
-    return abs(a - b) / max(abs(a), abs(b), ATOL / RTOL)
+    return abs(a - b) / max(abs(a), abs(b), ATOL / RTOL if residual else 0.0)
 
 
 def mismatches(
-    section: str, recorded: list[Row], replayed: list[Row], rtol: float = RTOL
+    section: str,
+    recorded: list[Row],
+    replayed: list[Row],
+    rtol: float = RTOL,
+    residuals: frozenset[str] = frozenset(),
 ) -> list[str]:
     """Every recorded value of `section` that the replay does not reproduce within `rtol`, in
-    order: step by step, field by field. Fields the replay adds are not compared (a new metric is
-    no change of behaviour); a recorded field the replay lacks is a mismatch."""
+    order: step by step, field by field (the stage's `residuals` with the ATOL floor). Fields
+    the replay adds are not compared (a new metric is no change of behaviour); a recorded field
+    the replay lacks is a mismatch."""
     out = []
     if len(recorded) != len(replayed):
         out.append(f"{section}: {len(recorded)} rows recorded, {len(replayed)} replayed")
@@ -397,11 +409,12 @@ def mismatches(
             if key not in got:
                 out.append(f"{where} field {key!r}: recorded {want!r}, missing in the replay")
                 continue
-            d = difference(want, got[key])
+            d = difference(want, got[key], key in residuals)
             if d > rtol:
+                floor = f", abs {ATOL * rtol / RTOL:g}" if key in residuals else ""
                 out.append(
                     f"{where} field {key!r}: recorded {want!r}, replayed {got[key]!r} "
-                    f"(difference {d:.3g}; tolerance rel {rtol:g}, abs {ATOL * rtol / RTOL:g})"
+                    f"(difference {d:.3g}; tolerance rel {rtol:g}{floor})"
                 )
     return out
 
@@ -409,8 +422,9 @@ def mismatches(
 def replay_mismatches(recorded: dict[str, Any], rows: list[Row], rtol: float) -> list[str]:
     """`mismatches` of a replay's rows from a recording, steps then other rows."""
     steps, other = split_rows(rows)
-    return mismatches("steps", recorded["steps"], steps, rtol) + mismatches(
-        "other_rows", recorded["other_rows"], other, rtol
+    res = RESIDUALS.get(recorded["stage"], frozenset())
+    return mismatches("steps", recorded["steps"], steps, rtol, res) + mismatches(
+        "other_rows", recorded["other_rows"], other, rtol, res
     )
 
 
@@ -418,6 +432,7 @@ def largest_difference(recorded: dict[str, Any], rows: list[Row]) -> tuple[float
     """The largest `difference` of any recorded value of a golden from a replay's rows, and
     where (`steps[3].loss`): what `record.py --check` reports."""
     steps, other = split_rows(rows)
+    res = RESIDUALS.get(recorded["stage"], frozenset())
     worst, where = 0.0, ""
     for section, rec_rows, got_rows in (
         ("steps", recorded["steps"], steps),
@@ -427,7 +442,7 @@ def largest_difference(recorded: dict[str, Any], rows: list[Row]) -> tuple[float
             return math.inf, f"{section}: {len(rec_rows)} rows recorded, {len(got_rows)} now"
         for i, (rec, got) in enumerate(zip(rec_rows, got_rows, strict=True)):
             for key, value in rec.items():
-                d = difference(value, got.get(key, None)) if key in got else math.inf
+                d = difference(value, got[key], key in res) if key in got else math.inf
                 if d > worst:
                     worst, where = d, f"{section}[{i}].{key}"
     return worst, where
