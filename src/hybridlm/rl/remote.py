@@ -126,6 +126,61 @@ def _reward_body(r: Reward, debug: bool) -> dict[str, Any]:
     return out
 
 
+class _Episodes:
+    """The server's live episodes, oldest first (past `limit` the oldest is closed), and the
+    ones a step is running on: one step at a time per episode (module docstring)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.live: OrderedDict[str, Episode] = OrderedDict()
+        self.busy: set[str] = set()
+        self.lock = threading.Lock()
+
+    def add(self, ep: Episode) -> str:
+        """A new episode's id (older ones past the limit are closed)."""
+        episode_id = uuid.uuid4().hex
+        with self.lock:
+            self.live[episode_id] = ep
+            evicted = []
+            while len(self.live) > self.limit:
+                old_id, old = self.live.popitem(last=False)
+                self.busy.discard(old_id)
+                evicted.append(old)
+        for old in evicted:
+            old.close()
+        return episode_id
+
+    def claim(self, episode_id: str) -> Episode:
+        """The live episode, marked busy until `release`; 404 when unknown, 409 when a step is
+        already running on it."""
+        with self.lock:
+            ep = self.live.get(episode_id)
+            if ep is not None and episode_id in self.busy:
+                raise APIError(
+                    409, "a step is already running on this episode; send one at a time",
+                    param="episode_id", code="episode_busy",
+                )  # fmt: skip
+            if ep is not None:
+                self.busy.add(episode_id)
+        if ep is None:
+            raise APIError(
+                404, f"unknown episode {clip(episode_id)} (done, deleted or expired)",
+                param="episode_id", code="not_found",
+            )  # fmt: skip
+        return ep
+
+    def release(self, episode_id: str) -> None:
+        with self.lock:
+            self.busy.discard(episode_id)
+
+    def forget(self, episode_id: str, ep: Episode) -> None:
+        with self.lock:
+            if self.live.get(episode_id) is ep:
+                del self.live[episode_id]
+        self.release(episode_id)
+        ep.close()
+
+
 def create_env_app(
     env: Environment,
     *,
@@ -146,9 +201,7 @@ def create_env_app(
     if verify_timeout_s < 0:
         raise ValueError(f"verify_timeout_s must be >= 0, got {verify_timeout_s}")
     by_id = {p.id: i for i, p in enumerate(env)}
-    episodes: OrderedDict[str, Episode] = OrderedDict()
-    busy: set[str] = set()  # episodes a step is running on
-    lock = threading.Lock()  # the episode table and `busy`
+    episodes = _Episodes(max_episodes)
     pool = ScoringPool(verify_workers) if verify_timeout_s > 0 else None
     served = with_deadline(env, timeout_s=verify_timeout_s, pool=pool) if pool else env
 
@@ -167,36 +220,6 @@ def create_env_app(
                 code="not_found",
             )  # fmt: skip
         return env[by_id[problem_id]]
-
-    def claim(episode_id: str) -> Episode:
-        """The live episode, marked busy until `release`; 404 when unknown, 409 when a step is
-        already running on it."""
-        with lock:
-            ep = episodes.get(episode_id)
-            if ep is not None and episode_id in busy:
-                raise APIError(
-                    409, "a step is already running on this episode; send one at a time",
-                    param="episode_id", code="episode_busy",
-                )  # fmt: skip
-            if ep is not None:
-                busy.add(episode_id)
-        if ep is None:
-            raise APIError(
-                404, f"unknown episode {clip(episode_id)} (done, deleted or expired)",
-                param="episode_id", code="not_found",
-            )  # fmt: skip
-        return ep
-
-    def release(episode_id: str) -> None:
-        with lock:
-            busy.discard(episode_id)
-
-    def forget(episode_id: str, ep: Episode) -> None:
-        with lock:
-            if episodes.get(episode_id) is ep:
-                del episodes[episode_id]
-        release(episode_id)
-        ep.close()
 
     @app.get("/info")
     async def info() -> dict[str, Any]:
@@ -233,37 +256,28 @@ def create_env_app(
         p = problem(data.get("problem_id"))
         ep = served.episode()
         messages = await run_in_threadpool(ep.reset, p)
-        episode_id = uuid.uuid4().hex
-        with lock:
-            episodes[episode_id] = ep
-            evicted = []
-            while len(episodes) > max_episodes:
-                old_id, old = episodes.popitem(last=False)
-                busy.discard(old_id)
-                evicted.append(old)
-        for old in evicted:
-            old.close()
+        episode_id = episodes.add(ep)
         return {"episode_id": episode_id, "messages": messages, "tools": ep.tool_specs()}
 
     @app.post("/episodes/{episode_id}/step")
     async def step(episode_id: str, request: Request) -> dict[str, Any]:
         data = await read_json(request, max_body_bytes)
         reply = _reply(data)
-        ep = claim(episode_id)
+        ep = episodes.claim(episode_id)
         try:
             out = await run_in_threadpool(ep.step, reply)
         except EpisodeOver:
-            forget(episode_id, ep)
+            episodes.forget(episode_id, ep)
             raise APIError(
                 404, "the episode is over", param="episode_id", code="not_found"
             ) from None
         except BaseException:
-            release(episode_id)
+            episodes.release(episode_id)
             raise
         if out.done:
-            forget(episode_id, ep)
+            episodes.forget(episode_id, ep)
         else:
-            release(episode_id)
+            episodes.release(episode_id)
         info = out.info if debug_rewards else {k: v for k, v in out.info.items() if k != "detail"}
         return {
             "observation": out.observation,
@@ -274,8 +288,8 @@ def create_env_app(
 
     @app.delete("/episodes/{episode_id}")
     async def delete(episode_id: str) -> dict[str, Any]:
-        ep = claim(episode_id)
-        await run_in_threadpool(forget, episode_id, ep)
+        ep = episodes.claim(episode_id)
+        await run_in_threadpool(episodes.forget, episode_id, ep)
         return {"deleted": True}
 
     return app
