@@ -36,6 +36,7 @@ from . import tools as tool_mod
 from .engine import RequestOutput
 from .protocol import APIError, json_response, sse
 from .sampling import SamplingParams, TokenLogprob
+from .speculative import merge_stats
 from .token_text import Offsets, TokenText
 from .worker import EngineWorker, Generation
 
@@ -126,29 +127,12 @@ def spec_stats_dict(stats: Any) -> dict[str, Any]:
 
 
 def _merged_spec(stats: list[Any]) -> dict[str, Any] | None:
-    """One stats dict for a response: the single choice's, or the counts summed over choices."""
+    """One stats dict for a response: the single choice's, or the counts summed over its
+    choices (`infer.speculative.merge_stats`)."""
     stats = [s for s in stats if s is not None]
     if not stats:
         return None
-    if len(stats) == 1:
-        return spec_stats_dict(stats[0])
-    try:
-        merged = type(stats[0])(stats[0].draft_len)
-        for s in stats:
-            merged.steps += s.steps
-            merged.accepted += s.accepted
-            for name in ("accepted_at", "drafted_at"):
-                acc, add = getattr(merged, name), getattr(s, name)
-                if add:
-                    acc = acc or [0] * len(add)
-                    setattr(merged, name, [a + b for a, b in zip(acc, add, strict=True)])
-        return spec_stats_dict(merged)
-    except (
-        AttributeError,
-        TypeError,
-        ValueError,
-    ):  # a SpecStats of another shape: report the first
-        return spec_stats_dict(stats[0])
+    return spec_stats_dict(stats[0]) if len(stats) == 1 else merge_stats(stats)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
