@@ -1,7 +1,9 @@
 """`hybridlm plan` against what training allocates: parameter, gradient and optimizer-state bytes
 per rank exactly (one process, FSDP2, EP and TP on gloo: each rank dumps the bytes of its local
 shards after one step), saved activations within 20% of `LiveBytes` on real forwards (fp32,
-and bf16 under CPU autocast), and the CLI on the Nemotron 3 Super preset."""
+and bf16 under CPU autocast; under TP 2, CP 2 and EP 2 at world 2 in fp32), the bytes each rank
+sends in the TP / CP / EP collectives of a step within 5% of the plan (counted on gloo), and the
+CLI on the Nemotron 3 Super preset."""
 
 import json
 import textwrap
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _memory import LiveBytes
+from _memory import CommBytes, LiveBytes
 from _tiny import tiny_train_model
 from hybridlm.cli import main
 from hybridlm.model.model import build_model
@@ -20,6 +22,7 @@ from hybridlm.train.config import TrainConfig
 from hybridlm.train.objectives import causal_lm_loss
 from hybridlm.train.optim import build_optimizer
 from hybridlm.train.plan import (
+    AC_MODES,
     activation_bytes,
     parameter_shards,
     plan,
@@ -32,14 +35,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 SUPER = "nemotron-3-super-120b-a12b"
 
-# one training step of tiny_train_model under each layout; every rank writes its local bytes
+# one training step of tiny_train_model under each layout of argv[1]; every rank writes its
+# local bytes; then, for each layout of argv[4], the activations and traffic of a training
+# forward + backward in each checkpointing mode (`parallel_step`)
 WORKER = textwrap.dedent(
     """
     import json, sys, torch
     torch.set_num_threads(1)
     sys.path.insert(0, sys.argv[3])
     from _tiny import tiny_train_model
-    from test_plan import step_bytes
+    from test_plan import parallel_step, step_bytes
     from hybridlm.model.model import build_model
     from hybridlm.train.parallel import Layout, apply_layout, build_mesh, destroy, init_distributed
 
@@ -50,6 +55,9 @@ WORKER = textwrap.dedent(
         layout = Layout(**layout)
         apply_layout(model, layout, build_mesh(layout, device))
         out[name] = step_bytes(model, seed=rank)
+    for name, layout in json.loads(sys.argv[4]).items():
+        for mode in ("none", "selective", "full"):
+            out[f"{name}/{mode}"] = parallel_step(Layout(**layout), mode, rank, world, device)
     with open(f"{sys.argv[2]}/rank{rank}.json", "w") as f:
         json.dump(out, f)
     destroy()
@@ -87,9 +95,60 @@ def step_bytes(model: torch.nn.Module, seed: int = 0) -> dict[str, int]:
     }
 
 
-def _spawn(tmp: Path, world: int, layouts: dict[str, dict]) -> list[dict]:
-    """Run WORKER on `world` gloo ranks; returns each rank's measured bytes per layout."""
-    launch(tmp, WORKER, [json.dumps(layouts), str(tmp), str(Path(__file__).parent)], world)
+# the micro-batch of the world-2 activation and traffic measurement (`parallel_step`)
+BATCH, SEQ = 2, 64
+
+
+def parallel_step(layout, mode: str, rank: int, world: int, device) -> dict:
+    """A training forward + backward of tiny_train_model (fp32, micro-batch BATCH x SEQ, MTP,
+    fused CE) under `layout`'s tensor, context or expert parallelism and checkpointing `mode`:
+    the bytes the forward leaves for the backward (`LiveBytes`, this rank) and the bytes this
+    rank sends in collectives over forward + backward (`CommBytes`). FSDP2 is left out: its
+    gathered parameters are not activations (the plan counts them apart) and its traffic is
+    not what is measured here."""
+    from hybridlm.train.context_parallel import apply_context_parallel
+    from hybridlm.train.expert_parallel import apply_expert_parallel
+    from hybridlm.train.parallel import build_mesh
+    from hybridlm.train.tensor_parallel import apply_tensor_parallel
+
+    cfg = tiny_train_model()
+    model = build_model(cfg, seed=0, device=device).train()
+    apply_activation_checkpointing(model, mode)  # before the parallelisms, as the trainer
+    mesh = build_mesh(layout, device)
+    if layout.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    if layout.ep > 1:
+        apply_expert_parallel(model, mesh["ep"])
+    # the ranks of a tp or cp group read the same rows; data-parallel ranks (ep) their own
+    seed = rank if layout.ep > 1 else 0
+    ids = torch.randint(
+        0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed)
+    )
+    x, own = ids, None
+    if layout.cp > 1:
+        cp = apply_context_parallel(model, mesh["cp"])
+        x = cp.shard(ids)
+        own = slice(cp.offset(x.shape[1]), cp.offset(x.shape[1]) + x.shape[1])
+    with CommBytes(rank, world) as comm:
+        with LiveBytes() as meter:
+            out = model(
+                x,
+                mtp_depth=model.train_mtp_depth,
+                return_logits=False,
+                head=lambda o: causal_lm_loss(model, o, ids, seq_slice=own)[0],
+            )
+        kept = meter.alive()
+        out.head.backward()
+    return {"activations": kept, "sent": dict(comm.sent), "calls": dict(comm.calls)}
+
+
+def _spawn(
+    tmp: Path, world: int, layouts: dict[str, dict], steps: dict[str, dict] | None = None
+) -> list[dict]:
+    """Run WORKER on `world` gloo ranks; returns each rank's measured bytes per layout (and
+    per `steps` layout and checkpointing mode, `parallel_step`'s)."""
+    args = [json.dumps(layouts), str(tmp), str(Path(__file__).parent), json.dumps(steps or {})]
+    launch(tmp, WORKER, args, world)
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -110,13 +169,23 @@ def test_single_process_bytes_are_exact():
     _check_exact([step_bytes(model)], gpus=1)
 
 
-def test_fsdp2_ep_and_tp_world2_bytes_are_exact(tmp_path):
+# TP 2, CP 2 and EP 2 at world 2: each rank's activations and traffic (`parallel_step`)
+STEP_LAYOUTS = {"tp2": {"tp": 2}, "cp2": {"cp": 2}, "ep2": {"dp_shard": 2, "ep": 2}}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory) -> list[dict]:
+    """One world-2 job for the byte, activation and traffic tests below."""
     layouts = {
         "fsdp": {"dp_shard": 2},
         "ep2": {"dp_shard": 2, "ep": 2},
         "tp2": {"dp_shard": 1, "tp": 2},
     }
-    ranks = _spawn(tmp_path, 2, layouts)
+    return _spawn(tmp_path_factory.mktemp("plan_world2"), 2, layouts, STEP_LAYOUTS)
+
+
+def test_fsdp2_ep_and_tp_world2_bytes_are_exact(world2):
+    ranks = world2
     _check_exact([r["fsdp"] for r in ranks], gpus=2)
     _check_exact([r["ep2"] for r in ranks], gpus=2, ep=2)
     _check_exact([r["tp2"] for r in ranks], gpus=2, tp=2)
@@ -182,6 +251,63 @@ def test_activations_within_20_percent_of_measured(precision):
     for row in rows:
         print(f"  {row[0]:<28} {row[1]:<10} {row[2]:>12,} {row[3]:>12,} {row[4]:.3f}")
     assert all(0.8 <= r[4] <= 1.2 for r in rows), rows
+
+
+def _planned(name: str, mode: str):
+    """The plan of `parallel_step`'s run: tiny_train_model on 2 devices under STEP_LAYOUTS[name]."""
+    lay = {k: v for k, v in STEP_LAYOUTS[name].items() if k != "dp_shard"}  # dp_shard: derived
+    return plan(
+        tiny_train_model(),
+        gpus=2,
+        seq=SEQ,
+        micro_batch=BATCH,
+        precision="fp32",
+        activation_checkpointing=mode,
+        **lay,
+    )
+
+
+def test_tp_cp_ep_world2_activations_within_20_percent_of_measured(world2):
+    """`hybridlm plan`'s per-device activations under TP 2, CP 2 and EP 2 (fp32, each
+    checkpointing mode) against what each rank's training forward leaves for the backward."""
+    rows = []
+    for name in STEP_LAYOUTS:
+        for mode in AC_MODES:
+            planned = _planned(name, mode).activations[mode]
+            for rank, got in enumerate(world2):
+                measured = got[f"{name}/{mode}"]["activations"]
+                rows.append((name, mode, rank, planned, measured, planned / measured))
+    print("\nlayout, checkpointing, rank, planned, measured, planned / measured")
+    for row in rows:
+        print(f"  {row[0]:<5} {row[1]:<10} {row[2]} {row[3]:>10,} {row[4]:>10,} {row[5]:.3f}")
+    assert all(0.8 <= r[-1] <= 1.2 for r in rows), rows
+
+
+# the plan's lines for the collectives `parallel_step` runs (FSDP2's are left out there)
+PARALLEL_COMM = ("TP ", "CP ", "EP ")
+COMM_TOL = 0.05  # measured within 1.3% (EP: the step's routing is not quite balanced)
+
+
+def test_tp_cp_ep_world2_traffic_matches_the_plan(world2):
+    """The bytes each rank sends in the collectives of a training forward + backward under
+    TP 2, CP 2 and EP 2 (fp32, each checkpointing mode), counted as the plan counts them (ring
+    algorithms; the all-to-all's rows for other ranks), against the plan's TP / CP / EP lines.
+    What the plan leaves out is small: the vocabulary-parallel CE's [T] reductions, the expert
+    counts exchanged, the padding of TP's expert rows to the largest rank's."""
+    rows = []
+    for name in STEP_LAYOUTS:
+        for mode in AC_MODES:
+            p = _planned(name, mode)
+            planned = sum(v for k, v in p.comm.items() if k.startswith(PARALLEL_COMM))
+            for rank, got in enumerate(world2):
+                step = got[f"{name}/{mode}"]
+                measured = sum(step["sent"].values())
+                rows.append((name, mode, rank, planned, measured, planned / measured))
+                print(name, mode, rank, step["sent"], step["calls"])
+    print("\nlayout, checkpointing, rank, planned, measured, planned / measured")
+    for row in rows:
+        print(f"  {row[0]:<5} {row[1]:<10} {row[2]} {row[3]:>10,} {row[4]:>10,} {row[5]:.3f}")
+    assert all(abs(r[-1] - 1) <= COMM_TOL for r in rows), rows
 
 
 # ------------------------------------------------------------------------------ plan and CLI

@@ -33,7 +33,14 @@ from hybridlm.model.model import HybridLM
 from hybridlm.train.config import TrainConfig
 from hybridlm.train.dcp import load_sharded, save_sharded
 from hybridlm.train.pretrain import run_pretrain
-from test_train_parallel import assert_same_losses, rows, run_world2, tiny_run
+from test_train_parallel import (
+    PRETRAIN_KEYS,
+    assert_same_losses,
+    assert_same_weights,
+    rows,
+    run_world2,
+    tiny_run,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -117,8 +124,9 @@ def test_fsdp2_sharded_checkpoint_resumes_at_world1(runs):
     tmp, ref, part = runs
     out = _copy(part, tmp / "to_w1")
     run_pretrain(tiny_run(tmp, "to_w1", batch_size=4, **STEPS), resume=True)
-    worst = assert_same_losses(rows(out), rows(ref))
-    print(f"fsdp2 world 2 -> world 1: worst relative difference {worst:.2e}")
+    worst = assert_same_losses(rows(out), rows(ref), PRETRAIN_KEYS)
+    weights = assert_same_weights(out, ref)
+    print(f"fsdp2 world 2 -> world 1: worst relative difference {worst:.2e}, weights {weights:.2e}")
     # the resumed single-process run writes full checkpoints again ("auto")
     assert (out / "checkpoints" / "step_00000004" / "model.safetensors").is_file()
 
@@ -131,8 +139,11 @@ def test_fsdp2_sharded_checkpoint_resumes_at_world2(runs, parallel):
     out = _copy(part, tmp / f"to_{parallel}")
     run = tiny_run(tmp, out.name, batch_size=2, parallel=parallel, **STEPS)
     run_world2(tmp, run, resume=True)
-    worst = assert_same_losses(rows(out), rows(ref))
-    print(f"fsdp2 world 2 -> {parallel} world 2: worst relative difference {worst:.2e}")
+    worst = assert_same_losses(rows(out), rows(ref), PRETRAIN_KEYS)
+    weights = assert_same_weights(out, ref)
+    print(
+        f"fsdp2 world 2 -> {parallel} world 2: worst relative difference {worst:.2e}, {weights:.2e}"
+    )
     fmt = read_meta(latest_checkpoint(out))["format"]  # "auto": DDP saves full checkpoints
     assert fmt == ("hybridlm-train-checkpoint" if parallel == "ddp" else SHARDED)
 
@@ -144,8 +155,9 @@ def test_world1_sharded_checkpoint_resumes_into_fsdp2_at_world2(runs):
     run_pretrain(one, until_step=2)
     assert read_meta(latest_checkpoint(one.train.out_dir))["world_size"] == 1
     run_world2(tmp, tiny_run(tmp, "w1", batch_size=2, parallel="fsdp", **STEPS), resume=True)
-    worst = assert_same_losses(rows(one.train.out_dir), rows(ref))
-    print(f"sharded world 1 -> fsdp world 2: worst relative difference {worst:.2e}")
+    worst = assert_same_losses(rows(one.train.out_dir), rows(ref), PRETRAIN_KEYS)
+    weights = assert_same_weights(one.train.out_dir, ref)
+    print(f"sharded world 1 -> fsdp world 2: worst relative difference {worst:.2e}, {weights:.2e}")
 
 
 def test_full_checkpoint_resumes_into_fsdp2(runs):
@@ -158,7 +170,8 @@ def test_full_checkpoint_resumes_into_fsdp2(runs):
     lines = (ref / "metrics.jsonl").read_text().splitlines()
     (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")  # truncated on resume
     run_world2(tmp, tiny_run(tmp, out.name, batch_size=2, parallel="fsdp", **STEPS), resume=True)
-    assert_same_losses(rows(out), rows(ref))
+    assert_same_losses(rows(out), rows(ref), PRETRAIN_KEYS)
+    assert_same_weights(out, ref)
     assert read_meta(latest_checkpoint(out))["format"] == SHARDED
 
 

@@ -1,8 +1,10 @@
 """Layouts beyond plain data parallelism on CPU (gloo, 127.0.0.1): expert parallelism (EP) over
 the data-parallel shard group, composed with FSDP2 and HSDP. Each layout's per-step losses and
-its weights after 3 steps equal the single process with the same global batch (fp32, 1e-5
-relative for the losses; weights in norm, WEIGHT_TOL): only the order of floating-point sums
-differs."""
+gradient norms and its weights after 3 steps equal the single process with the same global batch
+(fp32, 1e-5 relative for the losses; weights in norm, `WEIGHT_TOL`): only the order of
+floating-point sums differs. Context parallelism is also compared with the single process in
+fp64 (logits, loss, every gradient) on rows of packed documents that cross the shards, and
+every mode's test is shown to fail with a deliberately broken collective (`tests/_broken.py`)."""
 
 import textwrap
 from pathlib import Path
@@ -10,35 +12,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridlm.io import load_model
 from hybridlm.presets import get_preset
 from hybridlm.train.config import ParallelConfig, TrainConfig
 from hybridlm.train.parallel import resolve_layout
 from hybridlm.train.pretrain import run_pretrain
-from test_train_parallel import assert_same_losses, launch, rows, run_world2, tiny_run
+from test_train_parallel import (
+    PRETRAIN_KEYS,
+    assert_same_losses,
+    assert_same_weights,
+    launch,
+    rows,
+    run_world2,
+    tiny_run,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-# AdamW turns a gradient's last-bit differences (another summation order) into update
-# differences of up to lr on elements whose gradient is ~0, so weights are compared in norm,
-# |a - b| / |b| per tensor, and a little looser than the losses: measured worst 1.1e-5 (tiny-olmo
-# q_proj under cp 2, whose single-step gradients equal the single process's to < 1e-6) and
-# 2.3e-5 (tiny-olmo's last SwiGLU up_proj under tp 2)
-WEIGHT_TOL = 3e-5
-
-
-def assert_same_weights(a_dir: str, b_dir: str) -> float:
-    """Every tensor of the final checkpoints within WEIGHT_TOL in norm; returns the worst."""
-    a, b = load_model(a_dir).state_dict(), load_model(b_dir).state_dict()
-    assert a.keys() == b.keys()
-    worst = 0.0
-    for k in a:
-        scale = float(torch.linalg.vector_norm(b[k].double())) or 1.0
-        err = float(torch.linalg.vector_norm((a[k] - b[k]).double())) / scale
-        assert err <= WEIGHT_TOL, (k, err)
-        worst = max(worst, err)
-    return worst
 
 
 def _parity(
@@ -56,7 +44,7 @@ def _parity(
     run_world2(tmp_path, run, world=world)
     a, b = rows(run.train.out_dir), rows(ref.train.out_dir)
     assert sum(r["kind"] == "train" for r in a) == 3
-    loss = assert_same_losses(a, b)
+    loss = assert_same_losses(a, b, PRETRAIN_KEYS)
     weights = assert_same_weights(run.train.out_dir, ref.train.out_dir)
     print(f"{name}: worst relative loss difference {loss:.2e}, weights {weights:.2e}")
 
@@ -182,6 +170,10 @@ def test_expert_dispatch_is_pluggable_and_local_by_default():
     assert torch.equal(ex(z, idx, w), ref) and calls == [[3, 3, 2, 2]]
 
 
+# slow: the default suite checks the same exchanges exactly in fp64
+# (test_cp_documents_across_shards_match_single_process_exactly) and the trainer's context
+# parallelism on packed rows (test_cp2_packed_documents_world2_matches_single_process)
+@pytest.mark.slow
 def test_cp2_world2_matches_single_process(tmp_path):
     """Context parallelism: every row split over 2 ranks (attention K/V gathered, Mamba states
     passed across shards, MTP reading across the boundary)."""
@@ -213,8 +205,97 @@ def test_cp2_packed_documents_world2_matches_single_process(tmp_path, alternate)
     )
     run.data.alternate = alt
     run_world2(tmp_path, run, world=2)
-    assert_same_losses(rows(run.train.out_dir), rows(ref.train.out_dir))
+    assert_same_losses(rows(run.train.out_dir), rows(ref.train.out_dir), PRETRAIN_KEYS)
     assert_same_weights(run.train.out_dir, ref.train.out_dir)
+
+
+CP_EXACT_WORKER = textwrap.dedent(
+    """
+    import sys
+    import torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, sys.argv[1])
+    import _broken
+    _broken.install_from_env()
+    from _tiny import tiny_train_model
+    from hybridlm.model.model import build_model
+    from hybridlm.train import parallel as P
+    from hybridlm.train.context_parallel import apply_context_parallel
+    from hybridlm.train.objectives import causal_lm_loss
+
+    # fp64: what is left is the summation order (measured <= 1e-15); the router's weight stays
+    # fp32 in an fp64 model (MoE router in fp32), so its gradient sums fp32 terms in another
+    # order (measured 5e-8)
+    TOL = {torch.float64: 1e-9, torch.float32: 1e-6}
+    rank, world, dev = P.init_distributed("cpu")
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    cfg = tiny_train_model()  # Mamba-2 (SSD chunks of 16), LatentMoE, attention; MTP depth 2
+    Ls = 32  # shard length: two SSD chunks
+    L = Ls * world
+    ids = torch.randint(0, cfg.vocab_size, (3, L), generator=torch.Generator().manual_seed(0))
+    # document starts: row 0 none (one document through every shard); row 1 inside the first
+    # chunk, exactly at the first shard boundary and inside a later shard; row 2 a document from
+    # position 5 to L - 4, longer than a shard, across every boundary (at cp 4 it also passes
+    # whole shards that no document starts in)
+    starts = [[], [10, Ls, Ls + 13], [5, L - 4]]
+    docs = torch.zeros_like(ids)
+    for row, cut in enumerate(starts):
+        for t in cut:
+            docs[row, t:] += 1
+    own = slice(rank * Ls, (rank + 1) * Ls)
+
+    def rel(a, b):
+        return float((a - b).detach().norm() / b.detach().norm().clamp(min=1e-300))
+
+    for doc_ids in (None, docs):
+        ref = build_model(cfg, seed=0, device=dev).double().train()
+        model = build_model(cfg, seed=0, device=dev).double().train()
+        cp = apply_context_parallel(model, mesh)
+        assert cp.shard(ids).shape[1] == Ls
+        n = ids[:, 1:].numel()  # the whole rows' targets normalise every rank's part
+        out_ref = ref(ids, doc_ids=doc_ids, mtp_depth=2)
+        loss_ref = causal_lm_loss(ref, out_ref, ids, doc_ids=doc_ids, num_valid_tokens=n)[0]
+        loss_ref.backward()
+        mine = None if doc_ids is None else cp.shard(doc_ids)
+        out = model(cp.shard(ids), doc_ids=mine, mtp_depth=2)
+        loss = causal_lm_loss(
+            model, out, ids, doc_ids=doc_ids, num_valid_tokens=n, seq_slice=own
+        )[0]
+        loss.backward()
+        errs = {"logits": rel(out.logits, out_ref.logits[:, own])}
+        for k, (a, b) in enumerate(zip(out.mtp_logits, out_ref.mtp_logits, strict=True), 1):
+            errs[f"mtp_{k} logits"] = rel(a, b[:, own])
+        errs["loss"] = rel(cp.sum(loss), loss_ref)  # each rank holds its shard's part
+        tol = dict.fromkeys(errs, TOL[torch.float64])
+        grads = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            g = torch.zeros_like(p) if p.grad is None else p.grad
+            want = grads[name].grad
+            errs[f"grad {name}"] = rel(cp.sum(g), torch.zeros_like(g) if want is None else want)
+            tol[f"grad {name}"] = TOL[p.dtype]
+        worst = max(errs, key=lambda k: errs[k] / tol[k])
+        f64 = max((k for k in errs if tol[k] == TOL[torch.float64]), key=errs.get)
+        print(
+            f"rank {rank} doc_ids {doc_ids is not None}: worst {worst} {errs[worst]:.1e}, "
+            f"worst fp64 {f64} {errs[f64]:.1e}"
+        )
+        bad = sorted((k for k in errs if not errs[k] <= tol[k]), key=lambda k: -errs[k] / tol[k])
+        listed = ", ".join(f"{k} {errs[k]:.1e}" for k in bad[:4])
+        assert not bad, f"{len(bad)} differ, worst: {listed}"
+    P.destroy()
+    """
+)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_cp_documents_across_shards_match_single_process_exactly(tmp_path, world):
+    """Context parallelism on rows no rank holds whole, in fp64 (one forward + backward, no
+    trainer): every rank's logits (main and MTP), the sum of the ranks' losses and the summed
+    gradients of every parameter equal the single process's on the whole rows, without and
+    with packed documents that start inside shards and chunks, at a shard boundary, and run
+    across one (world 2) or several (world 4) boundaries."""
+    logs = launch(tmp_path, CP_EXACT_WORKER, [str(Path(__file__).parent)], world=world)
+    print("".join(line for log in logs[:1] for line in log.splitlines(True) if "worst" in line))
 
 
 def tiny_olmo():
@@ -270,8 +351,9 @@ def test_sharded_checkpoint_resumes_at_another_layout(tmp_path, save, resume):
     else:
         cont = tiny_run(tmp_path, "part", batch_size=2, parallel=ParallelConfig(**resume), **STEPS)
         run_world2(tmp_path, cont, resume=True)
-    worst = assert_same_losses(rows(cont.train.out_dir), rows(ref.train.out_dir))
-    print(f"{save} -> {resume or 'world 1'}: worst relative loss difference {worst:.2e}")
+    worst = assert_same_losses(rows(cont.train.out_dir), rows(ref.train.out_dir), PRETRAIN_KEYS)
+    weights = assert_same_weights(cont.train.out_dir, ref.train.out_dir)
+    print(f"{save} -> {resume or 'world 1'}: worst relative difference {worst:.2e}, {weights:.2e}")
 
 
 def test_tp2_world2_matches_single_process(tmp_path):
@@ -332,8 +414,11 @@ def test_tp2_full_format_checkpoint_resumes_in_one_process(tmp_path):
     run_world2(tmp_path, part, until_step=2)
     cont = tiny_run(tmp_path, "part", batch_size=4, **kw)
     run_pretrain(cont, resume=True)
-    worst = assert_same_losses(rows(cont.train.out_dir), rows(ref.train.out_dir))
-    print(f"tp2 (full format) -> world 1: worst relative loss difference {worst:.2e}")
+    worst = assert_same_losses(rows(cont.train.out_dir), rows(ref.train.out_dir), PRETRAIN_KEYS)
+    weights = assert_same_weights(cont.train.out_dir, ref.train.out_dir)
+    print(
+        f"tp2 (full format) -> world 1: worst relative loss difference {worst:.2e}, {weights:.2e}"
+    )
 
 
 VOCAB_CE_WORKER = textwrap.dedent(
@@ -410,3 +495,61 @@ def test_tp2_on_the_quickstart_model_names_the_setting_to_change(tmp_path):
     )
     root = Path(__file__).resolve().parents[1]
     launch(tmp_path, TP_CHECK_WORKER, [str(root / "configs" / "quickstart.yaml"), want])
+
+
+# ------------------------------------------------------------------ broken collectives
+# Each parity test against a deliberately broken collective (tests/_broken.py, installed in the
+# workers through the environment): the test must fail. `check` is the comparison that fails
+# first: "losses" (the logged losses and gradient norms), "weights" (the final checkpoint;
+# reached only when the losses pass), "exact" (the fp64 context-parallel test), None: whichever.
+BROKEN = {
+    "ddp_grad:0": ("ddp", None),  # rank 0 writes the checkpoint
+    "ddp_grad:1": ("ddp", None),  # rank 0's weights stay right; its router bias and losses not
+    "fsdp_grad:0": ("fsdp", None),
+    "fsdp_grad:1": ("fsdp", None),
+    "hsdp_grad:0": ("hsdp", None),  # world 4: 2 replicas x (2 shards, EP 2)
+    "cp_state": ("cp2", None),
+    "cp_state/exact": ("cp2_exact", "exact"),
+    "ep_swap": ("ep2", "weights"),  # the losses move by 2e-7 only
+    "ep_scale": ("ep2", "weights"),  # AdamW hides a gradient scale from the losses
+    "tp_forward": ("tp2", None),
+    "tp_backward": ("tp2", None),
+}
+
+
+def _run_parity(tmp_path, test: str) -> None:
+    import test_train_parallel as dp
+
+    {
+        "ddp": lambda: dp.test_ddp_world2_matches_single_process(tmp_path),
+        "fsdp": lambda: dp.test_fsdp2_world2_matches_single_process(tmp_path),
+        "cp2": lambda: test_cp2_world2_matches_single_process(tmp_path),
+        "cp2_exact": lambda: test_cp_documents_across_shards_match_single_process_exactly(
+            tmp_path, 2
+        ),
+        "ep2": lambda: test_ep2_world2_matches_single_process(tmp_path),
+        "hsdp": lambda: test_ep2_hsdp_world4_matches_single_process(tmp_path),
+        "tp2": lambda: test_tp2_world2_matches_single_process(tmp_path),
+    }[test]()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", sorted(BROKEN))
+def test_a_broken_collective_fails_its_parity_test(tmp_path, monkeypatch, broken):
+    """The parity tests bite: each mode's test fails when one of its collectives is broken
+    (`_broken.BREAKS` says how), and the run itself completes (a check fails, not the job)."""
+    from _broken import BREAK
+
+    test, check = BROKEN[broken]
+    monkeypatch.setenv(BREAK, broken.split("/")[0])
+    with pytest.raises(AssertionError) as err:
+        _run_parity(tmp_path, test)
+    text = str(err.value)
+    if test == "cp2_exact":
+        got = "exact" if "differ, worst" in text else "job"
+    else:
+        assert not text.startswith("--- rank"), text[-3000:]  # the job itself completed
+        got = "weights" if text.startswith("weights:") else "losses"
+    first = next((line for line in text.splitlines() if "Error: " in line), text)
+    print(f"{broken} ({test}): {got} fail: {first.splitlines()[0][:200]}")
+    assert check is None or got == check, (check, got, text[:500])

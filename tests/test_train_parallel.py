@@ -1,9 +1,10 @@
 """Data-parallel training on CPU (DESIGN habit 8): world=2 over gloo on 127.0.0.1, each rank a
 subprocess with the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT). Per-rank batch b at
-world 2 must give the losses of one process with batch 2b (same global batch), under DDP and
-FSDP2, for pretraining and for the post-training stages on the same Trainer (SFT, DPO, offline
-distillation); a checkpoint written at world 2 resumes at world 1 like an uninterrupted world-1
-run."""
+world 2 must give the losses, gradient norms and final weights of one process with batch 2b (same
+global batch), under DDP and FSDP2, for pretraining and for the post-training stages on the same
+Trainer (SFT, DPO, distillation, GRPO, MTP boosting); a checkpoint written at world 2 resumes at
+world 1 like an uninterrupted world-1 run. The workers install a deliberately broken collective
+when asked (tests/_broken.py), to show that these comparisons fail then."""
 
 import dataclasses
 import json
@@ -16,19 +17,36 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from _tiny import tiny_run as _tiny_run
+from hybridlm.io import load_model
 from hybridlm.report.plot import read_metrics
 from hybridlm.train.config import RunConfig
 from hybridlm.train.pretrain import run_pretrain
 
 REL_TOL = 1e-5  # fp32; only the reduction order of the gradient sums differs
+# Weights at the end of a run, per tensor in norm (|a - b| / |b|; buffers such as the router's
+# bias included): AdamW turns a gradient's last-bit differences (another summation order) into
+# update differences of up to lr on elements whose gradient is ~0, so the weights differ more
+# than the losses. Measured after 3 steps at world 2: tiny-super <= 5.6e-7 under DDP, FSDP2,
+# EP 2, CP 2 and TP 2; tiny-olmo 1.1e-5 (q_proj, CP 2) and 2.3e-5 (the last SwiGLU up_proj,
+# TP 2). A broken collective (tests/_broken.py) moves some tensor by 0.1 to 0.7, including
+# breaks the losses miss (EP's all-to-all with two chunks swapped: losses within 2.1e-7).
+WEIGHT_TOL = 3e-5
+# what the parity tests compare per logged row: grad_norm catches a wrong gradient that the
+# next losses show only weakly (measured <= 2.2e-7 relative across the world-2 layouts)
+PRETRAIN_KEYS = ("loss", "ce", "eval_loss", "grad_norm")
 TIMEOUT_S = 120
 
 WORKER = textwrap.dedent(
     """
-    import sys, torch
+    import os, sys, torch
     torch.set_num_threads(1)
+    if os.environ.get("HYBRIDLM_TEST_BREAK_COLLECTIVE"):  # a deliberate break, tests/_broken.py
+        sys.path.insert(0, sys.argv[5])
+        import _broken
+        _broken.install_from_env()
     from hybridlm.train.parallel import destroy
     stage = sys.argv[4]
     if stage == "pretrain":
@@ -185,6 +203,20 @@ def assert_same_losses(
     return worst
 
 
+def assert_same_weights(a_dir: str | Path, b_dir: str | Path, rel_tol: float = WEIGHT_TOL) -> float:
+    """Every tensor of the two runs' final checkpoints (the unsharded model, whatever the
+    layout that wrote it) within `rel_tol` in norm; returns the worst."""
+    a, b = load_model(a_dir).state_dict(), load_model(b_dir).state_dict()
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for k in a:
+        scale = float(torch.linalg.vector_norm(b[k].double())) or 1.0
+        err = float(torch.linalg.vector_norm((a[k] - b[k]).double())) / scale
+        assert err <= rel_tol, f"weights: {k} differs by {err:.2e} in norm (tolerance {rel_tol})"
+        worst = max(worst, err)
+    return worst
+
+
 def _parity(tmp_path: Path, parallel: str) -> None:
     ref = tiny_run(tmp_path, "w1", batch_size=4)
     run_pretrain(ref)
@@ -192,8 +224,9 @@ def _parity(tmp_path: Path, parallel: str) -> None:
     run_world2(tmp_path, dp)
     a, b = rows(dp.train.out_dir), rows(ref.train.out_dir)
     assert sum(r["kind"] == "train" for r in a) == 3
-    worst = assert_same_losses(a, b)
-    print(f"{parallel}: worst relative loss difference {worst:.2e}")
+    worst = assert_same_losses(a, b, PRETRAIN_KEYS)
+    weights = assert_same_weights(dp.train.out_dir, ref.train.out_dir)
+    print(f"{parallel}: worst relative loss difference {worst:.2e}, weights {weights:.2e}")
 
 
 def test_ddp_world2_matches_single_process(tmp_path):
@@ -224,8 +257,11 @@ def test_world2_checkpoint_resumes_at_world1(tmp_path, parallel):
     run_world2(tmp_path, part, until_step=2)
     resumed = tiny_run(tmp_path, "part", batch_size=4, max_steps=4, eval_interval=2)
     run_pretrain(resumed, resume=True)
-    worst = assert_same_losses(rows(resumed.train.out_dir), rows(full.train.out_dir))
-    print(f"{parallel} world2 -> world1 resume: worst relative difference {worst:.2e}")
+    worst = assert_same_losses(rows(resumed.train.out_dir), rows(full.train.out_dir), PRETRAIN_KEYS)
+    weights = assert_same_weights(resumed.train.out_dir, full.train.out_dir)
+    print(
+        f"{parallel} world2 -> world1 resume: worst relative difference {worst:.2e}, {weights:.2e}"
+    )
 
 
 # FSDP2 world 2 -> world 2 also in tests/test_train_dcp.py (sharded checkpoints)
@@ -239,8 +275,11 @@ def test_world2_checkpoint_resumes_at_world2(tmp_path, parallel):
     part = tiny_run(tmp_path, "part", **kw)
     run_world2(tmp_path, part, until_step=2)
     run_world2(tmp_path, part, resume=True)
-    worst = assert_same_losses(rows(part.train.out_dir), rows(full.train.out_dir))
-    print(f"{parallel} world2 -> world2 resume: worst relative difference {worst:.2e}")
+    worst = assert_same_losses(rows(part.train.out_dir), rows(full.train.out_dir), PRETRAIN_KEYS)
+    weights = assert_same_weights(part.train.out_dir, full.train.out_dir)
+    print(
+        f"{parallel} world2 -> world2 resume: worst relative difference {worst:.2e}, {weights:.2e}"
+    )
 
 
 def test_torchrun_cli_pretrain_fsdp(tmp_path):
@@ -337,8 +376,9 @@ def test_post_training_world2_matches_single_process(tmp_path, stage, parallel):
     run_world2(tmp_path, dp, stage=fn.removeprefix("run_"))
     a, b = rows(dp.train.out_dir), rows(ref.train.out_dir)
     assert sum(r["kind"] == "train" for r in a) == 3
-    worst = assert_same_losses(a, b, keys)
-    print(f"{stage} {parallel}: worst relative loss difference {worst:.2e}")
+    worst = assert_same_losses(a, b, (*keys, "grad_norm"))
+    weights = assert_same_weights(dp.train.out_dir, ref.train.out_dir)
+    print(f"{stage} {parallel}: worst relative loss difference {worst:.2e}, weights {weights:.2e}")
 
 
 @pytest.mark.parametrize("parallel", ["ddp", FSDP_SLOW])
@@ -378,7 +418,8 @@ def test_grpo_world2_matches_single_process(tmp_path, parallel):
     )
     floors = {"loss": 5e-8, "logprob_diff_mean": 1e-7}
     worst = assert_same_losses(a, b, keys, rel_tol=2e-6, floors=floors)
-    print(f"grpo {parallel}: worst relative difference {worst:.2e}")
+    weights = assert_same_weights(dp.out_dir, ref.out_dir)
+    print(f"grpo {parallel}: worst relative difference {worst:.2e}, weights {weights:.2e}")
 
 
 @dataclasses.dataclass
@@ -431,4 +472,5 @@ def test_mtp_boost_world2_matches_single_process(tmp_path, parallel):
     run_world2(tmp_path, dp, stage="mtp_boost")
     a, b = rows(dp.out_dir), rows(tmp_path / "w1")
     worst = assert_same_losses(a, b, ("loss", "nll_1", "nll_2", "kl_2", "acceptance_length"))
-    print(f"mtp_boost {parallel}: worst relative difference {worst:.2e}")
+    weights = assert_same_weights(dp.out_dir, tmp_path / "w1")
+    print(f"mtp_boost {parallel}: worst relative difference {worst:.2e}, weights {weights:.2e}")

@@ -15,8 +15,8 @@ Layout (world = dp_replicate x dp_shard x cp x tp; torchtitan's ParallelDims):
   the tp group, so their activations are not / tp either.
   Sequence parallelism off: activations inside a TP region are / tp, the residual stream and the
   norms' tensors are whole on every TP rank.
-- CP (train/context_parallel.py; modelled, not measured here): each sequence split over cp
-  ranks (activations / cp) and FSDP2 over dp_shard x cp; attention all-gathers the whole
+- CP (train/context_parallel.py; measured at world 2): each sequence split over cp ranks
+  (activations / cp) and FSDP2 over dp_shard x cp; attention all-gathers the whole
   sequence's K/V (kept for the backward, repeated to the query heads) and attends with an
   explicit [L, seq] mask, Mamba passes chunk states (B*H*P*N per layer) and conv taps.
 - EP: `ep` ranks borrowed from dp_shard, as `resolve_layout` (torchtitan also lets EP span
@@ -36,7 +36,8 @@ the gathered units and the all-gather volume).
 Activations: the tensors the reference kernels of this repository keep for the backward (the
 pure-torch SSD chunked scan, SDPA, the dropless grouped expert GEMMs with balanced routing), term
 by term per mixer and calibrated against `LiveBytes` on fp32 forwards (tests/test_plan.py:
-within 20%). Per-format bytes of a tensor a GEMM keeps for its backward:
+within 20%, one process and TP / CP / EP at world 2). Per-format bytes of a tensor a GEMM keeps
+for its backward:
 - fp32: 4; bf16 (torch.autocast): 2, one cast copy per consuming GEMM (autocast does not cache
   activation casts), the residual stream stays fp32 (fp32 embeddings + bf16 branches);
 - fp8: MXFP8, 1 byte + one E8M0 scale per 32 elements = 1.03125 B (LM head in bf16);
@@ -761,10 +762,10 @@ class Plan:
         lines += [
             "",
             "  tested: parameter / gradient / optimizer bytes (exact; FSDP2, EP, TP on gloo),",
-            "    activations (LiveBytes; fp32 and CPU bf16 autocast, within 20%);",
-            "  modelled only: TP and CP activations and traffic,",
-            "    fp8 / nvfp4 bytes,",
-            "    collective volumes (ring algorithms, balanced routing).",
+            "    activations (LiveBytes; fp32 and CPU bf16 autocast, within 20%; TP, CP and EP",
+            "    at world 2 in fp32), TP / CP / EP traffic (collectives counted, fp32, 5%);",
+            "  modelled only: TP and CP activations and traffic in bf16, fp8 / nvfp4 bytes,",
+            "    FSDP / DDP volumes (ring algorithms), routing balanced at scale.",
         ]
         return "\n".join(lines)
 
@@ -920,7 +921,9 @@ def _memory_status(lay: PlanLayout, precision: str) -> dict[str, str]:
     copies = "tested (CPU autocast)" if precision == "bf16" else "modelled"
     shards = "tested: exact (FSDP2, EP, TP)" if lay.cp == 1 else "modelled (CP)"
     if lay.tp > 1 or lay.cp > 1:
-        acts = copies = "modelled (TP / CP)"
+        copies = "modelled (TP / CP)"
+        alone = sum(n > 1 for n in (lay.tp, lay.cp, lay.ep)) == 1  # as tested, world 2
+        acts = "tested in fp32: within 20%" if precision == "fp32" and alone else copies
     else:
         acts = {
             "fp32": "tested: within 20% of measured (fp32)",
@@ -939,6 +942,24 @@ def _memory_status(lay: PlanLayout, precision: str) -> dict[str, str]:
         "activations": acts,
         "recomputation of one block": "modelled",
     }
+
+
+def _tp_all_reduces(cfg: ModelConfig, letter: str) -> int:
+    """[T, D] all-reduces of one block under tensor parallelism (train/tensor_parallel.py): the
+    forward's output (the row-parallel projection's partial sums) and, in the backward, the
+    input gradient of each column-parallel projection reading the block input, one per
+    projection (torch's ColwiseParallel: q, k and v each, SwiGLU's gate and up each; Mamba-2's
+    packed in_proj once; the MoE shared expert's up; the routed experts: `TP experts`). A block
+    recomputed by checkpointing stops before its output projection (`torch.utils.checkpoint`'s
+    early stop: nothing after it is kept), so none of these runs again (counted on gloo,
+    tests/test_plan.py)."""
+    if letter == "*":
+        return 1 + 3
+    if letter == "M":
+        return 1 + 1
+    if letter == "-":
+        return 1 + (2 if cfg.mlp.activation == "swiglu" else 1)
+    return 2 if cfg.moe.shared_expert_hidden else 0  # "E"
 
 
 def _communication(
@@ -960,6 +981,10 @@ def _communication(
     recompute = 0 if mode == "none" else 1  # forward collectives run again in the backward
     comm: dict[str, float] = {}
     status: dict[str, str] = {}
+    # the TP / CP / EP lines: the collectives of a training forward + backward counted on gloo
+    # (tests/test_plan.py: TP 2, CP 2 and EP 2 each alone, fp32, each checkpointing mode)
+    alone = sum(n > 1 for n in (lay.tp, lay.cp, lay.ep)) == 1
+    tested = "tested in fp32: counted, within 5%" if alone else "modelled (tested one at a time)"
 
     def ring(n: int) -> float:
         return (n - 1) / n if n > 1 else 0.0
@@ -995,23 +1020,23 @@ def _communication(
         # dispatch + combine, forward and backward (+ the forward again when recomputed)
         key = "EP all-to-all (dispatch + combine, fwd + bwd)"
         comm[key] = moe_calls * rows * ring(lay.ep) * (4 + 2 * recompute)
-        status[key] = "modelled (implemented; balanced routing)"
+        status[key] = tested + "; balanced routing"
     if lay.tp > 1:
         ar = 2 * T * D * c * ring(lay.tp)  # one all-reduce of [T, D]
-        block_calls = len(cfg.pattern) + depth * len(cfg.mtp.pattern)
-        # per block: forward output + backward input-gradient all-reduces (+ recomputed forward);
-        # the embedding lookup (main and each MTP depth) forward; the vocabulary-parallel CE's
-        # input gradient per CE call (its max / sum-exp / target reductions are [T], ignored)
-        regions = block_calls * (2 + recompute) + 2 * (1 + depth)
+        # per block: its forward output and backward input gradients (`_tp_all_reduces`); the
+        # embedding lookup (main and each MTP depth) forward; the vocabulary-parallel CE's input
+        # gradient per CE call (its max / sum-exp / target reductions are [T], ignored)
+        blocks = cfg.pattern + cfg.mtp.pattern * depth
+        regions = sum(_tp_all_reduces(cfg, letter) for letter in blocks) + 2 * (1 + depth)
         comm["TP all-reduce"] = regions * ar
-        status["TP all-reduce"] = "modelled (implemented layout)"
+        status["TP all-reduce"] = tested
         if lay.ep == 1 and moe_calls:  # experts split over tp: rows all-gathered (forward, and
             # again when recomputed), their gradients all-reduced (backward)
             e = cfg.moe
             rows = T * e.top_k * (e.latent_size or D) * c * ring(lay.tp)
             key = "TP experts (row all-gather + grad all-reduce)"
             comm[key] = moe_calls * rows * ((1 + recompute) + 2)
-            status[key] = "modelled (implemented; balanced routing)"
+            status[key] = tested + "; balanced routing"
     if lay.cp > 1:
         # train/context_parallel.py: all-gathers whose backward all-reduces the gathered
         # gradient (twice the forward's volume); K/V of every attention layer, the entering SSD
@@ -1028,5 +1053,5 @@ def _communication(
         cp_bytes += depth * micro_batch * seq * 8 * ring(S)
         key = "CP all-gathers (K/V, Mamba states), fwd + bwd"
         comm[key] = cp_bytes
-        status[key] = "modelled (train/context_parallel.py exchanges)"
+        status[key] = tested
     return {k: int(v) for k, v in comm.items()}, status
