@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..data.sft import SFTLoader
 from ..model.model import HybridLM
 from .callbacks import Callback, StartRows
 from .config import TeacherConfig, TrainConfig
@@ -323,14 +322,8 @@ class OfflineDistiller(ChatModule):
     def held_out_kl(self) -> float:
         """Token mean of the top-k forward KL(teacher || student) on the held-out assistant
         tokens (the distance the distillation closes)."""
-        loader = SFTLoader(
-            self.held_examples,
-            seq_len=self.dc.seq_len,
-            batch_size=self.dc.batch_size,
-            sequential=True,
-        )
         kl_sum, n = 0.0, 0
-        for batch in loader:
+        for batch in self.held_batches():
             ids_BL, doc_BL = batch["input_ids"].to(self.device), batch["doc_ids"].to(self.device)
             targets_BL = shift_targets(batch["labels"].to(self.device), 1)
             mask_BL = targets_BL != IGNORE_INDEX

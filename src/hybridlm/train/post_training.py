@@ -376,6 +376,15 @@ class ChatModule(TrainModule):
         return "token"
 
     # ------------------------------------------------------------------ eval
+    def held_batches(self) -> SFTLoader:
+        """The held-out conversations packed once, in order (this rank's micro-batch size)."""
+        return SFTLoader(
+            self.held_examples,
+            seq_len=self.dc.seq_len,
+            batch_size=self.dc.batch_size,
+            sequential=True,
+        )
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Held-out assistant-token NLL and greedy exact match."""
@@ -383,14 +392,8 @@ class ChatModule(TrainModule):
             return {}
         self.model.eval()
         try:
-            loader = SFTLoader(
-                self.held_examples,
-                seq_len=self.dc.seq_len,
-                batch_size=self.dc.batch_size,
-                sequential=True,
-            )
             nats, n = 0.0, 0
-            for batch in loader:
+            for batch in self.held_batches():
                 labels_BL = batch["labels"].to(self.device)
                 out = self.model(
                     batch["input_ids"].to(self.device),
