@@ -64,6 +64,15 @@ def test_user_mistakes_are_reported(argv, message, capsys):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["sft", "dpo", "rm", "distill", "qad"])
+def test_a_training_command_names_itself_in_its_errors(command, capsys):
+    """The run-config commands (one table, `cli.train.RUN_COMMANDS`) say which command failed
+    and why, in one line."""
+    assert main([command, "--config", "/nonexistent.yaml"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"hybridlm {command}: error: ") and "not found" in err, err
+
+
 def test_a_quantised_kv_cache_without_scales_names_a_command_that_parses(capsys):
     """The FP8 KV-cache error names the quantize command that makes the scales; it parses as
     written (there is no `quantize --set kv_cache=...` to suggest in its place)."""

@@ -391,3 +391,18 @@ def test_report_renders_in_a_headless_browser(tmp_path):
         check=True,
     )  # fmt: skip
     assert _png_ok(png.read_bytes()) and png.stat().st_size > 20_000
+
+
+def test_headline_rows_skip_a_torn_last_line(tmp_path):
+    """A killed run's metrics.jsonl may end in half a row: the stage headlines read the rest
+    (as the report's sections do)."""
+    from hybridlm.rl.learner import STAGE as RL
+    from hybridlm.stage import Report
+
+    (tmp_path / "rl").mkdir()
+    (tmp_path / "rl" / "metrics.jsonl").write_text(
+        '{"kind": "train", "reward_mean": 0.1}\n{"kind": "tra'
+    )
+    report = Report(tmp_path, {}, {})
+    assert report.rows("rl", "train") == [{"kind": "train", "reward_mean": 0.1}]
+    assert RL.headline({}, report) == "train reward (first -> last step of 1): 0.100 -> 0.100"

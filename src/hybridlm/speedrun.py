@@ -306,10 +306,10 @@ class Speedrun:
             "dirty": self.provenance["git"].get("dirty"),
         }
         t_start = time.time()
-        for i, stage in enumerate(STAGES, 1):
+        for i, stage in enumerate(self.stages, 1):
             name = stage.name
             selected = (self.only is None or name in self.only) and name not in self.cfg.skip
-            header = f"[bold]speedrun {i}/{len(STAGES)}: {name}[/]"
+            header = f"[bold]speedrun {i}/{len(self.stages)}: {name}[/]"
             if stage.derived:
                 self.console.print(header)
                 self._finish(t_start)  # the report shows the flow's finish and wall time

@@ -78,12 +78,20 @@ class Report:
     names: dict[str, str]
 
     def rows(self, stage: str, kind: str) -> list[dict[str, Any]]:
-        """The `kind` rows of `<run>/<stage>/metrics.jsonl` (none when it is missing)."""
+        """The `kind` rows of `<run>/<stage>/metrics.jsonl` (none when it is missing; a line
+        that does not parse, e.g. the torn last line of a killed run, is skipped)."""
         path = self.run / stage / "metrics.jsonl"
         if not path.is_file():
             return []
-        rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
-        return [r for r in rows if r.get("kind") == kind]
+        rows = []
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and row.get("kind") == kind:
+                rows.append(row)
+        return rows
 
     def get(self, dotted: str, default: Any = None) -> Any:
         """A value of the speedrun config by dotted path (`sft.data.held_out`)."""

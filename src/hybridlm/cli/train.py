@@ -130,7 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     for c in RUN_COMMANDS:
         p = sub.add_parser(c.name, help=c.help)
         add_run_args(p, f"configs/{c.name}.yaml")
-        p.set_defaults(fn=cmd_run, command=c)
+        p.set_defaults(fn=cmd_run, run_command=c)
 
     p = sub.add_parser(
         "distill-cache",
@@ -250,7 +250,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     together)."""
     from ..train import parallel
 
-    c: RunCommand = args.command
+    c: RunCommand = args.run_command
     module = importlib.import_module(f"hybridlm.{c.module}")
     cfg = getattr(module, c.config).load(args.config).override(args.overrides)
     result = getattr(module, c.run)(cfg, resume=args.resume, overwrite=args.overwrite)
