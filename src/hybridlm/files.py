@@ -1,7 +1,9 @@
-"""Writing a file so that readers only ever see a whole one."""
+"""Writing a file so that readers only ever see a whole one, and reading the rows of a
+`metrics.jsonl` that a killed writer may have left with half a line."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,3 +23,21 @@ def atomic_write(path: str | Path, data: bytes | Callable[[BinaryIO], object]) -
         else:
             data(fh)
     os.replace(tmp, path)
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a `metrics.jsonl` (unparseable lines, e.g. a torn last line, are skipped)."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def metric_rows(path: str | Path, kind: str) -> list[dict]:
+    """The `kind` rows of a `metrics.jsonl` (none when it does not exist)."""
+    if not Path(path).exists():
+        return []
+    return [r for r in read_metrics(path) if r.get("kind") == kind]

@@ -29,11 +29,12 @@ of it (`report.card`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
+
+from .files import metric_rows
 
 Summary = dict[str, Any]
 
@@ -80,18 +81,7 @@ class Report:
     def rows(self, stage: str, kind: str) -> list[dict[str, Any]]:
         """The `kind` rows of `<run>/<stage>/metrics.jsonl` (none when it is missing; a line
         that does not parse, e.g. the torn last line of a killed run, is skipped)."""
-        path = self.run / stage / "metrics.jsonl"
-        if not path.is_file():
-            return []
-        rows = []
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and row.get("kind") == kind:
-                rows.append(row)
-        return rows
+        return metric_rows(self.run / stage / "metrics.jsonl", kind)
 
     def get(self, dotted: str, default: Any = None) -> Any:
         """A value of the speedrun config by dotted path (`sft.data.held_out`)."""
@@ -147,13 +137,15 @@ def scalars(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def warm_start_settings(flow: Flow, name: str) -> dict[str, Any]:
-    """A continued-pretraining stage's section: its output dir and shards, the run's tokenizer,
-    and the newest model before it as `train.init_from`."""
+def text_run_settings(flow: Flow, name: str, *, warm_start: bool = True) -> dict[str, Any]:
+    """A training run on packed text (pretraining, midtraining, the long-context extension):
+    its section with its output dir and shards and the run's tokenizer; with `warm_start`, the
+    newest model before it as `train.init_from`."""
     data = flow.format_paths(getattr(flow.cfg, name).to_dict())
     out = flow.stage_dir(name)
     data["train"]["out_dir"] = str(out)
-    data["train"]["init_from"] = flow.model_path(name)
+    if warm_start:
+        data["train"]["init_from"] = flow.model_path(name)
     data["data"]["shards_dir"] = str(out / "shards")
     data["data"]["tokenizer"] = flow.tokenizer_spec()
     data["data"]["tokenizer_vocab_size"] = 0

@@ -45,7 +45,7 @@ from ..io.checkpoint import read_meta, resolve_checkpoint
 from ..model.cache import HybridCache
 from ..model.model import HybridLM
 from ..report.plot import pyplot, save_figure
-from ..stage import Flow, Report, Stage, scalars, warm_start_settings
+from ..stage import Flow, Report, Stage, scalars, text_run_settings
 from ..train.config import RunConfig
 from ..train.text_training import HeldOutEvaluator, run_pretrain
 from .loglik import LN2
@@ -496,7 +496,7 @@ STAGE = Stage(
     "long_context",
     inputs=("curate", "tokenizer"),
     config=LongContextStageConfig,
-    settings=lambda flow: warm_start_settings(flow, "long_context"),
+    settings=lambda flow: text_run_settings(flow, "long_context"),
     run=_stage_run,
     model="model",
     headline=_headline,

@@ -324,7 +324,6 @@ class _Card:
     run: Path
     run_dir: str | Path
     measured: list[Stage]  # the registry's stages less the report itself, in chain order
-    stage_order: list[str]
     rec: dict[str, dict[str, Any]]
     prov: dict[str, Any]
     cfg: dict[str, Any]
@@ -345,6 +344,10 @@ class _Card:
     title: str = ""
     out_plots: list[str] = field(default_factory=list)
 
+    @property
+    def stage_order(self) -> list[str]:
+        return [s.name for s in self.measured]
+
     def add(self, png: Path | None, alt: str) -> None:
         if png is not None:
             self.doc.img(png, alt)
@@ -359,8 +362,7 @@ class _Card:
         plots.mkdir(parents=True, exist_ok=True)
         # the stages in chain order, one folder each in a run directory (the report itself aside)
         measured = [s for s in stages if not s.derived]
-        stage_order = [s.name for s in measured]
-        rec = _records(run, stage_order)
+        rec = _records(run, [s.name for s in measured])
         prov = _read_json(run / "provenance.json")
         cfg = _config(run)
         pre = read_jsonl(run / "pretrain" / "metrics.jsonl")
@@ -403,7 +405,6 @@ class _Card:
             run=run,
             run_dir=run_dir,
             measured=measured,
-            stage_order=stage_order,
             rec=rec,
             prov=prov,
             cfg=cfg,

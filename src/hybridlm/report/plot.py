@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from ..files import read_metrics
 
 
 def pyplot():
@@ -29,17 +30,6 @@ def save_figure(fig: Any, png: str | Path, *, dpi: int = 110) -> Path:
     fig.savefig(png, dpi=dpi)
     plt.close(fig)
     return png
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """The rows of a `metrics.jsonl` (unparseable lines, e.g. a torn last line, are skipped)."""
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def plot_loss_curves(metrics_path: str | Path, out_png: str | Path) -> Path:

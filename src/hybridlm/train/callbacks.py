@@ -76,8 +76,7 @@ class Evaluate(Callback):
             trainer.evaluate_and_log()
 
     def on_step(self, trainer: Trainer) -> None:
-        every = trainer.cfg.eval_interval
-        if (every and trainer.step % every == 0) or trainer.step == trainer.total_steps:
+        if _due(trainer, trainer.cfg.eval_interval):
             trainer.evaluate_and_log()
 
 
@@ -85,9 +84,13 @@ class Checkpoint(Callback):
     """A checkpoint every `train.checkpoint_interval` steps and after the last step."""
 
     def on_step(self, trainer: Trainer) -> None:
-        every = trainer.cfg.checkpoint_interval
-        if (every and trainer.step % every == 0) or trainer.step == trainer.total_steps:
+        if _due(trainer, trainer.cfg.checkpoint_interval):
             trainer.last_checkpoint = trainer.save()
+
+
+def _due(trainer: Trainer, every: int) -> bool:
+    """Every `every` steps (0: never) and after the last step."""
+    return bool(every and trainer.step % every == 0) or trainer.step == trainer.total_steps
 
 
 # ---------------------------------------------------------------------------- rows

@@ -58,13 +58,14 @@ from ..data.config import SourceConfig
 from ..data.pipeline import build_source
 from ..data.sft import Conversation, ReadReport
 from ..data.tokenizer import ByteTokenizer
+from ..files import metric_rows
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
 from ..infer.speculative import merge_stats, speculative_generate
 from ..interop.hf import save_pretrained
 from ..io import load
 from ..model.model import HybridLM, shift_left
-from ..report.plot import pyplot, read_metrics, save_figure
+from ..report.plot import pyplot, save_figure
 from .callbacks import Callback, Close, EndRows, Export, Plot, StartRows, Summary, Throughput
 from .config import TrainConfig
 from .mtp_init import CONSOLIDATIONS, HEAD_INITS, head_agreement, init_head
@@ -475,7 +476,7 @@ class MTPBoost(TrainModule):
         """The head's agreement and the acceptance after boosting."""
         if self._t0 is not None:
             self.train_s = time.perf_counter() - self._t0
-        if any(r["when"] == "after" for r in _read_rows(self.rt.metrics_path, "acceptance")):
+        if any(r["when"] == "after" for r in metric_rows(self.rt.metrics_path, "acceptance")):
             return []  # a finished run resumed: measured already (a resume drops later rows)
         self.model.eval()
         agree = head_agreement(self.model, *self.held_rows, depth=self.depth)
@@ -547,13 +548,6 @@ def _from_position(valid_NL: torch.Tensor, firsts: list[int]) -> torch.Tensor:
     """`valid_NL` from position `firsts[i]` of row i on."""
     firsts_N1 = torch.tensor(firsts, device=valid_NL.device)[:, None]
     return valid_NL & (torch.arange(valid_NL.shape[1], device=valid_NL.device)[None] >= firsts_N1)
-
-
-def _read_rows(metrics_path: str | Path, kind: str) -> list[dict[str, Any]]:
-    """The rows of `kind` in a metrics.jsonl (none when it does not exist)."""
-    if not Path(metrics_path).exists():
-        return []
-    return [r for r in read_metrics(metrics_path) if r.get("kind") == kind]
 
 
 def _check_inputs(
@@ -630,8 +624,8 @@ def run_mtp_boost(
     if not is_main():  # under torchrun rank 0 wrote the metrics and reports
         return res
     # the result is read back from metrics.jsonl (DESIGN habit 15)
-    train = _read_rows(res["metrics"], "train")
-    acc = _read_rows(res["metrics"], "acceptance")
+    train = metric_rows(res["metrics"], "train")
+    acc = metric_rows(res["metrics"], "acceptance")
     return {
         "before": [r for r in acc if r["when"] == "before"],
         "after": [r for r in acc if r["when"] == "after"],
@@ -651,8 +645,8 @@ def plot_acceptance(metrics_path: str | Path, png: str | Path) -> None:
 
     plt = pyplot()
 
-    acc = _read_rows(metrics_path, "acceptance")
-    train = _read_rows(metrics_path, "train")  # step: optimizer steps done (the Trainer's rows)
+    acc = metric_rows(metrics_path, "acceptance")
+    train = metric_rows(metrics_path, "train")  # step: optimizer steps done (the Trainer's rows)
     temps = sorted({r["temperature"] for r in acc})
     fig, axes = plt.subplots(1, len(temps) + 1, figsize=(4.2 * (len(temps) + 1), 3.4))
     for ax, t in zip(axes, temps, strict=False):

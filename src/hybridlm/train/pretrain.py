@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from ..data.pipeline import build_tokenizer, prepare_shards
-from ..stage import Flow, Report, Stage, scalars, warm_start_settings
+from ..stage import Flow, Report, Stage, scalars, text_run_settings
 from .config import RunConfig
 from .teacher import cache_pass_teacher
 from .teacher_cache import build_text_teacher_cache
@@ -41,16 +41,6 @@ def cache_text_teacher(run_cfg: RunConfig, *, progress: bool = True) -> dict[str
 
 
 # ---------------------------------------------------------------------------- the flow's stages
-def _pretrain_settings(flow: Flow) -> dict[str, Any]:
-    data = flow.format_paths(flow.cfg.pretrain.to_dict())
-    out = flow.stage_dir("pretrain")
-    data["train"]["out_dir"] = str(out)
-    data["data"]["shards_dir"] = str(out / "shards")
-    data["data"]["tokenizer"] = flow.tokenizer_spec()
-    data["data"]["tokenizer_vocab_size"] = 0
-    return data
-
-
 def _pretrain_run(flow: Flow) -> dict[str, Any]:
     run = RunConfig.from_dict(flow.settings("pretrain"))
     vocab = flow.tokenizer().vocab_size
@@ -79,7 +69,7 @@ STAGE = Stage(
     "pretrain",
     inputs=("curate", "tokenizer"),
     config=RunConfig,
-    settings=_pretrain_settings,
+    settings=lambda flow: text_run_settings(flow, "pretrain", warm_start=False),
     run=_pretrain_run,
     model="model",
     headline=_bpb_headline,
@@ -96,7 +86,7 @@ MIDTRAIN = Stage(
     "midtrain",
     inputs=("curate", "tokenizer"),
     config=RunConfig,
-    settings=lambda flow: warm_start_settings(flow, "midtrain"),
+    settings=lambda flow: text_run_settings(flow, "midtrain"),
     run=_midtrain_run,
     model="model",
     headline=_midtrain_headline,

@@ -614,9 +614,9 @@ class Trainer:
             self.last_eval = result
         return result
 
-    def _skip(self, row: dict[str, Any], console: Any) -> None:
+    def _skip(self, row: dict[str, Any]) -> None:
         if is_main():
-            console.print(
+            self.console.print(
                 f"[yellow]step {row['step']}: non-finite loss/grad (loss {row['loss']}, grad "
                 f"norm {row['grad_norm']}); step skipped"
             )
@@ -657,7 +657,7 @@ class Trainer:
                     window_s += time.perf_counter() - t0
                     window_steps += 1
                     if r["skipped"]:
-                        self._skip(r, bar.console)
+                        self._skip(r)
                     if self.step % tc.log_interval == 0 or self.step == end:
                         row = {"kind": "train", **{k: v for k, v in r.items() if k != "skipped"}}
                         for cb in cbs:
