@@ -6,8 +6,6 @@ Shape legend: B batch, L sequence, D model width, H query heads, K kv heads, E h
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -68,14 +66,11 @@ class Attention(nn.Module):
         positions_BL: torch.Tensor | None = None,
         attn_mask_B1LS: torch.Tensor | None = None,
         state: KVState | None = None,
-        context_parallel: Any = None,
         **_: object,
     ) -> torch.Tensor:
         """`positions_BL` / `attn_mask_B1LS` are given for padded batches and packed documents;
         the model builds the mask once per forward for every attention layer (see
-        `HybridLM.forward`); its key axis covers the cached columns followed by this call's.
-        `context_parallel` (x is one shard of the rows): the keys and values of the whole rows
-        are gathered and the queries attend at their global offset (`train.context_parallel`)."""
+        `HybridLM.forward`); its key axis covers the cached columns followed by this call's."""
         a = self.a
         Bsz, L, _ = x_BLD.shape
         q, k, v = (project(p, x_BLD) for p in (self.q_proj, self.k_proj, self.v_proj))
@@ -92,19 +87,25 @@ class Attention(nn.Module):
             else:
                 cos, sin = rope_cos_sin(self.inv_freq, positions_L, self.rope_scaling)
             q_BHLE, k_BKLE = apply_rope(q_BHLE, cos, sin), apply_rope(k_BKLE, cos, sin)
-        offset = state.length if state is not None else 0  # cache columns before this call
-        if state is not None:
+        if state is None:
+            k_BKLE, v_BKLE, offset = self._keys_values(k_BKLE, v_BKLE)
+        else:
+            offset = state.length  # cache columns before this call
             k_BKLE, v_BKLE = state.update(k_BKLE, v_BKLE)
-            if attn_mask_B1LS is None and context_parallel is None:
+            if attn_mask_B1LS is None:
                 q = q_BHLE.contiguous()  # a view for one token, a copy for a few
                 if native.attention_usable(q, k_BKLE, v_BKLE):  # decoding, verification
                     o_BHLE = native.attention(q, k_BKLE, v_BKLE, window=self.window)
                     return project(self.o_proj, o_BHLE.transpose(1, 2).reshape(Bsz, L, -1))
-        if context_parallel is not None:
-            offset = context_parallel.offset(L)
-            k_BKLE = context_parallel.gather_seq(k_BKLE, dim=2)
-            v_BKLE = context_parallel.gather_seq(v_BKLE, dim=2)
         o_BHLE = attention(
             q_BHLE, k_BKLE, v_BKLE, q_offset=offset, window=self.window, extra_mask=attn_mask_B1LS
         )
         return project(self.o_proj, o_BHLE.transpose(1, 2).reshape(Bsz, L, -1))
+
+    def _keys_values(
+        self, k_BKLE: torch.Tensor, v_BKLE: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The keys and values of the whole rows these queries attend to, and the queries'
+        position in them: the rows' own, from 0, on one device. Context parallelism
+        (`train.context_parallel`) gathers the shards' and gives this shard's offset."""
+        return k_BKLE, v_BKLE, 0

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import LayerSpec, ModelConfig
 from ..ops import native
-from ..ops.conv1d import causal_conv1d, causal_conv1d_docs, causal_conv1d_silu
+from ..ops.conv1d import causal_conv1d_docs, causal_conv1d_silu
 from ..ops.ssd import ssd_chunked, ssd_states, ssd_step
 from .cache import MambaState
 from .norm import GatedRMSNorm, gated_rms_norm
@@ -144,16 +144,12 @@ class Mamba2Mixer(nn.Module):
         state: MambaState | None = None,
         token_mask_BL: torch.Tensor | None = None,
         doc_ids_BL: torch.Tensor | None = None,
-        context_parallel: Any = None,
         **_: object,
     ) -> torch.Tensor:
         """`token_mask_BL` (False on left padding): padded positions get zero conv input and
         zero dt, i.e. no decay and no input, so the states a row carries past its padding are
         exactly those of the unpadded row. `doc_ids_BL` (packed documents): conv taps and the
-        SSD state do not cross document boundaries. `context_parallel` (x is one shard of the
-        rows): the conv reads the previous shard's last inputs and the state entering the shard
-        is added (`_entering_state`; `train.context_parallel`)."""
-        cp = context_parallel
+        SSD state do not cross document boundaries."""
         m = self.m
         Bsz, L, _ = x_BLD.shape
         if (
@@ -184,18 +180,10 @@ class Mamba2Mixer(nn.Module):
             xbc_BLX = xbc_BLX * token_mask_BL[..., None].to(xbc_BLX.dtype)
         conv_in = state.conv_BSX if state is not None else None
         xbc_pre_BLX = xbc_BLX
-        if cp is not None:
-            if state is not None:
-                raise ValueError("context parallelism is for training rows, not a cache")
-            xbc_BLX = F.silu(self._conv_across_shards(cp, xbc_BLX, doc_ids_BL))
-            conv_out = None
+        if state is None:
+            xbc_BLX, conv_out = self._conv_rows(xbc_BLX, doc_ids_BL), None
         elif doc_ids_BL is not None:
-            if state is not None:
-                raise ValueError("doc_ids (packed training documents) do not combine with a cache")
-            xbc_BLX = F.silu(
-                causal_conv1d_docs(xbc_BLX, self.conv1d.weight[:, 0], self.conv1d.bias, doc_ids_BL)
-            )
-            conv_out = None
+            raise ValueError("doc_ids (packed training documents) do not combine with a cache")
         else:  # conv and SiLU fused (one pass each way on fp32 CPU tensors)
             xbc_BLX, conv_out = causal_conv1d_silu(
                 xbc_BLX, self.conv1d.weight[:, 0], self.conv1d.bias, conv_in
@@ -228,58 +216,33 @@ class Mamba2Mixer(nn.Module):
             )
         if state is not None:
             state.conv_BSX, state.ssm_BHPN = conv_out, ssm_out
-        if cp is not None:
-            y_BLHP = y_BLHP + self._entering_state(cp, dt_BLH * A_H, Cm, ssm_out, doc_ids_BL)
+        else:
+            y_BLHP = self._add_entering_state(y_BLHP, dt_BLH * A_H, Cm, ssm_out, doc_ids_BL)
 
         y_BLI = self.norm(y_BLHP.reshape(Bsz, L, m.d_inner), z_BLI)
         return project(self.out_proj, y_BLI.to(x_BLD.dtype))
 
-    def _conv_across_shards(
-        self, cp: Any, xbc_BLX: torch.Tensor, doc_ids_BL: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The causal conv of one sequence shard: its first taps read the previous shard's last
-        conv_kernel - 1 inputs (zeros before the first shard; masked across documents)."""
-        S = self.m.conv_kernel - 1
-        L = xbc_BLX.shape[1]
-        if L < S:
-            raise ValueError(f"a context-parallel shard of {L} tokens is shorter than the conv")
+    # What these rows see of the rows beyond them: nothing on one device, where they are
+    # whole. Context parallelism (`train.context_parallel`) overrides both for one shard.
+    def _conv_rows(self, xbc_BLX: torch.Tensor, doc_ids_BL: torch.Tensor | None) -> torch.Tensor:
+        """SiLU of the causal conv of training rows (from zero taps; reset at document starts
+        with `doc_ids_BL`)."""
         w, b = self.conv1d.weight[:, 0], self.conv1d.bias
-        halo_BSX = cp.previous(xbc_BLX[:, L - S :])
-        if doc_ids_BL is None:
-            return causal_conv1d(xbc_BLX, w, b, halo_BSX)[0]
-        prev_doc_BS = cp.previous(doc_ids_BL[:, L - S :], fill=-1)
-        x_ext = torch.cat([halo_BSX, xbc_BLX], dim=1)
-        doc_ext = torch.cat([prev_doc_BS, doc_ids_BL], dim=1)
-        return causal_conv1d_docs(x_ext, w, b, doc_ext)[:, S:]
+        if doc_ids_BL is None:  # conv and SiLU fused
+            return causal_conv1d_silu(xbc_BLX, w, b, None)[0]
+        return F.silu(causal_conv1d_docs(xbc_BLX, w, b, doc_ids_BL))
 
-    def _entering_state(
+    def _add_entering_state(
         self,
-        cp: Any,
+        y_BLHP: torch.Tensor,
         dA_BLH: torch.Tensor,
         C_BLGN: torch.Tensor,
         final_BHPN: torch.Tensor,
         doc_ids_BL: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The output of the state entering this shard (`train.context_parallel`): the shard was
-        scanned from a zero state, ending in `final_BHPN`; an exclusive scan over the shards
-        gives the entering state h, which reaches position t as exp(cumsum(dt*A)_t) C_t h (the
-        inter-chunk term of SSD, Mamba-2 §7), within the document running at the shard start."""
-        acum_BLH = dA_BLH.cumsum(1)
-        Bsz, L, H = acum_BLH.shape
-        ones_B = torch.ones(Bsz, dtype=torch.bool, device=acum_BLH.device)
-        reach_BL, carry_B, whole_B = None, ones_B, ones_B
-        if doc_ids_BL is not None:
-            first_B1 = doc_ids_BL[:, :1]
-            reach_BL = doc_ids_BL == first_B1  # still the document the shard starts in
-            carry_B = (cp.previous(doc_ids_BL[:, L - 1 :], fill=-1) == first_B1)[:, 0]
-            whole_B = doc_ids_BL[:, -1] == doc_ids_BL[:, 0]  # no document starts inside
-        decay_BH = acum_BLH[:, -1].exp() * whole_B[:, None]
-        h_BHPN = cp.scan_states(decay_BH, final_BHPN, carry_B)
-        C_BLHN = C_BLGN.to(h_BHPN.dtype).repeat_interleave(H // C_BLGN.shape[2], dim=2)
-        gain_BLH = acum_BLH.exp()
-        if reach_BL is not None:
-            gain_BLH = gain_BLH * reach_BL[..., None]
-        return torch.einsum("blhn,bhpn->blhp", C_BLHN, h_BHPN) * gain_BLH[..., None]
+        """`y_BLHP` of rows scanned from a zero state (ending in `final_BHPN`) plus the output
+        of the state that enters them from before: none, the rows start the sequence."""
+        return y_BLHP
 
     def _short_segment(self, x_BLD: torch.Tensor, state: MambaState) -> torch.Tensor:
         """A few tokens continuing a cache (speculative verification, short appends): the

@@ -92,9 +92,6 @@ class HybridLM(nn.Module):
         self.kv_cache_quant: Any = None
         # a reward model's scalar head (config.num_labels): `score(hidden[last token])`
         self.score = nn.Linear(d, config.num_labels, bias=False) if config.num_labels else None
-        # context parallelism (`train.context_parallel`): when set, a forward takes one
-        # contiguous shard of every row and its mixers exchange what crosses the shards
-        self.context_parallel: Any = None
         if self.embeddings.weight.device.type != "meta":
             self.init_weights(seed=seed)
 
@@ -309,19 +306,7 @@ class HybridLM(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
         L = input_ids.shape[1]
-        cp = self.context_parallel
-        if cp is not None and (cache is not None or attention_mask is not None):
-            raise ValueError("context parallelism shards training rows: no cache or attention_mask")
-        offset = cache.seen_tokens if cache is not None else 0
-        if cp is not None:  # this shard's first global position
-            offset = cp.offset(L)
-        positions_L = torch.arange(offset, offset + L, device=input_ids.device)
-        if doc_ids is not None:
-            ctx = self._document_context(input_ids, doc_ids, attention_mask, cache, cp)
-        else:
-            ctx = self._padding_context(input_ids, attention_mask, cache, positions_L)
-        if cp is not None:
-            ctx["context_parallel"] = cp
+        ctx = self._block_context(input_ids, doc_ids, attention_mask, cache)
         aux_sink = AuxSink()  # MoE balancing losses of this call only
         h = self.embeddings(input_ids)
         for i, block in enumerate(self.layers):
@@ -345,10 +330,7 @@ class HybridLM(nn.Module):
                 )
             h_k = h
             for k in range(1, mtp_depth + 1):
-                ahead = (
-                    shift_left(input_ids, k, 0) if cp is None else cp.shift_left(input_ids, k, 0)
-                )
-                emb = self.embeddings(ahead)
+                emb = self.embeddings(self._tokens_ahead(input_ids, k))
                 h_k = self.mtp_head(k)(h_k, emb, aux_sink=aux_sink, **ctx)
                 out.mtp_hidden.append(h_k)
                 if return_logits:
@@ -360,25 +342,53 @@ class HybridLM(nn.Module):
             out.head = head(out)
         return out
 
+    # The three methods below are what a forward sees of the rows beyond its own tokens. On one
+    # device the rows are whole; context parallelism (`train.context_parallel`) gives each rank
+    # one shard of every row and overrides them (with the mixers' `_keys_values`,
+    # `_conv_rows`, `_add_entering_state`, `_whole_row_counts`) to exchange what crosses shards.
+    def _block_context(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        cache: HybridCache | None,
+    ) -> dict[str, torch.Tensor]:
+        """Keyword context of every block: positions, masks and document ids."""
+        if doc_ids is not None:
+            local = self._check_doc_ids(input_ids, doc_ids, attention_mask, cache)
+            return self._document_context(local, local, 0)
+        offset = cache.seen_tokens if cache is not None else 0
+        positions_L = torch.arange(offset, offset + input_ids.shape[1], device=input_ids.device)
+        return self._padding_context(input_ids, attention_mask, cache, positions_L)
+
+    def _tokens_ahead(self, input_ids: torch.Tensor, k: int) -> torch.Tensor:
+        """Token t + k at position t (0 past the end): the input of MTP depth k."""
+        return shift_left(input_ids, k, 0)
+
     @staticmethod
-    def _document_context(
+    def _check_doc_ids(
         input_ids: torch.Tensor,
         doc_ids: torch.Tensor,
         attention_mask: torch.Tensor | None,
         cache: HybridCache | None,
-        cp: Any = None,
-    ) -> dict[str, torch.Tensor]:
-        """Positions within documents, the same-document attention mask, the doc ids for Mamba.
-        Under context parallelism (`cp`) the rows are one shard of the whole rows: positions and
-        the mask's key axis are those of the whole rows (the shards' doc ids gathered)."""
+    ) -> torch.Tensor:
+        """`doc_ids` on the rows' device, after the checks of packed training rows."""
         if cache is not None or attention_mask is not None:
             raise ValueError("doc_ids are for packed training rows: no cache or attention_mask")
         if doc_ids.shape != input_ids.shape:
             raise ValueError(
                 f"doc_ids shape {tuple(doc_ids.shape)} != input_ids shape {tuple(input_ids.shape)}"
             )
-        local = doc_ids.to(input_ids.device)
-        doc = local if cp is None else cp.gather_seq(local, dim=1)  # whole rows
+        return doc_ids.to(input_ids.device)
+
+    @staticmethod
+    def _document_context(
+        local: torch.Tensor, doc: torch.Tensor, start: int
+    ) -> dict[str, torch.Tensor]:
+        """Positions within documents, the same-document attention mask, the doc ids for Mamba,
+        of rows `local` [B, L] that are the part of the whole rows `doc` beginning at `start`
+        (the whole rows themselves on one device): positions and the mask's key axis are those
+        of the whole rows."""
         if bool((doc[:, 1:] < doc[:, :-1]).any()):
             raise ValueError("doc_ids must be non-decreasing along each row (packed documents)")
         L = doc.shape[1]
@@ -387,8 +397,7 @@ class HybridLM(nn.Module):
         start_BL[:, 1:] = doc[:, 1:] != doc[:, :-1]
         # position within the document: index minus the index of the document's first token
         first_BL = torch.cummax(torch.where(start_BL, idx_L, 0), dim=1).values
-        start = 0 if cp is None else cp.offset(local.shape[1])
-        own = slice(start, start + local.shape[1])  # this shard's positions
+        own = slice(start, start + local.shape[1])  # these rows' positions
         return {
             "positions_L": idx_L[own],
             "positions_BL": (idx_L - first_BL)[:, own],

@@ -316,13 +316,11 @@ class MoE(nn.Module):
         x_BLD: torch.Tensor,
         *,
         aux_sink: AuxSink | None = None,
-        context_parallel: Any = None,
         **_: object,
     ) -> torch.Tensor:
         """`aux_sink`: the caller's per-call collector; a training forward adds its
         sequence-level balancing loss there (Nemotron 3 Super §2.1.1). The module keeps no loss
-        between calls. `context_parallel` (x is one shard of the rows): the balancing loss
-        counts the whole rows' routing and adds this shard's part."""
+        between calls."""
         c = self.cfg
         Bsz, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(-1, D)
@@ -342,7 +340,7 @@ class MoE(nn.Module):
                     counts = torch.bincount(idx_TK.reshape(-1), minlength=c.num_experts)
                     self.load_E += counts.to(self.load_E.dtype)
             if aux_sink is not None:
-                aux = self._sequence_aux_loss(scores_TE, idx_TK, Bsz, L, context_parallel)
+                aux = self._sequence_aux_loss(scores_TE, idx_TK, Bsz, L)
                 if aux is not None:
                     aux_sink.add(aux)
 
@@ -375,26 +373,28 @@ class MoE(nn.Module):
         )
 
     def _sequence_aux_loss(
-        self, scores_TE: torch.Tensor, idx_TK: torch.Tensor, Bsz: int, L: int, cp: Any = None
+        self, scores_TE: torch.Tensor, idx_TK: torch.Tensor, Bsz: int, L: int
     ) -> torch.Tensor | None:
         """alpha * sum_i f_i P_i per sequence, averaged over sequences (DeepSeek-V3 eq. 17-20):
         f_i = E/(K L) * #tokens choosing i, P_i = mean over tokens of normalised scores.
-        With `cp` (rows split into shards), f counts the whole rows and P_i sums this shard's
-        tokens over the whole length: the shards' results add up to the loss of the rows."""
+        For rows that are part of longer ones (`_whole_row_counts`), f counts the whole rows
+        and P_i sums these tokens over the whole length: the parts add up to the rows' loss."""
         c = self.cfg
         if c.aux_loss_coef <= 0:
             return None
         E, K = c.num_experts, c.top_k
         probs_BLE = (scores_TE / scores_TE.sum(-1, keepdim=True)).view(Bsz, L, E)
         chosen = torch.zeros(Bsz * L, E, device=scores_TE.device).scatter_(1, idx_TK, 1.0)
-        count_BE = chosen.view(Bsz, L, E).sum(1)
-        if cp is None:
-            P_BE = probs_BLE.mean(1)
-        else:
-            count_BE, L = cp.sum(count_BE), L * cp.size
-            P_BE = probs_BLE.sum(1) / L
-        f_BE = count_BE * (E / (K * L))
+        count_BE, whole = self._whole_row_counts(chosen.view(Bsz, L, E).sum(1), L)
+        P_BE = probs_BLE.mean(1) if whole == L else probs_BLE.sum(1) / whole
+        f_BE = count_BE * (E / (K * whole))
         return c.aux_loss_coef * (f_BE * P_BE).sum(-1).mean()
+
+    def _whole_row_counts(self, count_BE: torch.Tensor, L: int) -> tuple[torch.Tensor, int]:
+        """Tokens per expert of the whole rows these `L` tokens per row belong to, and the
+        rows' length: these rows' own on one device. Context parallelism
+        (`train.context_parallel`) sums the shards'."""
+        return count_BE, L
 
     @torch.no_grad()
     def update_bias(self, load_E: torch.Tensor | None = None) -> None:

@@ -1,9 +1,12 @@
 """Context parallelism: each sequence split into `cp` contiguous shards, one per rank, for
 sequences no single device holds (Olmo 3 extends context with CP 8; Nemotron 3 Super trains to
-1M tokens). Applied from outside (DESIGN habit 4): `apply_context_parallel` sets a
-`ContextParallel` object as `HybridLM.context_parallel`; the mixers call its few exchange
-operations and keep their own math. Rank r of the group holds positions
-[r * Ls, (r + 1) * Ls) of every row.
+1M tokens). Applied from outside (DESIGN habit 4), as `fully_shard` is: `apply_context_parallel`
+turns the model and its mixers into context-parallel subclasses of their own classes, which
+override the few methods through which a forward sees the rows beyond its own tokens (on one
+device those rows are whole: `HybridLM._block_context` and `_tokens_ahead`,
+`Attention._keys_values`, `Mamba2Mixer._conv_rows` and `_add_entering_state`,
+`MoE._whole_row_counts`). The overrides call the exchanges of `ContextParallel`; the math stays
+the mixers'. Rank r of the group holds positions [r * Ls, (r + 1) * Ls) of every row.
 
 Shape legend: S cp ranks, B rows, Ls shard length, K kv heads, H heads, P head dim, N state size,
 X conv channels.
@@ -34,8 +37,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from ..model.attention import Attention
+from ..model.mamba2 import Mamba2Mixer
+from ..model.model import HybridLM, shift_left
+from ..model.moe import MoE
+from ..ops.conv1d import causal_conv1d, causal_conv1d_docs
 
 
 def _gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -117,10 +127,8 @@ class ContextParallel:
     def shift_left(self, ids_BL: torch.Tensor, k: int, fill: int) -> torch.Tensor:
         """This shard of the whole rows shifted left by `k` (`fill` past the end): token t + k
         for position t, across shard boundaries."""
-        full = self.gather_seq(ids_BL, dim=1)
         L = ids_BL.shape[1]
-        pad = full.new_full((full.shape[0], k), fill)
-        shifted = torch.cat([full[:, k:], pad], dim=1)
+        shifted = shift_left(self.gather_seq(ids_BL, dim=1), k, fill)
         return shifted[:, self.offset(L) : self.offset(L) + L]
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,9 +149,126 @@ class ContextParallel:
         return x.narrow(dim, self.rank * n, n)
 
 
+class _Sharded:
+    """What the context-parallel subclasses share: the group they exchange over."""
+
+    _cp: ContextParallel
+
+
+class _ShardedHybridLM(_Sharded, HybridLM):
+    """A HybridLM whose forward takes one shard of every row (training rows only)."""
+
+    def _block_context(self, input_ids, doc_ids, attention_mask, cache):
+        if cache is not None or attention_mask is not None:
+            raise ValueError("context parallelism shards training rows: no cache or attention_mask")
+        cp, L = self._cp, input_ids.shape[1]
+        if doc_ids is None:  # this shard's global positions
+            return {
+                "positions_L": torch.arange(cp.offset(L), cp.offset(L) + L, device=input_ids.device)
+            }
+        local = self._check_doc_ids(input_ids, doc_ids, attention_mask, cache)
+        return self._document_context(local, cp.gather_seq(local, dim=1), cp.offset(L))
+
+    def _tokens_ahead(self, input_ids, k):
+        return self._cp.shift_left(input_ids, k, 0)
+
+
+class _ShardedAttention(_Sharded, Attention):
+    """Attention of one shard's queries over the keys and values of the whole rows."""
+
+    def _keys_values(self, k_BKLE, v_BKLE):
+        cp = self._cp
+        offset = cp.offset(k_BKLE.shape[2])
+        return cp.gather_seq(k_BKLE, dim=2), cp.gather_seq(v_BKLE, dim=2), offset
+
+
+class _ShardedMamba2(_Sharded, Mamba2Mixer):
+    """Mamba-2 of one shard: conv taps and the SSD state enter from the previous shards."""
+
+    def _conv_rows(self, xbc_BLX, doc_ids_BL):
+        return F.silu(self._conv_across_shards(xbc_BLX, doc_ids_BL))
+
+    def _conv_across_shards(
+        self, xbc_BLX: torch.Tensor, doc_ids_BL: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The causal conv of one sequence shard: its first taps read the previous shard's last
+        conv_kernel - 1 inputs (zeros before the first shard; masked across documents)."""
+        cp, S, L = self._cp, self.m.conv_kernel - 1, xbc_BLX.shape[1]
+        if L < S:
+            raise ValueError(f"a context-parallel shard of {L} tokens is shorter than the conv")
+        w, b = self.conv1d.weight[:, 0], self.conv1d.bias
+        halo_BSX = cp.previous(xbc_BLX[:, L - S :])
+        if doc_ids_BL is None:
+            return causal_conv1d(xbc_BLX, w, b, halo_BSX)[0]
+        prev_doc_BS = cp.previous(doc_ids_BL[:, L - S :], fill=-1)
+        x_ext = torch.cat([halo_BSX, xbc_BLX], dim=1)
+        doc_ext = torch.cat([prev_doc_BS, doc_ids_BL], dim=1)
+        return causal_conv1d_docs(x_ext, w, b, doc_ext)[:, S:]
+
+    def _add_entering_state(
+        self,
+        y_BLHP: torch.Tensor,
+        dA_BLH: torch.Tensor,
+        C_BLGN: torch.Tensor,
+        final_BHPN: torch.Tensor,
+        doc_ids_BL: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """`y_BLHP` plus the output of the state entering this shard: the shard was scanned
+        from a zero state, ending in `final_BHPN`; an exclusive scan over the shards gives the
+        entering state h, which reaches position t as exp(cumsum(dt*A)_t) C_t h (the
+        inter-chunk term of SSD, Mamba-2 §7), within the document running at the shard start."""
+        cp = self._cp
+        acum_BLH = dA_BLH.cumsum(1)
+        Bsz, L, H = acum_BLH.shape
+        ones_B = torch.ones(Bsz, dtype=torch.bool, device=acum_BLH.device)
+        reach_BL, carry_B, whole_B = None, ones_B, ones_B
+        if doc_ids_BL is not None:
+            first_B1 = doc_ids_BL[:, :1]
+            reach_BL = doc_ids_BL == first_B1  # still the document the shard starts in
+            carry_B = (cp.previous(doc_ids_BL[:, L - 1 :], fill=-1) == first_B1)[:, 0]
+            whole_B = doc_ids_BL[:, -1] == doc_ids_BL[:, 0]  # no document starts inside
+        decay_BH = acum_BLH[:, -1].exp() * whole_B[:, None]
+        h_BHPN = cp.scan_states(decay_BH, final_BHPN, carry_B)
+        C_BLHN = C_BLGN.to(h_BHPN.dtype).repeat_interleave(H // C_BLGN.shape[2], dim=2)
+        gain_BLH = acum_BLH.exp()
+        if reach_BL is not None:
+            gain_BLH = gain_BLH * reach_BL[..., None]
+        return y_BLHP + torch.einsum("blhn,bhpn->blhp", C_BLHN, h_BHPN) * gain_BLH[..., None]
+
+
+class _ShardedMoE(_Sharded, MoE):
+    """MoE whose balancing loss counts the routing of the whole rows."""
+
+    def _whole_row_counts(self, count_BE, L):
+        return self._cp.sum(count_BE), L * self._cp.size
+
+
+_SHARDED: dict[type, type] = {
+    HybridLM: _ShardedHybridLM,
+    Attention: _ShardedAttention,
+    Mamba2Mixer: _ShardedMamba2,
+    MoE: _ShardedMoE,
+}
+
+
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> ContextParallel:
-    """Install `ContextParallel` over `cp_mesh` on `model` (a HybridLM): its forwards then take
-    this rank's shard of every row."""
+    """Make `model` (a HybridLM) context-parallel over `cp_mesh`: its forwards then take this
+    rank's shard of every row (module docstring). The modules keep their parameters, buffers
+    and state-dict keys; only their class changes, to the sharded subclass."""
     cp = ContextParallel(cp_mesh)
-    model.context_parallel = cp
+    for module in model.modules():
+        sharded = _SHARDED.get(type(module))
+        if sharded is None and isinstance(module, tuple(_SHARDED)):
+            raise TypeError(
+                f"context parallelism does not know {type(module).__name__}, a subclass of a "
+                "model class; apply it before converting the model"
+            )
+        if sharded is not None:
+            module.__class__ = sharded
+            module._cp = cp
     return cp
+
+
+def context_parallel_of(model: nn.Module) -> ContextParallel | None:
+    """The context-parallel group `model` was made parallel over, if any."""
+    return model._cp if isinstance(model, _Sharded) else None

@@ -61,6 +61,7 @@ from ..model.stock import project
 from ..report.plot import plot_loss_curves
 from .callbacks import Callback, Plot, Summary
 from .config import RunConfig
+from .context_parallel import context_parallel_of
 from .objectives import causal_lm_loss, shift_targets, topk_forward_kl, z_loss
 from .parallel import is_main, on_main
 from .teacher import check_vocab, load_teacher, teacher_topk_at
@@ -218,7 +219,7 @@ class Pretrain(TrainModule):
         model = self.forward_model if self.model.training else self.model
         labels = batch["labels"].to(dev)
         input_ids, model_doc_ids, own = batch["input_ids"].to(dev), doc_ids, None
-        cp = self.model.context_parallel
+        cp = context_parallel_of(self.model)
         if cp is not None:  # this rank's shard of every row; targets shift on the whole rows
             input_ids = cp.shard(input_ids)
             model_doc_ids = None if doc_ids is None else cp.shard(doc_ids)
