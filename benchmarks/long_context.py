@@ -57,8 +57,8 @@ from hybridlm.eval.long_context import (
 from hybridlm.io import resolve_checkpoint
 from hybridlm.provenance import command_line, cpu_info, git_state, library_versions
 from hybridlm.train.config import RunConfig
-from hybridlm.train.merge import soup_runs
-from hybridlm.train.pretrain import run_pretrain
+from hybridlm.train.stages.merge import soup_runs
+from hybridlm.train.stages.pretrain import run_pretrain
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("niah_single", "niah_multikey", "vt", "cwe", "fwe")

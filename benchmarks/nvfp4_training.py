@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 5:
         raise SystemExit("--steps must be >= 5")
 
-    from hybridlm.train.pretrain import run_pretrain
+    from hybridlm.train.stages.pretrain import run_pretrain
 
     out = Path(args.out)
     for lp in ("none", "nvfp4"):

@@ -59,9 +59,9 @@ def run_mode(cfg, mode: str, args, device: torch.device, peak: float) -> dict:
     from hybridlm.model.model import build_model
     from hybridlm.train.activation_checkpointing import apply_activation_checkpointing
     from hybridlm.train.config import TrainConfig
+    from hybridlm.train.distributed.parallel import apply_fsdp2
     from hybridlm.train.objectives import causal_lm_loss
     from hybridlm.train.optim import build_optimizer, optimizer_step
-    from hybridlm.train.parallel import apply_fsdp2
 
     tc = TrainConfig(lr=3e-4, warmup_steps=1, max_steps=args.steps + args.warmup, progress=False)
     model = build_model(cfg, seed=0, device=device)

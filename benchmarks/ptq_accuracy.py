@@ -41,7 +41,7 @@ def find_checkpoint(args) -> Path:
     if found is not None:
         return found
     from hybridlm.train.config import RunConfig
-    from hybridlm.train.pretrain import run_pretrain
+    from hybridlm.train.stages.pretrain import run_pretrain
 
     run = RunConfig.load("configs/quickstart.yaml")
     run.train.out_dir = str(Path(args.out) / "train")
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybridlm.interop.modelopt import export_modelopt, load_modelopt
     from hybridlm.precision import ptq
     from hybridlm.precision.autoquant import autoquantize, measure_sensitivities
-    from hybridlm.train.quantize import load_checkpoint_and_data
+    from hybridlm.train.stages.quantize import load_checkpoint_and_data
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -103,7 +103,7 @@ def main() -> None:
     from hybridlm.provenance import collect
     from hybridlm.rl.env_config import build_mixture, eval_specs
     from hybridlm.speedrun import Speedrun, load_config
-    from hybridlm.train.qad import QADRunConfig, qad_figures, run_qad
+    from hybridlm.train.stages.qad import QADRunConfig, qad_figures, run_qad
 
     run_dir = Path(args.run)
     if not (run_dir / "quantize" / "stage.json").is_file():

@@ -57,7 +57,7 @@ from hybridlm.rl.episodes import run_episodes
 from hybridlm.rl.learner import RLConfig, run_rl
 from hybridlm.train.config import TrainConfig
 from hybridlm.train.post_training import ChatSource, SFTDataConfig
-from hybridlm.train.sft import SFTConfig, SFTRunConfig, run_sft
+from hybridlm.train.stages.sft import SFTConfig, SFTRunConfig, run_sft
 
 TASKS = ("single", "multi")
 

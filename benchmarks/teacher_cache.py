@@ -42,10 +42,10 @@ from hybridlm.presets import get_preset
 from hybridlm.provenance import command_line, cpu_info, git_state, library_versions
 from hybridlm.report.plot import read_metrics
 from hybridlm.train.config import RunConfig, TeacherConfig, TrainConfig
-from hybridlm.train.distill import cache_teacher, run_distill
 from hybridlm.train.distillation import DistillConfig, DistillRunConfig
 from hybridlm.train.post_training import ChatSource, SFTDataConfig
-from hybridlm.train.pretrain import cache_text_teacher, run_pretrain
+from hybridlm.train.stages.distill import cache_teacher, run_distill
+from hybridlm.train.stages.pretrain import cache_text_teacher, run_pretrain
 
 VOCAB, K, ROWS, SEQ = 4096, 128, 8, 256
 ROOT = Path(__file__).resolve().parents[1]

@@ -89,7 +89,7 @@ def _hsdp_grad(rank: int) -> None:
 
 def _cp_state(_: int) -> None:
     """CP: the SSD state entering each shard (the cross-rank scan) replaced by zeros."""
-    from hybridlm.train.context_parallel import ContextParallel
+    from hybridlm.train.distributed.context_parallel import ContextParallel
 
     scan = ContextParallel.scan_states
 
@@ -102,7 +102,7 @@ def _cp_state(_: int) -> None:
 def _ep_swap(_: int) -> None:
     """EP: every all-to-all (dispatch and combine) delivers the chunks of ranks 0 and 1 in
     swapped order."""
-    import hybridlm.train.expert_parallel as ep
+    import hybridlm.train.distributed.expert_parallel as ep
 
     exchange = ep.all_to_all
 
@@ -117,7 +117,7 @@ def _ep_swap(_: int) -> None:
 def _ep_scale(_: int) -> None:
     """EP: the 1/ep scale of the local experts' gradient dropped (expert gradients ep times
     too large; AdamW is nearly invariant to it)."""
-    import hybridlm.train.expert_parallel as ep
+    import hybridlm.train.distributed.expert_parallel as ep
 
     ep._ScaleGrad.backward = staticmethod(lambda ctx, grad: (grad, None))
 
@@ -126,7 +126,7 @@ def _tp_forward(_: int) -> None:
     """TP: the forward all-reduce of the split Mamba-2 out_proj (and QK-norm) partial sums
     averages them instead of summing (the same wrong value on every rank: dropping it outright
     makes the ranks route differently and the job dies in a collective of mismatched sizes)."""
-    from hybridlm.train.tensor_parallel import _SumReplicatedOut
+    from hybridlm.train.distributed.tensor_parallel import _SumReplicatedOut
 
     forward = _SumReplicatedOut.forward
 
@@ -139,7 +139,7 @@ def _tp_forward(_: int) -> None:
 def _tp_backward(_: int) -> None:
     """TP: the backward all-reduce of a split region's input gradient dropped (Megatron's
     "copy to the model-parallel region": Mamba-2 input, QK-norm)."""
-    from hybridlm.train.tensor_parallel import _CopyToGroup
+    from hybridlm.train.distributed.tensor_parallel import _CopyToGroup
 
     _CopyToGroup.backward = staticmethod(lambda ctx, g: (g, None))
 

@@ -166,7 +166,7 @@ def tiny_sft_run(tmp: Path, out: str = "sft", *, steps: int = 1) -> Path:
     """A finished SFT run of `tiny_train_model` on generated arithmetic chats in `tmp/out`:
     run.yaml, checkpoints/step_*, hf/ (what `hybridlm speedrun` leaves in runs/speedrun/sft)."""
     from hybridlm.train.post_training import ChatSource, SFTDataConfig
-    from hybridlm.train.sft import SFTConfig, SFTRunConfig, run_sft
+    from hybridlm.train.stages.sft import SFTConfig, SFTRunConfig, run_sft
 
     run_sft(
         SFTRunConfig(

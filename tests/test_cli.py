@@ -187,7 +187,7 @@ def test_pretrain_rerun_needs_resume_or_overwrite_and_resume_skips_damage(tmp_pa
     from _tiny import tiny_run
     from hybridlm.io.checkpoint import list_checkpoints
     from hybridlm.report.plot import read_metrics
-    from hybridlm.train.pretrain import run_pretrain
+    from hybridlm.train.stages.pretrain import run_pretrain
 
     cfg = tiny_run(tmp_path, "run", max_steps=4, checkpoint_interval=2, eval_interval=0)
     cfg.save(tmp_path / "run.yaml")

@@ -10,11 +10,11 @@ from hybridlm.eval.harness import EvalConfig
 from hybridlm.rl.learner import RLConfig
 from hybridlm.speedrun import SpeedrunConfig
 from hybridlm.train.config import RunConfig
-from hybridlm.train.distill import DistillRunConfig
-from hybridlm.train.dpo import DPORunConfig
-from hybridlm.train.qad import QADRunConfig
-from hybridlm.train.rm import RMRunConfig
-from hybridlm.train.sft import SFTRunConfig
+from hybridlm.train.stages.distill import DistillRunConfig
+from hybridlm.train.stages.dpo import DPORunConfig
+from hybridlm.train.stages.qad import QADRunConfig
+from hybridlm.train.stages.rm import RMRunConfig
+from hybridlm.train.stages.sft import SFTRunConfig
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 READERS = {

@@ -90,9 +90,9 @@ def test_loaders_without_a_path_read_the_packaged_sets():
     from hybridlm.data.pipeline import build_source
     from hybridlm.data.sft import ReadReport
     from hybridlm.rl.env_config import EnvConfig, build_environment, eval_specs
-    from hybridlm.train.distill import load_prompts
     from hybridlm.train.distillation import PromptSource
     from hybridlm.train.post_training import ChatSource, load_source
+    from hybridlm.train.stages.distill import load_prompts
 
     convs = load_source(ChatSource(kind="gsm8k", max_rows=3), ReadReport())
     assert len(convs) == 3 and convs[0][0]["content"].startswith("Natalia sold clips")

@@ -18,7 +18,6 @@ from hybridlm.io.checkpoint import save_checkpoint
 from hybridlm.model.model import build_model
 from hybridlm.report.plot import read_metrics
 from hybridlm.train.config import TrainConfig
-from hybridlm.train.distill import distill_trainer, run_distill
 from hybridlm.train.distillation import (
     DistillConfig,
     DistillRunConfig,
@@ -27,6 +26,7 @@ from hybridlm.train.distillation import (
 )
 from hybridlm.train.objectives import distill_loss, skew_reverse_kl
 from hybridlm.train.post_training import ChatSource, SFTDataConfig
+from hybridlm.train.stages.distill import distill_trainer, run_distill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

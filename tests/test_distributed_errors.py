@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridlm.train.parallel import MainFailed, lost_peer, on_main, record_failure
-from hybridlm.train.pretrain import run_pretrain
+from hybridlm.train.distributed.parallel import MainFailed, lost_peer, on_main, record_failure
+from hybridlm.train.stages.pretrain import run_pretrain
 from test_train_parallel import TIMEOUT_S, tiny_run, torchrun_cmd
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -113,7 +113,7 @@ SCRIPT = textwrap.dedent(
 
     import hybridlm.cli as cli
     from hybridlm.cli import train
-    from hybridlm.train import parallel
+    from hybridlm.train.distributed import parallel
 
     parallel.REPORT_WAIT_S = 2.0  # how long rank 1 waits for rank 0's verdict
 

@@ -16,14 +16,6 @@ from hybridlm.data.sft import ReadReport, arithmetic_conversations
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.model.model import build_model
 from hybridlm.train.config import TrainConfig
-from hybridlm.train.dpo import (
-    DPOConfig,
-    DPORunConfig,
-    dpo_trainer,
-    policy_logps,
-    reference_logps,
-    run_dpo,
-)
 from hybridlm.train.pairs import (
     PairDataConfig,
     PreferencePair,
@@ -34,6 +26,14 @@ from hybridlm.train.pairs import (
     read_pairs,
     tokenize_pair,
     write_pairs,
+)
+from hybridlm.train.stages.dpo import (
+    DPOConfig,
+    DPORunConfig,
+    dpo_trainer,
+    policy_logps,
+    reference_logps,
+    run_dpo,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -295,7 +295,7 @@ def test_sft_run_writes_a_transformers_directory(bpe, tmp_path):
     """A training run's own export (`<out>/hf` at the end of an SFT run)."""
     from hybridlm.train.config import TrainConfig
     from hybridlm.train.post_training import ChatSource, SFTDataConfig
-    from hybridlm.train.sft import SFTConfig, SFTRunConfig, run_sft
+    from hybridlm.train.stages.sft import SFTConfig, SFTRunConfig, run_sft
 
     tok_dir = bpe.save(tmp_path / "tok")
     cfg = SFTRunConfig(

@@ -16,8 +16,8 @@ from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.interop.hf import save_pretrained
 from hybridlm.io import load_tokenizer_for, tokenizer_spec_for
 from hybridlm.model.model import build_model
-from hybridlm.train.distill import run_distill
-from hybridlm.train.sft import SFTRunConfig, run_sft, sft_trainer
+from hybridlm.train.stages.distill import run_distill
+from hybridlm.train.stages.sft import SFTRunConfig, run_sft, sft_trainer
 from test_distill import offline_run
 from test_sft import tiny_sft
 

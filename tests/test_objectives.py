@@ -313,7 +313,7 @@ def test_sft_micro_batches_give_the_big_batch_gradient(mode, tmp_path):
     from hybridlm.data.sft import collate_rows
     from hybridlm.train.config import TrainConfig
     from hybridlm.train.post_training import ChatSource, SFTDataConfig
-    from hybridlm.train.sft import SFTRunConfig, sft_trainer
+    from hybridlm.train.stages.sft import SFTRunConfig, sft_trainer
     from hybridlm.train.trainer import Step
 
     run = SFTRunConfig(

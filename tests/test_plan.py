@@ -19,9 +19,7 @@ from hybridlm.model.model import build_model
 from hybridlm.presets import get_preset
 from hybridlm.train.activation_checkpointing import apply_activation_checkpointing
 from hybridlm.train.config import TrainConfig
-from hybridlm.train.objectives import causal_lm_loss
-from hybridlm.train.optim import build_optimizer
-from hybridlm.train.plan import (
+from hybridlm.train.distributed.plan import (
     AC_MODES,
     activation_bytes,
     parameter_shards,
@@ -29,6 +27,8 @@ from hybridlm.train.plan import (
     resolve_plan_layout,
     weight_copy_bytes,
 )
+from hybridlm.train.objectives import causal_lm_loss
+from hybridlm.train.optim import build_optimizer
 from test_train_parallel import launch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -46,7 +46,13 @@ WORKER = textwrap.dedent(
     from _tiny import tiny_train_model
     from test_plan import parallel_step, step_bytes
     from hybridlm.model.model import build_model
-    from hybridlm.train.parallel import Layout, apply_layout, build_mesh, destroy, init_distributed
+    from hybridlm.train.distributed.parallel import (
+        Layout,
+        apply_layout,
+        build_mesh,
+        destroy,
+        init_distributed,
+    )
 
     rank, world, device = init_distributed("cpu")
     out = {}
@@ -106,10 +112,10 @@ def parallel_step(layout, mode: str, rank: int, world: int, device) -> dict:
     rank sends in collectives over forward + backward (`CommBytes`). FSDP2 is left out: its
     gathered parameters are not activations (the plan counts them apart) and its traffic is
     not what is measured here."""
-    from hybridlm.train.context_parallel import apply_context_parallel
-    from hybridlm.train.expert_parallel import apply_expert_parallel
-    from hybridlm.train.parallel import build_mesh
-    from hybridlm.train.tensor_parallel import apply_tensor_parallel
+    from hybridlm.train.distributed.context_parallel import apply_context_parallel
+    from hybridlm.train.distributed.expert_parallel import apply_expert_parallel
+    from hybridlm.train.distributed.parallel import build_mesh
+    from hybridlm.train.distributed.tensor_parallel import apply_tensor_parallel
 
     cfg = tiny_train_model()
     model = build_model(cfg, seed=0, device=device).train()

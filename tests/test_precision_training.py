@@ -339,7 +339,7 @@ def _lp_run(tmp: Path, out: str, **train):
 def test_trainer_logs_low_precision_metrics(tmp_path: Path):
     from hybridlm.report.plot import read_metrics
     from hybridlm.train.config import TrainConfig
-    from hybridlm.train.pretrain import run_pretrain
+    from hybridlm.train.stages.pretrain import run_pretrain
 
     out = run_pretrain(_lp_run(tmp_path, "run"))
     rows = [r for r in read_metrics(Path(out["metrics"])) if r["kind"] == "train"]
@@ -358,7 +358,7 @@ def test_low_precision_run_resumes_exactly(tmp_path: Path):
     """Stochastic rounding draws from the checkpointed global RNG: a run killed after step 3
     and resumed from its step-2 checkpoint logs the same losses as an uninterrupted one."""
     from hybridlm.report.plot import read_metrics
-    from hybridlm.train.pretrain import run_pretrain
+    from hybridlm.train.stages.pretrain import run_pretrain
 
     def losses(cfg):
         rows = read_metrics(Path(cfg.train.out_dir) / "metrics.jsonl")

@@ -1,9 +1,9 @@
-"""Quantisation-aware distillation (precision/ptq.py QAT modules, train/qad.py, `hybridlm qad`):
-QAT modules compute the PTQ inference modules' forward bit for bit (train and eval, before and
-after an update) and convert into them exactly; the clipped straight-through gradient; a tiny
+"""Quantisation-aware distillation (precision/ptq.py QAT modules, train/stages/qad.py, `hybridlm
+qad`): QAT modules compute the PTQ inference modules' forward bit for bit (train and eval, before
+and after an update) and convert into them exactly; the clipped straight-through gradient; a tiny
 QAD run lowers the held-out KL to its unquantised teacher, resumes exactly with its calibration
-scales, and exports a ModelOpt checkpoint that loads back to the trained model's logits; a
-`hybridlm quantize` plan is taken as it is; config errors."""
+scales, and exports a ModelOpt checkpoint that loads back to the trained model's logits; a `hybridlm
+quantize` plan is taken as it is; config errors."""
 
 import copy
 import dataclasses
@@ -20,7 +20,7 @@ from hybridlm.precision import ptq
 from hybridlm.report.plot import read_metrics
 from hybridlm.train.distillation import DistillConfig
 from hybridlm.train.objectives import hidden_mse
-from hybridlm.train.qad import QADConfig, QADRunConfig, qad_trainer, run_qad
+from hybridlm.train.stages.qad import QADConfig, QADRunConfig, qad_trainer, run_qad
 from test_distill import offline_run, save_teacher
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -247,7 +247,7 @@ def test_qad_keeps_the_correct_replies_and_follows_text_by_kl_alone(tmp_path, mo
     import re
 
     from _tiny import tiny_run
-    from hybridlm.train import qad as qad_module
+    from hybridlm.train.stages import qad as qad_module
 
     def replies(model, tokenizer, prompts, **_):  # right on every other prompt
         out = []

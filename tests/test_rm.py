@@ -18,7 +18,7 @@ from hybridlm.train.config import TrainConfig
 from hybridlm.train.objectives import bradley_terry_loss
 from hybridlm.train.pairs import PairDataConfig, build_verified_pairs
 from hybridlm.train.reward_model import RewardModelScorer, sequence_rewards, with_score_head
-from hybridlm.train.rm import RMConfig, RMRunConfig, run_rm
+from hybridlm.train.stages.rm import RMConfig, RMRunConfig, run_rm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOK = ByteTokenizer()

@@ -18,7 +18,7 @@ from hybridlm.report.plot import read_metrics
 from hybridlm.train.config import TrainConfig
 from hybridlm.train.objectives import causal_lm_loss
 from hybridlm.train.post_training import ChatSource, SFTDataConfig, prompt_key, split_held_out
-from hybridlm.train.sft import SFTConfig, SFTRunConfig, run_sft, sft_trainer
+from hybridlm.train.stages.sft import SFTConfig, SFTRunConfig, run_sft, sft_trainer
 from hybridlm.train.trainer import Step
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -306,8 +306,8 @@ def test_interrupted_stage_keeps_its_outputs_only_for_the_same_settings(tmp_path
 
 def test_quantize_data_options_name_missing_runs(tmp_path):
     from hybridlm.data.tokenizer import ByteTokenizer
-    from hybridlm.train.quantize import sft_calibration_batches
     from hybridlm.train.run_data import pretraining_data
+    from hybridlm.train.stages.quantize import sft_calibration_batches
 
     with pytest.raises(ValueError, match="no pretraining run config"):
         pretraining_data(tmp_path)

@@ -15,8 +15,8 @@ from hybridlm.cli.train import register
 from hybridlm.data.sft import SFTLoader
 from hybridlm.io import load_model
 from hybridlm.report.plot import read_metrics
-from hybridlm.train.distill import run_distill
 from hybridlm.train.post_training import prepare_chat_data
+from hybridlm.train.stages.distill import run_distill
 from hybridlm.train.teacher_cache import CacheSpec, TeacherTopK, build_teacher_cache
 from hybridlm.train.trainer import run_tokenizer
 from test_distill import offline_run, save_teacher
@@ -184,7 +184,7 @@ def _text_run(tmp_path, out, teacher, *, steps=4, top_k=258):
 
 
 def test_pretraining_distillation_from_the_cache_equals_online_for_k_equal_vocab(tmp_path, capsys):
-    from hybridlm.train.pretrain import run_pretrain
+    from hybridlm.train.stages.pretrain import run_pretrain
 
     teacher = save_teacher(tmp_path, "teacher", tiny_train_model(), seed=5, sharpen=30.0)
     online = _text_run(tmp_path, "online", teacher)
@@ -323,7 +323,7 @@ def test_text_cache_entries_are_each_pieces_top_k_and_resume_by_shard(tmp_path):
 
 
 def test_pretraining_distillation_errors(tmp_path):
-    from hybridlm.train.pretrain import run_pretrain
+    from hybridlm.train.stages.pretrain import run_pretrain
 
     run = _text_run(tmp_path, "err", "")
     run.distill.teacher_cache = str(tmp_path / "nothing")

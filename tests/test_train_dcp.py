@@ -1,6 +1,6 @@
-"""Sharded training checkpoints (torch.distributed.checkpoint, `hybridlm.train.dcp`): an FSDP2
-world-2 run writes one shard file per rank (nothing gathered onto rank 0); the checkpoint resumes
-at world 1 without a process group and at world 2 with the losses of an uninterrupted world-1
+"""Sharded training checkpoints (torch.distributed.checkpoint, `train.distributed.dcp`): an FSDP2
+world-2 run writes one shard file per rank (nothing gathered onto rank 0); the checkpoint resumes at
+world 1 without a process group and at world 2 with the losses of an uninterrupted world-1
 run; a world-1 sharded checkpoint resumes under FSDP2 and DDP, a full one under FSDP2; a crash
 before the rename leaves no checkpoint, damage is found; `hybridlm.io` consolidates it into a
 model; `export-hf` streams it into a transformers directory tensor by tensor."""
@@ -31,8 +31,8 @@ from hybridlm.io.checkpoint import (
 from hybridlm.io.sharded import iter_model_tensors, model_tensor_specs
 from hybridlm.model.model import HybridLM
 from hybridlm.train.config import TrainConfig
-from hybridlm.train.dcp import load_sharded, save_sharded
-from hybridlm.train.pretrain import run_pretrain
+from hybridlm.train.distributed.dcp import load_sharded, save_sharded
+from hybridlm.train.stages.pretrain import run_pretrain
 from test_train_parallel import (
     PRETRAIN_KEYS,
     assert_same_losses,

@@ -21,7 +21,7 @@ from hybridlm.io import load_model
 from hybridlm.io.checkpoint import latest_checkpoint, list_checkpoints, read_meta
 from hybridlm.report.plot import read_metrics
 from hybridlm.train.config import RunConfig
-from hybridlm.train.pretrain import run_pretrain
+from hybridlm.train.stages.pretrain import run_pretrain
 from hybridlm.train.text_training import pretrain_trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -248,7 +248,7 @@ SCRIPT = """
 import sys, torch
 torch.set_num_threads(1)
 from hybridlm.train.config import RunConfig
-from hybridlm.train.pretrain import run_pretrain
+from hybridlm.train.stages.pretrain import run_pretrain
 run_pretrain(RunConfig.load(sys.argv[1]), resume=sys.argv[2] == "1")
 """
 

@@ -1,4 +1,4 @@
-"""Checkpoint merging of a run (train/merge.py, `hybridlm merge`): the merged weights are the
+"""Checkpoint merging of a run (train/stages/merge.py, `hybridlm merge`): the merged weights are the
 hand-computed weighted average, the lowest-eval-loss candidate is exported, and a window larger
 than the run's checkpoints is an actionable error."""
 
@@ -18,8 +18,8 @@ from hybridlm.io import load_model
 from hybridlm.io.checkpoint import list_checkpoints
 from hybridlm.train.checkpoint import merge_checkpoints
 from hybridlm.train.config import RunConfig, TrainConfig
-from hybridlm.train.merge import checkpoints_kept, merge_run, soup_runs
-from hybridlm.train.pretrain import run_pretrain
+from hybridlm.train.stages.merge import checkpoints_kept, merge_run, soup_runs
+from hybridlm.train.stages.pretrain import run_pretrain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -200,7 +200,7 @@ def test_export_falls_back_to_a_checkpoint_for_architectures_transformers_lacks(
     from hybridlm.config import YarnConfig
     from hybridlm.data.tokenizer import ByteTokenizer
     from hybridlm.model.model import HybridLM
-    from hybridlm.train.merge import export
+    from hybridlm.train.stages.merge import export
 
     cfg = tiny_train_model(mtp=False)
     cfg.attention.rope_theta = 10_000.0

@@ -14,8 +14,8 @@ import torch
 
 from hybridlm.presets import get_preset
 from hybridlm.train.config import ParallelConfig, TrainConfig
-from hybridlm.train.parallel import resolve_layout
-from hybridlm.train.pretrain import run_pretrain
+from hybridlm.train.distributed.parallel import resolve_layout
+from hybridlm.train.stages.pretrain import run_pretrain
 from test_train_parallel import (
     PRETRAIN_KEYS,
     assert_same_losses,
@@ -73,7 +73,7 @@ META_INIT_WORKER = textwrap.dedent(
     from hybridlm.model.model import HybridLM, build_model
     from hybridlm.presets import get_preset
     from hybridlm.train.config import ParallelConfig
-    from hybridlm.train import parallel as P
+    from hybridlm.train.distributed import parallel as P
 
     rank, world, dev = P.init_distributed("cpu")
     cfg = get_preset("tiny-super")
@@ -219,8 +219,8 @@ CP_EXACT_WORKER = textwrap.dedent(
     _broken.install_from_env()
     from _tiny import tiny_train_model
     from hybridlm.model.model import build_model
-    from hybridlm.train import parallel as P
-    from hybridlm.train.context_parallel import apply_context_parallel
+    from hybridlm.train.distributed import parallel as P
+    from hybridlm.train.distributed.context_parallel import apply_context_parallel
     from hybridlm.train.objectives import causal_lm_loss
 
     # fp64: what is left is the summation order (measured <= 1e-15); the router's weight stays
@@ -426,8 +426,8 @@ VOCAB_CE_WORKER = textwrap.dedent(
     import torch
     from torch.distributed.tensor import Shard, distribute_tensor
     from hybridlm.ops.cross_entropy import linear_cross_entropy_ref
-    from hybridlm.train import parallel as P
-    from hybridlm.train.tensor_parallel import vocab_parallel_cross_entropy
+    from hybridlm.train.distributed import parallel as P
+    from hybridlm.train.distributed.tensor_parallel import vocab_parallel_cross_entropy
 
     rank, world, dev = P.init_distributed("cpu")
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -462,9 +462,9 @@ TP_CHECK_WORKER = textwrap.dedent(
     import sys
     import torch
     from hybridlm.model.model import HybridLM
-    from hybridlm.train import parallel as P
+    from hybridlm.train.distributed import parallel as P
     from hybridlm.train.config import RunConfig
-    from hybridlm.train.tensor_parallel import apply_tensor_parallel
+    from hybridlm.train.distributed.tensor_parallel import apply_tensor_parallel
 
     rank, world, dev = P.init_distributed("cpu")
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))

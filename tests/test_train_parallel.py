@@ -23,7 +23,7 @@ from _tiny import tiny_run as _tiny_run
 from hybridlm.io import load_model
 from hybridlm.report.plot import read_metrics
 from hybridlm.train.config import RunConfig
-from hybridlm.train.pretrain import run_pretrain
+from hybridlm.train.stages.pretrain import run_pretrain
 
 REL_TOL = 1e-5  # fp32; only the reduction order of the gradient sums differs
 # Weights at the end of a run, per tensor in norm (|a - b| / |b|; buffers such as the router's
@@ -47,15 +47,15 @@ WORKER = textwrap.dedent(
         sys.path.insert(0, sys.argv[5])
         import _broken
         _broken.install_from_env()
-    from hybridlm.train.parallel import destroy
+    from hybridlm.train.distributed.parallel import destroy
     stage = sys.argv[4]
     if stage == "pretrain":
         from hybridlm.train.config import RunConfig as Config
-        from hybridlm.train.pretrain import run_pretrain as run
+        from hybridlm.train.stages.pretrain import run_pretrain as run
     elif stage == "sft":
-        from hybridlm.train.sft import SFTRunConfig as Config, run_sft as run
+        from hybridlm.train.stages.sft import SFTRunConfig as Config, run_sft as run
     elif stage == "dpo":
-        from hybridlm.train.dpo import DPORunConfig as Config, run_dpo as run
+        from hybridlm.train.stages.dpo import DPORunConfig as Config, run_dpo as run
     elif stage == "rl":
         sys.path.insert(0, sys.argv[5])
         from _tiny import lowercase_first_env
@@ -82,7 +82,7 @@ WORKER = textwrap.dedent(
                 environment_prompts=environment_prompts,
             )
     else:
-        from hybridlm.train.distill import DistillRunConfig as Config, run_distill as run
+        from hybridlm.train.stages.distill import DistillRunConfig as Config, run_distill as run
     cfg = Config.load(sys.argv[1])
     until = int(sys.argv[2]) or None
     run(cfg, until_step=until, resume=sys.argv[3] == "1")
@@ -296,7 +296,7 @@ def test_torchrun_cli_pretrain_fsdp(tmp_path):
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     out = Path(run.train.out_dir)
     assert sum(r["kind"] == "train" for r in rows(out)) == 3
-    # FSDP2 shards: each rank wrote its own shards ("auto" checkpoint format, train.dcp)
+    # FSDP2 shards: each rank wrote its own shards ("auto" checkpoint format, train.distributed.dcp)
     assert (out / "checkpoints" / "step_00000003" / "__1_0.distcp").is_file()
     assert (out / "hf" / "model.safetensors").is_file()
 

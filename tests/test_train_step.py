@@ -11,9 +11,9 @@ import test_distill
 import test_dpo
 import test_sft
 from _tiny import tiny_run, tiny_train_model
-from hybridlm.train.distill import distill_trainer
-from hybridlm.train.dpo import dpo_trainer
-from hybridlm.train.sft import sft_trainer
+from hybridlm.train.stages.distill import distill_trainer
+from hybridlm.train.stages.dpo import dpo_trainer
+from hybridlm.train.stages.sft import sft_trainer
 from hybridlm.train.text_training import pretrain_trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,7 +9,7 @@ from __future__ import annotations
 # storage precisions of the Mamba SSM state cache (model/state_precision.py)
 SSM_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "fp16-sr", "int16-block")
 
-# post-training quantisation recipes of `hybridlm quantize` (train/quantize.py)
+# post-training quantisation recipes of `hybridlm quantize` (train/stages/quantize.py)
 PTQ_RECIPES: tuple[str, ...] = ("fp8", "nvfp4", "autoquant")
 
 # how an engine stores the attention KV cache (vLLM's `kv_cache_dtype`; precision/kv_cache.py):

@@ -1,5 +1,5 @@
 """The stage contract. Every stage of the model flow is one object, `STAGE`, in the module that
-runs it (`curate.pipeline`, `data.bpe`, `train.pretrain`, `train.sft`, `rl.learner`, ...);
+runs it (`curate.pipeline`, `data.bpe`, `train.stages.pretrain`, `rl.learner`, ...);
 `hybridlm.stages` lists them in flow order, and the speedrun, the report and the CLI iterate
 that registry: none of them names a stage. Adding a stage touches its module and one line of
 the registry.

@@ -14,7 +14,7 @@ from .report import card as report
 from .rl import learner as rl
 from .rl import mtp_heal
 from .stage import Stage
-from .train import pretrain, qad, quantize, sft
+from .train.stages import pretrain, qad, quantize, sft
 
 STAGES: tuple[Stage, ...] = (
     curate.STAGE,  # <run>/curate/data

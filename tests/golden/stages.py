@@ -175,7 +175,7 @@ def pretrain(tmp: Path) -> Result:
     generated text (`tiny_run`): the WSD schedule through warm-up, stable and decay, two
     micro-batches per step (the accumulated MoE balancing loss), the MoE bias step after every
     update, held-out evals at 10 and 20."""
-    from hybridlm.train.pretrain import run_pretrain
+    from hybridlm.train.stages.pretrain import run_pretrain
 
     cfg = tiny_run(
         tmp,
@@ -197,7 +197,7 @@ def sft(tmp: Path) -> Result:
     the two-stage loss normalisation (token for 10 steps, then sample), the MTP loss with
     weight 0.3, the MoE balancing loss and bias step; held-out NLL at 0 and 20."""
     from hybridlm.train.post_training import ChatSource, SFTDataConfig
-    from hybridlm.train.sft import SFTConfig, SFTRunConfig, run_sft
+    from hybridlm.train.stages.sft import SFTConfig, SFTRunConfig, run_sft
 
     cfg = SFTRunConfig(
         model=tiny_train_model(),
@@ -219,8 +219,8 @@ def dpo(tmp: Path) -> Result:
     """`run_dpo` (length-normalised `dpo_norm`, beta 5) of `tiny_train_model` with its own
     initial weights as the reference, on generated preference pairs, two micro-batches of 2
     pairs per step; held-out preference metrics at 0 and 20."""
-    from hybridlm.train.dpo import DPOConfig, DPORunConfig, run_dpo
     from hybridlm.train.pairs import PairDataConfig
+    from hybridlm.train.stages.dpo import DPOConfig, DPORunConfig, run_dpo
 
     pairs = tmp / "pairs.jsonl"
     pairs.write_text("".join(json.dumps(r) + "\n" for r in arithmetic_pairs(48, seed=2)))
@@ -245,9 +245,9 @@ def distill(tmp: Path) -> Result:
     student without MTP from a differently initialised (seed 5), sharpened (LM head x30)
     `tiny_train_model` teacher on generated arithmetic chats (as tests/test_distill.py); linear
     decay; the teacher's reference row, held-out NLL and KL at 0 and 20."""
-    from hybridlm.train.distill import run_distill
     from hybridlm.train.distillation import DistillConfig, DistillRunConfig
     from hybridlm.train.post_training import ChatSource, SFTDataConfig
+    from hybridlm.train.stages.distill import run_distill
 
     teacher = _checkpoint(tmp / "teacher", tiny_train_model(), seed=5, sharpen=30.0)
     cfg = DistillRunConfig(

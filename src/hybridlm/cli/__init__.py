@@ -30,7 +30,7 @@ the one the user sees, and every rank exits non-zero:
   rank 0; the others exit without a word. Checks rank 0 makes for all (checkpoint integrity,
   the output directory, the layout) reach the other ranks as its verdict; a failure each rank
   finds by itself is left to rank 0 when rank 0 reports the same text within 10 s
-  (`train.parallel.REPORT_WAIT_S`);
+  (`train.distributed.parallel.REPORT_WAIT_S`);
 - a failure of one other rank alone is printed by that rank: `hybridlm pretrain: error: rank 3:
   ...`;
 - a rank whose collective fails because another rank left (gloo's "Connection closed by peer",
@@ -143,7 +143,7 @@ def _under_torchrun() -> bool:
 
 def _end_rank(command: str, err: Exception, status: int | None) -> int:
     """How one rank of a torchrun job ends after `err` (module docstring); its exit status."""
-    from ..train import parallel
+    from ..train.distributed import parallel
 
     rank = parallel.launch_rank()
     if isinstance(err, parallel.MainFailed):  # rank 0 raised it too and reports it

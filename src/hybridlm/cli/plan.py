@@ -7,7 +7,7 @@
 The model comes from `--preset NAME` or `--config FILE` (a run config, whose data and train
 sections give the defaults of --seq, --micro-batch, --precision, --activation-checkpointing,
 --ep and --dp-replicate; or a model config), with `--set a.b=value` overrides. The numbers and
-their assumptions are `hybridlm.train.plan`'s.
+their assumptions are `hybridlm.train.distributed.plan`'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ import json
 from ..presets import PRESETS
 from .args import add_overrides_arg
 
-PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4")  # hybridlm.train.plan.PRECISIONS (no torch here)
+PRECISIONS = (
+    "fp32",
+    "bf16",
+    "fp8",
+    "nvfp4",
+)  # train.distributed.plan.PRECISIONS (no torch)
 AC_MODES = ("none", "selective", "full")
 
 
@@ -54,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     from ..presets import get_preset
-    from ..train.plan import plan, plan_inputs
+    from ..train.distributed.plan import plan, plan_inputs
 
     cfg, defaults = plan_inputs(args.config) if args.config else (get_preset(args.preset), {})
     if args.overrides:

@@ -1,5 +1,5 @@
 """`hybridlm precision-plan | quantize`: low-precision training plan and post-training
-quantisation (precision/policy.py, train/quantize.py)."""
+quantisation (precision/policy.py, train/stages/quantize.py)."""
 
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "quantize",
         help="PTQ (FP8 W8A8, NVFP4 W4A4, AutoQuantize mixed) + ModelOpt/vLLM-format export",
-        description="Every flag is a field of train.quantize.QuantizeConfig, which --set KEY=VALUE "
-        "also sets (applied after the flags): the flag's name with _ for - (--calib-samples 8 "
-        "is --set calib_samples=8, --kv-cache fp8 is --set kv_cache=fp8), except --dtype "
-        "(export_dtype) and --no-per-layer (per_layer=false); --set exclude=[...] replaces the "
-        "whole list, the default exclusions included.",
+        description="Every flag is a field of train.stages.quantize.QuantizeConfig, which "
+        "--set KEY=VALUE also sets (applied after the flags): the flag's name with _ for - "
+        "(--calib-samples 8 is --set calib_samples=8, --kv-cache fp8 is --set kv_cache=fp8), "
+        "except --dtype (export_dtype) and --no-per-layer (per_layer=false); --set "
+        "exclude=[...] replaces the whole list, the default exclusions included.",
     )
     p.add_argument(
         "checkpoint",
@@ -112,7 +112,7 @@ def cmd_precision_plan(args: argparse.Namespace) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace) -> None:
-    from ..train.quantize import QuantizeConfig, run_quantize
+    from ..train.stages.quantize import QuantizeConfig, run_quantize
 
     cfg = QuantizeConfig(
         checkpoint=args.checkpoint,

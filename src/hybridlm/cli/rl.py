@@ -58,7 +58,7 @@ def cmd_rl(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from ..rl.learner import RLConfig, run_rl
-    from ..train import parallel
+    from ..train.distributed import parallel
 
     path = Path(args.config or "configs/rl.yaml")
     if args.config and not path.is_file():

@@ -59,28 +59,28 @@ RUN_COMMANDS = (
     RunCommand(
         "sft",
         "supervised fine-tuning on chat data (assistant-only loss)",
-        "train.sft",
+        "train.stages.sft",
         "SFTRunConfig",
         "run_sft",
     ),  # data: rows read, kept, skipped
     RunCommand(
         "dpo",
         "direct preference optimisation (dpo / dpo_norm)",
-        "train.dpo",
+        "train.stages.dpo",
         "DPORunConfig",
         "run_dpo",
     ),
     RunCommand(
         "rm",
         "a Bradley-Terry reward model on preference pairs",
-        "train.rm",
+        "train.stages.rm",
         "RMRunConfig",
         "run_rm",
     ),
     RunCommand(
         "distill",
         "distillation: offline top-k KL + CE, or on-policy multi-teacher",
-        "train.distill",
+        "train.stages.distill",
         "DistillRunConfig",
         "run_distill",
         ("step", "eval", "checkpoint", "plot"),
@@ -89,7 +89,7 @@ RUN_COMMANDS = (
         "qad",
         "quantisation-aware distillation: the quantised model (NVFP4 / FP8) trained toward "
         "itself unquantised; exports a ModelOpt checkpoint",
-        "train.qad",
+        "train.stages.qad",
         "QADRunConfig",
         "run_qad",
         ("step", "eval", "checkpoint", "hf", "plot", "figures"),
@@ -171,7 +171,8 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
     from ..data.pipeline import build_tokenizer
     from ..infer.generate import generate
     from ..interop.hf import save_pretrained
-    from ..train import RunConfig, parallel
+    from ..train import RunConfig
+    from ..train.distributed import parallel
     from ..train.text_training import pretrain_trainer
 
     path = Path(args.config)
@@ -225,8 +226,8 @@ def cmd_pretrain(args: argparse.Namespace) -> None:
 
 def cmd_merge(args: argparse.Namespace) -> None:
     """Average sliding windows of a run's last checkpoints, evaluate each on the held-out split
-    and export the best (train/merge.py)."""
-    from ..train.merge import merge_run, parse_list
+    and export the best (train/stages/merge.py)."""
+    from ..train.stages.merge import merge_run, parse_list
 
     merge_run(
         args.run,
@@ -238,8 +239,8 @@ def cmd_merge(args: argparse.Namespace) -> None:
 
 def cmd_soup(args: argparse.Namespace) -> None:
     """Soup the runs' last checkpoints, evaluate every candidate, export the best
-    (train/merge.py)."""
-    from ..train.merge import parse_list, soup_runs
+    (train/stages/merge.py)."""
+    from ..train.stages.merge import parse_list, soup_runs
 
     soup_runs(parse_list(args.runs), last=args.last, eval_run=args.eval_run, out=args.out)
 
@@ -248,7 +249,7 @@ def cmd_run(args: argparse.Namespace) -> None:
     """Load a training command's run config, apply `--set`, run it and print the result's
     `keys` as JSON (under torchrun: rank 0 prints, every rank leaves the process group
     together)."""
-    from ..train import parallel
+    from ..train.distributed import parallel
 
     c: RunCommand = args.run_command
     module = importlib.import_module(f"hybridlm.{c.module}")
@@ -264,13 +265,13 @@ def cmd_distill_cache(args: argparse.Namespace) -> None:
     pretraining run's text (`--pretraining`)."""
     if args.pretraining:
         from ..train.config import RunConfig
-        from ..train.pretrain import cache_text_teacher
+        from ..train.stages.pretrain import cache_text_teacher
 
         cfg = RunConfig.load(args.config or "configs/quickstart.yaml").override(args.overrides)
         result = cache_text_teacher(cfg)
     else:
-        from ..train.distill import cache_teacher
         from ..train.distillation import DistillRunConfig
+        from ..train.stages.distill import cache_teacher
 
         cfg = DistillRunConfig.load(args.config or "configs/distill.yaml").override(args.overrides)
         result = cache_teacher(cfg)
@@ -281,7 +282,7 @@ def cmd_mtp_boost(args: argparse.Namespace) -> None:
     from pathlib import Path
 
     from ..rl.env_config import environment_prompts
-    from ..train import parallel
+    from ..train.distributed import parallel
     from ..train.mtp_boost import MTPBoostConfig, boost_checkpoint
 
     cfg = MTPBoostConfig().override(args.overrides)

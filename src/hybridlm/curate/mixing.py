@@ -54,7 +54,7 @@ from ..presets import get_preset
 from ..report.plot import pyplot, save_figure
 from ..train.config import RunConfig, TrainConfig
 from ..train.objectives import causal_lm_loss
-from ..train.pretrain import run_pretrain
+from ..train.stages.pretrain import run_pretrain
 
 Proxy = Callable[[dict[str, float], int], dict[str, float]]
 RegressionKind = Literal["loglinear", "quadratic", "linear"]

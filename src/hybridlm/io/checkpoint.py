@@ -20,7 +20,7 @@ on one core with SHA-NI: SHA-256 streams at 1-1.8 GB/s (blake2b ~0.9, zlib crc32
 ~2 ms for the tiny test models and ~0.7 s for 600 MB (50M fp32 parameters + AdamW state, whose
 save takes ~2.2 s without it): 0.5-1 s per GB of checkpoint, once per save and once per resume.
 
-A sharded checkpoint (`train.checkpoint_format`, written by `hybridlm.train.dcp` with
+A sharded checkpoint (`train.checkpoint_format`, written by `hybridlm.train.distributed.dcp` with
 torch.distributed.checkpoint: every rank writes its own shards) lives under the same names: a
 `step_*` directory with DCP's `.metadata` and `__<rank>_0.distcp` files and a meta.json whose
 `format` is `SHARDED_FORMAT`. `read_meta`, `verify_checkpoint` and `resume_checkpoint` handle both
@@ -56,7 +56,7 @@ from ..presets import get_preset
 
 FORMAT = "hybridlm-train-checkpoint"
 FORMAT_VERSION = 1
-SHARDED_FORMAT = "hybridlm-train-checkpoint-sharded"  # DCP shards, `hybridlm.train.dcp`
+SHARDED_FORMAT = "hybridlm-train-checkpoint-sharded"  # DCP shards, `hybridlm.train.distributed.dcp`
 SHARDED_FORMAT_VERSION = 1
 _VERSIONS = {FORMAT: FORMAT_VERSION, SHARDED_FORMAT: SHARDED_FORMAT_VERSION}
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of every tensor's chunks
@@ -265,7 +265,7 @@ def load_checkpoint(
     if is_sharded_checkpoint(meta):
         raise ValueError(
             f"{path} is a sharded checkpoint: hybridlm.io.load_model reads its weights, "
-            "the Trainer (hybridlm.train.dcp.load_sharded) resumes it"
+            "the Trainer (hybridlm.train.distributed.dcp.load_sharded) resumes it"
         )
     weights = path / "model.safetensors"
     try:

@@ -1,7 +1,8 @@
 """Sharded training checkpoints read offline: one process, no process group, whatever world size
 and layout wrote them.
 
-A sharded checkpoint (`hybridlm.train.dcp` writes it with torch.distributed.checkpoint, DCP) holds
+A sharded checkpoint (`hybridlm.train.distributed.dcp` writes it with
+torch.distributed.checkpoint, DCP) holds
 `{"model": ..., "optim": ...}` flattened to keys `model.<fqn>` / `optim.state.<fqn>.<name>`; its
 `.metadata` records every tensor's global shape and dtype and where each rank's chunks of it lie
 in the `__<rank>_0.distcp` files. DCP loads into any target tensor by chunk overlap, so a plain

@@ -76,7 +76,8 @@ class Attention(nn.Module):
         q, k, v = (project(p, x_BLD) for p in (self.q_proj, self.k_proj, self.v_proj))
         if a.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # -1 heads: the projections may hold this rank's heads only (train.tensor_parallel)
+        # -1 heads: the projections may hold this rank's heads only
+        # (train.distributed.tensor_parallel)
         q_BHLE = q.view(Bsz, L, -1, a.head_dim).transpose(1, 2)
         k_BKLE = k.view(Bsz, L, -1, a.head_dim).transpose(1, 2)
         v_BKLE = v.view(Bsz, L, -1, a.head_dim).transpose(1, 2)
@@ -107,5 +108,5 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The keys and values of the whole rows these queries attend to, and the queries'
         position in them: the rows' own, from 0, on one device. Context parallelism
-        (`train.context_parallel`) gathers the shards' and gives this shard's offset."""
+        (`train.distributed.context_parallel`) gathers the shards' and gives this shard's offset."""
         return k_BKLE, v_BKLE, 0

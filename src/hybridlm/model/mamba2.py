@@ -223,7 +223,8 @@ class Mamba2Mixer(nn.Module):
         return project(self.out_proj, y_BLI.to(x_BLD.dtype))
 
     # What these rows see of the rows beyond them: nothing on one device, where they are
-    # whole. Context parallelism (`train.context_parallel`) overrides both for one shard.
+    # whole. Context parallelism (`train.distributed.context_parallel`) overrides both for
+    # one shard.
     def _conv_rows(self, xbc_BLX: torch.Tensor, doc_ids_BL: torch.Tensor | None) -> torch.Tensor:
         """SiLU of the causal conv of training rows (from zero taps; reset at document starts
         with `doc_ids_BL`)."""

@@ -121,7 +121,8 @@ class HybridLM(nn.Module):
     def init_units(self) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:
         """`init_weights` as (module, init of that module) in the order it draws random
         numbers, so that a sharded build can initialise one unit at a time on the CPU and keep
-        only its shard (`train.parallel.materialize_sharded`), equal to the whole-model init."""
+        only its shard (`train.distributed.parallel.materialize_sharded`), equal to the
+        whole-model init."""
         std = self.config.init_std
         out_std = std / math.sqrt(2 * len(self.config.pattern))
 
@@ -342,10 +343,11 @@ class HybridLM(nn.Module):
             out.head = head(out)
         return out
 
-    # The three methods below are what a forward sees of the rows beyond its own tokens. On one
-    # device the rows are whole; context parallelism (`train.context_parallel`) gives each rank
-    # one shard of every row and overrides them (with the mixers' `_keys_values`,
-    # `_conv_rows`, `_add_entering_state`, `_whole_row_counts`) to exchange what crosses shards.
+    # The two methods below are what a forward sees of the rows beyond its own tokens. On one
+    # device the rows are whole; context parallelism (`train.distributed.context_parallel`)
+    # gives each rank one shard of every row and overrides them (with the mixers'
+    # `_keys_values`, `_conv_rows`, `_add_entering_state`, `_whole_row_counts`) to exchange
+    # what crosses shards.
     def _block_context(
         self,
         input_ids: torch.Tensor,

@@ -235,8 +235,8 @@ def run_local(
     down_EWF: torch.Tensor,
 ) -> torch.Tensor:
     """Default expert dispatch: every expert is on this device, run `fn` on the sorted tokens.
-    Expert parallelism (`hybridlm.train.expert_parallel`) swaps in an all-to-all dispatch with
-    the same signature, so the model never touches collectives."""
+    Expert parallelism (`hybridlm.train.distributed.expert_parallel`) swaps in an all-to-all
+    dispatch with the same signature, so the model never touches collectives."""
     return fn(z_AW, counts, up_EFW, down_EWF)
 
 
@@ -252,7 +252,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
         self.impl = "auto"  # "auto" | "loop" | "padded" | "grouped" | "gathered"
         # how sorted tokens reach their experts: `run_local`, or expert parallelism's
-        # all-to-all (set from outside by `train.expert_parallel.apply_expert_parallel`)
+        # all-to-all (set from outside by `train.distributed.expert_parallel.apply_expert_parallel`)
         self.dispatch = run_local
 
     def forward(self, z_TW: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
@@ -393,7 +393,7 @@ class MoE(nn.Module):
     def _whole_row_counts(self, count_BE: torch.Tensor, L: int) -> tuple[torch.Tensor, int]:
         """Tokens per expert of the whole rows these `L` tokens per row belong to, and the
         rows' length: these rows' own on one device. Context parallelism
-        (`train.context_parallel`) sums the shards'."""
+        (`train.distributed.context_parallel`) sums the shards'."""
         return count_BE, L
 
     @torch.no_grad()

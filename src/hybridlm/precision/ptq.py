@@ -380,7 +380,7 @@ def quant_experts_forward(
 
 
 # ============================================================================ QAT modules
-# Quantisation-aware training (QAD's student, `train.qad`): the same quantised forward as the
+# Quantisation-aware training (QAD's student, `train.stages.qad`): the same quantised forward as the
 # inference modules above, computed from trainable high-precision master weights. As in ModelOpt's
 # QAT, the per-tensor scales are those of calibration and stay fixed (a weight's `weight_amax`,
 # the activations' `input_scale`); NVFP4 weight block scales are recomputed from the current

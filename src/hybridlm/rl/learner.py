@@ -74,7 +74,7 @@ from ..train.callbacks import (
     Throughput,
 )
 from ..train.config import TrainConfig
-from ..train.parallel import broadcast_object, full_model_state, is_main
+from ..train.distributed.parallel import broadcast_object, full_model_state, is_main
 from ..train.reward_model import RewardModelScorer, reward_input
 from ..train.trainer import Loss, Runtime, Step, Trainer, TrainModule
 from .env_config import (

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..report.plot import plot_post_training
-from .parallel import is_main
+from .distributed.parallel import is_main
 
 if TYPE_CHECKING:  # the Trainer imports this module
     from .optim import StepOutcome

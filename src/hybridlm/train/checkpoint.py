@@ -147,7 +147,7 @@ def merge_checkpoints(
     w = merge_weights(len(paths), weights) if isinstance(weights, str) else list(weights)
     states = []
     for p in paths:
-        if (p / DCP_METADATA).exists():  # a sharded checkpoint (train.dcp), read offline
+        if (p / DCP_METADATA).exists():  # a sharded checkpoint (distributed.dcp), read offline
             states.append(dict(iter_model_tensors(p)))
             continue
         try:

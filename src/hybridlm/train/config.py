@@ -52,7 +52,8 @@ class ParallelConfig:
     (`dp_shard / ep`) shard them with FSDP2. Context parallelism splits every sequence over `cp`
     ranks (the parameters are sharded over dp_shard * cp ranks, as in torchtitan). Tensor
     parallelism splits attention and Mamba-2 heads, MLP / shared-expert hidden units and the
-    vocabulary over `tp` ranks (innermost; they read the same rows, `train/tensor_parallel.py`).
+    vocabulary over `tp` ranks (innermost; they read the same rows,
+    `train/distributed/tensor_parallel.py`).
     The string shorthands: "ddp" = {dp_replicate: -1}, "fsdp" = {dp_shard: -1}, "none" = one
     process only. A single process ignores the layout, so one YAML runs on a laptop and on a
     cluster."""
@@ -144,7 +145,8 @@ class TrainConfig:
     keep_last_n: int = 3  # 0: keep all
     # "full": one model.safetensors + optimizer.pt written by rank 0 (a sharded model gathered
     # first); "sharded": every rank writes its own shards (torch.distributed.checkpoint,
-    # train.dcp), loadable at any world size; "auto": sharded when the model is (FSDP2 / EP)
+    # train.distributed.dcp), loadable at any world size; "auto": sharded when the model is
+    # (FSDP2 / EP)
     checkpoint_format: Literal["auto", "full", "sharded"] = "auto"
     out_dir: str = "runs/default"
     # warm start: the model the run starts from, any path `hybridlm.io` loads (a run directory,

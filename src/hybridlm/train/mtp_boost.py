@@ -68,8 +68,8 @@ from ..model.model import HybridLM, shift_left
 from ..report.plot import pyplot, save_figure
 from .callbacks import Callback, Close, EndRows, Export, Plot, StartRows, Summary, Throughput
 from .config import TrainConfig
+from .distributed.parallel import broadcast_object, is_main
 from .mtp_init import CONSOLIDATIONS, HEAD_INITS, head_agreement, init_head
-from .parallel import broadcast_object, is_main
 from .post_training import SFTDataConfig, load_source, prompt_key, prompt_of
 from .run_data import training_data
 from .trainer import Loss, Runtime, Step, Trainer, TrainModule

@@ -117,7 +117,7 @@ def causal_lm_loss(
             raise ValueError("the forward returned neither logits nor hidden states")
         if isinstance(W_VD, DTensor) and W_VD.device_mesh.mesh_dim_names == ("tp",):
             # a vocabulary-split LM head (train.parallel.tp; FSDP2 has gathered its own shards)
-            from .tensor_parallel import vocab_parallel_cross_entropy
+            from .distributed.tensor_parallel import vocab_parallel_cross_entropy
 
             t_BL = shift_targets(targets_BL, shift)
             n = (t_BL != IGNORE_INDEX).sum().clamp(min=1) if denom is None else denom

@@ -1,6 +1,6 @@
 """Preference pairs: reading, building by delta learning or verification, tokenising, filtering,
-batching, and the pairwise TrainModule that DPO (`train.dpo`) and reward-model training
-(`train.rm`) share.
+batching, and the pairwise TrainModule that DPO (`train.stages.dpo`) and reward-model training
+(`train.stages.rm`) share.
 
 Shape legend: B pairs per micro-batch, L padded length.
 
@@ -342,13 +342,13 @@ class PairDataConfig:
 
 # ---------------------------------------------------------------------------- the TrainModule
 class PairwiseModule(TrainModule):
-    """What the stages trained on preference pairs share (DPO, `train.dpo.DPO`; reward models,
-    `train.rm.RewardModelTraining`): the model from `train.init_from` (`initial_model`), the
-    pairs (read from `data.path` or built by delta learning or verification), tokenised,
-    filtered and split into train / held-out, and their order (a permutation per epoch and a
-    cursor, both checkpointed). Under data parallelism every rank draws the global micro-batch
-    of world * batch_size pairs and trains on its consecutive part, the loss divided by the
-    global pair count. A stage adds its `stage` name and its loss (`loss`, `held_out_loss`)."""
+    """What the stages trained on preference pairs share (DPO, `train.stages.dpo.DPO`; reward
+    models, `train.stages.rm.RewardModelTraining`): the model from `train.init_from`
+    (`initial_model`), the pairs (read from `data.path` or built by delta learning or verification),
+    tokenised, filtered and split into train / held-out, and their order (a permutation per epoch
+    and a cursor, both checkpointed). Under data parallelism every rank draws the global micro-batch
+    of world * batch_size pairs and trains on its consecutive part, the loss divided by the global
+    pair count. A stage adds its `stage` name and its loss (`loss`, `held_out_loss`)."""
 
     plot_train: tuple[str, ...] = ("loss",)  # the PNG's train-row keys
     plot_eval: tuple[str, ...] | None = None  # eval-row keys (None: every one)

@@ -3,7 +3,8 @@
 The head (`ModelConfig.num_labels = 1`) is read at a sequence's last token: r(x, y) =
 score(h_final[last]) (InstructGPT §3.5; the Nemotron 3 Super RLHF stage rewards with such a
 model). `with_score_head` adds a new head to a model (N(0, 1/sqrt(d_model + 1)), as TRL
-initialises it); `train.rm` trains it. transformers has no sequence classifier for NemotronH, so
+initialises it); `train.stages.rm` trains it. transformers has no sequence classifier for
+NemotronH, so
 a trained reward model is its run directory (`hybridlm.io.load_model` loads its newest
 checkpoint with the head); `RewardModelScorer` scores token sequences with it (the RL learner's
 `reward: rm`), each read as `reward_input` writes it.

@@ -1,7 +1,7 @@
 """Language-model training on packed text, the `TrainModule` of the pretrain, midtrain and
 long-context stages: `run_pretrain(run_cfg)` (`hybridlm pretrain`), `pretrain_trainer(run_cfg)`
 its `Trainer`; `HeldOutEvaluator` scores other weights on a run's held-out split (merged
-checkpoints, `train.merge`; extended models, `eval.long_context`).
+checkpoints, `train.stages.merge`; extended models, `eval.long_context`).
 
 One optimizer step = `grad_accum` micro-batches from the packed loader. The loss of every
 micro-batch is normalised by the *global* count of valid targets of the step (the sum of the
@@ -61,9 +61,9 @@ from ..model.stock import project
 from ..report.plot import plot_loss_curves
 from .callbacks import Callback, Plot, Summary
 from .config import RunConfig
-from .context_parallel import context_parallel_of
+from .distributed.context_parallel import context_parallel_of
+from .distributed.parallel import is_main, on_main
 from .objectives import causal_lm_loss, shift_targets, topk_forward_kl, z_loss
-from .parallel import is_main, on_main
 from .teacher import check_vocab, load_teacher, teacher_topk_at
 from .teacher_cache import TextTeacherTopK
 from .trainer import (
@@ -406,7 +406,7 @@ def load_merged(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
 class HeldOutEvaluator:
     """The trainer's eval path for a run, without training: a `Trainer` built from the run's
     config (shards reused) whose weights are swapped in before each call (`load_merged`):
-    what merged checkpoints (`train.merge`) and extended models (`eval.long_context`) are
+    what merged checkpoints (`train.stages.merge`) and extended models (`eval.long_context`) are
     scored with."""
 
     def __init__(self, run: RunConfig, scratch: str | Path) -> None:

@@ -60,9 +60,8 @@ from .activation_checkpointing import apply_activation_checkpointing
 from .callbacks import Callback, Checkpoint, Evaluate, Throughput
 from .checkpoint import prepare_run_dir, truncate_metrics
 from .config import TrainConfig
-from .dcp import load_sharded, save_sharded
-from .optim import StepOutcome, build_optimizer, clip_gradients, optimizer_step
-from .parallel import (
+from .distributed.dcp import load_sharded, save_sharded
+from .distributed.parallel import (
     Layout,
     all_reduce_sum,
     apply_ddp,
@@ -80,6 +79,7 @@ from .parallel import (
     on_main,
     resolve_layout,
 )
+from .optim import StepOutcome, build_optimizer, clip_gradients, optimizer_step
 
 
 def seed_all(seed: int) -> None:
@@ -423,7 +423,7 @@ class Trainer:
             on_main(lambda: truncate_metrics(self.metrics_path, None), share=False)
             return
         if is_sharded_checkpoint(read_meta(path)):
-            # any world size and layout: each rank reads the chunks it holds (train.dcp)
+            # any world size and layout: each rank reads the chunks it holds (train.distributed.dcp)
             meta = load_sharded(path, self.model, self.optimizer, restore_rng=True)
         elif is_sharded(self.model):
             from safetensors.torch import load_file
@@ -467,9 +467,9 @@ class Trainer:
         }
 
     def save(self) -> Path | None:
-        """Write a checkpoint (returns its path on rank 0). Sharded (`train.dcp`): every rank
-        writes its own shards. Full: rank 0 writes it; a sharded model is gathered first (every
-        rank joins)."""
+        """Write a checkpoint (returns its path on rank 0). Sharded (`train.distributed.dcp`):
+        every rank writes its own shards. Full: rank 0 writes it; a sharded model is gathered
+        first (every rank joins)."""
         if self.checkpoint_format() == "sharded":
             path = save_sharded(
                 self.out,

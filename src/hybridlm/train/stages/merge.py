@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from ..interop.hf import save_pretrained
-from ..io import load_tokenizer_for
-from ..io.checkpoint import list_checkpoints, read_meta, save_checkpoint
-from .checkpoint import merge_checkpoints, merge_weights
-from .config import RunConfig, TrainConfig
-from .text_training import HeldOutEvaluator, load_merged
+from ...interop.hf import save_pretrained
+from ...io import load_tokenizer_for
+from ...io.checkpoint import list_checkpoints, read_meta, save_checkpoint
+from ..checkpoint import merge_checkpoints, merge_weights
+from ..config import RunConfig, TrainConfig
+from ..text_training import HeldOutEvaluator, load_merged
 
 
 def load_run_config(run_dir: str | Path) -> RunConfig:

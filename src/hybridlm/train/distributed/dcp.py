@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..io.checkpoint import (
+from ...io.checkpoint import (
     DCP_METADATA,
     PREFIX,
     SHARDED_FORMAT,

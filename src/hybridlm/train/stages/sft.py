@@ -38,13 +38,13 @@ from typing import Any, Literal
 
 import torch
 
-from ..config import ModelConfig
-from ..stage import Flow, Report, Stage, scalars
-from .config import TrainConfig
-from .objectives import sft_token_weights, shift_targets_float, token_nll
-from .parallel import is_main
-from .post_training import ChatModule, PostTrainingRunConfig, SFTDataConfig, moe_balancing
-from .trainer import Loss, Runtime, Step, Trainer
+from ...config import ModelConfig
+from ...stage import Flow, Report, Stage, scalars
+from ..config import TrainConfig
+from ..distributed.parallel import is_main
+from ..objectives import sft_token_weights, shift_targets_float, token_nll
+from ..post_training import ChatModule, PostTrainingRunConfig, SFTDataConfig, moe_balancing
+from ..trainer import Loss, Runtime, Step, Trainer
 
 LossNorm = Literal["token", "sample", "two_stage"]
 

@@ -33,14 +33,14 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ..data.sft import Conversation, ReadReport
-from ..files import atomic_write
-from ..model.model import HybridLM, ModelOutput
-from .config import TrainConfig
-from .objectives import dpo_loss, sequence_logps
-from .pairs import PairDataConfig, PairwiseModule, TokenizedPair, collate_pairs
-from .parallel import is_main
-from .post_training import (
+from ...data.sft import Conversation, ReadReport
+from ...files import atomic_write
+from ...model.model import HybridLM, ModelOutput
+from ..config import TrainConfig
+from ..distributed.parallel import is_main
+from ..objectives import dpo_loss, sequence_logps
+from ..pairs import PairDataConfig, PairwiseModule, TokenizedPair, collate_pairs
+from ..post_training import (
     ChatSource,
     PostTrainingRunConfig,
     answer_matches,
@@ -51,7 +51,7 @@ from .post_training import (
     prompt_and_answer,
     prompt_key,
 )
-from .trainer import Loss, Runtime, Step, Trainer
+from ..trainer import Loss, Runtime, Step, Trainer
 
 DEFAULT_BETA = {"dpo": 0.1, "dpo_norm": 5.0}
 

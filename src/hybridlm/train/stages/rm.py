@@ -25,15 +25,15 @@ from typing import Any
 
 import torch
 
-from ..model.model import HybridLM, ModelOutput
-from .callbacks import Callback, Summary
-from .config import TrainConfig
-from .objectives import bradley_terry_loss
-from .pairs import PairDataConfig, PairwiseModule, TokenizedPair, collate_pairs
-from .parallel import is_main
-from .post_training import PostTrainingRunConfig, moe_balancing
-from .reward_model import sequence_rewards, with_score_head
-from .trainer import Loss, Runtime, Step, Trainer, initial_model
+from ...model.model import HybridLM, ModelOutput
+from ..callbacks import Callback, Summary
+from ..config import TrainConfig
+from ..distributed.parallel import is_main
+from ..objectives import bradley_terry_loss
+from ..pairs import PairDataConfig, PairwiseModule, TokenizedPair, collate_pairs
+from ..post_training import PostTrainingRunConfig, moe_balancing
+from ..reward_model import sequence_rewards, with_score_head
+from ..trainer import Loss, Runtime, Step, Trainer, initial_model
 
 
 @dataclass(kw_only=True)

@@ -33,18 +33,18 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from ..choices import PTQ_RECIPES
-from ..config import Config, from_dict, read_mapping
-from ..data.bpb import token_byte_lengths
-from ..data.bpe import load_tokenizer
-from ..data.config import DataConfig
-from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
-from ..interop.modelopt import export_modelopt
-from ..io import load_model, resolve, tokenizer_spec_for
-from ..io.checkpoint import read_meta
-from ..precision.autoquant import autoquantize, measure_sensitivities, print_table
-from ..precision.kv_cache import KV_FORMATS, declare_kv_cache
-from ..precision.ptq import (
+from ...choices import PTQ_RECIPES
+from ...config import Config, from_dict, read_mapping
+from ...data.bpb import token_byte_lengths
+from ...data.bpe import load_tokenizer
+from ...data.config import DataConfig
+from ...data.pipeline import build_loaders, build_tokenizer, prepare_shards
+from ...interop.modelopt import export_modelopt
+from ...io import load_model, resolve, tokenizer_spec_for
+from ...io.checkpoint import read_meta
+from ...precision.autoquant import autoquantize, measure_sensitivities, print_table
+from ...precision.kv_cache import KV_FORMATS, declare_kv_cache
+from ...precision.ptq import (
     BITS,
     DEFAULT_EXCLUDE,
     calibrate,
@@ -58,10 +58,10 @@ from ..precision.ptq import (
     recipe_plan,
     take,
 )
-from ..stage import Flow, Report, Stage
-from .checkpoint import METRICS, prepare_run_dir
-from .post_training import SFTDataConfig, chat_batches
-from .run_data import pretraining_data, training_data
+from ...stage import Flow, Report, Stage
+from ..checkpoint import METRICS, prepare_run_dir
+from ..post_training import SFTDataConfig, chat_batches
+from ..run_data import pretraining_data, training_data
 
 
 @dataclass(kw_only=True)

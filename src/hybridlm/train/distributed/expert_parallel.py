@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from ..model.moe import ExpertsFn, MoE, grouped_mm_available
+from ...model.moe import ExpertsFn, MoE, grouped_mm_available
 
 
 class _AllToAll(torch.autograd.Function):

@@ -6,7 +6,7 @@ width, G groups, N state size, X conv channels, Q SSD chunk, W routed width (lat
 F expert hidden, S shared-expert hidden, k top-k, t tensor-parallel ranks.
 
 Layout (world = dp_replicate x dp_shard x cp x tp; torchtitan's ParallelDims):
-- TP (train/tensor_parallel.py, the implemented split): attention Q/K/V/O by heads (K/V
+- TP (train/distributed/tensor_parallel.py, the implemented split): attention Q/K/V/O by heads (K/V
   replicated when tp > kv heads in the plan; training asks tp to divide them), Mamba in_proj /
   conv / dt / A / D / gated norm / out_proj by heads and groups, the dense MLP, the shared
   expert, the embedding and LM head by vocabulary, the routed experts by expert when ep = 1
@@ -15,7 +15,7 @@ Layout (world = dp_replicate x dp_shard x cp x tp; torchtitan's ParallelDims):
   the tp group, so their activations are not / tp either.
   Sequence parallelism off: activations inside a TP region are / tp, the residual stream and the
   norms' tensors are whole on every TP rank.
-- CP (train/context_parallel.py; measured at world 2): each sequence split over cp ranks
+- CP (train/distributed/context_parallel.py; measured at world 2): each sequence split over cp ranks
   (activations / cp) and FSDP2 over dp_shard x cp; attention all-gathers the whole
   sequence's K/V (kept for the backward, repeated to the query heads) and attends with an
   explicit [L, seq] mask, Mamba passes chunk states (B*H*P*N per layer) and conv taps.
@@ -57,7 +57,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..config import ModelConfig
+from ...config import ModelConfig
 
 PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4")
 AC_MODES = ("none", "selective", "full")
@@ -75,7 +75,7 @@ _ROW = {"o_proj", "out_proj", "down_proj", "fc2_latent_proj"}
 _GEMM_OF = dict.fromkeys(("q_proj", "k_proj", "v_proj", "o_proj"), "attn")
 _GEMM_OF |= {"in_proj": "mamba_in", "out_proj": "mamba_out", "eh_proj": "mtp", "lm_head": "head"}
 _GEMM_OF |= {"fc1_latent_proj": "latent", "fc2_latent_proj": "latent"}
-# Linear layers tensor parallelism keeps whole (train/tensor_parallel.py)
+# Linear layers tensor parallelism keeps whole (train/distributed/tensor_parallel.py)
 _TP_REPLICATED = {"fc1_latent_proj", "fc2_latent_proj", "eh_proj"}
 
 
@@ -206,7 +206,7 @@ def meta_model(cfg: ModelConfig) -> Any:
     """`HybridLM(cfg)` on the meta device: every parameter's shape, no memory (120B in ~1 s)."""
     import torch
 
-    from ..model.model import HybridLM
+    from ...model.model import HybridLM
 
     with torch.device("meta"):
         return HybridLM(cfg)
@@ -217,9 +217,9 @@ def parameter_shards(cfg: ModelConfig, lay: PlanLayout, model: Any = None) -> li
     given; tied weights once) with its per-device elements under `lay`."""
     from torch import nn
 
-    from ..model.mamba2 import Mamba2Mixer
-    from ..model.moe import Experts, TopKRouter
-    from ..model.norm import GatedRMSNorm, RMSNorm
+    from ...model.mamba2 import Mamba2Mixer
+    from ...model.moe import Experts, TopKRouter
+    from ...model.norm import GatedRMSNorm, RMSNorm
 
     model = meta_model(cfg) if model is None else model
     kv = _kv_tp(cfg, lay.tp)
@@ -896,8 +896,8 @@ def plan_inputs(path: str) -> tuple[ModelConfig, dict[str, Any]]:
     (train.precision, or nvfp4 with train.low_precision), activation_checkpointing and the
     layout's ep / dp_replicate (train.parallel; the plan derives dp_shard from the GPUs, so a
     fixed dp_shard is not carried over); a model config alone gives none."""
-    from ..config import read_mapping
-    from .config import RunConfig
+    from ...config import read_mapping
+    from ..config import RunConfig
 
     if "model" not in read_mapping(path):
         return ModelConfig.load(path), {}
@@ -945,7 +945,7 @@ def _memory_status(lay: PlanLayout, precision: str) -> dict[str, str]:
 
 
 def _tp_all_reduces(cfg: ModelConfig, letter: str) -> int:
-    """[T, D] all-reduces of one block under tensor parallelism (train/tensor_parallel.py): the
+    """[T, D] all-reduces of one block under tensor parallelism (`tensor_parallel`): the
     forward's output (the row-parallel projection's partial sums) and, in the backward, the
     input gradient of each column-parallel projection reading the block input, one per
     projection (torch's ColwiseParallel: q, k and v each, SwiGLU's gate and up each; Mamba-2's
@@ -1038,7 +1038,7 @@ def _communication(
             comm[key] = moe_calls * rows * ((1 + recompute) + 2)
             status[key] = tested + "; balanced routing"
     if lay.cp > 1:
-        # train/context_parallel.py: all-gathers whose backward all-reduces the gathered
+        # train/distributed/context_parallel.py: all-gathers whose backward all-reduces the gathered
         # gradient (twice the forward's volume); K/V of every attention layer, the entering SSD
         # state of every Mamba layer (final states, decays; conv taps), the ids MTP reads ahead
         a, m, S = cfg.attention, cfg.mamba, lay.cp

@@ -47,12 +47,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ..model.attention import Attention
-from ..model.mamba2 import Mamba2Mixer
-from ..model.mlp import MLP
-from ..model.moe import MoE, grouped_mm_available
-from ..model.norm import RMSNorm
-from ..ops.cross_entropy import VocabShard, linear_cross_entropy
+from ...model.attention import Attention
+from ...model.mamba2 import Mamba2Mixer
+from ...model.mlp import MLP
+from ...model.moe import MoE, grouped_mm_available
+from ...model.norm import RMSNorm
+from ...ops.cross_entropy import VocabShard, linear_cross_entropy
 
 
 class _SumReplicatedOut(torch.autograd.Function):

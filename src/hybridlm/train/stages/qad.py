@@ -13,7 +13,7 @@ gradients reach the high-precision master weights straight through the quantiser
 scales stay those of calibration (as in ModelOpt's QAT; the checkpoints' meta records them),
 NVFP4 block scales follow the weights. The teacher is the same model unquantised
 (`distill.teacher`, default `train.init_from`), frozen; the loss is the offline distillation loss
-of `train.distill` (top-k forward KL on the logits; `distill.ce_weight` adds the data's CE,
+of `train.stages.distill` (top-k forward KL on the logits; `distill.ce_weight` adds the data's CE,
 `distill.hidden_weight` an MSE on the final hidden states) on the SFT-format chat data of
 `data` (or the teacher's own replies, `qad.teacher_replies`, the right ones with
 `qad.correct_only`), plus `qad.text_per_step` batches of pretraining text (`qad.text_data`)
@@ -41,14 +41,14 @@ from typing import Any, Literal
 
 import torch
 
-from ..data.bpb import token_byte_lengths
-from ..data.bpe import tokenizer_sha256
-from ..data.chat import parse_assistant
-from ..data.pipeline import build_loaders, build_tokenizer, prepare_shards
-from ..data.sft import ChatExample, SFTLoader, tokenize_conversations
-from ..interop.modelopt import export_modelopt
-from ..precision.kv_cache import declare_kv_cache
-from ..precision.ptq import (
+from ...data.bpb import token_byte_lengths
+from ...data.bpe import tokenizer_sha256
+from ...data.chat import parse_assistant
+from ...data.pipeline import build_loaders, build_tokenizer, prepare_shards
+from ...data.sft import ChatExample, SFTLoader, tokenize_conversations
+from ...interop.modelopt import export_modelopt
+from ...precision.kv_cache import declare_kv_cache
+from ...precision.ptq import (
     DEFAULT_EXCLUDE,
     calibrate,
     check_format,
@@ -63,21 +63,21 @@ from ..precision.ptq import (
     take,
     to_inference,
 )
-from ..precision.ptq import evaluate as text_eval
-from ..stage import Flow, Report, Stage
-from .callbacks import Callback, Summary
-from .distillation import DistillConfig, DistillRunConfig, OfflineDistiller
-from .objectives import IGNORE_INDEX, shift_targets
-from .parallel import is_main
-from .post_training import (
+from ...precision.ptq import evaluate as text_eval
+from ...stage import Flow, Report, Stage
+from ..callbacks import Callback, Summary
+from ..distillation import DistillConfig, DistillRunConfig, OfflineDistiller
+from ..distributed.parallel import is_main
+from ..objectives import IGNORE_INDEX, shift_targets
+from ..post_training import (
     answer_matches,
     chat_batches,
     generate_replies,
     pad_id_of,
     prompt_and_answer,
 )
-from .run_data import pretraining_data
-from .trainer import Loss, Runtime, Step, Trainer
+from ..run_data import pretraining_data
+from ..trainer import Loss, Runtime, Step, Trainer
 
 
 @dataclass(kw_only=True)

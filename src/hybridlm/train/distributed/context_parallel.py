@@ -41,11 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..model.attention import Attention
-from ..model.mamba2 import Mamba2Mixer
-from ..model.model import HybridLM, shift_left
-from ..model.moe import MoE
-from ..ops.conv1d import causal_conv1d, causal_conv1d_docs
+from ...model.attention import Attention
+from ...model.mamba2 import Mamba2Mixer
+from ...model.model import HybridLM, shift_left
+from ...model.moe import MoE
+from ...ops.conv1d import causal_conv1d, causal_conv1d_docs
 
 
 def _gather(x: torch.Tensor, group, size: int) -> torch.Tensor:

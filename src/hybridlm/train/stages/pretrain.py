@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..data.pipeline import build_tokenizer, prepare_shards
-from ..stage import Flow, Report, Stage, scalars, text_run_settings
-from .config import RunConfig
-from .teacher import cache_pass_teacher
-from .teacher_cache import build_text_teacher_cache
-from .text_training import run_pretrain
-from .trainer import resolve_device, resolve_tokenizer
+from ...data.pipeline import build_tokenizer, prepare_shards
+from ...stage import Flow, Report, Stage, scalars, text_run_settings
+from ..config import RunConfig
+from ..teacher import cache_pass_teacher
+from ..teacher_cache import build_text_teacher_cache
+from ..text_training import run_pretrain
+from ..trainer import resolve_device, resolve_tokenizer
 
 
 def cache_text_teacher(run_cfg: RunConfig, *, progress: bool = True) -> dict[str, Any]:

@@ -56,12 +56,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data import builtin
-from ..data.chat import STOP, render
-from ..data.sft import Conversation, ReadReport
-from ..infer.rollout import RolloutPool, RolloutRequest
-from ..model.model import HybridLM
-from .callbacks import (
+from ...data import builtin
+from ...data.chat import STOP, render
+from ...data.sft import Conversation, ReadReport
+from ...infer.rollout import RolloutPool, RolloutRequest
+from ...model.model import HybridLM
+from ..callbacks import (
     AfterUpdate,
     Callback,
     Close,
@@ -72,18 +72,18 @@ from .callbacks import (
     Throughput,
     curves,
 )
-from .distillation import (
+from ..distillation import (
     PROXIMAL,
     DistillRunConfig,
     OfflineDistiller,
     PromptSource,
 )
-from .objectives import (
+from ..distributed.parallel import broadcast_object, full_model_state, is_main
+from ..objectives import (
     on_policy_distill_loss,
     reverse_kl,
 )
-from .parallel import broadcast_object, full_model_state, is_main
-from .post_training import (
+from ..post_training import (
     ChatSource,
     answer_matches,
     export_hf,
@@ -94,13 +94,13 @@ from .post_training import (
     prompt_and_answer,
     prompt_key,
 )
-from .teacher import (
+from ..teacher import (
     cache_pass_teacher,
     check_vocab,
     load_teacher,
 )
-from .teacher_cache import build_teacher_cache
-from .trainer import (
+from ..teacher_cache import build_teacher_cache
+from ..trainer import (
     Loss,
     Runtime,
     Step,

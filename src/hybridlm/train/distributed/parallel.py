@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .config import ParallelConfig
+from ..config import ParallelConfig
 from .expert_parallel import moe_layers
 from .tensor_parallel import row_orders, to_canonical
 
