@@ -369,7 +369,7 @@ def test_post_training_world2_matches_single_process(tmp_path, stage, parallel):
     import importlib
 
     make, fn, keys = POST_TRAINING[stage]
-    module = importlib.import_module(f"hybridlm.train.{fn.removeprefix('run_')}")
+    module = importlib.import_module(f"hybridlm.train.stages.{fn.removeprefix('run_')}")
     ref = make(tmp_path, "w1", 4)
     getattr(module, fn)(ref)
     dp = make(tmp_path, f"w2_{parallel}", 2, parallel)
