@@ -114,8 +114,9 @@ def main() -> None:
     config = args.config or str(run_dir / "speedrun.yaml")
     flow = Speedrun(load_config(config, [], out=str(run_dir)), progress=False)
     tok = flow.tokenizer()
-    env = build_mixture(eval_specs(flow.cfg.rl.envs, flow.cfg.rl.eval_envs), tokenizer=tok)
-    problems = env.sample(args.problems, seed=flow.cfg.rl.seed + 12345)  # the RL eval set
+    rl = flow.cfg.rl
+    env = build_mixture(eval_specs(rl.data.envs, rl.data.eval_envs), tokenizer=tok)
+    problems = env.sample(args.problems, seed=rl.train.seed + 12345)  # the RL eval set
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -54,7 +54,7 @@ from hybridlm.report.plot import pyplot, save_figure
 from hybridlm.rl.env_config import EnvConfig, build_environment
 from hybridlm.rl.environments import ToolUseEnvironment
 from hybridlm.rl.episodes import run_episodes
-from hybridlm.rl.learner import RLConfig, run_rl
+from hybridlm.rl.learner import RLConfig, RLDataConfig, RLRunConfig, RLTrainConfig, run_rl
 from hybridlm.train.config import TrainConfig
 from hybridlm.train.post_training import ChatSource, SFTDataConfig
 from hybridlm.train.stages.sft import SFTConfig, SFTRunConfig, run_sft
@@ -214,31 +214,39 @@ def single_spec(args: argparse.Namespace, *, seed: int) -> EnvConfig:
     return EnvConfig(kind="sft_arithmetic", digits=args.digits, num_problems=4000, seed=seed)
 
 
-def rl_config(base: str, out: Path, reward: str, task: str, args: argparse.Namespace) -> RLConfig:
+def rl_config(
+    base: str, out: Path, reward: str, task: str, args: argparse.Namespace
+) -> RLRunConfig:
     spec = single_spec if task == "single" else tool_spec
-    return RLConfig(
-        checkpoint=base,
-        out_dir=str(out),
-        envs=[spec(args, seed=1)],
-        eval_envs=[spec(args, seed=2)],
-        eval_problems=args.curve_problems,
-        eval_interval=args.eval_interval,
-        reward=reward,
-        steps=args.steps if task == "single" else args.tool_rl_steps,
-        groups_per_step=args.groups,
-        group_size=args.group_size,
-        max_draws=3 * args.groups,
-        max_new_tokens=args.max_new_tokens,
-        max_episode_tokens=args.max_episode_tokens if task == "multi" else 0,
-        overlong_filter=task == "multi",
-        freeze_router=args.freeze_router,
-        temperature=1.0,
-        lr=args.lr,
-        executor=args.executor,
-        num_workers=1,
-        max_policy_lag=1,
-        micro_batch_size=16,
-        seed=0,
+    return RLRunConfig(
+        train=RLTrainConfig(
+            init_from=base,
+            out_dir=str(out),
+            max_steps=args.steps if task == "single" else args.tool_rl_steps,
+            lr=args.lr,
+            eval_interval=args.eval_interval,
+            seed=0,
+        ),
+        data=RLDataConfig(
+            envs=[spec(args, seed=1)],
+            eval_envs=[spec(args, seed=2)],
+            eval_problems=args.curve_problems,
+        ),
+        rl=RLConfig(
+            reward=reward,
+            groups_per_step=args.groups,
+            group_size=args.group_size,
+            max_draws=3 * args.groups,
+            max_new_tokens=args.max_new_tokens,
+            max_episode_tokens=args.max_episode_tokens if task == "multi" else 0,
+            overlong_filter=task == "multi",
+            freeze_router=args.freeze_router,
+            temperature=1.0,
+            executor=args.executor,
+            num_workers=1,
+            max_policy_lag=1,
+            micro_batch_size=16,
+        ),
     )
 
 

@@ -134,11 +134,28 @@ class ForcedTokens:
         return not self.then_free and self.n >= len(self.ids)
 
 
+def rl_run(**keys):
+    """An `RLRunConfig` from its sections' keys given side by side (`steps=2, lr=1e-3,
+    reward="random"`): each goes to the section `RLRunConfig.MOVED` names (the shape the RL
+    config had before it had sections)."""
+    from hybridlm.rl.learner import RLConfig, RLDataConfig, RLRunConfig, RLTrainConfig
+
+    sections: dict[str, dict] = {"train": {}, "data": {}, "rl": {}}
+    for key, value in keys.items():
+        # the train section's other keys (grad_accum, ...) under their own names
+        section, _, name = RLRunConfig.MOVED.get(key, f"train.{key}").partition(".")
+        sections[section][name] = value
+    return RLRunConfig(
+        train=RLTrainConfig(**sections["train"]),
+        data=RLDataConfig(**sections["data"]),
+        rl=RLConfig(**sections["rl"]),
+    )
+
+
 def tool_rl_config(checkpoint: str, out, **kw):
     """A two-step GRPO run on calculator episodes (2-digit products, 3 turns) for the
     `tool_policy` fixture; random rewards, so groups vary whatever the tiny policy answers."""
     from hybridlm.rl.env_config import EnvConfig
-    from hybridlm.rl.learner import RLConfig
 
     base = dict(
         checkpoint=checkpoint,
@@ -159,7 +176,7 @@ def tool_rl_config(checkpoint: str, out, **kw):
         executor="inline",
         micro_batch_size=4,
     )
-    return RLConfig(**{**base, **kw})
+    return rl_run(**{**base, **kw})
 
 
 def tiny_sft_run(tmp: Path, out: str = "sft", *, steps: int = 1) -> Path:

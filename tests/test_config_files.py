@@ -7,7 +7,7 @@ import pytest
 from hybridlm.config import ModelConfig, read_mapping
 from hybridlm.curate.pipeline import CurateConfig
 from hybridlm.eval.harness import EvalConfig
-from hybridlm.rl.learner import RLConfig
+from hybridlm.rl.learner import RLRunConfig
 from hybridlm.speedrun import SpeedrunConfig
 from hybridlm.train.config import RunConfig
 from hybridlm.train.stages.distill import DistillRunConfig
@@ -26,9 +26,9 @@ READERS = {
     "dpo": DPORunConfig,
     "distill": DistillRunConfig,
     "qad": QADRunConfig,
-    "rl": RLConfig,
-    "rl_tools": RLConfig,
-    "rlhf": RLConfig,
+    "rl": RLRunConfig,
+    "rl_tools": RLRunConfig,
+    "rlhf": RLRunConfig,
     "rm": RMRunConfig,
     "curate": CurateConfig,
     "speedrun": SpeedrunConfig,

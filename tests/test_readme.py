@@ -74,14 +74,14 @@ SHORT_PAIRS = [
     "data.max_len=256",
 ]
 SHORT_RL = [
-    "steps=2",
-    "executor=inline",
-    "eval_problems=4",
-    "groups_per_step=2",
-    "group_size=2",
-    "max_draws=2",
-    "eval_interval=1",
-    "max_new_tokens=16",
+    "train.max_steps=2",
+    "rl.executor=inline",
+    "data.eval_problems=4",
+    "rl.groups_per_step=2",
+    "rl.group_size=2",
+    "rl.max_draws=2",
+    "train.eval_interval=1",
+    "rl.max_new_tokens=16",
 ]
 
 # (README command, the overrides that shorten it); optional `[...]` parts are left out
@@ -134,7 +134,10 @@ CHAIN: list[tuple[str, list[str]]] = [
             "qad.calib_samples=4",
         ],
     ),
-    ("hybridlm rl --checkpoint runs/sft [--set steps=60] [--resume | --overwrite]", SHORT_RL),
+    (
+        "hybridlm rl --checkpoint runs/sft [--set train.max_steps=60] [--resume | --overwrite]",
+        SHORT_RL,
+    ),
     (
         "hybridlm mtp-boost --checkpoint runs/sft [--set prompts=sft_arithmetic] [--set steps=300]",
         ["steps=2", "num_sequences=4", "eval_prompts=2", "gen_len=12", "eval_new_tokens=8"],
@@ -198,7 +201,7 @@ CHAIN += [
         [
             ["--num=40"],
             [*SHORT_CHAT[:4], "data.held_out=4", "sft.eval_generate=0"],
-            [*SHORT_RL, "max_new_tokens=48"],
+            [*SHORT_RL, "rl.max_new_tokens=48"],
         ],
     ),
     (

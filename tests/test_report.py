@@ -272,7 +272,8 @@ def fake_run(run: Path, *, overrides: list[str] | None = None) -> Path:
 
 # ---------------------------------------------------------------------------- tests
 def test_report_html_is_valid_and_shows_provenance(tmp_path):
-    run = fake_run(tmp_path / "run", overrides=["pretrain.train.max_steps=12", "rl.steps=6"])
+    overrides = ["pretrain.train.max_steps=12", "rl.train.max_steps=6"]
+    run = fake_run(tmp_path / "run", overrides=overrides)
     out = render_report(run, STAGES)
     page = check_report_html(Path(out["report_html"]))
     assert len(page.imgs) == len(out["plots"]) == 6
@@ -282,7 +283,7 @@ def test_report_html_is_valid_and_shows_provenance(tmp_path):
     assert md.startswith(f"# hybridlm speedrun — {run}\n")
     assert "Not the default speedrun: 2 settings differ" in head
     assert "| `pretrain.train.max_steps` | 1000 | 12 |" in head
-    assert "| `rl.steps` | 30 | 6 |" in head
+    assert "| `rl.train.max_steps` | 30 | 6 |" in head
     assert "hybridlm speedrun --out" in head and "torch " in head and "python " in head
     assert "threads=2" in head  # configure_threads' result, as recorded
     # stage times for people; a reused stage says so

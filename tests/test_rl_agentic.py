@@ -24,7 +24,7 @@ from hybridlm.rl.environments import (
     MixtureEnvironment,
 )
 from hybridlm.rl.grpo import group_advantages
-from hybridlm.rl.learner import RLConfig, completion_logprobs, run_rl
+from hybridlm.rl.learner import RLRunConfig, completion_logprobs, run_rl
 
 TOK = ByteTokenizer()
 
@@ -68,7 +68,7 @@ def test_workers_roll_out_tool_episodes_with_generated_tokens_masked(tool_policy
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
-def _cfg(tool_policy: str, out, **kw) -> RLConfig:
+def _cfg(tool_policy: str, out, **kw) -> RLRunConfig:
     return tool_rl_config(tool_policy, out, **kw)
 
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from _tiny import lowercase_first_env
+from _tiny import lowercase_first_env, rl_run
 from hybridlm import HybridLM
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.infer.rollout import RolloutPool, RolloutRequest
@@ -17,7 +17,7 @@ from hybridlm.interop.hf import save_pretrained
 from hybridlm.io import load_model
 from hybridlm.presets import get_preset
 from hybridlm.rl.environments import MixtureEnvironment
-from hybridlm.rl.learner import RLConfig, completion_logprobs, run_rl
+from hybridlm.rl.learner import RLRunConfig, completion_logprobs, run_rl
 
 
 def _checkpoint(tmp_path, seed: int = 0) -> str:
@@ -47,7 +47,7 @@ def test_trainer_logprobs_equal_the_engines(tmp_path, one_thread):
         torch.testing.assert_close(logp_BT[i, :n], torch.tensor(c.logprobs), atol=1e-4, rtol=0)
 
 
-def _cfg(tmp_path, **kw) -> RLConfig:
+def _cfg(tmp_path, **kw) -> RLRunConfig:
     base = dict(
         checkpoint=_checkpoint(tmp_path),
         out_dir=str(tmp_path / "rl"),
@@ -62,7 +62,7 @@ def _cfg(tmp_path, **kw) -> RLConfig:
         executor="inline",
         micro_batch_size=32,
     )
-    return RLConfig(**{**base, **kw})
+    return rl_run(**{**base, **kw})
 
 
 def _envs():
@@ -109,11 +109,25 @@ def test_async_rollouts_on_ray_keep_the_lag_bounded(tmp_path):
     assert sum(r["groups_kept"] for r in train) > 0
 
 
-def test_config_errors_are_actionable():
+def test_config_errors_are_actionable(tmp_path):
     with pytest.raises(ValueError, match="starting policy"):
-        run_rl(RLConfig())  # checked when the run starts: the file may leave it to --checkpoint
-    with pytest.raises(ValueError, match="group_size"):
-        RLConfig(checkpoint="x", group_size=1).validate()
+        run_rl(RLRunConfig())  # checked when the run starts: the file may leave it to --checkpoint
+    with pytest.raises(ValueError, match="rl.group_size"):
+        rl_run(checkpoint="x", group_size=1).validate()
+    with pytest.raises(ValueError, match="train.grad_accum has no effect in RL"):
+        rl_run(checkpoint="x", grad_accum=2).validate()
+    # the keys of the flat config before its sections: a file and an override say where they went
+    old = tmp_path / "old.yaml"
+    old.write_text("checkpoint: runs/sft\nsteps: 20\nlr: 1.0e-5\n")
+    with pytest.raises(ValueError) as err:
+        RLRunConfig.load(old)
+    msg = str(err.value)
+    assert "checkpoint is now train.init_from" in msg and "steps is now train.max_steps" in msg
+    assert "\n" not in msg and "sections ['data', 'rl', 'train']" in msg
+    with pytest.raises(ValueError, match=r"override 'reward=random': .*reward is now rl.reward"):
+        RLRunConfig().override(["reward=random"])
+    with pytest.raises(ValueError, match=r"grpo is now rl.grpo"):
+        RLRunConfig().override(["grpo.eps_high=0.3"])
 
 
 def test_rl_resume_repeats_the_uninterrupted_run(tmp_path, one_thread):
@@ -122,10 +136,10 @@ def test_rl_resume_repeats_the_uninterrupted_run(tmp_path, one_thread):
     streams, finished calls and kept groups not yet trained on) are checkpointed."""
     env, held = _envs()
     full = _cfg(tmp_path, steps=6, eval_interval=3, eval_problems=8, checkpoint_interval=3)
-    full.out_dir = str(tmp_path / "full")
+    full.train.out_dir = str(tmp_path / "full")
     run_rl(full, env=env, eval_env=held, progress=False)
     part = _cfg(tmp_path, steps=6, eval_interval=3, eval_problems=8, checkpoint_interval=3)
-    part.out_dir = str(tmp_path / "part")
+    part.train.out_dir = str(tmp_path / "part")
     run_rl(part, env=env, eval_env=held, progress=False, until_step=3)
     resumed = run_rl(part, env=env, eval_env=held, progress=False, resume=True)
     assert resumed["step"] == 6

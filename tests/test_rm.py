@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from _tiny import arithmetic_pairs, lowercase_first_env, tiny_train_model
+from _tiny import arithmetic_pairs, lowercase_first_env, rl_run, tiny_train_model
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.io.checkpoint import save_checkpoint
 from hybridlm.model.model import build_model
 from hybridlm.rl.environments import MixtureEnvironment
-from hybridlm.rl.learner import RLConfig, run_rl
+from hybridlm.rl.learner import run_rl
 from hybridlm.train.config import TrainConfig
 from hybridlm.train.objectives import bradley_terry_loss
 from hybridlm.train.pairs import PairDataConfig, build_verified_pairs
@@ -133,7 +133,7 @@ def test_verified_pairs_take_a_right_and_a_wrong_sample():
 def test_rlhf_rewards_rollouts_with_the_reward_model(tmp_path):
     run_rm(_rm_run(tmp_path, "rm", steps=3))
     env, held = lowercase_first_env(), lowercase_first_env(name="held")
-    cfg = RLConfig(
+    cfg = rl_run(
         checkpoint=str(_init(tmp_path)),
         out_dir=str(tmp_path / "rlhf"),
         reward="rm",
@@ -155,4 +155,4 @@ def test_rlhf_rewards_rollouts_with_the_reward_model(tmp_path):
     drawn = [r for r in train if r["groups_drawn"]]  # a step may train on groups drawn before
     assert drawn and all(r["reward_mean"] != r["batch/all/reward_mean"] for r in drawn), train
     with pytest.raises(ValueError, match="reward_model"):
-        RLConfig(checkpoint="x", reward="rm").validate()
+        rl_run(checkpoint="x", reward="rm").validate()

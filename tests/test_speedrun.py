@@ -48,14 +48,14 @@ TINY = [
     "sft.train.warmup_steps=2",
     "sft.sft.eval_generate=2",
     "sft.sft.max_new_tokens=24",
-    "rl.steps=2",
-    "rl.executor=inline",
-    "rl.eval_problems=4",
-    "rl.groups_per_step=2",
-    "rl.group_size=2",
-    "rl.max_draws=2",
-    "rl.eval_interval=1",
-    "rl.max_new_tokens=16",
+    "rl.train.max_steps=2",
+    "rl.rl.executor=inline",
+    "rl.data.eval_problems=4",
+    "rl.rl.groups_per_step=2",
+    "rl.rl.group_size=2",
+    "rl.rl.max_draws=2",
+    "rl.train.eval_interval=1",
+    "rl.rl.max_new_tokens=16",
     "mtp_heal.steps=3",
     "mtp_heal.num_sequences=4",
     "mtp_heal.eval_prompts=2",
@@ -114,8 +114,10 @@ def test_config_file_parses_and_rejects_mistakes(tmp_path):
         load_config(str(CONFIG), ["quantize.recipes=[int4]"])
     with pytest.raises(ValueError, match="quantize.recipes"):
         load_config(str(CONFIG), ["quantize.recipes=[]"])
-    with pytest.raises(ValueError, match="group_size"):  # checked before any stage runs
-        load_config(str(CONFIG), ["rl.group_size=1"])
+    with pytest.raises(ValueError, match="rl.group_size must be"):  # before any stage runs
+        load_config(str(CONFIG), ["rl.rl.group_size=1"])
+    with pytest.raises(ValueError, match="rl.steps is now rl.train.max_steps"):
+        load_config(str(CONFIG), ["rl.steps=2"])
     with pytest.raises(ValueError, match="unknown stage"):
         Speedrun(cfg, only=["evaluate"])
 
@@ -165,7 +167,9 @@ def test_whole_flow_runs_and_writes_the_report(finished):
     assert ext["original_length"] == 256 and set(ext["ruler_after"]) == {"256", "512", "1024"}
     assert ext["ruler_gain"]["pairs"] == 2 and ext["short_bpb_before"] > 0
     assert (run / "long_context" / "long_context.png").stat().st_size > 5000
-    assert yaml.safe_load((run / "rl" / "rl.yaml").read_text())["checkpoint"] == str(run / "sft")
+    assert yaml.safe_load((run / "rl" / "rl.yaml").read_text())["train"]["init_from"] == str(
+        run / "sft"
+    )
     heal = json.loads((run / "mtp_heal" / "stage.json").read_text())["summary"]
     assert heal["from"] == str(run / "rl" / "model")
     quant = json.loads((run / "quantize" / "stage.json").read_text())["summary"]
@@ -225,7 +229,8 @@ def test_whole_flow_runs_and_writes_the_report(finished):
     assert result["stages"]["eval"]["models"][0]["model"] == "pretrain"
     # provenance: a toy run is marked as not the default one, with the settings that differ
     prov = json.loads((run / "provenance.json").read_text())
-    assert {o["key"] for o in prov["overrides"]} >= {"pretrain.train.max_steps", "rl.steps"}
+    changed = {o["key"] for o in prov["overrides"]}
+    assert changed >= {"pretrain.train.max_steps", "rl.train.max_steps"}
     assert prov["is_default"] is False and "torch" in prov["versions"]
     assert {s: e["status"] for s, e in prov["stages"].items()} == dict.fromkeys(STAGE_NAMES, "run")
     assert md.startswith(f"# hybridlm speedrun — {run}\n") and "Not the default speedrun" in md

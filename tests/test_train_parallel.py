@@ -60,7 +60,7 @@ WORKER = textwrap.dedent(
         sys.path.insert(0, sys.argv[5])
         from _tiny import lowercase_first_env
         from hybridlm.rl.environments import MixtureEnvironment
-        from hybridlm.rl.learner import RLConfig as Config, run_rl
+        from hybridlm.rl.learner import RLRunConfig as Config, run_rl
 
         def run(cfg, **kw):
             env = MixtureEnvironment([lowercase_first_env()])
@@ -390,13 +390,13 @@ def test_grpo_world2_matches_single_process(tmp_path, parallel):
     from test_rl_learner import _cfg, _envs
 
     ref = _cfg(tmp_path, steps=3, eval_interval=3, eval_problems=8)
-    ref.out_dir = str(tmp_path / "w1")
+    ref.train.out_dir = str(tmp_path / "w1")
     env, held = _envs()
     run_rl(ref, env=env, eval_env=held, progress=False)
     dp = _cfg(tmp_path, steps=3, eval_interval=3, eval_problems=8, parallel=parallel)
-    dp.out_dir = str(tmp_path / "w2")
+    dp.train.out_dir = str(tmp_path / "w2")
     run_world2(tmp_path, dp, stage="rl")
-    a, b = rows(dp.out_dir), rows(ref.out_dir)
+    a, b = rows(dp.train.out_dir), rows(ref.train.out_dir)
     # Relative 2e-6 (measured under DDP and FSDP2: <= 4.4e-7, grad_norm 1e-7), so that a 1e-5
     # relative change fails. Two values are small differences of O(1) fp32 terms, which the other
     # reduction order moves by an absolute amount; they get a floor of a few ulps of those terms:
@@ -418,7 +418,7 @@ def test_grpo_world2_matches_single_process(tmp_path, parallel):
     )
     floors = {"loss": 5e-8, "logprob_diff_mean": 1e-7}
     worst = assert_same_losses(a, b, keys, rel_tol=2e-6, floors=floors)
-    weights = assert_same_weights(dp.out_dir, ref.out_dir)
+    weights = assert_same_weights(dp.train.out_dir, ref.train.out_dir)
     print(f"grpo {parallel}: worst relative difference {worst:.2e}, weights {weights:.2e}")
 
 

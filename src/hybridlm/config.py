@@ -52,6 +52,9 @@ class Config:
     # field -> how a name held there expands to its section (a preset name to its ModelConfig),
     # so an override can set a key inside it (`model.d_model=128` on `model: tiny-super`)
     EXPAND: ClassVar[dict[str, Callable[[str], Any]]] = {}
+    # old key -> its dotted place now, for configs whose keys moved into sections: a file or
+    # override that still uses the old key is told where it went
+    MOVED: ClassVar[dict[str, str]] = {}
 
     def validate(self) -> Any:
         """Raise a ValueError naming the setting when settings disagree; nothing to check here."""
@@ -489,6 +492,9 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
+    moved = [k for k in unknown if k in getattr(cls, "MOVED", {})]
+    if moved:
+        raise ValueError(_moved_message(cls, moved, prefix))
     if unknown:
         # a mapping under an unknown name is most likely a misspelt section
         kind = "sections" if all(isinstance(data[k], dict) for k in unknown) else "key(s)"
@@ -596,7 +602,9 @@ def apply_overrides(cfg: C, overrides: Sequence[str]) -> C:
         node: Any = data
         hint: Any = top
         for depth, part in enumerate(path):
+            _check_moved(hint, part, item, path[:depth])
             node, hint = _descend(node, hint, part, item, ".".join(path[: depth + 1]))
+        _check_moved(hint, last, item, path)
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:  # not YAML, e.g. a pattern such as *E*E (a YAML alias): the text
@@ -611,6 +619,20 @@ def apply_overrides(cfg: C, overrides: Sequence[str]) -> C:
     out = top.from_dict(data)
     out.validate()
     return out
+
+
+def _moved_message(cls: type, keys: list[str], prefix: str) -> str:
+    moved = cls.MOVED  # type: ignore[attr-defined]
+    where = ", ".join(f"{prefix}{k} is now {prefix}{moved[k]}" for k in keys)
+    return f"the {cls.WHAT} has sections {sorted(f.name for f in dataclasses.fields(cls))}: {where}"
+
+
+def _check_moved(hint: Any, part: str, item: str, where: list[str]) -> None:
+    """The one-line error of an override that names a key its config moved (`Config.MOVED`)."""
+    cls = _dataclass_in(hint)
+    if cls is not None and part in getattr(cls, "MOVED", {}) and part not in _fields(cls):
+        prefix = "".join(f"{w}." for w in where)
+        raise ValueError(f"override {item!r}: " + _moved_message(cls, [part], prefix))
 
 
 def _fields(hint: Any) -> set[str]:

@@ -43,7 +43,7 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted keys of a plain config tree (`pretrain.train.max_steps`, `rl.envs.0.seed`)."""
+    """Dotted keys of a plain config tree (`pretrain.train.max_steps`, `rl.data.envs.0.seed`)."""
     out: dict[str, Any] = {}
     if isinstance(tree, dict) and tree:
         for k, v in tree.items():

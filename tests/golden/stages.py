@@ -280,23 +280,23 @@ def rl(tmp: Path) -> Result:
     a fresh `tiny_train_model` without MTP; 4 groups of 8 four-token samples per step, active
     sampling, one-step policy lag, truncated importance sampling; greedy held-out evals at 0,
     10 and 20."""
-    from hybridlm.rl.learner import RLConfig, run_rl
+    from hybridlm.rl.learner import RLConfig, RLDataConfig, RLRunConfig, RLTrainConfig, run_rl
 
     policy = tmp / "policy"
     save_pretrained(HybridLM(tiny_train_model(mtp=False), seed=0), policy)
-    cfg = RLConfig(
-        checkpoint=str(policy),
-        out_dir=str(tmp / "rl"),
-        steps=20,
-        groups_per_step=4,
-        group_size=8,
-        max_draws=12,
-        max_new_tokens=4,
-        lr=1e-2,
-        eval_problems=8,
-        eval_interval=10,
-        executor="inline",
-        micro_batch_size=16,
+    cfg = RLRunConfig(
+        train=RLTrainConfig(
+            init_from=str(policy), out_dir=str(tmp / "rl"), max_steps=20, lr=1e-2, eval_interval=10
+        ),
+        data=RLDataConfig(eval_problems=8),
+        rl=RLConfig(
+            groups_per_step=4,
+            group_size=8,
+            max_draws=12,
+            max_new_tokens=4,
+            executor="inline",
+            micro_batch_size=16,
+        ),
     )
     run_rl(
         cfg,

@@ -4,7 +4,6 @@ tool-use episodes of an environment as SFT data (the short tool-use SFT before a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from .args import add_overrides_arg, add_server_args, check_port, require_extra
 from .train import add_resume_args
@@ -16,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default="", help="an RL YAML (default: configs/rl.yaml if present)")
     p.add_argument("--checkpoint", default="", help="the starting policy (overrides the config)")
     add_resume_args(p)
-    add_overrides_arg(p, "steps=20 --set grpo.eps_high=0.28")
+    add_overrides_arg(p, "train.max_steps=20 --set rl.grpo.eps_high=0.28")
     p.set_defaults(fn=cmd_rl)
     p = sub.add_parser(
         "tool-demos", help="write solved tool-use episodes as SFT chat data (JSONL: messages)"
@@ -57,15 +56,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_rl(args: argparse.Namespace) -> None:
     from pathlib import Path
 
-    from ..rl.learner import RLConfig, run_rl
+    from ..rl.learner import RLRunConfig, run_rl
     from ..train.distributed import parallel
 
     path = Path(args.config or "configs/rl.yaml")
     if args.config and not path.is_file():
         raise ValueError(f"rl config {path} not found")
-    cfg = RLConfig.load(path) if path.is_file() else RLConfig()
+    cfg = RLRunConfig.load(path) if path.is_file() else RLRunConfig()
     if args.checkpoint:
-        cfg = dataclasses.replace(cfg, checkpoint=args.checkpoint)
+        cfg.train.init_from = args.checkpoint
     cfg = cfg.override(args.overrides)
     res = run_rl(cfg, resume=args.resume, overwrite=args.overwrite)
     if not parallel.is_main():  # under torchrun rank 0 reports; every rank leaves together

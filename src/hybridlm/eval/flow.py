@@ -87,8 +87,8 @@ def evaluate_flow(flow: Flow, out: Path) -> dict[str, Any]:
         if held_loader is not None:
             held = take(held_loader, ecfg.text_batches)
     rl = flow.cfg.rl
-    env = build_mixture(eval_specs(rl.envs, rl.eval_envs), tokenizer=tok)
-    problems = env.sample(ecfg.arithmetic_problems, seed=rl.seed + 12345)  # the RL eval set
+    env = build_mixture(eval_specs(rl.data.envs, rl.data.eval_envs), tokenizer=tok)
+    problems = env.sample(ecfg.arithmetic_problems, seed=rl.train.seed + 12345)  # RL's eval set
     harness_on = not ecfg.data_dir or Path(ecfg.data_dir).is_dir()  # "": the packaged data
     rows = []
     last_cfg = None
@@ -192,7 +192,7 @@ def _settings(flow: Flow) -> dict[str, Any]:
     return {
         **dataclasses.asdict(flow.cfg.eval),
         "models": flow.models(),
-        "rl_eval": flow.cfg.rl.to_dict()["envs"],
+        "rl_eval": flow.cfg.rl.to_dict()["data"]["envs"],
     }
 
 

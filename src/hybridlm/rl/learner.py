@@ -1,7 +1,10 @@
-"""GRPO with verifiable rewards and asynchronous rollouts: `hybridlm rl` / `run_rl(RLConfig)`.
+"""GRPO with verifiable rewards and asynchronous rollouts: `hybridlm rl` / `run_rl(RLRunConfig)`.
 
-    hybridlm rl --checkpoint runs/sft --set steps=60 --set executor=ray
-    hybridlm rl --config configs/rl.yaml --set reward=random      # the negative control
+    hybridlm rl --checkpoint runs/sft --set train.max_steps=60 --set rl.executor=ray
+    hybridlm rl --config configs/rl.yaml --set rl.reward=random      # the negative control
+
+The run config has the sections of every stage: `train` (the loop, `RLTrainConfig`; its
+`init_from` is the starting policy), `data` (the environments) and `rl` (`RLConfig`).
 
 The loop (OlmoRL, Olmo 3 §4.4; Nemotron 3 Super §3.2):
 
@@ -73,7 +76,7 @@ from ..train.callbacks import (
     Summary,
     Throughput,
 )
-from ..train.config import TrainConfig
+from ..train.config import ParallelConfig, ScheduleKind, TrainConfig
 from ..train.distributed.parallel import broadcast_object, full_model_state, is_main
 from ..train.reward_model import RewardModelScorer, reward_input
 from ..train.trainer import Loss, Runtime, Step, Trainer, TrainModule
@@ -103,35 +106,79 @@ from .verifiers import Reward
 
 
 @dataclass(kw_only=True)
-class RLConfig(Config):
-    WHAT = "rl config"
+class RLTrainConfig(TrainConfig):
+    """The loop settings of a GRPO run (`train`): `TrainConfig` with the RL defaults (AdamW
+    without weight decay, a constant learning rate after an optional linear warm-up, one row
+    per step). `init_from` is the starting policy: a run, training checkpoint or transformers
+    directory. Under torchrun rank 0 runs the rollouts and every rank trains on its share of
+    each batch (`parallel`: ddp or fsdp)."""
 
-    checkpoint: str = ""  # the initial policy: run, training checkpoint or transformers dir
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    schedule: ScheduleKind = "constant"
+    warmup_steps: int = 0
+    max_steps: int = 50
+    eval_interval: int = 10
+    log_interval: int = 1
+    checkpoint_interval: int = 0  # 0: only the final checkpoint
     out_dir: str = "runs/rl"
+    peak_flops: float = 1.0  # no matmul probe: an RL step is mostly generation, no MFU is shown
+
+    def validate(self) -> RLTrainConfig:
+        super().validate()
+        if self.max_steps < 1:
+            raise ValueError(f"train.max_steps must be >= 1 for RL, got {self.max_steps}")
+        unused = {
+            "grad_accum": self.grad_accum != 1,  # rl.micro_batch_size splits a batch
+            "total_tokens": self.total_tokens != 0,
+            "z_loss": self.z_loss != 0,
+            "yarn": self.yarn is not None,
+            "intra_doc_masking": self.intra_doc_masking,
+        }
+        for name, set_ in unused.items():
+            if set_:
+                raise ValueError(f"train.{name} has no effect in RL; leave it at its default")
+        layout = self.parallel
+        if isinstance(layout, ParallelConfig) and max(layout.tp, layout.cp, layout.ep) > 1:
+            raise ValueError("RL's learner runs data parallel only: train.parallel ddp or fsdp")
+        return self
+
+
+@dataclass(kw_only=True)
+class RLDataConfig:
+    """The environments the policy trains on and is evaluated on (`data`)."""
+
     envs: list[EnvConfig] = field(default_factory=lambda: [EnvConfig()])
     eval_envs: list[EnvConfig] = field(default_factory=list)  # default: envs with seed + 1
-    eval_problems: int = 64
-    eval_interval: int = 10
-    eval_max_new_tokens: int = 0  # 0: max_new_tokens
+    eval_problems: int = 64  # held-out problems of each greedy evaluation
+
+    def validate(self) -> None:
+        if not self.envs:
+            raise ValueError("data.envs: at least one environment")
+        for e in [*self.envs, *self.eval_envs]:
+            e.validate()
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    """Rollouts, rewards and the GRPO objective (`rl`; module docstring)."""
+
     # verifier: the environments'; random: a fair coin (the negative control); rm: a reward
     # model's score of prompt + completion (RLHF; `reward_model`, trained by `hybridlm rm`)
     reward: Literal["verifier", "random", "rm"] = "verifier"
     reward_model: str = ""
     length_penalty: float = 0.0  # reward -= length_penalty * generated tokens / max_new_tokens
-    steps: int = 50
     groups_per_step: int = 8
     group_size: int = 8
     max_draws: int = 32  # active sampling: most groups drawn for one step
     max_new_tokens: int = 64  # per reply (per turn of a multi-turn episode)
     max_episode_tokens: int = 0  # generated tokens per multi-turn episode (0: no bound)
+    eval_max_new_tokens: int = 0  # 0: max_new_tokens
     overlong_filter: bool = False  # truncated samples carry no loss (DAPO overlong filtering)
     freeze_router: bool = False  # MoE routers (weights and balancing bias) fixed during RL
     temperature: float = 1.0
     top_p: float = 1.0
-    lr: float = 1e-5
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
     micro_batch_size: int = 16  # completions per forward/backward
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     executor: Literal["ray", "inline"] = "ray"
@@ -141,43 +188,62 @@ class RLConfig(Config):
     gpus_per_worker: float = -1.0  # Ray rollout actors; -1: one each when the cluster has GPUs
     max_policy_lag: int = 1
     sync_timeout_s: float = 300.0
-    seed: int = 0
-    device: str = "auto"  # the learner's (rollout workers decode on the CPU)
-    # data parallelism of the learner under torchrun: rank 0 runs the rollouts, every rank
-    # trains on its share of each batch
-    parallel: Literal["ddp", "fsdp"] = "ddp"
-    checkpoint_interval: int = 0  # steps between checkpoints (0: only the final one)
-    keep_last_n: int = 3  # checkpoints kept (0: all)
     # seconds one completion may take to verify, in a worker process (rl.scoring): past it the
     # reward is 0 and the learner goes on; 0 verifies in this process with no deadline
     verify_timeout_s: float = 10.0
 
-    def validate(self) -> RLConfig:
-        """The settings' ranges; the starting policy (`checkpoint`, often given on the command
-        line) is checked when a run starts (`rl_trainer`)."""
-        for name in ("steps", "groups_per_step", "micro_batch_size", "max_new_tokens"):
+    def validate(self) -> None:
+        for name in ("groups_per_step", "micro_batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"rl.{name} must be >= 1, got {getattr(self, name)}")
         if self.group_size < 2:
-            raise ValueError("group_size must be >= 2 (advantages are within groups)")
+            raise ValueError("rl.group_size must be >= 2 (advantages are within groups)")
         if self.max_draws < self.groups_per_step:
-            raise ValueError("max_draws must be >= groups_per_step")
+            raise ValueError("rl.max_draws must be >= rl.groups_per_step")
         if self.max_policy_lag < 0:
-            raise ValueError(f"max_policy_lag must be >= 0, got {self.max_policy_lag}")
+            raise ValueError(f"rl.max_policy_lag must be >= 0, got {self.max_policy_lag}")
         if self.temperature <= 0:
-            raise ValueError("RL samples: temperature must be > 0")
-        if not self.envs:
-            raise ValueError("envs: at least one environment")
+            raise ValueError("RL samples: rl.temperature must be > 0")
         if self.reward == "rm" and not self.reward_model:
-            raise ValueError("reward: rm needs reward_model (a run of hybridlm rm)")
+            raise ValueError("rl.reward: rm needs rl.reward_model (a run of hybridlm rm)")
         if self.length_penalty < 0:
-            raise ValueError(f"length_penalty must be >= 0, got {self.length_penalty}")
+            raise ValueError(f"rl.length_penalty must be >= 0, got {self.length_penalty}")
         if self.max_episode_tokens < 0:
-            raise ValueError(f"max_episode_tokens must be >= 0, got {self.max_episode_tokens}")
+            raise ValueError(f"rl.max_episode_tokens must be >= 0, got {self.max_episode_tokens}")
         if self.verify_timeout_s < 0:
-            raise ValueError(f"verify_timeout_s must be >= 0, got {self.verify_timeout_s}")
-        for e in [*self.envs, *self.eval_envs]:
-            e.validate()
+            raise ValueError(f"rl.verify_timeout_s must be >= 0, got {self.verify_timeout_s}")
+
+
+# where the keys of the flat RL config (before the sections) went
+_TRAIN_KEYS = {"lr", "warmup_steps", "weight_decay", "grad_clip", "eval_interval", "seed"}
+_TRAIN_KEYS |= {"checkpoint_interval", "keep_last_n", "out_dir", "device", "parallel"}
+_MOVED_RL = {
+    "checkpoint": "train.init_from",
+    "steps": "train.max_steps",
+    **{k: f"train.{k}" for k in _TRAIN_KEYS},
+    **{k: f"data.{k}" for k in ("envs", "eval_envs", "eval_problems")},
+    **{f.name: f"rl.{f.name}" for f in dataclasses.fields(RLConfig)},
+}
+
+
+@dataclass(kw_only=True)
+class RLRunConfig(Config):
+    """A GRPO run: `train` (the loop; `train.init_from` is the starting policy), `data` (the
+    environments) and `rl` (rollouts, rewards, the objective), the sections of every stage."""
+
+    WHAT = "rl config"
+    MOVED = _MOVED_RL
+
+    train: RLTrainConfig = field(default_factory=RLTrainConfig)
+    data: RLDataConfig = field(default_factory=RLDataConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+
+    def validate(self) -> RLRunConfig:
+        """The settings' ranges; the starting policy (`train.init_from`, often given on the
+        command line) is checked when a run starts (`rl_trainer`)."""
+        self.train.validate()
+        self.data.validate()
+        self.rl.validate()
         return self
 
 
@@ -222,11 +288,12 @@ def _pad(rows: list[list[float]], T: int, device: torch.device) -> torch.Tensor:
 # ---------------------------------------------------------------------- rollouts
 class _Rollouts:
     """Problem draws, submission to the pool, scoring into groups. Draw k samples its problems
-    from the mixture with seed `cfg.seed * 1_000_003 + k`, so a draw is rebuilt from its number
-    (a resumed run re-creates the problems of the groups it had in hand)."""
+    from the mixture with seed `train.seed * 1_000_003 + k`, so a draw is rebuilt from its
+    number (a resumed run re-creates the problems of the groups it had in hand)."""
 
-    def __init__(self, cfg: RLConfig, env: MixtureEnvironment, tok: Any) -> None:
-        self.cfg, self.env, self.tok = cfg, env, tok
+    def __init__(self, run: RLRunConfig, env: MixtureEnvironment, tok: Any) -> None:
+        cfg = run.rl
+        self.cfg, self.seed, self.env, self.tok = cfg, run.train.seed, env, tok
         self.pool: RolloutPool | None = None
         self.params = {
             "max_tokens": cfg.max_new_tokens,
@@ -236,7 +303,7 @@ class _Rollouts:
             "include_stop_str_in_output": True,
         }
         self.budgets = {  # of the multi-turn episodes (each environment caps its own turns)
-            "max_turns": max(s.max_turns for s in cfg.envs),
+            "max_turns": max(s.max_turns for s in run.data.envs),
             "max_episode_tokens": cfg.max_episode_tokens or None,
         }
         self.pending: dict[int, tuple[int, int]] = {}  # id(handle) -> (draw, groups)
@@ -245,7 +312,7 @@ class _Rollouts:
         self._rm: RewardModelScorer | None = None
 
     def problems(self, draw: int, n_groups: int) -> list[Problem]:
-        return self.env.sample(n_groups, seed=self.cfg.seed * 1_000_003 + draw)
+        return self.env.sample(n_groups, seed=self.seed * 1_000_003 + draw)
 
     def submit(self, n_groups: int) -> None:
         assert self.pool is not None
@@ -293,7 +360,7 @@ class _Rollouts:
         # really earns (reward hacking shows as RM reward up, verifier reward flat or down)
         scored = self.score(expanded, comps)
         if self.cfg.reward == "random":  # negative control: a fair coin, blind to the text
-            rewards = [float(_coin(f"{self.cfg.seed}/{step}/{c.key}/{c.index}")) for c in comps]
+            rewards = [float(_coin(f"{self.seed}/{step}/{c.key}/{c.index}")) for c in comps]
         elif self.cfg.reward == "rm":
             rm = self.reward_model()
             rewards = rm.score([reward_input(c.prompt_ids + c.token_ids, self.tok) for c in comps])
@@ -379,37 +446,38 @@ class GRPOLearner(TrainModule):
 
     def __init__(
         self,
-        cfg: RLConfig,
+        run: RLRunConfig,
         rt: Runtime,
         *,
         env: MixtureEnvironment | None,
         eval_env: MixtureEnvironment | None,
     ) -> None:
         super().__init__(rt)
-        self.cfg = cfg
-        loaded = load(cfg.checkpoint, setting="checkpoint")
+        self.run, self.cfg = run, run.rl
+        cfg, data, policy = run.rl, run.data, run.train.init_from
+        loaded = load(policy, setting="train.init_from")
         self.model = loaded.model.float().to(rt.device)
         if cfg.freeze_router:  # MoE routing fixed: weights and the balancing bias
             for m in self.model.modules():
                 if isinstance(m, TopKRouter):
                     m.requires_grad_(False)
         self.tok = loaded.tokenizer
-        self.env = env or build_mixture(cfg.envs, tokenizer=self.tok)
+        self.env = env or build_mixture(data.envs, tokenizer=self.tok)
         self.eval_env = eval_env or build_mixture(
-            eval_specs(cfg.envs, cfg.eval_envs), tokenizer=self.tok
+            eval_specs(data.envs, data.eval_envs), tokenizer=self.tok
         )
         if cfg.verify_timeout_s > 0:  # a verifier never stalls the learner (rl.scoring)
             self.env = with_deadline(self.env, timeout_s=cfg.verify_timeout_s)
             self.eval_env = with_deadline(self.eval_env, timeout_s=cfg.verify_timeout_s)
-        self.eval_set = self.eval_env.sample(cfg.eval_problems, seed=cfg.seed + 12345)
+        self.eval_set = self.eval_env.sample(data.eval_problems, seed=run.train.seed + 12345)
         self.eval_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
         self.ref = None
         if cfg.grpo.kl_coef > 0:  # the initial policy, frozen
-            ref = load_model(cfg.checkpoint, setting="checkpoint").float().to(rt.device)
+            ref = load_model(policy, setting="train.init_from").float().to(rt.device)
             self.ref = ref.eval().requires_grad_(False)
-        self.total_steps = cfg.steps
+        self.total_steps = run.train.max_steps
         self.sampler = ActiveSampler(batch_groups=cfg.groups_per_step, max_draws=cfg.max_draws)
-        self.rollouts = _Rollouts(cfg, self.env, self.tok)
+        self.rollouts = _Rollouts(run, self.env, self.tok)
         self.last_eval: dict[str, float] = {}
         self._restored: dict[str, Any] | None = None
         self._started = False
@@ -428,7 +496,7 @@ class GRPOLearner(TrainModule):
             ray_address=cfg.ray_address or None,
             threads_per_worker=cfg.threads_per_worker,
             sync_timeout_s=cfg.sync_timeout_s,
-            seed=cfg.seed,
+            seed=self.run.train.seed,
             version=step,
             engine_kwargs={"max_batch_size": cfg.groups_per_step * cfg.group_size},
             env=self.env.episodic(),  # the environments whose episodes the workers step
@@ -625,7 +693,7 @@ class GRPOLearner(TrainModule):
         self._restored = meta.get("rl")
 
     def run_config(self) -> dict[str, Any]:
-        return {"rl": self.cfg.to_dict(), "model": self.model.config.to_dict()}
+        return {**self.run.to_dict(), "model": self.model.config.to_dict()}
 
     def callbacks(self) -> list[Callback]:
         return [
@@ -664,32 +732,8 @@ class GRPOLearner(TrainModule):
             self.rollouts.pool.shutdown()
 
 
-def rl_train_config(cfg: RLConfig, *, progress: bool = True) -> TrainConfig:
-    """The loop settings of a GRPO run: AdamW without decay groups beyond `weight_decay`,
-    constant learning rate after a linear warm-up, one row per step."""
-    return TrainConfig(
-        lr=cfg.lr,
-        min_lr=0.0,
-        weight_decay=cfg.weight_decay,
-        schedule="constant",
-        warmup_steps=cfg.warmup_steps,
-        grad_clip=cfg.grad_clip,
-        max_steps=cfg.steps,
-        eval_interval=cfg.eval_interval,
-        log_interval=1,
-        checkpoint_interval=cfg.checkpoint_interval,
-        keep_last_n=cfg.keep_last_n,
-        out_dir=cfg.out_dir,
-        seed=cfg.seed,
-        device=cfg.device,
-        parallel=cfg.parallel,
-        peak_flops=1.0,
-        progress=progress,
-    )
-
-
 def rl_trainer(
-    cfg: RLConfig,
+    cfg: RLRunConfig,
     *,
     env: MixtureEnvironment | None = None,
     eval_env: MixtureEnvironment | None = None,
@@ -699,11 +743,12 @@ def rl_trainer(
 ) -> Trainer:
     """The Trainer of a GRPO run, ready to `train()`."""
     cfg.validate()
-    if not cfg.checkpoint:
-        raise ValueError("rl needs a starting policy: set checkpoint (or --checkpoint)")
-    resolve(cfg.checkpoint, setting="checkpoint")  # a missing policy fails before any work
+    policy = cfg.train.init_from
+    if not policy:
+        raise ValueError("rl needs a starting policy: set train.init_from (or --checkpoint)")
+    resolve(policy, setting="train.init_from")  # a missing policy fails before any work
     return Trainer(
-        rl_train_config(cfg, progress=progress),
+        dataclasses.replace(cfg.train, progress=cfg.train.progress and progress),
         lambda rt: GRPOLearner(cfg, rt, env=env, eval_env=eval_env),
         resume=resume,
         overwrite=overwrite,
@@ -711,7 +756,7 @@ def rl_trainer(
 
 
 def run_rl(
-    cfg: RLConfig,
+    cfg: RLRunConfig,
     *,
     env: MixtureEnvironment | None = None,
     eval_env: MixtureEnvironment | None = None,
@@ -720,10 +765,11 @@ def run_rl(
     overwrite: bool = False,
     until_step: int | None = None,
 ) -> dict[str, Any]:
-    """Train the policy of `cfg.checkpoint` with GRPO; returns a summary (metrics path, plot,
+    """Train the policy of `cfg.train.init_from` with GRPO; returns a summary (metrics path, plot,
     per-step rows, eval results). `env` / `eval_env` replace the configured environments (any
-    `Environment`s, e.g. a custom verifier, wrapped in a `MixtureEnvironment`). An earlier run in
-    `cfg.out_dir` needs `resume=True` (continue from its newest checkpoint) or `overwrite=True`."""
+    `Environment`s, e.g. a custom verifier, wrapped in a `MixtureEnvironment`). An earlier run
+    in `cfg.train.out_dir` needs `resume=True` (continue from its newest checkpoint) or
+    `overwrite=True`."""
     trainer = rl_trainer(
         cfg, env=env, eval_env=eval_env, progress=progress, resume=resume, overwrite=overwrite
     )
@@ -779,6 +825,9 @@ def plot_rl(metrics_path: str | Path, png: str | Path) -> None:
 __all__ = [
     "EnvConfig",
     "RLConfig",
+    "RLDataConfig",
+    "RLRunConfig",
+    "RLTrainConfig",
     "build_environment",
     "build_mixture",
     "completion_logprobs",
@@ -791,13 +840,12 @@ __all__ = [
 # ---------------------------------------------------------------------- the flow's stage
 def _stage_settings(flow: Flow) -> dict[str, Any]:
     data = flow.format_paths(flow.cfg.rl.to_dict())
-    data["checkpoint"] = flow.model_path("rl")
-    data["out_dir"] = str(flow.stage_dir("rl"))
+    data["train"] |= {"init_from": flow.model_path("rl"), "out_dir": str(flow.stage_dir("rl"))}
     return data
 
 
 def _stage_run(flow: Flow) -> dict[str, Any]:
-    cfg = RLConfig.from_dict(flow.settings("rl"))
+    cfg = RLRunConfig.from_dict(flow.settings("rl"))
     # not resumable: an interrupted attempt's outputs in the stage dir are replaced
     result = run_rl(cfg, progress=flow.progress, overwrite=True)
     rewards = [r["reward_mean"] for r in result["train"]]
@@ -812,9 +860,9 @@ def _stage_run(flow: Flow) -> dict[str, Any]:
     }
 
 
-def _check(section: RLConfig, cfg: Any, stages: Any) -> None:
-    # the RL settings, checked now rather than after pretraining (the flow sets checkpoint)
-    dataclasses.replace(section, checkpoint="<the flow's model>").validate()
+def _check(section: RLRunConfig, cfg: Any, stages: Any) -> None:
+    # the RL settings, checked now rather than after pretraining (the flow sets init_from)
+    section.validate()
 
 
 def _headline(s: dict[str, Any], report: Report) -> str:
@@ -828,7 +876,7 @@ def _headline(s: dict[str, Any], report: Report) -> str:
 # GRPO with verifiable rewards from the newest model, rollouts on Ray actors
 STAGE = Stage(
     "rl",
-    config=RLConfig,
+    config=RLRunConfig,
     settings=_stage_settings,
     run=_stage_run,
     model="model",
