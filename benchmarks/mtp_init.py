@@ -32,7 +32,13 @@ from pathlib import Path
 from hybridlm.provenance import collect
 from hybridlm.report.plot import pyplot, save_figure
 from hybridlm.threads import configure_threads
-from hybridlm.train.mtp_boost import MTPBoostConfig, boost_checkpoint
+from hybridlm.train.mtp_boost import (
+    MTPBoostConfig,
+    MTPBoostDataConfig,
+    MTPBoostRunConfig,
+    MTPBoostTrainConfig,
+    boost_checkpoint,
+)
 
 # (name, which pretraining, init, consolidate)
 VARIANTS = [
@@ -152,21 +158,23 @@ def main() -> None:
     results = []
     for i in picks:
         name, source, init, consolidate = VARIANTS[i]
-        cfg = MTPBoostConfig(
-            steps=args.steps,
-            data="text",  # the warm-up trains on the pretraining data (Nemotron 3.5 §2.1)
-            num_sequences=1024,
-            gen_len=80,
-            eval_prompts=args.eval_prompts,
-            eval_new_tokens=64,
-            draft_len=3,
-            lr=1e-3,
-            init=init,
-            consolidate=consolidate,
-        )
         checkpoint = args.per_depth if source == "per_depth" else args.shared
         run = out / f"variant_{i}"
-        res = boost_checkpoint(checkpoint, cfg, run, progress=False, overwrite=True)
+        cfg = MTPBoostRunConfig(
+            train=MTPBoostTrainConfig(
+                max_steps=args.steps, lr=1e-3, init_from=str(checkpoint), out_dir=str(run)
+            ),
+            data=MTPBoostDataConfig(
+                kind="text",  # the warm-up trains on the pretraining data (Nemotron 3.5 §2.1)
+                num_sequences=1024,
+                gen_len=80,
+                eval_prompts=args.eval_prompts,
+            ),
+            mtp_boost=MTPBoostConfig(
+                eval_new_tokens=64, draft_len=3, init=init, consolidate=consolidate
+            ),
+        )
+        res = boost_checkpoint(cfg, progress=False, overwrite=True)
         results.append(summarise(name, source, init, res, run / "metrics.jsonl"))
         r = results[-1]
         acc = " ".join(

@@ -74,6 +74,9 @@ from hybridlm.model.cache import HybridCache  # noqa: E402
 from hybridlm.report.plot import pyplot, save_figure  # noqa: E402
 from hybridlm.train.mtp_boost import (  # noqa: E402
     MTPBoostConfig,
+    MTPBoostDataConfig,
+    MTPBoostRunConfig,
+    MTPBoostTrainConfig,
     run_mtp_boost,
     self_generate,
 )
@@ -112,21 +115,21 @@ def healed_model(args, log=print) -> tuple[HybridLM, dict]:
     starts = torch.randint(0, len(train_ids) - L, (args.heal_sequences,), generator=g).tolist()
     train_prompts = [train_ids[s : s + L].tolist() for s in starts]
     eval_prompts = [p[0].tolist() for p in _prompts(held, 8, L)]
-    cfg = MTPBoostConfig(
-        steps=args.heal_steps,
-        num_sequences=args.heal_sequences,
-        prompt_len=L,
-        gen_len=args.new_tokens,
-        gen_temperature=args.heal_temperature,
-        draft_len=max(args.ks),
-        eval_prompts=len(eval_prompts),
-        eval_new_tokens=args.new_tokens,
-        eval_temperatures=[0.0],
+    cfg = MTPBoostRunConfig(
+        train=MTPBoostTrainConfig(max_steps=args.heal_steps, out_dir=str(out / "healed")),
+        data=MTPBoostDataConfig(
+            num_sequences=args.heal_sequences,
+            prompt_len=L,
+            gen_len=args.new_tokens,
+            gen_temperature=args.heal_temperature,
+            eval_prompts=len(eval_prompts),
+        ),
+        mtp_boost=MTPBoostConfig(
+            draft_len=max(args.ks), eval_new_tokens=args.new_tokens, eval_temperatures=[0.0]
+        ),
     )
     t0 = time.perf_counter()
-    res = run_mtp_boost(
-        model, ByteTokenizer(), train_prompts, eval_prompts, cfg, out / "healed", overwrite=True
-    )
+    res = run_mtp_boost(model, ByteTokenizer(), train_prompts, eval_prompts, cfg, overwrite=True)
     info = {
         **settings,
         "seconds": time.perf_counter() - t0,

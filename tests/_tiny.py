@@ -134,22 +134,33 @@ class ForcedTokens:
         return not self.then_free and self.n >= len(self.ids)
 
 
-def rl_run(**keys):
-    """An `RLRunConfig` from its sections' keys given side by side (`steps=2, lr=1e-3,
-    reward="random"`): each goes to the section `RLRunConfig.MOVED` names (the shape the RL
-    config had before it had sections)."""
-    from hybridlm.rl.learner import RLConfig, RLDataConfig, RLRunConfig, RLTrainConfig
+def sectioned(cls, **keys):
+    """A run config of `cls` (RLRunConfig, MTPBoostRunConfig) from its sections' keys given
+    side by side (`steps=2, lr=1e-3, reward="random"`): each goes to the section `cls.MOVED`
+    names (the shape those configs had before they had sections), the train section's other
+    keys (`out_dir`, `min_lr`, ...) under their own names."""
+    import typing
 
-    sections: dict[str, dict] = {"train": {}, "data": {}, "rl": {}}
+    sections: dict[str, dict] = {}
     for key, value in keys.items():
-        # the train section's other keys (grad_accum, ...) under their own names
-        section, _, name = RLRunConfig.MOVED.get(key, f"train.{key}").partition(".")
-        sections[section][name] = value
-    return RLRunConfig(
-        train=RLTrainConfig(**sections["train"]),
-        data=RLDataConfig(**sections["data"]),
-        rl=RLConfig(**sections["rl"]),
-    )
+        section, _, name = cls.MOVED.get(key, f"train.{key}").partition(".")
+        sections.setdefault(section, {})[name] = value
+    hints = typing.get_type_hints(cls)
+    return cls(**{section: hints[section](**kw) for section, kw in sections.items()})
+
+
+def rl_run(**keys):
+    """An `RLRunConfig` from its sections' keys side by side (`sectioned`)."""
+    from hybridlm.rl.learner import RLRunConfig
+
+    return sectioned(RLRunConfig, **keys)
+
+
+def boost_run(**keys):
+    """An `MTPBoostRunConfig` from its sections' keys side by side (`sectioned`)."""
+    from hybridlm.train.mtp_boost import MTPBoostRunConfig
+
+    return sectioned(MTPBoostRunConfig, **keys)
 
 
 def tool_rl_config(checkpoint: str, out, **kw):

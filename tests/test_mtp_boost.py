@@ -6,12 +6,13 @@ default prompts of a model it trained."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 
-from _tiny import tiny_sft_run
+from _tiny import boost_run, tiny_sft_run
 from hybridlm import HybridLM
 from hybridlm.cli import main
 from hybridlm.data.tokenizer import ByteTokenizer
@@ -20,7 +21,7 @@ from hybridlm.io import load, load_model
 from hybridlm.model.model import shift_left
 from hybridlm.presets import get_preset
 from hybridlm.train.mtp_boost import (
-    MTPBoostConfig,
+    MTPBoostRunConfig,
     mtp_boost_loss,
     mtp_boost_trainer,
     prompts_from_checkpoint,
@@ -105,10 +106,12 @@ def test_a_short_boost_of_a_random_head_raises_agreement_and_acceptance(tmp_path
     start = {k: model.state_dict()[k].clone() for k in head_bias}
     tok = ByteTokenizer()
     prompts = _prompts(12)
-    cfg = MTPBoostConfig(
+    cfg = boost_run(
+        out_dir=str(tmp_path),
         steps=40,
         batch_size=8,
         lr=3e-3,
+        min_lr=3e-4,
         warmup_steps=5,
         num_sequences=16,
         gen_len=40,
@@ -119,7 +122,7 @@ def test_a_short_boost_of_a_random_head_raises_agreement_and_acceptance(tmp_path
         eval_temperatures=[0.0],
         log_interval=1,
     )
-    res = run_mtp_boost(model, tok, prompts[:8], prompts[8:], cfg, tmp_path, progress=False)
+    res = run_mtp_boost(model, tok, prompts[:8], prompts[8:], cfg, progress=False)
     assert res["last"]["agree_1"] > res["first"]["agree_1"] + 0.3, (res["first"], res["last"])
     before, after = res["before"][0], res["after"][0]
     assert after["acceptance_length"] > before["acceptance_length"] + 0.2, (before, after)
@@ -150,10 +153,11 @@ def test_a_short_boost_of_a_random_head_raises_agreement_and_acceptance(tmp_path
 
 def test_a_resumed_boost_repeats_the_uninterrupted_one(tmp_path, one_thread):
     tok, prompts = ByteTokenizer(), _prompts(10)
-    cfg = MTPBoostConfig(
+    cfg = boost_run(
         steps=6,
         batch_size=4,
         lr=3e-3,
+        min_lr=3e-4,
         warmup_steps=2,
         num_sequences=5,  # a pass over the sequences is 1.25 batches: resumed mid-pass
         gen_len=12,
@@ -165,9 +169,10 @@ def test_a_resumed_boost_repeats_the_uninterrupted_one(tmp_path, one_thread):
     )
 
     def trainer(out, **kw):
-        model = _model().float()
+        model, run = _model().float(), copy.deepcopy(cfg)
+        run.train.out_dir = str(out)
         return model, mtp_boost_trainer(
-            model, tok, prompts[:8], prompts[8:], cfg, out, progress=False, **kw
+            model, tok, prompts[:8], prompts[8:], run, progress=False, **kw
         )
 
     full, t = trainer(tmp_path / "full")
@@ -220,7 +225,8 @@ def test_the_prompts_of_an_sft_model_are_its_runs_chat_prompts(sft_run, one_thre
 
 def test_mtp_boost_of_an_sft_run_from_the_command_line(sft_run, tmp_path, capsys, one_thread):
     argv = ["mtp-boost", "--checkpoint", str(sft_run), "--out", str(tmp_path / "boost")]
-    for s in ("steps=1", "num_sequences=2", "eval_prompts=1", "gen_len=8", "eval_new_tokens=4"):
+    short = ("train.max_steps=1", "data.num_sequences=2", "data.eval_prompts=1", "data.gen_len=8")
+    for s in (*short, "mtp_boost.eval_new_tokens=4"):
         argv += ["--set", s]
     assert main(argv) == 0
     assert "[mtp-boost] 2 self-generated sequences" in capsys.readouterr().out
@@ -231,9 +237,20 @@ def test_a_run_whose_data_is_neither_text_nor_chat_is_a_one_line_error(tmp_path,
     (tmp_path / "run" / "run.yaml").write_text(
         "data:\n  sources:\n    - {kind: arithmetic, max_rows: 3, colour: red}\n"
     )
-    argv = ["mtp-boost", "--checkpoint", str(tmp_path / "run" / "hf"), "--set", "steps=1"]
+    argv = ["mtp-boost", "--checkpoint", str(tmp_path / "run" / "hf"), "--set", "train.max_steps=1"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("hybridlm mtp-boost: error: the data section of "), err
     assert "neither pretraining text nor chat sources" in err
-    assert err.endswith("--set prompts=sft_arithmetic"), err
+    assert err.endswith("--set data.prompts=sft_arithmetic"), err
+
+
+def test_the_keys_of_the_flat_config_say_where_they_went():
+    with pytest.raises(ValueError, match=r"steps is now train.max_steps"):
+        MTPBoostRunConfig().override(["steps=3"])
+    with pytest.raises(ValueError, match=r"draft_len is now mtp_boost.draft_len"):
+        MTPBoostRunConfig().override(["draft_len=3"])
+    with pytest.raises(ValueError, match=r"data is a section now: data: text is data.kind"):
+        MTPBoostRunConfig().override(["data=text"])
+    with pytest.raises(ValueError, match=r"train.z_loss has no effect in the MTP boost"):
+        MTPBoostRunConfig().override(["train.z_loss=0.1"])

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from _tiny import boost_run
 from hybridlm import HybridLM
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.infer.speculative import speculative_generate
@@ -15,6 +16,7 @@ from hybridlm.io import load_model
 from hybridlm.presets import get_preset
 from hybridlm.train.mtp_boost import (
     MTPBoostConfig,
+    MTPBoostRunConfig,
     mtp_boost_loss,
     mtp_boost_trainer,
     run_mtp_boost,
@@ -175,8 +177,8 @@ def test_init_head_errors():
         consolidate_heads(_model(shared=True))
     with pytest.raises(ValueError, match="consolidate must be one of"):
         MTPBoostConfig(consolidate="median").validate()
-    with pytest.raises(ValueError, match="set init to consolidate"):
-        run_mtp_boost(model, ByteTokenizer(), [[1, 2]], [[1, 2]], MTPBoostConfig(), "unused")
+    with pytest.raises(ValueError, match="set mtp_boost.init to consolidate"):
+        run_mtp_boost(model, ByteTokenizer(), [[1, 2]], [[1, 2]], MTPBoostRunConfig())
 
 
 def test_a_warm_up_from_a_fused_head_logs_agreement_before_and_after(tmp_path, one_thread):
@@ -186,7 +188,8 @@ def test_a_warm_up_from_a_fused_head_logs_agreement_before_and_after(tmp_path, o
     prompts = [
         tok.encode(f"the number {i} is followed by {i + 1}. ", add_bos=True) for i in range(10)
     ]
-    cfg = MTPBoostConfig(
+    cfg = boost_run(
+        out_dir=str(tmp_path),
         steps=4,
         batch_size=4,
         warmup_steps=1,
@@ -198,9 +201,9 @@ def test_a_warm_up_from_a_fused_head_logs_agreement_before_and_after(tmp_path, o
         eval_temperatures=[0.0],
         log_interval=1,
         init="fuse",
-        data="text",  # the warm-up: the windows themselves, every token after the first
+        kind="text",  # the warm-up: the windows themselves, every token after the first
     )
-    res = run_mtp_boost(model, tok, prompts[:8], prompts[8:], cfg, tmp_path, progress=False)
+    res = run_mtp_boost(model, tok, prompts[:8], prompts[8:], cfg, progress=False)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     agree = [r for r in rows if r.get("kind") == "agreement"]
     assert [r["when"] for r in agree] == ["source", "init", "after"]
@@ -216,15 +219,21 @@ def test_a_warm_up_from_a_fused_head_logs_agreement_before_and_after(tmp_path, o
 def test_the_text_warm_up_trains_on_the_windows_themselves(tmp_path, one_thread):
     tok = ByteTokenizer()
     windows = [tok.encode("ab" * (3 + i), add_bos=True) for i in range(6)]
-    cfg = MTPBoostConfig(
-        steps=1, num_sequences=4, eval_prompts=2, eval_new_tokens=4, draft_len=2, data="text"
+    cfg = boost_run(
+        out_dir=str(tmp_path),
+        steps=1,
+        num_sequences=4,
+        eval_prompts=2,
+        eval_new_tokens=4,
+        draft_len=2,
+        kind="text",
     )
     trainer = mtp_boost_trainer(
-        _model(shared=True), tok, windows[:4], windows[4:], cfg, tmp_path, progress=False
+        _model(shared=True), tok, windows[:4], windows[4:], cfg, progress=False
     )
     m = trainer.module
     for i, w in enumerate(windows[:4]):
         assert m.ids_NL[i, : len(w)].tolist() == w
         assert m.mask_NL[i].nonzero().flatten().tolist() == list(range(1, len(w)))
-    with pytest.raises(ValueError, match="data: text trains on the training data"):
-        MTPBoostConfig(data="text", prompts="arithmetic").validate()
+    with pytest.raises(ValueError, match="data.kind: text trains on the training data"):
+        boost_run(kind="text", prompts="arithmetic").validate()

@@ -73,6 +73,14 @@ SHORT_PAIRS = [
     "data.held_out=2",
     "data.max_len=256",
 ]
+SHORT_BOOST = [
+    "train.max_steps=2",
+    "data.num_sequences=4",
+    "data.eval_prompts=2",
+    "data.gen_len=12",
+    "mtp_boost.eval_new_tokens=8",
+]
+
 SHORT_RL = [
     "train.max_steps=2",
     "rl.executor=inline",
@@ -139,8 +147,9 @@ CHAIN: list[tuple[str, list[str]]] = [
         SHORT_RL,
     ),
     (
-        "hybridlm mtp-boost --checkpoint runs/sft [--set prompts=sft_arithmetic] [--set steps=300]",
-        ["steps=2", "num_sequences=4", "eval_prompts=2", "gen_len=12", "eval_new_tokens=8"],
+        "hybridlm mtp-boost --checkpoint runs/sft [--set data.prompts=sft_arithmetic] "
+        "[--set train.max_steps=300]",
+        SHORT_BOOST,
     ),
 ]
 
@@ -278,9 +287,9 @@ CHAIN += [
         ["data.sources.1.max_files=40", *SHORT_MID[1:]],
     ),
     (
-        "hybridlm mtp-boost --checkpoint runs/mtp_init/pretrain_per_depth --set init=consolidate "
-        "--set data=text",
-        ["steps=2", "num_sequences=4", "eval_prompts=2", "eval_new_tokens=8"],
+        "hybridlm mtp-boost --checkpoint runs/mtp_init/pretrain_per_depth "
+        "--set mtp_boost.init=consolidate --set data.kind=text",
+        SHORT_BOOST,
     ),
     (SANDBOX, []),
     ("hybridlm generate --preset tiny-super --compile", SHORT_GEN),

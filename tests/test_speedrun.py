@@ -56,12 +56,12 @@ TINY = [
     "rl.rl.max_draws=2",
     "rl.train.eval_interval=1",
     "rl.rl.max_new_tokens=16",
-    "mtp_heal.steps=3",
-    "mtp_heal.num_sequences=4",
-    "mtp_heal.eval_prompts=2",
-    "mtp_heal.gen_len=12",
-    "mtp_heal.eval_new_tokens=12",
-    "mtp_heal.warmup_steps=1",
+    "mtp_heal.train.max_steps=3",
+    "mtp_heal.data.num_sequences=4",
+    "mtp_heal.data.eval_prompts=2",
+    "mtp_heal.data.gen_len=12",
+    "mtp_heal.mtp_boost.eval_new_tokens=12",
+    "mtp_heal.train.warmup_steps=1",
     "quantize.calib_samples=8",
     "quantize.eval_batches=1",
     "quantize.per_layer=false",
@@ -246,7 +246,7 @@ def test_rerun_reuses_finished_stages_and_reruns_downstream_of_a_change(finished
         len(STAGE_NAMES) - 1
     ) + ["done"]
     # a changed healing setting reruns healing and everything that reads its model
-    cfg = load_config(str(CONFIG), [*TINY, "mtp_heal.steps=4"], out=str(run))
+    cfg = load_config(str(CONFIG), [*TINY, "mtp_heal.train.max_steps=4"], out=str(run))
     Speedrun(cfg, progress=False).run()
     status = {r["stage"]: r["status"] for r in stage_rows(run)[-len(STAGE_NAMES) :]}
     assert status == {
@@ -285,7 +285,7 @@ def test_skipped_stages_hand_over_the_newest_model(tmp_path):
     _record(tmp_path, "rl", "R")  # from an earlier run: left out while rl is skipped
     assert flow.model_before("rl") == ("sft", "S")
     assert flow.model_before("mtp_heal") == ("sft", "S")  # rl skipped: healing starts from SFT
-    assert flow.settings("mtp_heal")["checkpoint"] == "S"
+    assert flow.settings("mtp_heal")["train"]["init_from"] == "S"
     assert flow.settings("quantize")["checkpoint"] == "S"
     assert flow.tokenizer_spec() == "byte"  # no tokenizer stage: the byte tokenizer
     _record(tmp_path, "quantize", "Q")

@@ -6,8 +6,6 @@ Trainer (SFT, DPO, distillation, GRPO, MTP boosting); a checkpoint written at wo
 world 1 like an uninterrupted world-1 run. The workers install a deliberately broken collective
 when asked (tests/_broken.py), to show that these comparisons fail then."""
 
-import dataclasses
-import json
 import os
 import socket
 import subprocess
@@ -67,19 +65,12 @@ WORKER = textwrap.dedent(
             held = MixtureEnvironment([lowercase_first_env(name="held")])
             return run_rl(cfg, env=env, eval_env=held, progress=False, **kw)
     elif stage == "mtp_boost":
-        import json
-        from hybridlm.config import from_dict
         from hybridlm.rl.env_config import environment_prompts
-        from hybridlm.train.mtp_boost import MTPBoostConfig, boost_checkpoint
+        from hybridlm.train.mtp_boost import MTPBoostRunConfig as Config, boost_checkpoint
 
-        class Config:
-            load = staticmethod(lambda path: json.loads(open(path).read()))
-
-        def run(spec, until_step=None, resume=False):
-            cfg = from_dict(MTPBoostConfig, spec["boost"])
+        def run(cfg, until_step=None, resume=False):
             boost_checkpoint(
-                spec["checkpoint"], cfg, spec["out_dir"], progress=False, resume=resume,
-                environment_prompts=environment_prompts,
+                cfg, progress=False, resume=resume, environment_prompts=environment_prompts
             )
     else:
         from hybridlm.train.stages.distill import DistillRunConfig as Config, run_distill as run
@@ -127,7 +118,7 @@ def run_world2(
     world: int = 2,
 ) -> None:
     """Run `run` as `world` torchrun-style processes over gloo (2 unless given)."""
-    out_dir = run.train.out_dir if hasattr(run, "train") else run.out_dir  # RLConfig: flat
+    out_dir = run.train.out_dir
     cfg = Path(out_dir + ".yaml")
     run.save(cfg)
     args = [str(cfg), str(until_step), str(int(resume)), stage, str(Path(__file__).parent)]
@@ -422,36 +413,27 @@ def test_grpo_world2_matches_single_process(tmp_path, parallel):
     print(f"grpo {parallel}: worst relative difference {worst:.2e}, weights {weights:.2e}")
 
 
-@dataclasses.dataclass
-class _BoostRun:
-    """An MTP-boost run for the worker: checkpoint, output directory and settings."""
-
-    checkpoint: str
-    out_dir: str
-    boost: dict
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(dataclasses.asdict(self)))
-
-
 @pytest.mark.parametrize("parallel", ["ddp", FSDP_SLOW])
 def test_mtp_boost_world2_matches_single_process(tmp_path, parallel):
     """MTP boosting under DDP / FSDP2: rank 0 generates the sequences, each rank trains the head
     on its half of every batch (the mixing draws and target counts of the whole batch)."""
-    from _tiny import tiny_train_model
+    from _tiny import boost_run, tiny_train_model
     from hybridlm import HybridLM
     from hybridlm.interop.hf import save_pretrained
     from hybridlm.rl.env_config import environment_prompts
-    from hybridlm.train.mtp_boost import MTPBoostConfig, boost_checkpoint
+    from hybridlm.train.mtp_boost import MTPBoostRunConfig, boost_checkpoint
 
     ckpt = tmp_path / "hf"
     save_pretrained(HybridLM(tiny_train_model(), seed=0), ckpt)
 
-    def boost(batch_size: int) -> MTPBoostConfig:
-        return MTPBoostConfig(
+    def boost(batch_size: int, out: str) -> MTPBoostRunConfig:
+        return boost_run(
+            init_from=str(ckpt),
+            out_dir=str(tmp_path / out),
             steps=3,
             batch_size=batch_size,
             lr=3e-3,
+            min_lr=3e-4,
             warmup_steps=1,
             num_sequences=8,
             prompt_len=8,
@@ -465,12 +447,10 @@ def test_mtp_boost_world2_matches_single_process(tmp_path, parallel):
             parallel=parallel,
         )
 
-    boost_checkpoint(
-        ckpt, boost(4), tmp_path / "w1", progress=False, environment_prompts=environment_prompts
-    )
-    dp = _BoostRun(str(ckpt), str(tmp_path / "w2"), dataclasses.asdict(boost(2)))
+    boost_checkpoint(boost(4, "w1"), progress=False, environment_prompts=environment_prompts)
+    dp = boost(2, "w2")
     run_world2(tmp_path, dp, stage="mtp_boost")
-    a, b = rows(dp.out_dir), rows(tmp_path / "w1")
+    a, b = rows(dp.train.out_dir), rows(tmp_path / "w1")
     worst = assert_same_losses(a, b, ("loss", "nll_1", "nll_2", "kl_2", "acceptance_length"))
-    weights = assert_same_weights(dp.out_dir, tmp_path / "w1")
+    weights = assert_same_weights(dp.train.out_dir, tmp_path / "w1")
     print(f"mtp_boost {parallel}: worst relative difference {worst:.2e}, weights {weights:.2e}")

@@ -316,27 +316,33 @@ def mtp_boost(tmp: Path) -> Result:
     sampled continuations of random byte prompts (as tests/test_mtp_boost.py): frozen backbone,
     NLL + KL to the backbone, hidden-state mixing at depth 2, the head's MoE bias step, logged
     every step; speculative acceptance before and after (greedy and T=1)."""
-    from hybridlm.train.mtp_boost import MTPBoostConfig, run_mtp_boost
+    from hybridlm.train.mtp_boost import (
+        MTPBoostConfig,
+        MTPBoostDataConfig,
+        MTPBoostRunConfig,
+        MTPBoostTrainConfig,
+        run_mtp_boost,
+    )
 
     model = HybridLM(tiny_train_model(), seed=0)
     tok = ByteTokenizer()
     g = torch.Generator().manual_seed(0)
     prompts = [[tok.bos_id, *torch.randint(32, 127, (7,), generator=g).tolist()] for _ in range(10)]
-    cfg = MTPBoostConfig(
-        steps=20,
-        batch_size=8,
-        lr=3e-3,
-        warmup_steps=5,
-        num_sequences=16,
-        gen_len=24,
-        gen_temperature=1.0,
-        eval_prompts=2,
-        eval_new_tokens=12,
-        draft_len=2,
-        eval_temperatures=[0.0, 1.0],
-        log_interval=1,
+    cfg = MTPBoostRunConfig(
+        train=MTPBoostTrainConfig(
+            max_steps=20,
+            lr=3e-3,
+            min_lr=0.1 * 3e-3,  # what the boost's decay floor was before it was a setting
+            warmup_steps=5,
+            log_interval=1,
+            out_dir=str(tmp / "mtp_boost"),
+        ),
+        data=MTPBoostDataConfig(
+            batch_size=8, num_sequences=16, gen_len=24, gen_temperature=1.0, eval_prompts=2
+        ),
+        mtp_boost=MTPBoostConfig(eval_new_tokens=12, draft_len=2, eval_temperatures=[0.0, 1.0]),
     )
-    run_mtp_boost(model, tok, prompts[:8], prompts[8:], cfg, tmp / "mtp_boost", progress=False)
+    run_mtp_boost(model, tok, prompts[:8], prompts[8:], cfg, progress=False)
     settings = plain(cfg, tmp)
     settings["model"] = {"config": tiny_train_model().to_dict(), "seed": 0}
     settings["prompts"] = (

@@ -157,7 +157,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, help="run, training checkpoint or HF directory")
     p.add_argument("--out", default="", help="output directory (default: <checkpoint>-mtp-boost)")
     add_resume_args(p)
-    add_overrides_arg(p, "steps=300 --set mix_true=0.5")
+    add_overrides_arg(p, "train.max_steps=300 --set mtp_boost.mix_true=0.5")
     p.set_defaults(fn=cmd_mtp_boost)
 
 
@@ -283,14 +283,14 @@ def cmd_mtp_boost(args: argparse.Namespace) -> None:
 
     from ..rl.env_config import environment_prompts
     from ..train.distributed import parallel
-    from ..train.mtp_boost import MTPBoostConfig, boost_checkpoint
+    from ..train.mtp_boost import MTPBoostRunConfig, boost_checkpoint
 
-    cfg = MTPBoostConfig().override(args.overrides)
-    out = Path(args.out or str(Path(args.checkpoint).resolve()) + "-mtp-boost")
+    cfg = MTPBoostRunConfig()
+    cfg.train.init_from = args.checkpoint
+    cfg.train.out_dir = args.out or str(Path(args.checkpoint).resolve()) + "-mtp-boost"
+    cfg = cfg.override(args.overrides)
     res = boost_checkpoint(
-        args.checkpoint,
         cfg,
-        out,
         overwrite=args.overwrite,
         resume=args.resume,
         environment_prompts=environment_prompts,
@@ -300,14 +300,15 @@ def cmd_mtp_boost(args: argparse.Namespace) -> None:
         return
     print(
         f"[mtp-boost] {res['sequences']} self-generated sequences ({res['generation_s']:.0f} s),"
-        f" {cfg.steps} steps ({res['train_s']:.0f} s): loss {res['first']['loss']:.3f} ->"
+        f" {cfg.train.max_steps} steps ({res['train_s']:.0f} s): loss {res['first']['loss']:.3f} ->"
         f" {res['last']['loss']:.3f}"
     )
     for b, a in zip(res["before"], res["after"], strict=True):
         pos_b = " ".join(f"{x:.2f}" for x in b["acceptance_by_position"])
         pos_a = " ".join(f"{x:.2f}" for x in a["acceptance_by_position"])
         print(
-            f"[mtp-boost] T={b['temperature']:g}, k={cfg.draft_len}, {res['eval_prompts']} held-out"
+            f"[mtp-boost] T={b['temperature']:g}, k={cfg.mtp_boost.draft_len}, "
+            f"{res['eval_prompts']} held-out"
             f" prompts: acceptance length {b['acceptance_length']:.2f} ->"
             f" {a['acceptance_length']:.2f} | by position {pos_b} -> {pos_a}"
         )

@@ -118,7 +118,7 @@ def _nemotron_config(cfg: ModelConfig, dtype_name: str) -> dict[str, Any]:
     if cfg.mtp.pattern and cfg.mtp.heads > 1:
         raise _unsupported(
             "vLLM's NemotronH MTP is one shared head; consolidate the per-depth heads first "
-            "(hybridlm mtp-boost --set init=consolidate)",
+            "(hybridlm mtp-boost --set mtp_boost.init=consolidate)",
             "NemotronH",
         )
     if cfg.mtp.pattern and set(cfg.mtp.pattern) - {"*", "E"}:

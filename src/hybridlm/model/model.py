@@ -192,7 +192,7 @@ class HybridLM(nn.Module):
             raise ValueError(
                 f"{what} drafts with one recursively shared MTP head and this model has one per "
                 "depth (mtp.shared: false): consolidate them first "
-                "(hybridlm mtp-boost --set init=consolidate)"
+                "(hybridlm mtp-boost --set mtp_boost.init=consolidate)"
             )
 
     # ------------------------------------------------------------------ construction

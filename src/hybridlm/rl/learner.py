@@ -76,7 +76,7 @@ from ..train.callbacks import (
     Summary,
     Throughput,
 )
-from ..train.config import ParallelConfig, ScheduleKind, TrainConfig
+from ..train.config import ScheduleKind, TrainConfig
 from ..train.distributed.parallel import broadcast_object, full_model_state, is_main
 from ..train.reward_model import RewardModelScorer, reward_input
 from ..train.trainer import Loss, Runtime, Step, Trainer, TrainModule
@@ -125,24 +125,11 @@ class RLTrainConfig(TrainConfig):
     out_dir: str = "runs/rl"
     peak_flops: float = 1.0  # no matmul probe: an RL step is mostly generation, no MFU is shown
 
-    def validate(self) -> RLTrainConfig:
+    def validate(self) -> None:
         super().validate()
-        if self.max_steps < 1:
-            raise ValueError(f"train.max_steps must be >= 1 for RL, got {self.max_steps}")
-        unused = {
-            "grad_accum": self.grad_accum != 1,  # rl.micro_batch_size splits a batch
-            "total_tokens": self.total_tokens != 0,
-            "z_loss": self.z_loss != 0,
-            "yarn": self.yarn is not None,
-            "intra_doc_masking": self.intra_doc_masking,
-        }
-        for name, set_ in unused.items():
-            if set_:
-                raise ValueError(f"train.{name} has no effect in RL; leave it at its default")
-        layout = self.parallel
-        if isinstance(layout, ParallelConfig) and max(layout.tp, layout.cp, layout.ep) > 1:
-            raise ValueError("RL's learner runs data parallel only: train.parallel ddp or fsdp")
-        return self
+        # rl.micro_batch_size splits a batch; RL has no text data of its own
+        unused = ("grad_accum", "total_tokens", "z_loss", "yarn", "intra_doc_masking")
+        self.check_own_loop("RL", unused)
 
 
 @dataclass(kw_only=True)

@@ -5,26 +5,25 @@ before and after. It starts from the newest model and writes `<run>/mtp_heal/mod
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from ..stage import Flow, Report, Stage, scalars
-from ..train.mtp_boost import MTPBoostConfig, boost_checkpoint
+from ..train.mtp_boost import MTPBoostRunConfig, boost_checkpoint
 from .env_config import environment_prompts
 
 
 def _settings(flow: Flow) -> dict[str, Any]:
-    return {**dataclasses.asdict(flow.cfg.mtp_heal), "checkpoint": flow.model_path("mtp_heal")}
+    data = flow.cfg.mtp_heal.to_dict()
+    train = {"init_from": flow.model_path("mtp_heal"), "out_dir": str(flow.stage_dir("mtp_heal"))}
+    data["train"] |= train
+    return data
 
 
 def _run(flow: Flow) -> dict[str, Any]:
-    cfg = flow.cfg.mtp_heal
-    src = flow.model_path("mtp_heal")
-    out = flow.stage_dir("mtp_heal")
+    cfg = MTPBoostRunConfig.from_dict(flow.settings("mtp_heal"))
+    src, out = cfg.train.init_from, flow.stage_dir("mtp_heal")
     result = boost_checkpoint(
-        src,
         cfg,
-        out,
         progress=flow.progress,
         overwrite=True,
         environment_prompts=environment_prompts,
@@ -36,7 +35,7 @@ def _run(flow: Flow) -> dict[str, Any]:
     return {
         "model": str(out / "model"),
         "from": src,
-        "draft_len": cfg.draft_len,
+        "draft_len": cfg.mtp_boost.draft_len,
         "acceptance_length": al,  # temperature -> [before, after]
         **scalars(result),
     }
@@ -50,7 +49,7 @@ def _headline(s: dict[str, Any], report: Report) -> str:
 
 STAGE = Stage(
     "mtp_heal",
-    config=MTPBoostConfig,
+    config=MTPBoostRunConfig,
     settings=_settings,
     run=_run,
     model="model",

@@ -177,6 +177,22 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    def check_own_loop(self, stage: str, unused: tuple[str, ...]) -> None:
+        """For a stage whose step is not a text-training step (RL, the MTP boost): the settings
+        in `unused` keep this class's defaults, the run has a step count, and the layout is
+        data parallel (ddp or fsdp)."""
+        if self.max_steps < 1:
+            raise ValueError(f"train.max_steps must be >= 1 for {stage}, got {self.max_steps}")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in unused:
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(
+                    f"train.{name} has no effect in {stage}; leave it at {defaults[name]!r}"
+                )
+        layout = self.layout()
+        if max(layout.tp, layout.cp, layout.ep) > 1:
+            raise ValueError(f"{stage} trains data parallel only: train.parallel ddp or fsdp")
+
     def validate(self) -> None:
         for name in ("lr", "eps"):
             if getattr(self, name) <= 0:

@@ -2,8 +2,8 @@
 drafts match what the backbone will verify (Nemotron 3 Super §4.7 "MTP healing"; Nemotron 3.5
 §2.1 MTP warm-up and §3.7 "MTP boosting").
 
-    hybridlm mtp-boost --checkpoint runs/quickstart --set steps=300
-    run_mtp_boost(model, tokenizer, train_prompts, eval_prompts, MTPBoostConfig(), out_dir)
+    hybridlm mtp-boost --checkpoint runs/quickstart --set train.max_steps=300
+    run_mtp_boost(model, tokenizer, train_prompts, eval_prompts, MTPBoostRunConfig())
 
 Shape legend: B batch, L sequence, D width, V vocabulary.
 
@@ -32,20 +32,20 @@ Recipe:
    warm-up of Nemotron 3.5 §2.1 is this stage run after the init.
 
 The loop is the one `Trainer` (`MTPBoost` is its stage): AdamW over the head's parameters,
-linear warm-up then cosine decay to 10% of `lr`, clipping, the finiteness check and the MoE bias
-step of the head's own routers (the frozen backbone's routers keep their biases), `train` rows
-every `log_interval` steps (`step` = optimizer steps done), a final checkpoint (exact resume with
-`mtp_boost_trainer(..., resume=True)`).
+linear warm-up then cosine decay to `train.min_lr`, clipping, the finiteness check and the MoE
+bias step of the head's own routers (the frozen backbone's routers keep their biases), `train`
+rows every `train.log_interval` steps (`step` = optimizer steps done), a final checkpoint (exact
+resume with `mtp_boost_trainer(..., resume=True)`).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import random
 import time
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,7 +67,7 @@ from ..io import load
 from ..model.model import HybridLM, shift_left
 from ..report.plot import pyplot, save_figure
 from .callbacks import Callback, Close, EndRows, Export, Plot, StartRows, Summary, Throughput
-from .config import TrainConfig
+from .config import ScheduleKind, TrainConfig
 from .distributed.parallel import broadcast_object, is_main
 from .mtp_init import CONSOLIDATIONS, HEAD_INITS, head_agreement, init_head
 from .post_training import SFTDataConfig, load_source, prompt_key, prompt_of
@@ -76,112 +76,138 @@ from .trainer import Loss, Runtime, Step, Trainer, TrainModule
 
 
 @dataclass(kw_only=True)
-class MTPBoostConfig(Config):
-    """The settings of an MTP boost (module docstring); the optimizer and loop settings
-    (`steps`, `lr`, `warmup_steps`, `grad_clip`, `weight_decay`, `log_interval`,
-    `checkpoint_interval`, `seed`) become the Trainer's `TrainConfig` (`train_config`)."""
+class MTPBoostTrainConfig(TrainConfig):
+    """The loop of an MTP boost (`train`): `TrainConfig` with the boost's defaults, AdamW on
+    the head, linear warm-up then cosine decay to `min_lr`, no periodic held-out evaluation
+    (acceptance is measured before the first step and after the last). `init_from` is the model
+    whose head is boosted (a run, training checkpoint or transformers directory;
+    `boost_checkpoint`). Under torchrun rank 0 generates the sequences and every rank trains
+    the head on its share of each batch (`parallel`: ddp or fsdp)."""
 
-    steps: int = 300
-    batch_size: int = 8
     lr: float = 1e-3
-    warmup_steps: int = 20
-    grad_clip: float = 1.0
+    min_lr: float = 1e-4
     weight_decay: float = 0.0
-    depth: int = 0  # MTP depths trained; 0 = draft_len (train the recursion as deep as used)
-    mix_true: float = 0.5  # hidden-state mixing: P(true backbone hidden) at depth >= 2
-    distill_weight: float = 0.5  # w: (1 - w) * NLL + w * KL(backbone || head)
-    distill_temperature: float = 1.0
-    num_sequences: int = 128  # self-generated training sequences
-    prompt_len: int = 64
-    gen_len: int = 128
-    gen_temperature: float = 1.0
-    eval_prompts: int = 16
-    eval_new_tokens: int = 96
-    draft_len: int = 3
-    eval_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    log_interval: int = 10
+    schedule: ScheduleKind = "cosine"
+    warmup_steps: int = 20
+    max_steps: int = 300
+    eval_interval: int = 0
     checkpoint_interval: int = 0  # 0: only the final checkpoint
-    # data parallelism under torchrun: rank 0 generates the sequences, every rank trains the
-    # head on its share of each batch (batch_size per rank)
-    parallel: Literal["ddp", "fsdp"] = "ddp"
-    seed: int = 0
+    out_dir: str = "runs/mtp_boost"
+
+    def validate(self) -> None:
+        super().validate()
+        # acceptance is measured before and after, not every eval_interval steps
+        unused = ("grad_accum", "total_tokens", "z_loss", "yarn", "intra_doc_masking")
+        self.check_own_loop("the MTP boost", (*unused, "eval_interval"))
+
+
+@dataclass(kw_only=True)
+class MTPBoostDataConfig:
+    """What the head trains on and is measured on (`data`)."""
+
     # where prompts come from: "data" (the checkpoint's training data: text windows of a
     # pretraining run, the chat prompts of an SFT run; the stdlib corpus when there is no run
     # data) or an RL environment kind (e.g. "sft_arithmetic", "arithmetic"): healing after RL
     # reuses the RL prompts (Nemotron 3 Super §4.7)
     prompts: str = "data"
+    # what the head trains on: "generated" (the model's own continuations of the prompts; the
+    # post-training boost and healing) or "text" (windows of prompt_len + gen_len tokens of the
+    # training data itself; the warm-up of Nemotron 3.5 §2.1 on pretraining data)
+    kind: Literal["generated", "text"] = "generated"
+    num_sequences: int = 128  # self-generated training sequences
+    prompt_len: int = 64
+    gen_len: int = 128
+    gen_temperature: float = 1.0
+    batch_size: int = 8  # sequences per step and rank
+    eval_prompts: int = 16  # held-out prompts of the acceptance measurement
+
+    def validate(self) -> None:
+        for name in ("batch_size", "num_sequences", "prompt_len", "gen_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kind == "text" and self.prompts != "data":
+            raise ValueError(
+                "data.kind: text trains on the training data's windows (prompts: data)"
+            )
+
+
+@dataclass(kw_only=True)
+class MTPBoostConfig:
+    """The head, its objective and the acceptance measurement (`mtp_boost`; module docstring)."""
+
+    depth: int = 0  # MTP depths trained; 0 = draft_len (train the recursion as deep as used)
+    mix_true: float = 0.5  # hidden-state mixing: P(true backbone hidden) at depth >= 2
+    distill_weight: float = 0.5  # w: (1 - w) * NLL + w * KL(backbone || head)
+    distill_temperature: float = 1.0
+    eval_new_tokens: int = 96
+    draft_len: int = 3
+    eval_temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     # the head the warm-up starts from (`train.mtp_init`, Nemotron 3.5 §1): keep it, consolidate
     # per-depth heads (`consolidate`: average / first), build it from the backbone (fuse, a
     # ridge least-squares projection with relative `fuse_ridge`) or draw it at random
     init: str = "keep"
-    # what the head trains on: "generated" (the model's own continuations of the prompts; the
-    # post-training boost and healing) or "text" (windows of prompt_len + gen_len tokens of the
-    # training data itself; the warm-up of Nemotron 3.5 §2.1 on pretraining data)
-    data: str = "generated"
     consolidate: str = "average"
     fuse_ridge: float = 1.0e-3
 
-    def validate(self) -> MTPBoostConfig:
-        for name in (
-            "steps",
-            "batch_size",
-            "num_sequences",
-            "prompt_len",
-            "gen_len",
-            "log_interval",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "checkpoint_interval", "weight_decay", "grad_clip"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
+    def validate(self) -> None:
         if not 0.0 <= self.mix_true <= 1.0:
-            raise ValueError(f"mix_true must be in [0, 1], got {self.mix_true}")
+            raise ValueError(f"mtp_boost.mix_true must be in [0, 1], got {self.mix_true}")
         if not 0.0 <= self.distill_weight <= 1.0:
-            raise ValueError(f"distill_weight must be in [0, 1], got {self.distill_weight}")
+            raise ValueError(
+                f"mtp_boost.distill_weight must be in [0, 1], got {self.distill_weight}"
+            )
         if self.distill_temperature <= 0:
-            raise ValueError("distill_temperature must be > 0")
+            raise ValueError("mtp_boost.distill_temperature must be > 0")
         if not 1 <= self.draft_len <= 16:
-            raise ValueError(f"draft_len must be in [1, 16], got {self.draft_len}")
+            raise ValueError(f"mtp_boost.draft_len must be in [1, 16], got {self.draft_len}")
         if not self.eval_temperatures:
-            raise ValueError("eval_temperatures must list at least one temperature")
-        if self.data not in ("generated", "text"):
-            raise ValueError(f"data must be generated or text, got {self.data!r}")
-        if self.data == "text" and self.prompts != "data":
-            raise ValueError("data: text trains on the training data's windows (prompts: data)")
+            raise ValueError("mtp_boost.eval_temperatures must list at least one temperature")
         if self.init not in HEAD_INITS:
-            raise ValueError(f"init must be one of {HEAD_INITS}, got {self.init!r}")
+            raise ValueError(f"mtp_boost.init must be one of {HEAD_INITS}, got {self.init!r}")
         if self.consolidate not in CONSOLIDATIONS:
             raise ValueError(
-                f"consolidate must be one of {CONSOLIDATIONS}, got {self.consolidate!r}"
+                f"mtp_boost.consolidate must be one of {CONSOLIDATIONS}, got {self.consolidate!r}"
             )
         if self.fuse_ridge < 0:
-            raise ValueError(f"fuse_ridge must be >= 0, got {self.fuse_ridge}")
-        return self
+            raise ValueError(f"mtp_boost.fuse_ridge must be >= 0, got {self.fuse_ridge}")
 
-    def train_config(self, out_dir: str | Path, *, device: str, progress: bool) -> TrainConfig:
-        """The loop settings on the one `Trainer`: AdamW on the head, linear warm-up then cosine
-        decay to 10% of `lr`, no periodic held-out eval (acceptance is measured before the
-        first step and after the last)."""
-        return TrainConfig(
-            lr=self.lr,
-            min_lr=0.1 * self.lr,
-            weight_decay=self.weight_decay,
-            schedule="cosine",
-            warmup_steps=self.warmup_steps,
-            max_steps=self.steps,
-            grad_clip=self.grad_clip,
-            eval_interval=0,
-            log_interval=self.log_interval,
-            checkpoint_interval=self.checkpoint_interval,
-            out_dir=str(out_dir),
-            seed=self.seed,
-            device=device,
-            parallel=self.parallel,
-            progress=progress,
-        )
+
+# where the keys of the flat config (before the sections) went
+_TRAIN_KEYS = ("lr", "warmup_steps", "grad_clip", "weight_decay", "log_interval", "seed")
+_MOVED = {
+    "steps": "train.max_steps",
+    "checkpoint_interval": "train.checkpoint_interval",
+    "parallel": "train.parallel",
+    **{k: f"train.{k}" for k in _TRAIN_KEYS},
+    **{f.name: f"data.{f.name}" for f in dataclasses.fields(MTPBoostDataConfig)},
+    **{f.name: f"mtp_boost.{f.name}" for f in dataclasses.fields(MTPBoostConfig)},
+}
+
+
+@dataclass(kw_only=True)
+class MTPBoostRunConfig(Config):
+    """An MTP boost: `train` (the loop; `train.init_from` is the model, `train.out_dir` where
+    the run goes), `data` (the prompts and sequences) and `mtp_boost` (the head, its objective,
+    the acceptance measurement), the sections of every stage."""
+
+    WHAT = "mtp-boost config"
+    MOVED = _MOVED
+
+    train: MTPBoostTrainConfig = field(default_factory=MTPBoostTrainConfig)
+    data: MTPBoostDataConfig = field(default_factory=MTPBoostDataConfig)
+    mtp_boost: MTPBoostConfig = field(default_factory=MTPBoostConfig)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MTPBoostRunConfig:
+        if isinstance(data, dict) and isinstance(data.get("data"), str):  # the flat key
+            raise ValueError(f"data is a section now: data: {data['data']} is data.kind")
+        return super().from_dict(data)
+
+    def validate(self) -> MTPBoostRunConfig:
+        self.train.validate()
+        self.data.validate()
+        self.mtp_boost.validate()
+        return self
 
 
 def mtp_boost_loss(
@@ -293,10 +319,10 @@ def measure_acceptance(
 
 
 def _acceptance_rows(
-    model: HybridLM, prompts: list[list[int]], cfg: MTPBoostConfig, when: str, step: int
+    model: HybridLM, prompts: list[list[int]], run: MTPBoostRunConfig, when: str, step: int
 ) -> list[dict[str, Any]]:
     """One `acceptance` row per evaluation temperature (`when`: before / after boosting)."""
-    rows = []
+    rows, cfg = [], run.mtp_boost
     for t in cfg.eval_temperatures:
         m = measure_acceptance(
             model,
@@ -304,7 +330,7 @@ def _acceptance_rows(
             draft_len=cfg.draft_len,
             new_tokens=cfg.eval_new_tokens,
             temperature=t,
-            seed=cfg.seed,
+            seed=run.train.seed,
         )
         rows.append({"kind": "acceptance", "when": when, "step": step, "temperature": t, **m})
     return rows
@@ -325,27 +351,28 @@ class MTPBoost(TrainModule):
         tokenizer: Any,
         train_prompts: list[list[int]],
         eval_prompts: list[list[int]],
-        cfg: MTPBoostConfig,
+        run: MTPBoostRunConfig,
     ) -> None:
         super().__init__(rt)
-        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.model, self.tokenizer, self.run, self.cfg = model, tokenizer, run, run.mtp_boost
+        data, seed = run.data, run.train.seed
         self.eval_prompts = eval_prompts
-        self.total_steps = cfg.steps
-        self.depth = cfg.depth or cfg.draft_len
+        self.total_steps = run.train.max_steps
+        self.depth = self.cfg.depth or self.cfg.draft_len
         model.eval()
         t0 = time.perf_counter()
-        prompts = [train_prompts[i % len(train_prompts)] for i in range(cfg.num_sequences)]
+        prompts = [train_prompts[i % len(train_prompts)] for i in range(data.num_sequences)]
         seqs = None
-        if cfg.data == "text":  # the windows are the sequences; every token after the first
+        if data.kind == "text":  # the windows are the sequences; every token after the first
             seqs, prompts = prompts, [p[:1] for p in prompts]
         elif rt.rank == 0:  # data parallelism: one rank generates, every rank trains on them
             seqs = self_generate(
                 model,
                 tokenizer,
                 prompts,
-                gen_len=cfg.gen_len,
-                temperature=cfg.gen_temperature,
-                seed=cfg.seed,
+                gen_len=data.gen_len,
+                temperature=data.gen_temperature,
+                seed=seed,
             )
         seqs = broadcast_object(seqs)
         self.generation_s = time.perf_counter() - t0
@@ -353,7 +380,7 @@ class MTPBoost(TrainModule):
         self.ids_NL, valid_NL = _pad_rows(seqs, device)
         # targets: the generated tokens only
         self.mask_NL = _from_position(valid_NL, [len(p) for p in prompts])
-        self.head_rows = self._init_head(model, cfg, valid_NL)
+        self.head_rows = self._init_head(model, self.cfg, valid_NL, seed)
         # only the head is trained: the embeddings and LM head it shares stay fixed (Nemotron 3
         # Super §4.7); the Trainer's AdamW sees the parameters that require grad
         model.requires_grad_(False)
@@ -365,13 +392,13 @@ class MTPBoost(TrainModule):
             if rt.rank == 0:
                 tokenizer.save(path)
             self.tokenizer_spec = str(path.resolve())
-        self.mixing = torch.Generator(device=device).manual_seed(cfg.seed)  # hidden-state mixing
-        self.order = random.Random(cfg.seed)  # the order sequences are drawn in
+        self.mixing = torch.Generator(device=device).manual_seed(seed)  # hidden-state mixing
+        self.order = random.Random(seed)  # the order sequences are drawn in
         self.pending: list[int] = []  # the rest of the current pass over the sequences
         self.train_s, self._t0 = 0.0, None
 
     def _init_head(
-        self, model: HybridLM, cfg: MTPBoostConfig, valid_NL: torch.Tensor
+        self, model: HybridLM, cfg: MTPBoostConfig, valid_NL: torch.Tensor, seed: int
     ) -> list[dict[str, Any]]:
         """Give the model its one shared head (`cfg.init`, calibrated on the generated
         sequences); `agreement` rows of the incoming heads and of the initialised one:
@@ -386,7 +413,7 @@ class MTPBoost(TrainModule):
                 self.eval_prompts,
                 gen_len=cfg.eval_new_tokens,
                 temperature=0.0,
-                seed=cfg.seed,
+                seed=seed,
             )
             if self.rt.rank == 0
             else None
@@ -406,7 +433,7 @@ class MTPBoost(TrainModule):
             valid_NL,
             consolidate=cfg.consolidate,
             ridge=cfg.fuse_ridge,
-            seed=cfg.seed,
+            seed=seed,
         )
         if cfg.init != "keep":
             agree = head_agreement(model, *held, depth=self.depth)
@@ -421,7 +448,7 @@ class MTPBoost(TrainModule):
         ones), its target counts per depth and hidden-state mixing draws; this rank's rows."""
         if self._t0 is None:
             self._t0 = time.perf_counter()
-        B, N = self.cfg.batch_size * self.rt.world_size, len(self.ids_NL)
+        B, N = self.run.data.batch_size * self.rt.world_size, len(self.ids_NL)
         while len(self.pending) < B:  # a new random pass over the sequences
             self.pending += self.order.sample(range(N), N)
         idx, self.pending = self.pending[:B], self.pending[B:]
@@ -470,7 +497,7 @@ class MTPBoost(TrainModule):
     def start_rows(self) -> list[dict[str, Any]]:
         """The incoming head's agreement and the acceptance before boosting."""
         rows = [{**r, "step": 0} for r in self.head_rows]
-        return rows + _acceptance_rows(self.model, self.eval_prompts, self.cfg, "before", 0)
+        return rows + _acceptance_rows(self.model, self.eval_prompts, self.run, "before", 0)
 
     def end_rows(self) -> list[dict[str, Any]]:
         """The head's agreement and the acceptance after boosting."""
@@ -482,7 +509,7 @@ class MTPBoost(TrainModule):
         agree = head_agreement(self.model, *self.held_rows, depth=self.depth)
         rows = [{"kind": "agreement", "when": "after", "step": self.total_steps, **agree}]
         return rows + _acceptance_rows(
-            self.model, self.eval_prompts, self.cfg, "after", self.total_steps
+            self.model, self.eval_prompts, self.run, "after", self.total_steps
         )
 
     def close(self) -> None:
@@ -509,10 +536,10 @@ class MTPBoost(TrainModule):
         self.mixing.set_state(torch.tensor(data["mixing"], dtype=torch.uint8))
 
     def run_config(self) -> dict[str, Any]:
-        return {
-            "model": self.model.config.to_dict(),
-            "data": {"tokenizer": self.tokenizer_spec},
-            "mtp_boost": asdict(self.cfg),
+        # data.tokenizer: the tokenizer the run directory loads with (`hybridlm.io.load`)
+        run = self.run.to_dict()
+        return {**run, "model": self.model.config.to_dict()} | {
+            "data": {**run["data"], "tokenizer": self.tokenizer_spec}
         }
 
     def export(self) -> Path:
@@ -558,7 +585,7 @@ def _check_inputs(
     if model.mtp_depths is not None and cfg.init == "keep":
         raise ValueError(
             "the model has per-depth MTP heads (mtp.shared: false) and the boost trains one "
-            "shared head: set init to consolidate, fuse or random"
+            "shared head: set mtp_boost.init to consolidate, fuse or random"
         )
     if not train_prompts or not eval_prompts:
         raise ValueError("need at least one training prompt and one evaluation prompt")
@@ -569,26 +596,29 @@ def mtp_boost_trainer(
     tokenizer: Any,
     train_prompts: list[list[int]],
     eval_prompts: list[list[int]],
-    cfg: MTPBoostConfig,
-    out_dir: str | Path,
+    cfg: MTPBoostRunConfig,
     *,
     progress: bool = True,
     resume: bool = False,
     overwrite: bool = False,
 ) -> Trainer:
-    """The `Trainer` of an MTP boost of `model` (in place) under `out_dir`, ready to `train()`;
-    `resume` / `overwrite` as for every run on the Trainer."""
+    """The `Trainer` of an MTP boost of `model` (in place) under `cfg.train.out_dir`, ready to
+    `train()`; `resume` / `overwrite` as for every run on the Trainer."""
     cfg.validate()
-    _check_inputs(model, train_prompts, eval_prompts, cfg)
-    device = str(model.embeddings.weight.device)
-    tc = cfg.train_config(out_dir, device=device, progress=progress)
+    _check_inputs(model, train_prompts, eval_prompts, cfg.mtp_boost)
+    tc = dataclasses.replace(
+        cfg.train,
+        device=str(model.embeddings.weight.device),
+        progress=cfg.train.progress and progress,
+    )
     trainer = Trainer(
         tc,
         lambda rt: MTPBoost(rt, model, tokenizer, train_prompts, eval_prompts, cfg),
         resume=resume,
         overwrite=overwrite,
     )
-    (trainer.out / "boost.json").write_text(json.dumps(asdict(cfg), indent=1))
+    if is_main():
+        cfg.save(trainer.out / "mtp_boost.yaml")
     return trainer
 
 
@@ -597,25 +627,23 @@ def run_mtp_boost(
     tokenizer: Any,
     train_prompts: list[list[int]],
     eval_prompts: list[list[int]],
-    cfg: MTPBoostConfig,
-    out_dir: str | Path,
+    cfg: MTPBoostRunConfig,
     *,
     progress: bool = True,
     overwrite: bool = False,
     resume: bool = False,
 ) -> dict[str, Any]:
     """Boost the MTP head of `model` in place; writes `metrics.jsonl`, `acceptance.png`, the
-    final checkpoint and the boosted model (`model/`, a transformers directory) under `out_dir`,
-    which may hold an earlier run only with `overwrite=True` (it is removed) or `resume=True`
-    (it is continued from its newest checkpoint). Returns the summary: acceptance rows
-    `before` / `after`, the `first` / `last` logged train rows."""
+    final checkpoint and the boosted model (`model/`, a transformers directory) under
+    `cfg.train.out_dir`, which may hold an earlier run only with `overwrite=True` (it is
+    removed) or `resume=True` (it is continued from its newest checkpoint). Returns the summary:
+    acceptance rows `before` / `after`, the `first` / `last` logged train rows."""
     trainer = mtp_boost_trainer(
         model,
         tokenizer,
         train_prompts,
         eval_prompts,
         cfg,
-        out_dir,
         progress=progress,
         resume=resume,
         overwrite=overwrite,
@@ -692,7 +720,10 @@ def prompts_from_checkpoint(
     disjoint ones per document (a conversation rendered whole is one document)."""
     data = None
     if path is not None:
-        fix = "set prompts to an RL environment kind instead, e.g. --set prompts=sft_arithmetic"
+        fix = (
+            "set data.prompts to an RL environment kind instead, e.g. "
+            "--set data.prompts=sft_arithmetic"
+        )
         data = training_data(path, fix=fix)
     if isinstance(data, SFTDataConfig):
         convs = _conversations(data)
@@ -774,45 +805,47 @@ def _chat_prompts(
 
 
 def boost_checkpoint(
-    checkpoint: str | Path,
-    cfg: MTPBoostConfig,
-    out: str | Path,
+    cfg: MTPBoostRunConfig,
     *,
     progress: bool = True,
     overwrite: bool = False,
     resume: bool = False,
     environment_prompts: Callable[..., tuple[list[list[int]], list[list[int]]]] | None = None,
 ) -> dict[str, Any]:
-    """Boost the MTP head of a checkpoint (run, training checkpoint or transformers directory)
-    with its own tokenizer, on prompts from its training data (`cfg.prompts: data`,
-    `prompts_from_checkpoint`: pretraining text or an SFT run's chat prompts) or from an
-    RL environment (`cfg.prompts` names its kind; `environment_prompts(kind, tokenizer, n_train=,
-    n_eval=, seed=)` makes them, `rl.learner.environment_prompts`); writes under `out` as
-    `run_mtp_boost` does (`overwrite`, `resume` as there)."""
+    """Boost the MTP head of the model at `cfg.train.init_from` (run, training checkpoint or
+    transformers directory) with its own tokenizer, on prompts from its training data
+    (`data.prompts: data`, `prompts_from_checkpoint`: pretraining text or an SFT run's chat
+    prompts) or from an RL environment (`data.prompts` names its kind;
+    `environment_prompts(kind, tokenizer, n_train=, n_eval=, seed=)` makes them,
+    `rl.env_config.environment_prompts`); writes under `cfg.train.out_dir` as `run_mtp_boost`
+    does (`overwrite`, `resume` as there)."""
     cfg.validate()
-    torch.manual_seed(cfg.seed)
-    loaded = load(checkpoint)
+    checkpoint, data, seed = cfg.train.init_from, cfg.data, cfg.train.seed
+    if not checkpoint:
+        raise ValueError("the MTP boost needs a model: set train.init_from (or --checkpoint)")
+    torch.manual_seed(seed)
+    loaded = load(checkpoint, setting="train.init_from")
     model, tok = loaded.model.float(), loaded.tokenizer
-    if cfg.prompts == "data":
+    if data.prompts == "data":
         train, held = prompts_from_checkpoint(
             str(checkpoint),
             tok,
-            n_train=cfg.num_sequences,
-            n_eval=cfg.eval_prompts,
-            prompt_len=cfg.prompt_len,
-            train_len=cfg.prompt_len + cfg.gen_len if cfg.data == "text" else 0,
-            seed=cfg.seed,
+            n_train=data.num_sequences,
+            n_eval=data.eval_prompts,
+            prompt_len=data.prompt_len,
+            train_len=data.prompt_len + data.gen_len if data.kind == "text" else 0,
+            seed=seed,
         )
     else:  # the RL environment's prompts (healing after RL, Nemotron 3 Super §4.7)
         if environment_prompts is None:
             raise ValueError(
-                f"mtp boost prompts {cfg.prompts!r} name an RL environment: pass "
-                "environment_prompts (rl.learner.environment_prompts)"
+                f"mtp boost prompts {data.prompts!r} name an RL environment: pass "
+                "environment_prompts (rl.env_config.environment_prompts)"
             )
         train, held = environment_prompts(
-            cfg.prompts, tok, n_train=cfg.num_sequences, n_eval=cfg.eval_prompts, seed=cfg.seed
+            data.prompts, tok, n_train=data.num_sequences, n_eval=data.eval_prompts, seed=seed
         )
     res = run_mtp_boost(
-        model, tok, train, held, cfg, out, progress=progress, overwrite=overwrite, resume=resume
+        model, tok, train, held, cfg, progress=progress, overwrite=overwrite, resume=resume
     )
     return {**res, "eval_prompts": len(held)}
