@@ -293,6 +293,8 @@ def test_report_html_is_valid_and_shows_provenance(tmp_path):
     # every figure named after its data; two bpb figures on different batches, two names
     assert "**trainer bpb**" in md and "**eval bpb**" in md and "8,160 tokens" in md
     assert "trainer bpb: 3.934 at step 12" in md
+    # the RL eval set's size comes from the run's config (rl.data.eval_problems)
+    assert "fraction of 96 held-out problems solved greedily" in md
     # honest step counts: 6 RL steps -> first / last 3
     assert "mean of the first / last 3 of 6 steps: 0.200 -> 0.500" in md
     assert "first / last 10" not in md

@@ -127,7 +127,7 @@ def test_rl_on_ray_workers_with_an_environment_server(tool_policy, tmp_path):
     assert max(r["batch/calculator/turns"] for r in train) > 1.5, train
     assert res["eval"][-1]["calculator/count"] == 4
     with pytest.raises(ValueError, match="url"):
-        dataclasses.replace(cfg, envs=[EnvConfig(kind="http")]).validate()
+        dataclasses.replace(cfg.data, envs=[EnvConfig(kind="http")]).validate()
 
 
 def test_metadata_only_when_exposed():

@@ -296,8 +296,8 @@ def definitions(
         ],
         [
             "**RL held-out solved**",
-            f"fraction of {_get(cfg, 'rl.eval_problems', '?')} held-out problems solved greedily "
-            "at an RL eval step; 95% Wilson interval",
+            f"fraction of {_get(cfg, 'rl.data.eval_problems', '?')} held-out problems solved "
+            "greedily at an RL eval step; 95% Wilson interval",
             "fraction",
         ],
         [
@@ -590,7 +590,7 @@ def _rl_section(c: _Card) -> None:
     if "rl" in rec and train_rl:
         k, first, last = _reward_ends(train_rl)
         ev_rl = [r for r in rl if r.get("kind") == "eval"]
-        rl_n = _get(cfg, "rl.eval_problems")
+        rl_n = _get(cfg, "rl.data.eval_problems")
         doc.p(
             f"GRPO train reward, {window_text(k, len(train_rl))}: {first:.3f} -> {last:.3f}. "
             "Held-out solved by step: "
@@ -619,7 +619,7 @@ def _rl_section(c: _Card) -> None:
                 for r in models
             ],
         )
-    add(plot_reward(rl, models, plots / "reward.png", _get(cfg, "rl.eval_problems")), "reward")
+    add(plot_reward(rl, models, plots / "reward.png", _get(cfg, "rl.data.eval_problems")), "reward")
 
 
 def _speculative_section(c: _Card) -> None:
