@@ -130,6 +130,33 @@ def test_config_errors_are_actionable(tmp_path):
         RLRunConfig().override(["grpo.eps_high=0.3"])
 
 
+def test_the_runs_checkpoints_load_with_the_policys_tokenizer(tmp_path, one_thread):
+    """An RL run's training checkpoints record the starting policy's tokenizer: the run
+    directory loads with it (`hybridlm.io.load`), not with the byte tokenizer."""
+    from hybridlm.data.bpe import train_bpe
+    from hybridlm.io import load, tokenizer_spec_for
+
+    texts = [
+        f"What is {a} + {b}? The answer is {a + b}. abc ABC" for a in range(30) for b in (1, 2)
+    ]
+    tok = train_bpe(texts, vocab_size=300, min_frequency=1)
+    cfg = get_preset("tiny-super")
+    cfg.vocab_size, cfg.d_model, cfg.pattern, cfg.mtp.pattern = 320, 64, "M*", ""
+    cfg.mamba.num_heads, cfg.mamba.head_dim, cfg.mamba.chunk_size = 2, 32, 16
+    cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.attention.head_dim = 2, 1, 32
+    policy = tmp_path / "bpe_policy"
+    save_pretrained(HybridLM(cfg, seed=0), policy, tokenizer=tok)
+    env, held = _envs()
+    run = _cfg(tmp_path, checkpoint=str(policy), steps=1, eval_problems=2, eval_interval=1)
+    run_rl(run, env=env, eval_env=held, progress=False)
+    (ckpt,) = (tmp_path / "rl" / "checkpoints").iterdir()
+    assert tokenizer_spec_for(ckpt) == tokenizer_spec_for(policy) == str(policy)
+    loaded = load(tmp_path / "rl")
+    assert loaded.kind == "checkpoint" and loaded.tokenizer.encode("abc ABC") == tok.encode(
+        "abc ABC"
+    )
+
+
 def test_rl_resume_repeats_the_uninterrupted_run(tmp_path, one_thread):
     """A run stopped after step 3 and resumed from its checkpoint logs the rows of the
     uninterrupted run: weights, optimizer, RNG and the rollout state (draw counter, sampling

@@ -60,7 +60,7 @@ from ..config import Config
 from ..data.chat import STOP
 from ..infer.rollout import Completion, RolloutPool, RolloutRequest
 from ..interop.hf import save_pretrained
-from ..io import load, load_model, resolve
+from ..io import load, load_model, resolve, tokenizer_spec_for
 from ..model.model import HybridLM
 from ..model.moe import TopKRouter
 from ..report.plot import pyplot, save_figure
@@ -449,6 +449,8 @@ class GRPOLearner(TrainModule):
                 if isinstance(m, TopKRouter):
                     m.requires_grad_(False)
         self.tok = loaded.tokenizer
+        # what the run's checkpoints load with (`hybridlm.io.load` reads data.tokenizer)
+        self.tokenizer_spec = tokenizer_spec_for(policy, setting="train.init_from")
         self.env = env or build_mixture(data.envs, tokenizer=self.tok)
         self.eval_env = eval_env or build_mixture(
             eval_specs(data.envs, data.eval_envs), tokenizer=self.tok
@@ -680,7 +682,9 @@ class GRPOLearner(TrainModule):
         self._restored = meta.get("rl")
 
     def run_config(self) -> dict[str, Any]:
-        return {**self.run.to_dict(), "model": self.model.config.to_dict()}
+        run = self.run.to_dict()
+        data = {**run["data"], "tokenizer": self.tokenizer_spec}
+        return {**run, "model": self.model.config.to_dict(), "data": data}
 
     def callbacks(self) -> list[Callback]:
         return [
