@@ -127,9 +127,7 @@ class RLTrainConfig(TrainConfig):
 
     def validate(self) -> None:
         super().validate()
-        # rl.micro_batch_size splits a batch; RL has no text data of its own
-        unused = ("grad_accum", "total_tokens", "z_loss", "yarn", "intra_doc_masking")
-        self.check_own_loop("RL", unused)
+        self.check_own_loop("RL")  # rl.micro_batch_size splits a batch; no text data
 
 
 @dataclass(kw_only=True)

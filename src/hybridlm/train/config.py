@@ -177,10 +177,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.validate()
 
-    def check_own_loop(self, stage: str, unused: tuple[str, ...]) -> None:
-        """For a stage whose step is not a text-training step (RL, the MTP boost): the settings
-        in `unused` keep this class's defaults, the run has a step count, and the layout is
-        data parallel (ddp or fsdp)."""
+    def check_own_loop(self, stage: str, also_unused: tuple[str, ...] = ()) -> None:
+        """For a stage whose step is not a text-training step (RL, the MTP boost): the
+        text-training settings (and `also_unused`) keep this class's defaults, the run has a
+        step count, and the layout is data parallel (ddp or fsdp)."""
+        unused = ("grad_accum", "total_tokens", "z_loss", "yarn", "intra_doc_masking")
+        unused += also_unused
         if self.max_steps < 1:
             raise ValueError(f"train.max_steps must be >= 1 for {stage}, got {self.max_steps}")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
