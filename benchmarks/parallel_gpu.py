@@ -55,9 +55,54 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_mode(cfg, mode: str, args, device: torch.device, peak: float) -> dict:
+def dense_1b(tiny: bool = False):
+    """~1.5B dense Olmo-3-style transformer (the OLMo 2 1B shape: 16 layers of width 2048, 16
+    heads, SwiGLU 8192, Olmo 3's vocabulary, QK-norm, post-norm, SWA on 3 of 4 layers);
+    `tiny`: the tiny-olmo preset."""
+    from hybridlm.presets import get_preset
+
+    if tiny:
+        return get_preset("tiny-olmo")
+    c = get_preset("olmo-3-7b")
+    c.d_model, c.pattern = 2048, "*-" * 16
+    c.attention.num_heads, c.attention.num_kv_heads, c.attention.head_dim = 16, 16, 128
+    c.mlp.hidden = 8192
+    c.validate()
+    return c
+
+
+def learnable_ids(vocab: int, batch: int, seq: int, period: int = 64) -> torch.Tensor:
+    """Rows that repeat a random segment of `period` tokens: a model learns to copy them within a
+    few hundred steps, so a loss curve means something (random tokens only reach log V)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    seg = torch.randint(0, vocab, (batch, period), generator=gen)
+    return seg.repeat(1, -(-seq // period))[:, :seq]
+
+
+def run_mode(
+    cfg,
+    mode: str,
+    args,
+    device: torch.device,
+    peak: float,
+    *,
+    fused: bool = True,
+    compile: bool | str = False,
+    bf16_params: bool = False,
+    fp8: bool = False,
+    ids: torch.Tensor | None = None,
+) -> dict:
+    """One configuration's training steps. `fused`: the Triton kernels of `ops.fused` on CUDA
+    (off: the pure-torch chains); `compile`: regional torch.compile (`train.compile`; a string
+    names the backend); `bf16_params`: FSDP2 gathers bf16 parameters (routers fp32; what
+    `train.precision: bf16` does under FSDP2); `fp8`: torchao Float8Linear on the Super
+    recipe's quantised linears (`train.low_precision: fp8`). `ids`: the rows to train on
+    (default: random tokens)."""
     from hybridlm.model.model import build_model
+    from hybridlm.ops import fused as fused_ops
+    from hybridlm.precision.fp8 import convert_for_fp8_training
     from hybridlm.train.activation_checkpointing import apply_activation_checkpointing
+    from hybridlm.train.compile import apply_compile
     from hybridlm.train.config import TrainConfig
     from hybridlm.train.distributed.parallel import apply_fsdp2
     from hybridlm.train.objectives import causal_lm_loss
@@ -65,47 +110,60 @@ def run_mode(cfg, mode: str, args, device: torch.device, peak: float) -> dict:
 
     tc = TrainConfig(lr=3e-4, warmup_steps=1, max_steps=args.steps + args.warmup, progress=False)
     model = build_model(cfg, seed=0, device=device)
+    cuda = device.type == "cuda"
+    if fp8:
+        convert_for_fp8_training(model)
     apply_activation_checkpointing(model, mode)
-    apply_fsdp2(model)
+    if compile:
+        apply_compile(model, *([compile] if isinstance(compile, str) else []))
+    apply_fsdp2(model, param_dtype=torch.bfloat16 if bf16_params and cuda else None)
     optimizer = build_optimizer(model, tc)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen).to(device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cuda":
+    if ids is None:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen)
+    ids = ids.to(device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, losses = [], []
 
     def head(out):  # the loss inside the forward, where FSDP2 has the LM head unsharded
         return causal_lm_loss(model, out, ids, include_aux=True)
 
-    for step in range(args.warmup + args.steps):
-        sync(device)
-        t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
-            out = model(ids, mtp_depth=model.train_mtp_depth, return_logits=False, head=head)
-        loss = out.head[0]
-        loss.backward()
-        optimizer_step(
-            model,
-            optimizer,
-            params,
-            loss=float(loss.detach()),
-            tc=tc,
-            step=step,
-            total_steps=tc.max_steps,
-        )
-        sync(device)
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    with fused_ops.enabled(fused):
+        for step in range(args.warmup + args.steps):
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.autocast(device.type, dtype=dtype, enabled=cuda):
+                out = model(ids, mtp_depth=model.train_mtp_depth, return_logits=False, head=head)
+            loss = out.head[0]
+            loss.backward()
+            losses.append(float(loss.detach()))
+            optimizer_step(
+                model,
+                optimizer,
+                params,
+                loss=losses[-1],
+                tc=tc,
+                step=step,
+                total_steps=tc.max_steps,
+            )
+            sync(device)
+            if step >= args.warmup:
+                times.append(time.perf_counter() - t0)
     tok_s = args.batch * args.seq / statistics.median(times)
     flops = cfg.flops_per_token(args.seq, training=True) * tok_s
     row = {
         "activation_checkpointing": mode,
+        "fused": fused,
+        "compile": compile,
+        "bf16_params": bf16_params,
+        "fp8": fp8,
+        "losses": [round(v, 4) for v in losses],
         "tokens_per_s": round(tok_s, 1),
         "mfu_measured_peak": round(flops / peak, 4),
         "step_s_median": round(statistics.median(times), 4),
-        "loss_last": round(float(loss), 4),
     }
     if device.type == "cuda":
         row["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)

@@ -310,6 +310,19 @@ def test_bf16_autocast_forward_backward():
         loss.backward()
 
 
+def test_routing_is_fp32_under_bf16_autocast():
+    """Autocast would run the router's linear in bf16; scores and choices stay those of fp32."""
+    cfg = _small("tiny-super")
+    router = HybridLM(cfg, seed=0).layers[1].mixer.gate
+    x = torch.randn(64, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    want = router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = router(x)
+    assert got[0].dtype == torch.float32
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    assert torch.equal(got[1], want[1])
+
+
 def test_bad_inputs():
     cfg = _small("tiny-super")
     model = HybridLM(cfg, seed=0)

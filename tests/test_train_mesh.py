@@ -553,3 +553,50 @@ def test_a_broken_collective_fails_its_parity_test(tmp_path, monkeypatch, broken
     first = next((line for line in text.splitlines() if "Error: " in line), text)
     print(f"{broken} ({test}): {got} fail: {first.splitlines()[0][:200]}")
     assert check is None or got == check, (check, got, text[:500])
+
+
+def test_fsdp2_bf16_parameters_with_fp32_routers():
+    """`apply_fsdp2(param_dtype=bf16)` (what `train.precision: bf16` uses under FSDP2): the
+    blocks compute with bf16 gathers of the fp32 shards, each router with fp32 ones; the
+    gradients land in the fp32 shards; loss and gradients follow plain bf16 autocast."""
+    import copy
+    import socket
+
+    import torch.distributed as dist
+
+    from _tiny import tiny_train_model
+    from hybridlm import HybridLM
+    from hybridlm.model.moe import TopKRouter
+    from hybridlm.train.distributed.parallel import apply_fsdp2
+    from hybridlm.train.objectives import causal_lm_loss
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        ref = HybridLM(tiny_train_model(), seed=0)
+        model = apply_fsdp2(copy.deepcopy(ref), param_dtype=torch.bfloat16)
+        seen: dict[str, torch.dtype] = {}
+        for name, mod in model.named_modules():
+            if isinstance(mod, TopKRouter) or name == "layers.0.mixer.in_proj":
+                mod.register_forward_pre_hook(
+                    lambda m, _a, name=name: seen.__setitem__(name, m.weight.dtype)
+                )
+        ids = torch.randint(0, 258, (2, 24), generator=torch.Generator().manual_seed(0))
+        losses = []
+        for m in (ref, model):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = causal_lm_loss(m, m(ids, mtp_depth=m.train_mtp_depth), ids)[0]
+            loss.backward()
+            losses.append(float(loss.detach()))
+        assert seen.pop("layers.0.mixer.in_proj") == torch.bfloat16
+        assert seen and set(seen.values()) == {torch.float32}, seen  # every router
+        assert abs(losses[1] - losses[0]) <= 1e-2 * losses[0], losses
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
+            g, want = p.grad.full_tensor(), q.grad
+            rel = float((g - want).norm() / want.norm().clamp(min=1e-12))
+            assert rel < 0.05, (name, rel)
+    finally:
+        dist.destroy_process_group()

@@ -3,6 +3,8 @@
     hybridlm plan --preset nemotron-3-super-120b-a12b --gpus 512 --tp 2 --ep 64 --seq 8192 \\
         --micro-batch 1 --activation-checkpointing full
     hybridlm plan --config configs/quickstart.yaml --gpus 8 --json
+    hybridlm plan --preset nemotron-3-super-120b-a12b --gpus 512 --tp 2 --ep 64 --seq 8192 \
+        --micro-batch 1 --kernels fused      # the activations of the CUDA kernels
 
 The model comes from `--preset NAME` or `--config FILE` (a run config, whose data and train
 sections give the defaults of --seq, --micro-batch, --precision, --activation-checkpointing,
@@ -25,6 +27,7 @@ PRECISIONS = (
     "nvfp4",
 )  # train.distributed.plan.PRECISIONS (no torch)
 AC_MODES = ("none", "selective", "full")
+KERNELS = ("reference", "fused")  # train.distributed.plan.KERNELS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +54,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default=None, help="default bf16")
     p.add_argument(
         "--activation-checkpointing", choices=AC_MODES, default=None, help="default none"
+    )
+    p.add_argument(
+        "--kernels",
+        choices=KERNELS,
+        default="reference",
+        help="the Mamba-2 chains' activations: pure torch (the CPU path, default) or the Triton"
+        " kernels of ops.fused (the CUDA path)",
     )
     p.add_argument("--no-mtp", action="store_true", help="plan the model without its MTP module")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -83,6 +93,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         cp=args.cp,
         mtp=not args.no_mtp,
         name=args.preset or args.config,
+        kernels=args.kernels,
         **kw,
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result.render())

@@ -17,8 +17,8 @@ from torch import nn
 
 from ..config import LayerSpec, ModelConfig
 from ..ops import native
-from ..ops.conv1d import causal_conv1d_docs, causal_conv1d_silu
-from ..ops.ssd import ssd_chunked, ssd_states, ssd_step
+from ..ops.conv1d import causal_conv1d_silu
+from ..ops.ssd import ssd_scan, ssd_states, ssd_step
 from .cache import MambaState
 from .norm import GatedRMSNorm, gated_rms_norm
 from .stock import is_stock, project
@@ -184,7 +184,7 @@ class Mamba2Mixer(nn.Module):
             xbc_BLX, conv_out = self._conv_rows(xbc_BLX, doc_ids_BL), None
         elif doc_ids_BL is not None:
             raise ValueError("doc_ids (packed training documents) do not combine with a cache")
-        else:  # conv and SiLU fused (one pass each way on fp32 CPU tensors)
+        else:  # conv and SiLU fused (`ops.conv1d.causal_conv1d_silu`)
             xbc_BLX, conv_out = causal_conv1d_silu(
                 xbc_BLX, self.conv1d.weight[:, 0], self.conv1d.bias, conv_in
             )
@@ -211,7 +211,7 @@ class Mamba2Mixer(nn.Module):
             y, ssm_out = ssd_step(ssm_in, xs[:, 0], dt_BLH[:, 0], A_H, Bm[:, 0], Cm[:, 0], self.D)
             y_BLHP = y[:, None]
         else:
-            y_BLHP, ssm_out = ssd_chunked(
+            y_BLHP, ssm_out = ssd_scan(
                 xs, dt_BLH, A_H, Bm, Cm, self.D, m.chunk_size, ssm_in, doc_ids_BL
             )
         if state is not None:
@@ -229,9 +229,7 @@ class Mamba2Mixer(nn.Module):
         """SiLU of the causal conv of training rows (from zero taps; reset at document starts
         with `doc_ids_BL`)."""
         w, b = self.conv1d.weight[:, 0], self.conv1d.bias
-        if doc_ids_BL is None:  # conv and SiLU fused
-            return causal_conv1d_silu(xbc_BLX, w, b, None)[0]
-        return F.silu(causal_conv1d_docs(xbc_BLX, w, b, doc_ids_BL))
+        return causal_conv1d_silu(xbc_BLX, w, b, None, doc_ids_BL)[0]  # conv and SiLU fused
 
     def _add_entering_state(
         self,

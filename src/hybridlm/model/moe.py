@@ -97,7 +97,11 @@ def sigmoid_topk_route(
     optional group-limited routing; chosen scores renormalised and scaled. `linear` computes
     the scores (`ops.native.linear` on the decode path)."""
     ct = torch.promote_types(x_TD.dtype, torch.float32)
-    scores_TE = linear(x_TD.to(ct), weight_ED.to(ct)).sigmoid()
+    if torch.is_autocast_enabled(x_TD.device.type):  # bf16 training: autocast would cast back
+        with torch.autocast(x_TD.device.type, enabled=False):
+            scores_TE = linear(x_TD.to(ct), weight_ED.to(ct)).sigmoid()
+    else:
+        scores_TE = linear(x_TD.to(ct), weight_ED.to(ct)).sigmoid()
     choice_TE = scores_TE.detach() + bias_E.to(ct)
     if n_group > 1:  # group-limited routing: keep the topk_group groups with best top-2 sums
         grouped = choice_TE.view(-1, n_group, choice_TE.shape[-1] // n_group)

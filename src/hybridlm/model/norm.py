@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops import native
+from ..ops import fused, native
 
 
 class RMSNorm(nn.Module):
@@ -58,8 +58,9 @@ class _GatedNormNative(torch.autograd.Function):
 class GatedRMSNorm(nn.Module):
     """y = w * rmsnorm_per_group(x * silu(z)): the gate is applied before the norm, as in
     Mamba-2's `norm_before_gate=False`, normalising each of the n_groups slices separately.
-    On fp32 CPU tensors one fused pass forward and one backward (`ops.native.gated_norm_*`);
-    otherwise `gated_rms_norm`, the reference they are tested against."""
+    One fused pass forward and one backward: the Triton kernels on CUDA tensors
+    (`ops.fused.gated_norm`), the native ones on fp32 CPU tensors (`ops.native.gated_norm_*`);
+    otherwise `gated_rms_norm`, the reference both are tested against."""
 
     def __init__(self, dim: int, group_size: int, eps: float = 1e-5) -> None:
         super().__init__()
@@ -71,6 +72,10 @@ class GatedRMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if fused.usable(x, z, self.weight):
+            from ..ops.fused.gated_norm import gated_rms_norm_fused
+
+            return gated_rms_norm_fused(x, z, self.weight, self.group_size, self.eps)
         if native.trainable(x, z, self.weight):
             x, z = x.contiguous(), z.contiguous()
             return _GatedNormNative.apply(x, z, self.weight, self.group_size, self.eps)

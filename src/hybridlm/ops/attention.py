@@ -58,6 +58,8 @@ def attention(
     if H != K:
         k_BKSE = k_BKSE.repeat_interleave(H // K, dim=1)
         v_BKSE = v_BKSE.repeat_interleave(H // K, dim=1)
+    if window is not None and window >= q_offset + L:  # i - j < window everywhere: causal only
+        window = None  # (a sliding layer on rows no longer than its window keeps the fast kernels)
     if window is None and extra_mask is None and q_offset == 0 and L == S:
         return F.scaled_dot_product_attention(q_BHLE, k_BKSE, v_BKSE, is_causal=True)
     if window is None and extra_mask is None and q_offset + L == S and L == 1:

@@ -6,9 +6,10 @@ K fused multiply-adds with a hand-written backward that accumulates in place (no
 allocations); `causal_conv1d_ref` is `F.conv1d` with groups=D, which it must equal. Both take the
 last S inputs of a previous segment as `state_BSD` (zeros when absent) and return
 (y_BLD, new_state_BSD), so prefill and decode share one code path. `causal_conv1d_silu` is
-the conv followed by SiLU (Mamba-2's activation on x, B and C): one pass forward and one
-backward through the native training kernels (`ops.native.conv_silu_*`) on fp32 CPU tensors,
-else `silu(causal_conv1d(...))`.
+the conv followed by SiLU (Mamba-2's activation on x, B and C), also over packed documents: the
+Triton kernels (`ops.fused.conv1d`) on CUDA tensors, one pass forward and one backward through
+the native training kernels (`ops.native.conv_silu_*`) on fp32 CPU tensors, else
+`silu(causal_conv1d(...))` / `silu(causal_conv1d_docs(...))`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import fused, native
 
 Tensor = torch.Tensor
 
@@ -94,11 +95,26 @@ class _ConvSiLUNative(torch.autograd.Function):
 
 
 def causal_conv1d_silu(
-    x_BLD: Tensor, weight_DK: Tensor, bias_D: Tensor | None, state_BSD: Tensor | None = None
+    x_BLD: Tensor,
+    weight_DK: Tensor,
+    bias_D: Tensor | None,
+    state_BSD: Tensor | None = None,
+    doc_ids_BL: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(silu(causal_conv1d(x, weight, bias, state)), new state): the native fused kernels on
-    fp32 CPU tensors (`native.trainable`), the torch path otherwise."""
+    """(silu(causal_conv1d(x, weight, bias, state)), new state); with `doc_ids_BL` (packed
+    documents, no state) silu(causal_conv1d_docs(...)) and the zero state. The Triton kernels
+    on CUDA tensors (`fused.usable`), the native fused kernels on fp32 CPU tensors
+    (`native.trainable`), the torch path otherwise."""
     K = weight_DK.shape[-1]
+    if fused.usable(x_BLD, weight_DK, bias_D, state_BSD):
+        from .fused.conv1d import causal_conv1d_silu_fused
+
+        return causal_conv1d_silu_fused(x_BLD, weight_DK, bias_D, state_BSD, doc_ids_BL)
+    if doc_ids_BL is not None:
+        if state_BSD is not None:
+            raise ValueError("packed documents (doc_ids) do not combine with a carried conv state")
+        y = F.silu(causal_conv1d_docs(x_BLD, weight_DK, bias_D, doc_ids_BL))
+        return y, _padded(x_BLD, None, K - 1)[:, x_BLD.shape[1] :]
     if not native.trainable(x_BLD, weight_DK, bias_D, state_BSD):
         y, state = causal_conv1d(x_BLD, weight_DK, bias_D, state_BSD)
         return F.silu(y), state

@@ -115,8 +115,9 @@ def linear_cross_entropy(
 ) -> Tensor:
     """Sum of token cross-entropies over targets != -100, divided by `denom` (`shard`: `W_VD`
     holds one rank's rows of a split vocabulary, module docstring)."""
-    if chunk is None:  # ~8 MiB of fp32 logits per chunk
-        chunk = max(16, (2**21) // W_VD.shape[0])
+    if chunk is None:  # fp32 logits per chunk: ~8 MiB on a CPU (cache-sized), ~512 MiB on a
+        # GPU, where each chunk is a few kernel launches and small chunks leave it launch-bound
+        chunk = max(16, (2**27 if h_TD.is_cuda else 2**21) // W_VD.shape[0])
     denom = torch.as_tensor(denom, device=h_TD.device)
     return _LinearCrossEntropy.apply(h_TD, W_VD, targets_T, denom, chunk, shard)
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import fused
+
 Tensor = torch.Tensor
 
 
@@ -128,6 +130,28 @@ def ssd_chunked(
     if D_H is not None:
         y_BLHP = y_BLHP + D_H.to(ct)[:, None] * x[:, :L]
     return y_BLHP, state_BGNRP.permute(0, 1, 3, 4, 2).reshape(Bsz, H, P, N)
+
+
+def ssd_scan(
+    x_BLHP: Tensor,
+    dt_BLH: Tensor,
+    A_H: Tensor,
+    B_BLGN: Tensor,
+    C_BLGN: Tensor,
+    D_H: Tensor | None,
+    chunk_size: int,
+    initial_state_BHPN: Tensor | None = None,
+    doc_ids_BL: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The scan a Mamba-2 mixer runs over whole rows: `ssd_chunked`, through the fused Triton
+    kernels (`ops.fused.ssd`, one pass per (row, head), no [Q, Q] decays in memory) where
+    `fused.usable` says so (CUDA tensors)."""
+    args = (x_BLHP, dt_BLH, A_H, B_BLGN, C_BLGN, D_H, chunk_size, initial_state_BHPN, doc_ids_BL)
+    if fused.usable(x_BLHP, dt_BLH, B_BLGN, C_BLGN, initial_state_BHPN):
+        from .fused.ssd import ssd_chunked_fused
+
+        return ssd_chunked_fused(*args)
+    return ssd_chunked(*args)
 
 
 def ssd_step(

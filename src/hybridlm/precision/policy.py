@@ -94,8 +94,12 @@ class ConversionReport:
 
     rows: list[ConversionRow]
 
+    def formats(self) -> tuple[str, ...]:
+        """The policy's formats, then any other a converter used (FP8 training's "fp8")."""
+        return _FORMATS + tuple(sorted({r.format for r in self.rows} - set(_FORMATS)))
+
     def by_format(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {f: [] for f in _FORMATS}
+        out: dict[str, list[str]] = {f: [] for f in self.formats()}
         for r in self.rows:
             out[r.format].append(r.name)
         return out
@@ -106,7 +110,7 @@ class ConversionReport:
         counts: Counter[str] = Counter()
         for r in self.rows:
             counts[r.format] += r.params
-        return {f: counts[f] / total for f in _FORMATS}
+        return {f: counts[f] / total for f in self.formats()}
 
     def table(self) -> str:
         width = max((len(r.name) for r in self.rows), default=4)

@@ -128,11 +128,15 @@ class TrainConfig:
     total_tokens: int = 0
     grad_accum: int = 1
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: torch.autocast, fp32 master weights
+    # bf16: torch.autocast with fp32 master weights; under FSDP2 the parameters are also
+    # gathered in bf16 (MixedPrecisionPolicy, routers kept fp32, gradients reduced in fp32)
+    precision: Literal["fp32", "bf16"] = "fp32"
     # "nvfp4": convert the model with hybridlm.precision.convert_for_low_precision (Nemotron 3
     # Super §2.2 policy: NVFP4 GEMMs, MXFP8 Mamba out_proj, the rest in `precision`) before
-    # training, and log zero-wgrad / underflow metrics every log_interval steps
-    low_precision: Literal["none", "nvfp4"] = "none"
+    # training, and log zero-wgrad / underflow metrics every log_interval steps; "fp8": the
+    # same policy's quantised linears in FP8 through torchao Float8Linear (Hopper;
+    # hybridlm.precision.fp8), the layers it keeps in BF16 as they are
+    low_precision: Literal["none", "nvfp4", "fp8"] = "none"
     monitor_zero_grads: bool = False  # log zero-wgrad fractions without low precision too
     z_loss: float = 0.0
     intra_doc_masking: bool = False  # pass doc_ids to the model when it accepts them
@@ -166,6 +170,9 @@ class TrainConfig:
     # keep fewer activations for the backward (train/activation_checkpointing.py): "full"
     # recomputes each block's forward, "selective" recomputes all but the matrix products
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    # regional torch.compile of the blocks' norms and mixers, the routed experts' dispatch left
+    # eager (train/compile.py); pays on GPUs, where launches and elementwise passes dominate
+    compile: bool = False
     peak_flops: float = 0.0  # FLOP/s for MFU; 0: measure once with a matmul
     progress: bool = True  # rich progress bar
     plot: bool = True  # render <out>/loss.png from metrics.jsonl at the end
@@ -252,9 +259,9 @@ class TrainConfig:
                 raise ValueError(f"train.yarn: {err}") from None
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"train.precision must be 'fp32' or 'bf16', got {self.precision!r}")
-        if self.low_precision not in ("none", "nvfp4"):
+        if self.low_precision not in ("none", "nvfp4", "fp8"):
             raise ValueError(
-                f"train.low_precision must be 'none' or 'nvfp4', got {self.low_precision!r}"
+                f"train.low_precision must be 'none', 'nvfp4' or 'fp8', got {self.low_precision!r}"
             )
 
     def layout(self) -> ParallelConfig:

@@ -50,13 +50,15 @@ def param_groups(
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over `param_groups`; the trainer sets each group's `lr` every step."""
+    """AdamW over `param_groups`; the trainer sets each group's `lr` every step. On CUDA the
+    fused implementation (one kernel for the whole update of a parameter list); elsewhere
+    `foreach` (multi-tensor ops, the CPU runs' arithmetic of record)."""
     groups = param_groups(
         model, weight_decay=cfg.weight_decay, no_decay=cfg.no_decay, no_decay_1d=cfg.no_decay_1d
     )
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True
-    )
+    cuda = all(p.is_cuda for g in groups for p in g["params"]) and bool(groups)
+    impl = {"fused": True} if cuda else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
 
 
 def clip_gradients(params: Iterable[torch.Tensor], grad_clip: float) -> float:

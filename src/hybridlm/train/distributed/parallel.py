@@ -183,22 +183,38 @@ def apply_fsdp2(
     mesh: DeviceMesh | None = None,
     *,
     expert_mesh: DeviceMesh | None = None,
+    param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """FSDP2: `fully_shard` each block of `model.layers` and of the MTP heads, then the
     root (embeddings, final norm, LM head), over `mesh` (default: every rank; a 2-D
     (dp_replicate, dp_shard) mesh is HSDP). Under expert parallelism the routed experts are
     sharded first over `expert_mesh` (the data-parallel ranks the expert-parallel group
     leaves; their gradient is scaled for it by the dispatch, `expert_parallel`). Shards in
-    place; returns the same module."""
-    from torch.distributed.fsdp import fully_shard
+    place; returns the same module.
 
+    `param_dtype` (bf16 training): FSDP2's `MixedPrecisionPolicy` all-gathers the parameters
+    in that dtype for the forward and backward (one cast per gather instead of one per use
+    under autocast, and half the gather bytes) and reduces gradients in fp32 into the fp32
+    shards the optimizer updates. Each router is a unit of its own kept in fp32 (routing is
+    computed in fp32, Nemotron 3 Super §2.1.1)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from ...model.moe import TopKRouter
+
+    kw: dict[str, Any] = {}
+    if param_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     blocks = list(model.layers) + [b for h in model.mtp_heads() for b in h.layers]
     for block in blocks:
         if expert_mesh is not None:
             for moe in moe_layers(block):
-                fully_shard(moe.experts, mesh=expert_mesh)
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+                fully_shard(moe.experts, mesh=expert_mesh, **kw)
+        if param_dtype is not None:
+            for router in (m for m in block.modules() if isinstance(m, TopKRouter)):
+                fully_shard(router, mesh=mesh, mp_policy=fp32)
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     return model
 
 
@@ -286,12 +302,15 @@ def data_parallel_coordinates(layout: Layout, mesh: DeviceMesh | None) -> tuple[
     return (rep * (layout.dp_shard // layout.ep) + mod) * layout.ep + ep, layout.dp
 
 
-def apply_layout(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> None:
+def apply_layout(
+    model: nn.Module, layout: Layout, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None
+) -> None:
     """Shard `model` in place for a "fsdp"-style layout over `mesh` (`build_mesh`): tensor
     parallelism over `tp`, context parallelism over `cp`, expert parallelism over `ep`, then
     FSDP2 over (dp_replicate, dp_shard_cp) (HSDP when both > 1), the experts over
-    (dp_replicate, expert_dp). Every rank starts from the same full weights, or from a
-    meta-device build (`materialize_sharded`)."""
+    (dp_replicate, expert_dp), gathering parameters in `param_dtype` (`apply_fsdp2`). Every
+    rank starts from the same full weights, or from a meta-device build
+    (`materialize_sharded`)."""
     from .context_parallel import apply_context_parallel
     from .expert_parallel import apply_expert_parallel
     from .tensor_parallel import apply_tensor_parallel
@@ -304,11 +323,11 @@ def apply_layout(model: nn.Module, layout: Layout, mesh: DeviceMesh) -> None:
         mesh["dp_replicate", "dp_shard_cp"] if layout.dp_replicate > 1 else mesh["dp_shard_cp"]
     )
     if layout.ep == 1:
-        apply_fsdp2(model, dp_mesh)
+        apply_fsdp2(model, dp_mesh, param_dtype=param_dtype)
         return
     apply_expert_parallel(model, mesh["ep"])
     expert_mesh = mesh["dp_replicate", "expert_dp"]
-    apply_fsdp2(model, dp_mesh, expert_mesh=expert_mesh)
+    apply_fsdp2(model, dp_mesh, expert_mesh=expert_mesh, param_dtype=param_dtype)
 
 
 @torch.no_grad()

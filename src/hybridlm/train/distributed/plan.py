@@ -61,6 +61,7 @@ from ...config import ModelConfig
 
 PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4")
 AC_MODES = ("none", "selective", "full")
+KERNELS = ("reference", "fused")  # the Mamba-2 mixer's chains: pure torch, or ops.fused (CUDA)
 GiB = float(2**30)
 
 # bytes per element of a quantised GEMM input kept for the backward (module docstring)
@@ -402,7 +403,7 @@ def _frame(cfg: ModelConfig, letter: str, mode: str, mtp: bool) -> list[_Term]:
     return out
 
 
-def _mamba(cfg: ModelConfig, mode: str, t: int) -> list[_Term]:
+def _mamba(cfg: ModelConfig, mode: str, t: int, kernels: str = "reference") -> list[_Term]:
     m = cfg.mamba
     I, G, N, H, P, X, Q = (
         m.d_inner,
@@ -416,6 +417,8 @@ def _mamba(cfg: ModelConfig, mode: str, t: int) -> list[_Term]:
     in_w = 2 * I + 2 * G * N + H
     if mode == "full":
         return []
+    if kernels == "fused":
+        return _mamba_fused(cfg, mode, t, in_w)
     if mode == "selective":  # the matrix products' outputs (activation_checkpointing._SAVE)
         return [
             _Term("in_proj output", in_w, "mm", tp=t),
@@ -444,6 +447,30 @@ def _mamba(cfg: ModelConfig, mode: str, t: int) -> list[_Term]:
         _Term("gated norm: z in fp32", I, "f32copy", tp=t),
         _lin("out_proj input", I, "mamba_out", tp=t),
         _Term("SSD causal mask", Q * Q, "bool", per="layer"),
+    ]
+
+
+def _mamba_fused(cfg: ModelConfig, mode: str, t: int, in_w: int) -> list[_Term]:
+    """The mixer on the Triton kernels (`ops.fused`): each keeps its inputs only; the scan's
+    [Q, Q] decays, chunk states and operands are recomputed in its backward. Selective
+    checkpointing keeps the aten matrix products only, so the kernels (not aten ops) are
+    recomputed there."""
+    m = cfg.mamba
+    I, G, H, X = m.d_inner, m.n_groups, m.num_heads, m.conv_dim
+    if mode == "selective":
+        return [
+            _Term("in_proj output", in_w, "mm", tp=t),
+            _Term("out_proj output", cfg.d_model, "mm"),
+        ]
+    return [
+        _Term("conv input, padded (kept by the fused conv + SiLU)", X, "mm", tp=t),
+        _Term("conv left padding", (m.conv_kernel - 1) * X, "mm", per="seq", tp=t),
+        _Term("conv output (the scan's x, B, C)", X, "f32", tp=t),
+        _Term("dt (raw + bias, softplus, clamped)", 3 * H, "f32", tp=t),
+        _Term("scan output + D x (the gated norm's input)", I, "f32", tp=t),
+        _Term("gated norm: z (contiguous), rstd", I, "mm", tp=t),
+        _Term("gated norm: rstd", G, "f32", tp=t),
+        _lin("out_proj input", I, "mamba_out", tp=t),
     ]
 
 
@@ -556,10 +583,11 @@ def _block_terms(
     L: int,
     seq: int,
     te: int = 1,
+    kernels: str = "reference",
 ) -> list[_Term]:
     kv = _kv_tp(cfg, t)
     mixer = {
-        "M": lambda: _mamba(cfg, mode, t),
+        "M": lambda: _mamba(cfg, mode, t, kernels),
         "*": lambda: _attention(cfg, mode, t, kv, sliding, L, seq),
         "E": lambda: _moe(cfg, mode, t, te),
         "-": lambda: _mlp(cfg, mode, t),
@@ -593,9 +621,14 @@ def activation_bytes(
     cp: int = 1,
     ep: int = 1,
     mtp_depth: int | None = None,
+    kernels: str = "reference",
 ) -> Activations:
     """Bytes the training forward (model + `causal_lm_loss` with the fused LM-head CE, MTP
-    depths 1..mtp_depth, the MoE balancing term) leaves for the backward on one device."""
+    depths 1..mtp_depth, the MoE balancing term) leaves for the backward on one device.
+    `kernels`: the Mamba-2 mixer's pure-torch chains ("reference", the CPU path) or the Triton
+    kernels of `ops.fused` ("fused", the CUDA path)."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {list(KERNELS)}, got {kernels!r}")
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpointing must be one of {list(AC_MODES)}, got {mode!r}")
     if precision not in PRECISIONS:
@@ -617,7 +650,9 @@ def activation_bytes(
         for i, letter in enumerate(pattern):
             slide = (not mtp) and letter == "*" and next(sliding)
             bf16 = mtp or first + i >= n_layers - tail
-            kw = dict(mtp=mtp, sliding=slide, t=tp, L=L, seq=seq, te=tp if ep == 1 else 1)
+            kw = dict(
+                mtp=mtp, sliding=slide, t=tp, L=L, seq=seq, te=tp if ep == 1 else 1, kernels=kernels
+            )
             kept = _bytes_of(_block_terms(cfg, letter, mode, **kw), precision, bf16, T, B, cp)
             name = ("MTP blocks" if mtp else "blocks") + f" {letter}"
             add(name, kept)
@@ -687,6 +722,7 @@ class Plan:
     recompute: int  # the chosen mode's transient of one block's recomputation
     comm: dict[str, int]
     status: dict[str, str] = field(default_factory=dict)
+    kernels: str = "reference"  # the Mamba-2 chains the activations assume (KERNELS)
 
     @property
     def memory(self) -> dict[str, int]:
@@ -737,7 +773,7 @@ class Plan:
             f"  layout  {lay.describe()} [{lay.style}]",
             f"  batch   micro-batch {self.micro_batch} x seq {self.seq} = {T:,} tokens per device;"
             f" {self.precision}; checkpointing {self.activation_checkpointing};"
-            f" MTP depth {self.mtp_depth}",
+            f" MTP depth {self.mtp_depth}; Mamba-2 kernels {self.kernels}",
             f"  params  {_count(self.params_total)} ({self.params_total:,}; {self.param_tensors}"
             f" tensors): routed experts {_count(roles['expert'])}, TP-shardable"
             f" {_count(roles['tp'])}, replicated {_count(roles['replicated'])}",
@@ -799,6 +835,7 @@ def plan(
     activation_checkpointing: str = "none",
     mtp: bool = True,
     name: str = "",
+    kernels: str = "reference",
 ) -> Plan:
     """Memory per device and communication per step of training `model_cfg` on `gpus` devices
     (module docstring: layout, sharding and per-format assumptions). `mtp=False` plans the model
@@ -846,6 +883,7 @@ def plan(
             tp=tp,
             cp=cp,
             ep=ep,
+            kernels=kernels,
         )
         for mode in AC_MODES
     }
@@ -887,6 +925,7 @@ def plan(
         recompute=chosen.recompute,
         comm=comm,
         status=status,
+        kernels=kernels,
     )
 
 
