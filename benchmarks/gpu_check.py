@@ -328,7 +328,9 @@ def section_kernels(device: torch.device, repeats: int = 5) -> None:
     }
     from hybridlm.model.moe import Experts
 
-    z, up, down, counts = _expert_inputs(device, torch.bfloat16, tokens=64 if TINY else 16384)
+    # (on the CPU the reference is the padded path, which takes one dtype: fp32 there)
+    dtype = torch.float32 if TINY else torch.bfloat16
+    z, up, down, counts = _expert_inputs(device, dtype, tokens=64 if TINY else 16384)
     experts = Experts(up.shape[0], up.shape[2], up.shape[1]).to(device)
     with torch.no_grad():
         experts.up_proj.copy_(up)
@@ -338,6 +340,9 @@ def section_kernels(device: torch.device, repeats: int = 5) -> None:
     cases["routed experts"] = (  # the torch path on CUDA: F.grouped_mm + relu^2
         lambda z: experts(z, idx[:, None], torch.ones(z.shape[0], 1, device=device)), [z],
     )  # fmt: skip
+    shapes = dict.fromkeys(cases, sh)
+    shapes["routed experts"] = {"rows": z.shape[0], "E": up.shape[0], "W": up.shape[2],
+                                "F": up.shape[1]}  # fmt: skip
     for name, (fn, tensors) in cases.items():
         leaves = [x.detach().requires_grad_(True) for x in tensors]
 
@@ -348,7 +353,7 @@ def section_kernels(device: torch.device, repeats: int = 5) -> None:
 
         ms = _timed({"fused": lambda run=run: run(True), "torch": lambda run=run: run(False)},
                     repeats, device)  # fmt: skip
-        _emit({"section": "kernels", "what": f"{name} forward + backward", "shape": sh,
+        _emit({"section": "kernels", "what": f"{name} forward + backward", "shape": shapes[name],
                "ms": {k: round(v, 3) for k, v in ms.items()},
                "speedup": round(ms["torch"] / ms["fused"], 2)})  # fmt: skip
 

@@ -298,9 +298,10 @@ def test_model_through_fused_kernels_matches_reference(monkeypatch, packed):
 
 @pytest.mark.skipif(DEV == "cuda", reason="measures the interpreted kernels on CPU tensors")
 def test_plan_activations_of_the_fused_mixer_match_measured(monkeypatch):
-    """`activation_bytes(kernels="fused")` against the bytes a training forward of a Mamba-only
-    model leaves for the backward with the kernels on, and the saving over the reference path
-    against the measured saving, within 20% (fp32, every checkpointing mode)."""
+    """`activation_bytes(kernels="fused")` against the bytes a training forward of a Mamba-2 +
+    MoE model leaves for the backward with the kernels on, and the saving over the reference
+    path against the measured saving, within 20% (fp32, every checkpointing mode; measured here
+    within 1%)."""
     from _memory import LiveBytes
     from _tiny import tiny_train_model
     from hybridlm.model.model import build_model
@@ -311,7 +312,7 @@ def test_plan_activations_of_the_fused_mixer_match_measured(monkeypatch):
 
     monkeypatch.setenv("HYBRIDLM_FUSED", "1")
     cfg = tiny_train_model(mtp=False)
-    cfg.pattern = "MMM"
+    cfg.pattern = "MEM"
     cfg.validate()
     batch, seq = 2, 96
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=_gen(0))
@@ -371,15 +372,16 @@ def test_gpu_check_script_runs_on_cpu_at_tiny_shapes():
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert not [r for r in rows if "error" in r], rows
     parity = [r for r in rows if r.get("section") == "parity" and "max_rel_err" in r]
-    assert len(parity) == 6
+    assert len(parity) == 8
     for r in parity:
-        bound = 1e-5 if r["dtype"] == "float32" else 1e-2
+        bound = 1e-5 if r["dtype"] == "float32" else 2e-2  # bf16: a few roundings of 2^-9
         assert max(r["max_rel_err"].values()) < bound, r
     kernels = [r for r in rows if r.get("section") == "kernels" and "ms" in r]
     assert {r["what"].split(" forward")[0] for r in kernels} == {
         "ssd scan",
         "conv1d + SiLU",
         "gated RMSNorm",
+        "routed experts",
     }
     train = {r["what"]: r for r in rows if r.get("section") == "train" and "what" in r}
     assert train["dense, compile, bf16 gathers"]["tokens_per_s"] > 0

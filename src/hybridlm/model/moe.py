@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LayerSpec, ModelConfig
-from ..ops import native
+from ..ops import fused, native
 from .mlp import MLP, relu2
 from .stock import is_stock, project
 
@@ -244,6 +244,16 @@ def run_local(
     return fn(z_AW, counts, up_EFW, down_EWF)
 
 
+def _experts_fused(
+    z_AW: torch.Tensor, counts: list[int], up_EFW: torch.Tensor, down_EWF: torch.Tensor
+) -> torch.Tensor:
+    """CUDA fast path: the Triton grouped GEMMs with relu^2 fused (`ops.fused.experts`), which
+    keep only relu's output for the backward."""
+    from ..ops.fused.experts import experts_fused
+
+    return experts_fused(z_AW, counts, up_EFW, down_EWF)
+
+
 def grouped_mm_available(device: torch.device) -> bool:
     # torch's grouped_mm backward is CUDA-only; the per-expert loop is the CPU path
     return device.type == "cuda" and hasattr(F, "grouped_mm")
@@ -254,7 +264,7 @@ class Experts(nn.Module):
         super().__init__()
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
         self.down_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
-        self.impl = "auto"  # "auto" | "loop" | "padded" | "grouped" | "gathered"
+        self.impl = "auto"  # "auto" | "loop" | "padded" | "grouped" | "fused" | "gathered"
         # how sorted tokens reach their experts: `run_local`, or expert parallelism's
         # all-to-all (set from outside by `train.distributed.expert_parallel.apply_expert_parallel`)
         self.dispatch = run_local
@@ -273,9 +283,16 @@ class Experts(nn.Module):
         token_A = order_A // K
         counts = torch.bincount(flat_A, minlength=E).tolist()
         z_AW = z_TW[token_A]
-        if impl == "auto":
+        if impl == "auto" and fused.usable(z_TW, self.up_proj, self.down_proj):
+            impl = "fused"
+        elif impl == "auto":
             impl = "grouped" if grouped_mm_available(z_TW.device) else "padded"
-        fn = {"grouped": _experts_grouped, "loop": _experts_loop, "padded": _experts_padded}[impl]
+        fn = {
+            "grouped": _experts_grouped,
+            "loop": _experts_loop,
+            "padded": _experts_padded,
+            "fused": _experts_fused,
+        }[impl]
         y_AW = self.dispatch(fn, z_AW, counts, self.up_proj, self.down_proj)
         y_AW = y_AW * w_TK.reshape(-1)[order_A, None].to(y_AW.dtype)
         return torch.zeros_like(z_TW, dtype=y_AW.dtype).index_add_(0, token_A, y_AW).to(z_TW.dtype)

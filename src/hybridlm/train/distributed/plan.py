@@ -29,9 +29,12 @@ Layout (world = dp_replicate x dp_shard x cp x tp; torchtitan's ParallelDims):
 
 Memory (the trainer, train/trainer.py): fp32 master weights, fp32 gradients, AdamW exp_avg and
 exp_avg_sq in fp32 plus a 0-d fp32 `step` per parameter tensor; parameters are counted on the
-model built on the meta device (exact, tied weights once). `apply_fsdp2` sets no
-MixedPrecisionPolicy, so FSDP2 gathers and reduce-scatters fp32 (a bf16 `param_dtype` would halve
-the gathered units and the all-gather volume).
+model built on the meta device (exact, tied weights once). In fp32 FSDP2 gathers and
+reduce-scatters fp32; in reduced precision (`train.precision: bf16`, which the fp8 / nvfp4 rows
+assume as their base) the trainer gives `apply_fsdp2` a bf16 `param_dtype`: the units are
+gathered in bf16 (half the all-gather bytes and the gathered units' memory; the routers' fp32
+units are neglected), gradients are still reduced in fp32, and no bf16 cast copies of the
+weights outlive a GEMM (FSDP2 frees and regathers the unsharded parameters the backward reads).
 
 Activations: the tensors the reference kernels of this repository keep for the backward (the
 pure-torch SSD chunked scan, SDPA, the dropless grouped expert GEMMs with balanced routing), term
@@ -62,6 +65,7 @@ from ...config import ModelConfig
 PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4")
 AC_MODES = ("none", "selective", "full")
 KERNELS = ("reference", "fused")  # the Mamba-2 mixer's chains: pure torch, or ops.fused (CUDA)
+_GATHER_BYTES = {"fp32": 4, "bf16": 2}
 GiB = float(2**30)
 
 # bytes per element of a quantised GEMM input kept for the backward (module docstring)
@@ -509,9 +513,12 @@ def _attention(
     return terms
 
 
-def _moe(cfg: ModelConfig, mode: str, t: int, te: int) -> list[_Term]:
+def _moe(
+    cfg: ModelConfig, mode: str, t: int, te: int, kernels: str = "reference", quantised=False
+) -> list[_Term]:
     """`t`: tensor-parallel ranks (the shared expert); `te`: the ranks the routed experts'
-    rows are split over by tensor parallelism (t when ep = 1, else 1)."""
+    rows are split over by tensor parallelism (t when ep = 1, else 1). `kernels` "fused": the
+    Triton experts (`ops.fused.experts`), unless `quantised` (fp8 / nvfp4 GEMMs replace them)."""
     e, D = cfg.moe, cfg.d_model
     W, F, S, k, E = (
         e.latent_size or D,
@@ -523,12 +530,14 @@ def _moe(cfg: ModelConfig, mode: str, t: int, te: int) -> list[_Term]:
     latent = bool(e.latent_size)
     if mode == "full":
         return []
+    fused = kernels == "fused" and not quantised
     if mode == "selective":
-        terms = [
-            _Term("router logits", E, "mm"),
-            _Term("expert up outputs", k * F, "mm", tp=te),
-            _Term("expert down outputs", k * W, "mm", tp=te),
-        ]
+        terms = [_Term("router logits", E, "mm")]
+        if not fused:  # the Triton experts are not aten ops: recomputed in the backward
+            terms += [
+                _Term("expert up outputs", k * F, "mm", tp=te),
+                _Term("expert down outputs", k * W, "mm", tp=te),
+            ]
         if latent:
             terms += [_Term("fc1_latent output", W, "mm")]
             terms += [_Term("fc2_latent output", D, "mm")]
@@ -539,11 +548,20 @@ def _moe(cfg: ModelConfig, mode: str, t: int, te: int) -> list[_Term]:
     terms = [
         _Term("router scores, gates, gate sum", E + k + 1, "mm"),
         _Term("routing indices (top-k, sort order, token of each row)", 3 * k, "i64"),
-        _lin("expert input rows", k * W, "expert", producer="mm" if latent else "f32", tp=te),
-        _Term("expert hidden relu", k * F, "mm", tp=te),
-        _lin("expert hidden relu^2", k * F, "expert", producer="mm", tp=te),
-        _Term("expert output rows, gated rows, row gates", 2 * k * W + k, "mm"),
     ]
+    if fused:  # the kernels keep their input rows and relu's output; relu^2 is recomputed
+        terms += [
+            _Term("expert input rows (kept by the fused experts)", k * W, "mm" if latent else "f32",
+                  tp=te),
+            _Term("expert hidden relu (squared on the fly)", k * F, "mm", tp=te),
+        ]  # fmt: skip
+    else:
+        terms += [
+            _lin("expert input rows", k * W, "expert", producer="mm" if latent else "f32", tp=te),
+            _Term("expert hidden relu", k * F, "mm", tp=te),
+            _lin("expert hidden relu^2", k * F, "expert", producer="mm", tp=te),
+        ]
+    terms.append(_Term("expert output rows, gated rows, row gates", 2 * k * W + k, "mm"))
     if latent:
         terms.append(_lin("combined rows (fc2_latent input)", W, "latent", producer="mm"))
     if S:
@@ -584,12 +602,13 @@ def _block_terms(
     seq: int,
     te: int = 1,
     kernels: str = "reference",
+    quantised: bool = False,
 ) -> list[_Term]:
     kv = _kv_tp(cfg, t)
     mixer = {
         "M": lambda: _mamba(cfg, mode, t, kernels),
         "*": lambda: _attention(cfg, mode, t, kv, sliding, L, seq),
-        "E": lambda: _moe(cfg, mode, t, te),
+        "E": lambda: _moe(cfg, mode, t, te, kernels, quantised),
         "-": lambda: _mlp(cfg, mode, t),
     }[letter]()
     return _frame(cfg, letter, mode, mtp) + mixer
@@ -651,8 +670,9 @@ def activation_bytes(
             slide = (not mtp) and letter == "*" and next(sliding)
             bf16 = mtp or first + i >= n_layers - tail
             kw = dict(
-                mtp=mtp, sliding=slide, t=tp, L=L, seq=seq, te=tp if ep == 1 else 1, kernels=kernels
-            )
+                mtp=mtp, sliding=slide, t=tp, L=L, seq=seq, te=tp if ep == 1 else 1,
+                kernels=kernels, quantised=precision in ("fp8", "nvfp4") and not bf16,
+            )  # fmt: skip
             kept = _bytes_of(_block_terms(cfg, letter, mode, **kw), precision, bf16, T, B, cp)
             name = ("MTP blocks" if mtp else "blocks") + f" {letter}"
             add(name, kept)
@@ -714,8 +734,8 @@ class Plan:
     optimizer: int
     buffers: int
     weight_copies: int  # compute copies of the GEMM weights (bf16 casts / TE quantised)
-    fsdp_root_unit: int  # gathered root (embeddings, LM head, norms, MTP frame), fp32
-    fsdp_block_unit: int  # the largest gathered block (+ its local experts), fp32
+    fsdp_root_unit: int  # gathered root (embeddings, LM head, norms, MTP frame), gather dtype
+    fsdp_block_unit: int  # the largest block (+ its local experts), fp32 (its gradients)
     ddp_buckets: int  # DDP's gradient buckets (a copy of the gradients) when style is ddp
     activations: dict[str, int]  # by checkpointing mode
     activation_parts: dict[str, int]  # of the chosen mode
@@ -723,6 +743,7 @@ class Plan:
     comm: dict[str, int]
     status: dict[str, str] = field(default_factory=dict)
     kernels: str = "reference"  # the Mamba-2 chains the activations assume (KERNELS)
+    gather_dtype: str = "fp32"  # FSDP2's all-gather dtype (bf16 under reduced precision)
 
     @property
     def memory(self) -> dict[str, int]:
@@ -736,8 +757,10 @@ class Plan:
             "optimizer state (AdamW m, v fp32 + step)": self.optimizer,
             "buffers (router bias, expert load, RoPE)": self.buffers,
             f"weights' compute copies ({self.precision} casts)": self.weight_copies,
-            "FSDP root unit gathered (fp32, whole step)": self.fsdp_root_unit,
-            "FSDP block units (2 gathered + 1 grad, fp32)": 3 * self.fsdp_block_unit,
+            f"FSDP root unit gathered ({self.gather_dtype}, whole step)": self.fsdp_root_unit,
+            f"FSDP block units (2 {self.gather_dtype} + 1 fp32 grad)": (
+                self.fsdp_block_unit * (2 * _GATHER_BYTES[self.gather_dtype] // 4 + 1)
+            ),
             "DDP gradient buckets": self.ddp_buckets,
             f"activations (checkpointing {ac})": self.activations[ac],
             "recomputation of one block (backward)": self.recompute,
@@ -873,6 +896,7 @@ def plan(
             key = unit.removesuffix(".experts")
             blocks[key] = blocks.get(key, 0) + n
     fsdp = lay.style == "fsdp"
+    gather = "fp32" if precision == "fp32" else "bf16"
     acts = {
         mode: activation_bytes(
             cfg,
@@ -916,8 +940,11 @@ def plan(
         gradients=grads,
         optimizer=8 * local + 4 * len(shards),
         buffers=4 * buffer_elements(model),
-        weight_copies=weight_copy_bytes(cfg, shards, precision),
-        fsdp_root_unit=4 * units.get("root", 0) if fsdp else 0,
+        # bf16 gathers leave no autocast cast copies (module docstring); TE's quantised stay
+        weight_copies=0
+        if fsdp and precision == "bf16"
+        else weight_copy_bytes(cfg, shards, precision),
+        fsdp_root_unit=_GATHER_BYTES[gather] * units.get("root", 0) if fsdp else 0,
         fsdp_block_unit=4 * max(blocks.values(), default=0) if fsdp else 0,
         ddp_buckets=grads if lay.style == "ddp" else 0,
         activations={m: a.total for m, a in acts.items()},
@@ -926,6 +953,7 @@ def plan(
         comm=comm,
         status=status,
         kernels=kernels,
+        gather_dtype=gather,
     )
 
 
@@ -1016,6 +1044,7 @@ def _communication(
     """Bytes one device sends per step (ring all-gather / reduce-scatter: (n-1)/n of the
     whole; all-reduce twice that; all-to-all: the rows bound to other ranks)."""
     c = 4 if precision == "fp32" else 2  # activations on the wire: the compute dtype
+    gb = c  # FSDP2 gathers parameters in the compute dtype (bf16 `param_dtype`), module docstring
     T, D = micro_batch * seq // lay.cp, cfg.d_model
     recompute = 0 if mode == "none" else 1  # forward collectives run again in the backward
     comm: dict[str, float] = {}
@@ -1038,12 +1067,13 @@ def _communication(
             recursive = unit.startswith("mtp.") and cfg.mtp.shared
             calls = 1 if unit == "root" else (depth if recursive else 1)
             gathers = 1 if unit == "root" else 2 * calls
-            gather += 4 * n_el * ring(n) * gathers
+            gather += gb * n_el * ring(n) * gathers
             scatter += 4 * n_el * ring(n) * calls
             replicate += 4 * n_el / n * 2 * ring(lay.dp_replicate) * calls
-        comm["FSDP all-gather (fp32, forward + backward)"] = gather
+        gathered = f"FSDP all-gather ({'fp32' if gb == 4 else 'bf16'}, forward + backward)"
+        comm[gathered] = gather
         comm["FSDP reduce-scatter (fp32 gradients)"] = scatter
-        status["FSDP all-gather (fp32, forward + backward)"] = "modelled (implemented layout)"
+        status[gathered] = "modelled (implemented layout)"
         status["FSDP reduce-scatter (fp32 gradients)"] = "modelled (implemented layout)"
         if lay.dp_replicate > 1:
             comm["HSDP all-reduce over replicas (fp32)"] = replicate
