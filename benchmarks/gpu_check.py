@@ -21,9 +21,11 @@ train    the ~1B hybrid of `parallel_gpu.py` (FSDP2 over one rank, the library's
          matmul peak measured in the same run; FP8's loss after 200 steps on learnable rows
          against bf16's (target: within 1%, >= 1.3x tokens/s).
 decode   `decode.memory_bound_config()` (super-150m) in bf16: greedy `infer.generate.generate`
-         vs transformers' `generate` on the same weights, batch 1 and batch 64, interleaved,
-         median tok/s of each and greedy-token agreement (bf16 rounding lets long greedy runs
-         part, so agreement is reported, not required).
+         (with the fused Mamba-2 step kernel, and with the torch step) vs transformers'
+         `generate` on the same weights, batch 1 and batch 64, interleaved, median tok/s of each
+         and greedy-token agreement (bf16 rounding lets long greedy runs part, so agreement is
+         reported, not required); batch 1 as a fraction of the bandwidth limit (active weight
+         bytes per token over the copy bandwidth measured in the same run; target 50%).
 
 Every section and every row catches its own failure and prints it, so one run reports all it
 can. `--tiny` runs the parity, kernels and train sections on the CPU at the tests' shapes (the
@@ -488,10 +490,11 @@ def _profile(device, peak, batch, seq, opts) -> None:
 def section_decode(device: torch.device, new_tokens: int, repeats: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    from decode import greedy_config, memory_bound_config
+    from decode import active_weight_bytes, greedy_config, memory_bound_config
     from hybridlm import HybridLM
     from hybridlm.infer.generate import generate
     from hybridlm.interop.hf import save_pretrained
+    from hybridlm.ops import fused
 
     cfg = memory_bound_config()
     ours = HybridLM(cfg, seed=0).eval()
@@ -503,6 +506,17 @@ def section_decode(device: torch.device, new_tokens: int, repeats: int) -> None:
     except Exception as err:
         note = f"transformers could not load the checkpoint: {type(err).__name__}: {err}"[:300]
     ours = ours.to(device, torch.bfloat16)
+    # the memory-bandwidth limit of batch-1 decoding: active weight bytes per token over the
+    # copy bandwidth (bytes read + written) of this GPU, measured here
+    src = torch.randn(256 * 2**20, device=device)
+    dst = torch.empty_like(src)
+    ms = _timed({"copy": lambda: dst.copy_(src)}, 7, device)["copy"]
+    copy_bw = 2 * src.numel() * 4 / (ms / 1e3)
+    src = dst = None  # 2 GiB back before the models run
+    weight_bytes = active_weight_bytes(ours)
+    limit = copy_bw / weight_bytes
+    _emit({"section": "decode", "what": "batch-1 limit", "active_weight_bytes": weight_bytes,
+           "copy_gb_s": round(copy_bw / 1e9, 1), "limit_tok_s": round(limit, 1)})  # fmt: skip
     g = torch.Generator().manual_seed(1)
     for bsz in (1, 64):
         x = torch.randint(0, cfg.vocab_size, (bsz, 16), generator=g).to(device)
@@ -517,7 +531,11 @@ def section_decode(device: torch.device, new_tokens: int, repeats: int) -> None:
         def run_ours(x=x):
             return generate(ours, x, new_tokens)
 
-        runners = {"hybridlm": run_ours}
+        def run_torch_step(x=x):  # the Mamba-2 step as ~40 torch kernels (the fused one off)
+            with fused.enabled(False):
+                return generate(ours, x, new_tokens)
+
+        runners = {"hybridlm": run_ours, "hybridlm, torch step": run_torch_step}
         if theirs is not None:
             runners["transformers"] = run_theirs
         toks = {k: fn() for k, fn in runners.items()}  # warm-up
@@ -537,6 +555,9 @@ def section_decode(device: torch.device, new_tokens: int, repeats: int) -> None:
             "new_tokens": new_tokens,
             "tok_s": {k: round(v, 1) for k, v in tps.items()},
         }
+        if bsz == 1:
+            row["fraction_of_limit"] = round(tps["hybridlm"] / limit, 4)
+            row["target"] = 0.5
         if theirs is not None:
             row["ratio"] = round(tps["hybridlm"] / tps["transformers"], 3)
             same = (toks["hybridlm"] == toks["transformers"]).all(1).float().mean().item()

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LayerSpec, ModelConfig
-from ..ops import native
+from ..ops import fused, native
 from ..ops.conv1d import causal_conv1d_silu
 from ..ops.ssd import ssd_scan, ssd_states, ssd_step
 from .cache import MambaState
@@ -77,9 +77,14 @@ def mamba2_decode_step_torch(
 def mamba2_decode_step(
     x_BD: torch.Tensor, conv_BSX: torch.Tensor, ssm_BHPN: torch.Tensor, *weights: Any, **kw: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`mamba2_decode_step_torch` (same arguments) through the native kernels when they
-    qualify (fp32 CPU inference, `ops.native`): in_proj GEMV, one fused pass from the conv tap
-    to the gated norm, out_proj GEMV; otherwise the torch function itself."""
+    """`mamba2_decode_step_torch` (same arguments): on CUDA tensors the in_proj GEMM, one
+    Triton kernel from the conv tap to the gated norm (`ops.fused.mamba_step`) and the out_proj
+    GEMM; through the native kernels when they qualify (fp32 CPU inference, `ops.native`):
+    in_proj GEMV, one fused pass, out_proj GEMV; otherwise the torch function itself."""
+    if fused.usable(x_BD, conv_BSX, ssm_BHPN, *weights):
+        from ..ops.fused.mamba_step import mamba2_decode_step_fused
+
+        return mamba2_decode_step_fused(x_BD, conv_BSX, ssm_BHPN, *weights, **kw)
     if not native.usable(x_BD, conv_BSX, ssm_BHPN, *weights):
         return mamba2_decode_step_torch(x_BD, conv_BSX, ssm_BHPN, *weights, **kw)
     in_w, conv_w_XK, conv_b_X, dt_bias_H, A_log_H, D_H, norm_w_I, out_w = weights
