@@ -29,7 +29,7 @@ decode   `decode.memory_bound_config()` (super-150m) in bf16: greedy `infer.gene
 
 Every section and every row catches its own failure and prints it, so one run reports all it
 can. `--tiny` runs the parity, kernels and train sections on the CPU at the tests' shapes (the
-Triton kernels interpreted, gloo, compile's aot_eager backend, a few steps): a check that the
+Triton kernels interpreted, gloo, no compile, a few steps): a check that the
 script itself works before it meets a GPU (`tests/test_fused_kernels.py`); its numbers mean
 nothing.
 """
@@ -379,9 +379,11 @@ def section_train(
             device, torch.float32 if TINY else torch.bfloat16, 512 if TINY else 8192
         )
         if TINY:
-            steps, batch, seq = 2, 2, 64
-        args = argparse.Namespace(steps=steps, warmup=2, batch=batch, seq=seq)
-        fast = dict(fused=True, bf16_params=True, compile="aot_eager" if TINY else True)
+            steps, batch, seq = 1, 2, 64
+        args = argparse.Namespace(steps=steps, warmup=1 if TINY else 2, batch=batch, seq=seq)
+        # (--tiny leaves compile out: every row would compile its regions again, minutes on a
+        # CPU; tests/test_compile.py checks that path)
+        fast = dict(fused=True, bf16_params=True, compile=not TINY)
         rows = {  # name: (model, run_mode options, MFU target)
             "hybrid, pure-torch chains, autocast": (hybrid_1b, dict(fused=False), None),
             "hybrid, Triton kernels, bf16 gathers": (
@@ -448,16 +450,19 @@ def _fp8_loss(device: torch.device, peak: float, steps: int = 200) -> None:
     from parallel_gpu import hybrid_1b, learnable_ids, run_mode
 
     if TINY:
-        steps = 4
-    args = argparse.Namespace(steps=steps, warmup=0, batch=4, seq=64 if TINY else 1024)
+        steps = 2
+    args = argparse.Namespace(
+        steps=steps, warmup=0, batch=2 if TINY else 4, seq=64 if TINY else 1024
+    )
     cfg = hybrid_1b(TINY)
     ids = learnable_ids(cfg.vocab_size, args.batch, args.seq)
     tails = {}
     for name, fp8 in (("bf16", False), ("fp8", True)):
         row = run_mode(cfg, "none", args, device, peak, fused=True, bf16_params=True,
-                       compile="aot_eager" if TINY else True, fp8=fp8, ids=ids)  # fmt: skip
+                       compile=not TINY, fp8=fp8, ids=ids)  # fmt: skip
         tails[name] = statistics.fmean(row["losses"][-20:])
-        _emit({"section": "train", "what": f"loss curve, {name}, {steps} steps x 4 x {args.seq}",
+        shape = f"{steps} steps x {args.batch} x {args.seq}"
+        _emit({"section": "train", "what": f"loss curve, {name}, {shape}",
                "first": row["losses"][0], "last20_mean": round(tails[name], 4),
                "tokens_per_s": row["tokens_per_s"]})  # fmt: skip
     rel = abs(tails["fp8"] - tails["bf16"]) / tails["bf16"]
@@ -604,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "parity":
                 section_parity(device)
             elif name == "kernels":
-                section_kernels(device)
+                section_kernels(device, repeats=1 if TINY else 5)
             elif name == "train":
                 section_train(
                     device, args.train_steps, args.train_batch, args.train_seq, args.profile

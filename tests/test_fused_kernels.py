@@ -386,7 +386,7 @@ def test_gpu_check_script_runs_on_cpu_at_tiny_shapes():
     train = {r["what"]: r for r in rows if r.get("section") == "train" and "what" in r}
     assert train["dense, compile, bf16 gathers"]["tokens_per_s"] > 0
     assert train["hybrid, + FP8 linears"]["fp8"] is True
-    assert "rel_diff" in train["FP8 vs bf16 loss after 4 steps"]
+    assert "rel_diff" in train["FP8 vs bf16 loss after 2 steps"]
 
 
 # ---------------------------------------------------------------------------------------------
