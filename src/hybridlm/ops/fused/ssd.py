@@ -98,10 +98,10 @@ def _chunk_inputs(
         in_last = d == d_last  # inputs that reach the chunk's own final state
         entering = d == d_prev  # positions the entering state reaches
         carried = d_last == d_prev  # no document starts inside the chunk
-    else:
+    else:  # one document: every mask is all True (shaped to broadcast where it is used)
         same = q[:, None] >= 0
-        in_last = mq | True
-        entering = mq | True
+        in_last = q >= 0
+        entering = q >= 0
         carried = True
     return q, mq, x, dt, Bq, Cq, acum, a_last, same, in_last, entering, carried
 
