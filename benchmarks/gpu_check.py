@@ -322,6 +322,11 @@ def section_kernels(device: torch.device, repeats: int = 5) -> None:
             lambda x, dt, B, C: ssd_scan(x, dt, t["A"], B, C, t["D"], sh["Q"])[0],
             [t["x"], t["dt"], t["Bm"], t["Cm"]],
         ),
+        # the kernel's chunk: 64 by default (above), 32 halves its register tiles
+        "ssd scan, chunk 32": (
+            lambda x, dt, B, C: ssd_scan(x, dt, t["A"], B, C, t["D"], 32)[0],
+            [t["x"], t["dt"], t["Bm"], t["Cm"]],
+        ),
         "conv1d + SiLU": (
             lambda x, w, b: causal_conv1d_silu(x, w, b)[0],
             [t["xc"], t["w"], t["b"]],

@@ -379,6 +379,7 @@ def test_gpu_check_script_runs_on_cpu_at_tiny_shapes():
     kernels = [r for r in rows if r.get("section") == "kernels" and "ms" in r]
     assert {r["what"].split(" forward")[0] for r in kernels} == {
         "ssd scan",
+        "ssd scan, chunk 32",
         "conv1d + SiLU",
         "gated RMSNorm",
         "routed experts",
