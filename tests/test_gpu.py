@@ -119,3 +119,37 @@ def test_pretraining_on_cuda_with_compile_bf16_and_fp8(tmp_path):
         curves[name] = [r["loss"] for r in rows if r["kind"] == "train"]
     assert curves["fast"][-1] < curves["fast"][0] - 0.3, curves
     assert abs(curves["fast"][-1] - curves["fp32"][-1]) <= 0.05 * curves["fp32"][-1], curves
+
+
+def test_fsdp2_bf16_gathers_on_cuda_follow_autocast():
+    """One rank of NCCL: FSDP2 with bf16 parameter gathers (routers fp32) and the Triton
+    kernels gives the loss and gradients of plain bf16 autocast on the same model."""
+    import copy
+    import socket
+
+    import torch.distributed as dist
+
+    from hybridlm.train.distributed.parallel import apply_fsdp2
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        cfg = get_preset("tiny-super")
+        ref = HybridLM(cfg, seed=0).cuda()
+        model = apply_fsdp2(copy.deepcopy(ref), param_dtype=torch.bfloat16)
+        x = torch.randint(0, cfg.vocab_size, (2, 256), generator=torch.Generator().manual_seed(0))
+        x = x.cuda()
+        losses = []
+        for m in (ref, model):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = causal_lm_loss(m, m(x, mtp_depth=m.train_mtp_depth), x)[0]
+            loss.backward()
+            losses.append(float(loss.detach()))
+        assert abs(losses[1] - losses[0]) <= 2e-2 * losses[0], losses
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            g, want = p.grad.full_tensor().float(), q.grad.float()
+            assert float((g - want).norm() / want.norm().clamp(min=1e-12)) < 5e-2, name
+    finally:
+        dist.destroy_process_group()
