@@ -394,12 +394,13 @@ def test_gpu_check_script_runs_on_cpu_at_tiny_shapes():
 # routed experts: grouped GEMMs with relu^2 fused
 
 
+@pytest.mark.parametrize("on_device", [False, True])  # counts as a list, or a device tensor
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "counts",
     [[5, 0, 17, 3, 70, 0, 1, 30], [0, 0, 9], [129]],  # empty experts, > one row tile, one expert
 )
-def test_experts_fused_match_the_per_expert_loop(counts, dtype):
+def test_experts_fused_match_the_per_expert_loop(counts, dtype, on_device):
     from hybridlm.model.moe import _experts_loop
     from hybridlm.ops.fused.experts import experts_fused
 
@@ -422,7 +423,8 @@ def test_experts_fused_match_the_per_expert_loop(counts, dtype):
         return y, [t.grad for t in leaves]
 
     y_r, g_r = run(_experts_loop, torch.float64, torch.float64, "cpu")
-    y_f, g_f = run(experts_fused, dtype, torch.float32, DEV)
+    given = torch.tensor(counts, device=DEV) if on_device else counts
+    y_f, g_f = run(lambda z, _c, u, d: experts_fused(z, given, u, d), dtype, torch.float32, DEV)
     assert y_f.dtype == dtype and g_f[1].dtype == torch.float32
     rel = 2e-5 if dtype == torch.float32 else 2e-2
     _assert_close(y_f, y_r, rel, "y")
@@ -430,6 +432,8 @@ def test_experts_fused_match_the_per_expert_loop(counts, dtype):
         _assert_close(gf, gr, rel, f"d{name}")
     with pytest.raises(ValueError, match="counts add up"):
         experts_fused(z.to(DEV), [1], up.to(DEV), down.to(DEV))
+    with pytest.raises(ValueError, match="one per expert"):
+        experts_fused(z.to(DEV), torch.ones(E + 1, dtype=torch.long), up.to(DEV), down.to(DEV))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -245,7 +245,10 @@ def run_local(
 
 
 def _experts_fused(
-    z_AW: torch.Tensor, counts: list[int], up_EFW: torch.Tensor, down_EWF: torch.Tensor
+    z_AW: torch.Tensor,
+    counts: list[int] | torch.Tensor,
+    up_EFW: torch.Tensor,
+    down_EWF: torch.Tensor,
 ) -> torch.Tensor:
     """CUDA fast path: the Triton grouped GEMMs with relu^2 fused (`ops.fused.experts`), which
     keep only relu's output for the backward."""
@@ -281,19 +284,23 @@ class Experts(nn.Module):
         flat_A = idx_TK.reshape(-1)
         order_A = flat_A.argsort(stable=True)  # sort assignments by expert
         token_A = order_A // K
-        counts = torch.bincount(flat_A, minlength=E).tolist()
+        counts_E = torch.bincount(flat_A, minlength=E)
         z_AW = z_TW[token_A]
         if impl == "auto" and fused.usable(z_TW, self.up_proj, self.down_proj):
             impl = "fused"
         elif impl == "auto":
             impl = "grouped" if grouped_mm_available(z_TW.device) else "padded"
-        fn = {
-            "grouped": _experts_grouped,
-            "loop": _experts_loop,
-            "padded": _experts_padded,
-            "fused": _experts_fused,
-        }[impl]
-        y_AW = self.dispatch(fn, z_AW, counts, self.up_proj, self.down_proj)
+        if impl == "fused" and self.dispatch is run_local:
+            # the kernels tile from the counts on the device: no host sync per layer
+            y_AW = _experts_fused(z_AW, counts_E, self.up_proj, self.down_proj)
+        else:
+            fn = {
+                "grouped": _experts_grouped,
+                "loop": _experts_loop,
+                "padded": _experts_padded,
+                "fused": _experts_fused,
+            }[impl]
+            y_AW = self.dispatch(fn, z_AW, counts_E.tolist(), self.up_proj, self.down_proj)
         y_AW = y_AW * w_TK.reshape(-1)[order_A, None].to(y_AW.dtype)
         return torch.zeros_like(z_TW, dtype=y_AW.dtype).index_add_(0, token_A, y_AW).to(z_TW.dtype)
 

@@ -113,22 +113,22 @@ def _f32_dots() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _tiles(counts: list[int], device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _tiles(counts: list[int] | Tensor, A: int, device: torch.device) -> tuple[Tensor, ...]:
     """Row tiles that stay inside one expert: (expert, first row, end row) per tile, and the
-    experts' first rows (E + 1 entries)."""
-    es, r0s, r1s, start = [], [], [], 0
-    for e, c in enumerate(counts):
-        for r in range(start, start + c, _BM):
-            es.append(e)
-            r0s.append(r)
-            r1s.append(start + c)
-        start += c
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
-    i32 = dict(dtype=torch.int32)
-    host = [torch.tensor(v, **i32) for v in (es, r0s, r1s, starts)]
-    return tuple(t.to(device, non_blocking=True) for t in host)  # type: ignore[return-value]
+    experts' first rows (E + 1 entries). Computed on the device from the counts, so a tensor
+    of counts needs no host sync: the grid is the bound cdiv(A, BM) + E (each expert adds at
+    most one partial tile), and the tiles past the real ones are empty (end row = first row)."""
+    counts_E = torch.as_tensor(counts, device=device).to(torch.int64)
+    E = counts_E.numel()
+    ends = counts_E.cumsum(0)
+    tiles_E = (counts_E + _BM - 1) // _BM
+    last_tile_E = tiles_E.cumsum(0)  # one past each expert's last tile
+    t = torch.arange(triton.cdiv(A, _BM) + E, device=device)
+    e = torch.searchsorted(last_tile_E, t, right=True).clamp(max=E - 1)
+    r0 = ends[e] - counts_E[e] + (t - (last_tile_E[e] - tiles_E[e])) * _BM
+    r1 = torch.where(t < last_tile_E[-1], ends[e], r0)
+    starts = torch.cat([ends.new_zeros(1), ends])
+    return tuple(x.to(torch.int32) for x in (e, r0, r1, starts))
 
 
 def _rows(a, w_ENK, n_stride, k_stride, out, tiles, N, K, *, square=False, epi=0, r=None, prec):
@@ -155,13 +155,13 @@ def _weights(x, y, starts, E, N, M, *, square=False, prec):
 
 class _ExpertsFused(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z_AW, up_EFW, down_EWF, counts: list[int]):
+    def forward(ctx, z_AW, up_EFW, down_EWF, counts):
         A, W = z_AW.shape
         E, F, _ = up_EFW.shape
         dtype = z_AW.dtype  # the activations' dtype (bf16 under autocast), as the GEMMs' inputs
         z = z_AW.contiguous()
         up, down = up_EFW.to(dtype).contiguous(), down_EWF.to(dtype).contiguous()
-        tiles = _tiles(counts, z.device)
+        tiles = _tiles(counts, A, z.device)
         prec = dot_precision(z, up)
         new = dict(device=z.device, dtype=dtype)
         r = _rows(z, up, up.stride(1), up.stride(2), torch.empty(A, F, **new), tiles, F, W,
@@ -193,9 +193,17 @@ class _ExpertsFused(torch.autograd.Function):
 
 
 @torch.compiler.disable  # opaque to torch.compile: a graph break (train.compile)
-def experts_fused(z_AW: Tensor, counts: list[int], up_EFW: Tensor, down_EWF: Tensor) -> Tensor:
-    """relu^2 experts over tokens sorted by expert (`counts` per expert), the signature of the
-    expert functions of `model.moe` (`ExpertsFn`); output in z's dtype."""
-    if sum(counts) != z_AW.shape[0]:
+def experts_fused(
+    z_AW: Tensor, counts: list[int] | Tensor, up_EFW: Tensor, down_EWF: Tensor
+) -> Tensor:
+    """relu^2 experts over tokens sorted by expert (`counts` per expert: a list, or a tensor on
+    the device, which spares the host sync of reading it), the signature of the expert functions
+    of `model.moe` (`ExpertsFn`); output in z's dtype."""
+    if isinstance(counts, Tensor):
+        if counts.dim() != 1 or counts.numel() != up_EFW.shape[0]:
+            raise ValueError(
+                f"counts: one per expert ({up_EFW.shape[0]}), got {tuple(counts.shape)}"
+            )
+    elif sum(counts) != z_AW.shape[0]:
         raise ValueError(f"counts add up to {sum(counts)}, not the {z_AW.shape[0]} sorted rows")
-    return _ExpertsFused.apply(z_AW, up_EFW, down_EWF, list(counts))
+    return _ExpertsFused.apply(z_AW, up_EFW, down_EWF, counts)
