@@ -55,14 +55,13 @@ def test_parallel_gpu_benchmark_smoke_run(tmp_path):
     the CPU at the tests' shape; the modes train to the same loss."""
     import json
     import os
-    import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from test_train_parallel import _free_port
+
+    port = _free_port()
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "parallel_gpu.py"
     env = dict(os.environ, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

@@ -349,14 +349,13 @@ def test_gpu_check_script_runs_on_cpu_at_tiny_shapes():
     check run end to end on the CPU (kernels interpreted), every row without an error and the
     kernels' parity within bounds, so a GPU's limited time is not lost to the script."""
     import json
-    import socket
     import subprocess
     import sys
     from pathlib import Path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from test_train_parallel import _free_port
+
+    port = _free_port()
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
     env = dict(os.environ, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

@@ -125,15 +125,13 @@ def test_fsdp2_bf16_gathers_on_cuda_follow_autocast():
     """One rank of NCCL: FSDP2 with bf16 parameter gathers (routers fp32) and the Triton
     kernels gives the loss and gradients of plain bf16 autocast on the same model."""
     import copy
-    import socket
 
     import torch.distributed as dist
 
     from hybridlm.train.distributed.parallel import apply_fsdp2
+    from test_train_parallel import _free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         cfg = get_preset("tiny-super")

@@ -18,6 +18,7 @@ from hybridlm.train.distributed.parallel import resolve_layout
 from hybridlm.train.stages.pretrain import run_pretrain
 from test_train_parallel import (
     PRETRAIN_KEYS,
+    _free_port,
     assert_same_losses,
     assert_same_weights,
     launch,
@@ -560,7 +561,6 @@ def test_fsdp2_bf16_parameters_with_fp32_routers():
     blocks compute with bf16 gathers of the fp32 shards, each router with fp32 ones; the
     gradients land in the fp32 shards; loss and gradients follow plain bf16 autocast."""
     import copy
-    import socket
 
     import torch.distributed as dist
 
@@ -570,9 +570,7 @@ def test_fsdp2_bf16_parameters_with_fp32_routers():
     from hybridlm.train.distributed.parallel import apply_fsdp2
     from hybridlm.train.objectives import causal_lm_loss
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         ref = HybridLM(tiny_train_model(), seed=0)
