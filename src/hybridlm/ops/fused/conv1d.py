@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..conv1d import _padded
 from . import next_pow2
 
 Tensor = torch.Tensor
@@ -174,7 +173,11 @@ def causal_conv1d_silu_fused(
     K = weight_DK.shape[-1]
     if doc_ids_BL is not None and state_BSD is not None:
         raise ValueError("packed documents (doc_ids) do not combine with a carried conv state")
-    xp = _padded(x_BLD, state_BSD, K - 1).contiguous()
+    if state_BSD is None:
+        xp = torch.nn.functional.pad(x_BLD, (0, 0, K - 1, 0))
+    else:
+        xp = torch.cat([state_BSD.to(x_BLD.dtype), x_BLD], dim=1)
+    xp = xp.contiguous()
     docs = None if doc_ids_BL is None else doc_ids_BL.to(torch.int32).contiguous()
     out_dtype = torch.promote_types(x_BLD.dtype, weight_DK.dtype)
     b = None if bias_D is None else bias_D.contiguous()
