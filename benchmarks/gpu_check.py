@@ -290,9 +290,10 @@ def _expert_inputs(device, dtype, tokens: int):
     return z, up, down, counts
 
 
-def _timed(fns: dict, repeats: int, device) -> dict:
-    """Interleaved medians (ms) of each callable."""
-    for fn in fns.values():
+def _timed(fns: dict, repeats: int, device, warm_up: bool = True) -> dict:
+    """Interleaved medians (ms) of each callable (after one untimed call each, unless the
+    caller made it)."""
+    for fn in fns.values() if warm_up else ():
         fn()
     times = {k: [] for k in fns}
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda _d: None
@@ -549,15 +550,8 @@ def section_decode(device: torch.device, new_tokens: int, repeats: int) -> None:
         if theirs is not None:
             runners["transformers"] = run_theirs
         toks = {k: fn() for k, fn in runners.items()}  # warm-up
-        times = {k: [] for k in runners}
-        for r in range(repeats):
-            for k in list(runners)[:: 1 if r % 2 == 0 else -1]:
-                torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                runners[k]()
-                torch.cuda.synchronize(device)
-                times[k].append(time.perf_counter() - t0)
-        tps = {k: bsz * new_tokens / statistics.median(v) for k, v in times.items()}
+        ms = _timed(runners, repeats, device, warm_up=False)
+        tps = {k: bsz * new_tokens / (v / 1e3) for k, v in ms.items()}
         row = {
             "section": "decode",
             "model": "super-150m bf16",
