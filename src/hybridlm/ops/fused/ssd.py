@@ -107,6 +107,28 @@ def _chunk_inputs(
 
 
 @triton.jit
+def _program(pid, p0, x_ptr, dt_ptr, b_ptr, c_ptr, doc_ptr, A_ptr, H, R, P, N,
+             sx_b, sx_h, sx_p, sdt_b, sdt_h, sb_b, sb_g, sc_b, sc_g, sd_b,
+             BP: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    """What a (row, head) program works on: its row and head, the head's A, the input
+    pointers moved to them (x also to head-dim column p0), and the offsets of its state tile
+    S[n, p] in a [B, H, P, N] state (initial and final states, their gradients) with its mask."""
+    bi = pid // H
+    h = pid % H
+    g = h // R
+    A = tl.load(A_ptr + h).to(tl.float32)
+    p = tl.arange(0, BP)
+    n = tl.arange(0, BN)
+    sp_mask = (n[:, None] < N) & (p0 + p[None, :] < P)
+    s_off = (bi * H + h) * P * N + (p0 + p[None, :]) * N + n[:, None]
+    return (
+        bi, h, A, x_ptr + bi * sx_b + h * sx_h + p0 * sx_p, dt_ptr + bi * sdt_b + h * sdt_h,
+        b_ptr + bi * sb_b + g * sb_g, c_ptr + bi * sc_b + g * sc_g, doc_ptr + bi * sd_b,
+        p, n, sp_mask, s_off,
+    )  # fmt: skip
+
+
+@triton.jit
 def _ssd_fwd_kernel(
     x_ptr,
     dt_ptr,
@@ -151,22 +173,11 @@ def _ssd_fwd_kernel(
     PREC: tl.constexpr,
     PS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    bi = pid // H
-    h = pid % H
-    g = h // R
-    A = tl.load(A_ptr + h).to(tl.float32)
     p0 = tl.program_id(1) * BP  # this program's block of head-dim columns
-    x_ptr += bi * sx_b + h * sx_h + p0 * sx_p
-    dt_ptr += bi * sdt_b + h * sdt_h
-    b_ptr += bi * sb_b + g * sb_g
-    c_ptr += bi * sc_b + g * sc_g
-    doc_ptr += bi * sd_b
-    p = tl.arange(0, BP)
-    n = tl.arange(0, BN)
-    sp_mask = (n[:, None] < N) & (p0 + p[None, :] < P)
-    # state S[n, p]; initial and final states are stored [B, H, P, N]
-    s_off = (bi * H + h) * P * N + (p0 + p[None, :]) * N + n[:, None]
+    bi, h, A, x_ptr, dt_ptr, b_ptr, c_ptr, doc_ptr, p, n, sp_mask, s_off = _program(
+        tl.program_id(0), p0, x_ptr, dt_ptr, b_ptr, c_ptr, doc_ptr, A_ptr, H, R, P, N,
+        sx_b, sx_h, sx_p, sdt_b, sdt_h, sb_b, sb_g, sc_b, sc_g, sd_b, BP, BN,
+    )  # fmt: skip
     if HAS_S0:
         S = tl.load(s0_ptr + s_off, mask=sp_mask, other=0.0).to(tl.float32)
     else:
@@ -247,20 +258,10 @@ def _ssd_bwd_kernel(
     HAS_DSF: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    bi = pid // H
-    h = pid % H
-    g = h // R
-    A = tl.load(A_ptr + h).to(tl.float32)
-    x_ptr += bi * sx_b + h * sx_h
-    dt_ptr += bi * sdt_b + h * sdt_h
-    b_ptr += bi * sb_b + g * sb_g
-    c_ptr += bi * sc_b + g * sc_g
-    doc_ptr += bi * sd_b
-    p = tl.arange(0, BP)
-    n = tl.arange(0, BN)
-    sp_mask = (n[:, None] < N) & (p[None, :] < P)
-    s_off = (bi * H + h) * P * N + p[None, :] * N + n[:, None]
+    bi, h, A, x_ptr, dt_ptr, b_ptr, c_ptr, doc_ptr, p, n, sp_mask, s_off = _program(
+        tl.program_id(0), 0, x_ptr, dt_ptr, b_ptr, c_ptr, doc_ptr, A_ptr, H, R, P, N,
+        sx_b, sx_h, sx_p, sdt_b, sdt_h, sb_b, sb_g, sc_b, sc_g, sd_b, BP, BN,
+    )  # fmt: skip
     if HAS_DSF:
         dS = tl.load(dsf_ptr + s_off, mask=sp_mask, other=0.0).to(tl.float32)
     else:
