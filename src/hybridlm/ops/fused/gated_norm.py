@@ -23,8 +23,9 @@ Tensor = torch.Tensor
 
 
 @triton.jit
-def _gated_norm_fwd_kernel(x_ptr, z_ptr, w_ptr, y_ptr, rs_ptr, R, I, G, E, eps,
-                           BR: tl.constexpr, BE: tl.constexpr):  # fmt: skip
+def _tile(x_ptr, z_ptr, w_ptr, R, I, E, BR: tl.constexpr, BE: tl.constexpr):
+    """The (block of rows, group) tile of a program: its rows and group, channels, masks and
+    offsets, and x, z (fp32) and the norm weight there."""
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     g = tl.program_id(1)
     c = g * E + tl.arange(0, BE)
@@ -33,9 +34,16 @@ def _gated_norm_fwd_kernel(x_ptr, z_ptr, w_ptr, y_ptr, rs_ptr, R, I, G, E, eps,
     off = rows[:, None] * I + c[None, :]
     x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=mc, other=0.0).to(tl.float32)
+    return rows, g, c, mr, mc, m, off, x, z, w
+
+
+@triton.jit
+def _gated_norm_fwd_kernel(x_ptr, z_ptr, w_ptr, y_ptr, rs_ptr, R, I, G, E, eps,
+                           BR: tl.constexpr, BE: tl.constexpr):  # fmt: skip
+    rows, g, c, mr, mc, m, off, x, z, w = _tile(x_ptr, z_ptr, w_ptr, R, I, E, BR, BE)
     u = x * z * tl.sigmoid(z)
     rs = 1.0 / tl.sqrt(tl.sum(u * u, axis=1) / E + eps)
-    w = tl.load(w_ptr + c, mask=mc, other=0.0).to(tl.float32)
     tl.store(y_ptr + off, u * rs[:, None] * w[None, :], mask=m)
     tl.store(rs_ptr + rows * G + g, rs, mask=mr)
 
@@ -43,18 +51,9 @@ def _gated_norm_fwd_kernel(x_ptr, z_ptr, w_ptr, y_ptr, rs_ptr, R, I, G, E, eps,
 @triton.jit
 def _gated_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, rs_ptr, dy_ptr, dx_ptr, dz_ptr, dw_ptr, R, I, G, E,
                            BR: tl.constexpr, BE: tl.constexpr):  # fmt: skip
-    pr = tl.program_id(0)
-    rows = pr * BR + tl.arange(0, BR)
-    g = tl.program_id(1)
-    c = g * E + tl.arange(0, BE)
-    mr, mc = rows < R, tl.arange(0, BE) < E
-    m = mr[:, None] & mc[None, :]
-    off = rows[:, None] * I + c[None, :]
-    x = tl.load(x_ptr + off, mask=m, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + off, mask=m, other=0.0).to(tl.float32)
+    rows, g, c, mr, mc, m, off, x, z, w = _tile(x_ptr, z_ptr, w_ptr, R, I, E, BR, BE)
     dy = tl.load(dy_ptr + off, mask=m, other=0.0).to(tl.float32)
     rs = tl.load(rs_ptr + rows * G + g, mask=mr, other=0.0)
-    w = tl.load(w_ptr + c, mask=mc, other=0.0).to(tl.float32)
     sig = tl.sigmoid(z)
     u = x * z * sig
     n = u * rs[:, None]
@@ -62,7 +61,7 @@ def _gated_norm_bwd_kernel(x_ptr, z_ptr, w_ptr, rs_ptr, dy_ptr, dx_ptr, dz_ptr, 
     du = (dn - n * (tl.sum(dn * n, axis=1) / E)[:, None]) * rs[:, None]
     tl.store(dx_ptr + off, du * z * sig, mask=m)
     tl.store(dz_ptr + off, du * x * sig * (1.0 + z * (1.0 - sig)), mask=m)
-    tl.store(dw_ptr + pr * I + c, tl.sum(dy * n, axis=0), mask=mc)
+    tl.store(dw_ptr + tl.program_id(0) * I + c, tl.sum(dy * n, axis=0), mask=mc)
 
 
 def _blocks(R: int, E: int) -> tuple[int, int]:
