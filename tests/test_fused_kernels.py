@@ -345,8 +345,8 @@ def test_plan_activations_of_the_fused_mixer_match_measured(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(DEV == "cuda", reason="the CPU smoke run; a GPU runs the real check")
 def test_gpu_check_script_runs_on_cpu_at_tiny_shapes():
-    """`benchmarks/gpu_check.py --tiny`: the parity, kernels and train sections of the GPU
-    check run end to end on the CPU (kernels interpreted), every row without an error and the
+    """`benchmarks/gpu_check.py --tiny`: every section of the GPU check runs end to end on the
+    CPU (kernels interpreted, decode slots eager), every row without an error and the
     kernels' parity within bounds, so a GPU's limited time is not lost to the script."""
     import json
     import subprocess
@@ -361,7 +361,7 @@ def test_gpu_check_script_runs_on_cpu_at_tiny_shapes():
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
     res = subprocess.run(
-        [sys.executable, str(script), "--tiny", "--only", "parity,kernels,train"],
+        [sys.executable, str(script), "--tiny", "--new-tokens", "8", "--repeats", "1"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -387,6 +387,13 @@ def test_gpu_check_script_runs_on_cpu_at_tiny_shapes():
     assert train["dense, compile, bf16 gathers"]["tokens_per_s"] > 0
     assert train["hybrid, + FP8 linears"]["fp8"] is True
     assert "rel_diff" in train["FP8 vs bf16 loss after 2 steps"]
+    decode = [r for r in rows if r.get("section") == "decode" and "seconds" not in r]
+    assert [r.get("batch", r.get("what")) for r in decode] == [
+        "batch-1 limit", 1, 4, "engine, 32 concurrent requests",
+        "MTP speculative decoding, batch 1, 3 drafts",
+    ]  # fmt: skip
+    assert decode[1]["graphs_equal_eager"] and decode[2]["graphs_equal_eager"]
+    assert decode[4]["greedy_identical"] and decode[3]["cuda graphs"]["tok_s"] > 0
 
 
 # ---------------------------------------------------------------------------------------------

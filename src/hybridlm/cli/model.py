@@ -46,6 +46,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="compile the Mamba / MoE decode steps with torch.compile (slow first steps)",
     )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where the model runs (auto: cuda when available); on CUDA it runs in bf16",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="on CUDA, decode with eager steps over the growing cache instead of captured "
+        "steps over static slots (infer.graphs)",
+    )
 
 
 def _add_cache_args(p: argparse.ArgumentParser) -> None:
@@ -349,10 +362,19 @@ def cmd_export_hf(args: argparse.Namespace) -> None:
 
 def _engine(args: argparse.Namespace, *, max_batch_size: int) -> Any:
     """The model of `--preset/--config/--checkpoint` behind a continuous-batching Engine."""
+    import torch
+
     from ..infer.engine import Engine
 
     model = _model(args)
     tok = _tokenizer(args, model)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: this machine has no CUDA device")
+        model = model.to("cuda", torch.bfloat16)
     if getattr(args, "speculative", 0):
         model.check_drafter("--speculative")
     if args.compile:
@@ -365,6 +387,7 @@ def _engine(args: argparse.Namespace, *, max_batch_size: int) -> Any:
         ssm_precision=args.ssm_precision,
         kv_cache_dtype=args.kv_cache_dtype,
         spec_max_batch=getattr(args, "spec_max_batch", None),
+        cuda_graphs=None if args.cuda_graphs else False,
     )
 
 

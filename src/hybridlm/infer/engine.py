@@ -17,6 +17,14 @@ Each `step()`:
 3. retires finished requests (EOS, stop token, stop string, max_tokens, max_model_len, a
    finished constraint) and drops their rows with `HybridCache.select`.
 
+On CUDA (`cuda_graphs`, default on there) the running batch does not live in a growing
+`HybridCache` but in a `model.slots.SlotCache`: static buffers with one row per request, which
+an admitted request's prefilled cache is copied into (`put`) and a finished one leaves by
+moving the rows above it down (`keep`). Decode and verification steps are then captured CUDA
+graphs (`infer.graphs`), and a verification's per-row rollback is a device-side rewind, so the
+steps below run the same with no column padding, trimming or compaction. Prefill, sampling
+and drafting stay eager.
+
 Speculative requests (`params.speculative = k > 0`, `infer.speculative`) run in the same batch
 and prefix cache. Their prefill also runs the MTP module over the prompt (so a prefix entry
 keeps the MTP cache at its boundary too). In a step where any row speculates, the speculative
@@ -95,6 +103,7 @@ from ..model.cache import HybridCache
 from ..model.model import HybridLM
 from ..model.state_precision import check_precision
 from ..precision.kv_cache import kv_codecs
+from .graphs import decode_graphs
 from .sampling import (
     SamplingParams,
     TokenConstraint,
@@ -198,6 +207,7 @@ class Engine:
         prefix_cache_size: int = 32,
         draft_vocab: DraftVocab | None = None,
         spec_max_batch: int | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -229,6 +239,16 @@ class Engine:
         # sliding windows count cache columns: batches with holes are compacted every step
         self._windowed = any(
             isinstance(m, Attention) and m.window is not None for m in model.modules()
+        )
+        # the running batch's cache as static slots with captured decode steps (on CUDA by
+        # default; `infer.graphs`); a verification writes up to 1 + 16 drafts past a row's end
+        self._graphs = decode_graphs(
+            self.model,
+            max_batch_size,
+            self.max_model_len + 17,
+            ssm_precision=self.ssm_precision,
+            kv_codecs=self.kv_codecs,
+            cuda_graphs=cuda_graphs,
         )
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
@@ -388,7 +408,11 @@ class Engine:
         if req.finished:
             return
         req.next_token = tok
-        batch = cache if self._cache is None else HybridCache.cat([self._cache, cache])
+        if self._graphs is not None:
+            self._graphs.slots.put(len(self._running), cache)
+            batch = None
+        else:
+            batch = cache if self._cache is None else HybridCache.cat([self._cache, cache])
         mtp_batch = self._mtp_cache
         if req.spec is not None:
             mtp = req.spec.drafter.cache
@@ -483,8 +507,8 @@ class Engine:
         # one token per row; speculative rows (speculation paused: more rows than
         # `spec_max_batch`) sample theirs without drafts and queue its MTP input
         x_B1 = torch.tensor([[r.next_token] for r in reqs], device=self.device)
-        out = self.model(x_B1, cache=self._cache, return_hidden=bool(spec))
-        logits_BV = out.logits[:, -1]
+        logits_BLV, hidden_BLD = self._forward(x_B1, return_hidden=bool(spec))
+        logits_BV = logits_BLV[:, -1]
         self.stats["decode_steps"] += 1
         plain = [i for i in range(len(reqs)) if reqs[i].spec is None]
         if plain:
@@ -492,10 +516,26 @@ class Engine:
         for i in spec:
             r = reqs[i]
             new = [r.forced[0] if r.forced else r.spec.sample(logits_BV[i : i + 1])]
-            self._emit_speculative(r, new, out.hidden[i : i + 1], outputs)
+            self._emit_speculative(r, new, hidden_BLD[i : i + 1], outputs)
         if spec and any(reqs[i].spec.drafter.queued() >= self.mtp_queue_limit for i in spec):
             consume_batch([reqs[i].spec for i in spec], self._mtp_cache)
         self._retire_finished()
+
+    def _forward(
+        self, ids_BL: torch.Tensor, *, return_hidden: bool, history: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The running batch's forward over its cache: logits [B, L, V] and hidden states
+        [B, L, D] (with `return_hidden`); `history` keeps the Mamba states per position for a
+        per-row rewind (speculative verification)."""
+        if self._graphs is not None:
+            return self._graphs.forward(ids_BL, history=history)
+        cache = self._cache
+        cache.record_history(history)
+        try:
+            out = self.model(ids_BL, cache=cache, return_hidden=return_hidden)
+        finally:
+            cache.record_history(False)
+        return out.logits, out.hidden
 
     def _emit_sampled(
         self,
@@ -540,7 +580,7 @@ class Engine:
         """One step of a batch with speculative rows (`spec_rows`; module docstring): drafts of
         every speculative row in one MTP call per position, one [B, J] forward, per-row
         acceptance, per-row rollback of the cache."""
-        reqs, cache = self._running, self._cache
+        reqs = self._running
         # rows owing a spent reasoning budget's closing tag draft nothing: the tag goes in as
         # known drafts (up to the tokens left)
         limits = [0 if reqs[i].forced else None for i in spec_rows]
@@ -556,25 +596,28 @@ class Engine:
         for i, r in enumerate(reqs):
             seq = [r.next_token, *drafts.get(i, ((), None))[0]]
             rows.append(seq + [seq[-1]] * (J - len(seq)))  # padding, dropped by rewind_rows
-        cache.record_history(True)
-        out = self.model(torch.tensor(rows, device=self.device), cache=cache, return_hidden=True)
-        cache.record_history(False)
+        logits_BJV, hidden_BJD = self._forward(
+            torch.tensor(rows, device=self.device), return_hidden=True, history=True
+        )
         self.stats["decode_steps"] += 1
         self.stats["verify_steps"] += 1
         keep = [1] * len(reqs)
         plain = [i for i in range(len(reqs)) if i not in drafts]
         if plain:
-            self._emit_sampled(reqs, plain, out.logits[plain, 0], outputs)
+            self._emit_sampled(reqs, plain, logits_BJV[plain, 0], outputs)
         for i, (d, q_KV) in drafts.items():
             r = reqs[i]
             if r.forced:  # all accepted, then (unless they end the request) a sampled token
                 new = list(d)
                 if len(d) == len(r.forced):
-                    new.append(r.spec.sample(out.logits[i, len(d) : len(d) + 1]))
+                    new.append(r.spec.sample(logits_BJV[i, len(d) : len(d) + 1]))
             else:
-                new = r.spec.judge(out.logits[i, : len(d) + 1], d, q_KV)[1]
-            keep[i] = self._emit_speculative(r, new, out.hidden[i : i + 1], outputs)
-        cache.rewind_rows(torch.tensor(keep), J)
+                new = r.spec.judge(logits_BJV[i, : len(d) + 1], d, q_KV)[1]
+            keep[i] = self._emit_speculative(r, new, hidden_BJD[i : i + 1], outputs)
+        if self._graphs is not None:
+            self._graphs.rewind(keep)
+        else:
+            self._cache.rewind_rows(torch.tensor(keep), J)
         self._retire_finished()
         for c, windowed in ((self._cache, self._windowed), (self._mtp_cache, False)):
             if (
@@ -717,7 +760,10 @@ class Engine:
             if len(keep_spec) < len(spec):
                 self._mtp_cache = self._mtp_cache.select(keep_spec) if keep_spec else None
             self._running = [self._running[i] for i in keep]
-            self._cache = self._cache.select(keep) if keep else None
+            if self._graphs is not None:
+                self._graphs.slots.keep(keep)
+            else:
+                self._cache = self._cache.select(keep) if keep else None
 
     # ------------------------------------------------------------------ speculative
     def _decoder(self, req: _Request) -> SpeculativeDecoder:

@@ -10,6 +10,7 @@ import torch
 from ..model.cache import HybridCache
 from ..model.model import HybridLM
 from ..precision.kv_cache import kv_codecs
+from .graphs import decode_graphs
 from .sampling import sample_next
 
 __all__ = ["generate", "left_align", "sample_next"]
@@ -47,6 +48,7 @@ def generate(
     ssm_precision: str = "fp32",
     kv_cache_dtype: str = "auto",
     attention_mask: torch.Tensor | None = None,
+    cuda_graphs: bool | None = None,
 ) -> torch.Tensor:
     """Returns the generated tokens [B, <= max_new_tokens] (stops early once all rows hit eos;
     rows that finished earlier are filled with eos).
@@ -54,7 +56,9 @@ def generate(
     `attention_mask` [B, L] marks padding (0) of a batch of prompts of different lengths; left or
     right padding (or any mix) gives each row the tokens it would get alone. `ssm_precision` is
     the storage precision of the Mamba state cache (`model.state_precision`), `kv_cache_dtype`
-    that of the attention KV cache (`precision.kv_cache`). For serving many
+    that of the attention KV cache (`precision.kv_cache`). After the prefill the rows decode
+    over static slots with captured steps (`infer.graphs`): on CUDA by default, `cuda_graphs=
+    False` keeps the growing cache (True on the CPU runs the slot steps eagerly). For serving many
     requests (continuous batching, stop strings, prefix reuse) use `infer.engine.Engine`."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -66,11 +70,9 @@ def generate(
     was_training = model.training
     model.eval()
     try:
+        codecs = kv_codecs(model, kv_cache_dtype)
         cache = HybridCache.for_pattern(
-            model.config.pattern,
-            ssm_precision=ssm_precision,
-            seed=seed or 0,
-            kv_codecs=kv_codecs(model, kv_cache_dtype),
+            model.config.pattern, ssm_precision=ssm_precision, seed=seed or 0, kv_codecs=codecs
         )
         mask = None
         if attention_mask is not None:
@@ -79,6 +81,18 @@ def generate(
             if not bool(attention_mask.bool().all()):
                 input_ids_BL, mask = left_align(input_ids_BL, attention_mask)
         logits = model(input_ids_BL, cache=cache, attention_mask=mask).logits[:, -1]
+        graphs = decode_graphs(
+            model,
+            input_ids_BL.shape[0],
+            input_ids_BL.shape[1] + max_new_tokens + 1,
+            ssm_precision=ssm_precision,
+            kv_codecs=codecs,
+            cuda_graphs=cuda_graphs,
+        )
+        if graphs is not None:  # the prefilled rows move into the slots
+            for row in range(input_ids_BL.shape[0]):
+                graphs.slots.put(row, cache, row)
+            cache = None
         done = torch.zeros(input_ids_BL.shape[0], dtype=torch.bool, device=input_ids_BL.device)
         out = []
         for _ in range(max_new_tokens):
@@ -91,7 +105,10 @@ def generate(
             out.append(nxt)
             if eos_id is not None and bool(done.all()):
                 break
-            logits = model(nxt[:, None], cache=cache).logits[:, -1]
+            if graphs is not None:
+                logits = graphs.forward(nxt[:, None])[0][:, -1]
+            else:
+                logits = model(nxt[:, None], cache=cache).logits[:, -1]
     finally:
         model.train(was_training)
     if not out:

@@ -11,10 +11,11 @@ from torch import nn
 
 from ..config import LayerSpec, ModelConfig
 from ..ops import native
-from ..ops.attention import attention
+from ..ops.attention import attention, attention_masked
 from ..ops.rope import apply_rope, rope_cos_sin, rope_frequencies
 from .cache import KVState
 from .norm import RMSNorm
+from .slots import SlotKV
 from .stock import project
 
 
@@ -65,7 +66,7 @@ class Attention(nn.Module):
         positions_L: torch.Tensor,
         positions_BL: torch.Tensor | None = None,
         attn_mask_B1LS: torch.Tensor | None = None,
-        state: KVState | None = None,
+        state: KVState | SlotKV | None = None,
         **_: object,
     ) -> torch.Tensor:
         """`positions_BL` / `attn_mask_B1LS` are given for padded batches and packed documents;
@@ -88,6 +89,13 @@ class Attention(nn.Module):
             else:
                 cos, sin = rope_cos_sin(self.inv_freq, positions_L, self.rope_scaling)
             q_BHLE, k_BKLE = apply_rope(q_BHLE, cos, sin), apply_rope(k_BKLE, cos, sin)
+        if isinstance(state, SlotKV):  # static buffers: the mask covers the bucket's columns
+            k_BKSE, v_BKSE = state.update(k_BKLE, v_BKLE)
+            mask = attn_mask_B1LS
+            if self.window is not None:
+                mask = mask & state.window_mask(self.window)[:, None]
+            o_BHLE = attention_masked(q_BHLE, k_BKSE, v_BKSE, mask)
+            return project(self.o_proj, o_BHLE.transpose(1, 2).reshape(Bsz, L, -1))
         if state is None:
             k_BKLE, v_BKLE, offset = self._keys_values(k_BKLE, v_BKLE)
         else:

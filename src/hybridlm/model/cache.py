@@ -241,11 +241,19 @@ class MambaState:
         numbers of drafts)."""
         if self._history is None:
             raise ValueError("rewind needs a call made with record_history on")
-        conv_in, xbc, ssm = self._history
+        xbc = self._history[1]
         Bsz, L = xbc.shape[:2]
         keep_B = torch.as_tensor(keep, device=xbc.device).long().expand(Bsz)
         if not bool(((keep_B >= 1) & (keep_B <= L)).all()):
             raise ValueError(f"can keep 1..{L} positions of the last call, not {keep}")
+        self.conv_BSX, self.ssm_BHPN = self._rewound(keep_B)
+        self._history = None
+
+    def _rewound(self, keep_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conv and SSM states after each row's position keep_B - 1 of the recorded call
+        (tensor ops only: no check, no host sync)."""
+        conv_in, xbc, ssm = self._history
+        Bsz = xbc.shape[0]
         S = self.conv_BSX.shape[1]
         if conv_in is None:
             xp = F.pad(xbc, (0, 0, S, 0))
@@ -253,9 +261,8 @@ class MambaState:
             xp = torch.cat([conv_in.to(xbc.dtype), xbc], dim=1)
         # the conv state after position keep - 1 is the S inputs ending there
         cols_BS = keep_B[:, None] + torch.arange(S, device=xbc.device)
-        self.conv_BSX = xp.gather(1, cols_BS[..., None].expand(-1, -1, xp.shape[2]))
-        self.ssm_BHPN = ssm[torch.arange(Bsz, device=ssm.device), keep_B - 1]
-        self._history = None
+        conv_BSX = xp.gather(1, cols_BS[..., None].expand(-1, -1, xp.shape[2]))
+        return conv_BSX, ssm[torch.arange(Bsz, device=ssm.device), keep_B - 1]
 
     def ssm_nbytes(self) -> int:
         return 0 if self._ssm is None else self._ssm.nbytes()
@@ -297,6 +304,10 @@ class HybridCache:
     @property
     def padded(self) -> bool:
         return self.key_mask_BS is not None
+
+    def advance(self, L: int) -> None:
+        """After a forward of L tokens per row (`HybridLM.forward`)."""
+        self.seen_tokens += L
 
     def next_positions(self, batch: int, device: torch.device) -> torch.Tensor:
         if self.positions_B is not None:

@@ -35,6 +35,7 @@ from .mamba2 import Mamba2Mixer, mamba2_decode_step, mamba2_decode_step_torch
 from .moe import AuxSink, MoE, moe_decode_step, moe_decode_step_torch
 from .mtp import MTP
 from .norm import RMSNorm
+from .slots import SlotCache
 from .stock import project
 
 IGNORE_INDEX = -100  # label of a position without a target (transformers' convention)
@@ -281,7 +282,7 @@ class HybridLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         *,
-        cache: HybridCache | None = None,
+        cache: HybridCache | SlotCache | None = None,
         attention_mask: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
         mtp_depth: int = 0,
@@ -315,7 +316,7 @@ class HybridLM(nn.Module):
                 h, state=cache.layers[i] if cache is not None else None, aux_sink=aux_sink, **ctx
             )
         if cache is not None:
-            cache.seen_tokens += L
+            cache.advance(L)
         h = self.norm_f(h)
         out = ModelOutput(
             logits=project(self.lm_head, h) if return_logits else None,
@@ -356,6 +357,10 @@ class HybridLM(nn.Module):
         cache: HybridCache | None,
     ) -> dict[str, torch.Tensor]:
         """Keyword context of every block: positions, masks and document ids."""
+        if isinstance(cache, SlotCache):  # static buffers of a captured decode step
+            if doc_ids is not None or attention_mask is not None:
+                raise ValueError("a SlotCache call takes unpadded rows: no doc_ids or mask")
+            return cache.context(input_ids)
         if doc_ids is not None:
             local = self._check_doc_ids(input_ids, doc_ids, attention_mask, cache)
             return self._document_context(local, local, 0)

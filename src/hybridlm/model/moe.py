@@ -284,7 +284,11 @@ class Experts(nn.Module):
         flat_A = idx_TK.reshape(-1)
         order_A = flat_A.argsort(stable=True)  # sort assignments by expert
         token_A = order_A // K
-        counts_E = torch.bincount(flat_A, minlength=E)
+        # a scatter, not bincount: bincount reads its maximum back to the host, which a
+        # captured decode step (CUDA graphs, `infer.graphs`) cannot do
+        counts_E = torch.zeros(E, dtype=torch.long, device=flat_A.device).scatter_add_(
+            0, flat_A, torch.ones_like(flat_A)
+        )
         z_AW = z_TW[token_A]
         if impl == "auto" and fused.usable(z_TW, self.up_proj, self.down_proj):
             impl = "fused"

@@ -68,6 +68,21 @@ def attention(
     return F.scaled_dot_product_attention(q_BHLE, k_BKSE, v_BKSE, attn_mask=mask)
 
 
+def attention_masked(q_BHLE: Tensor, k_BKSE: Tensor, v_BKSE: Tensor, mask_B1LS: Tensor) -> Tensor:
+    """Attention under an explicit boolean mask alone (no causal mask added; every query row
+    must allow a key), for decode steps over static cache buffers. Grouped heads are folded
+    into the query axis ([B, K, H/K * L, E] against [B, K, S, E]), so the keys and values are
+    read once per KV head, not copied per query head. Equals `attention_ref` with the same
+    mask as `extra_mask` where the causal mask is implied by it."""
+    B, H, L, E = q_BHLE.shape
+    K = k_BKSE.shape[1]
+    G = H // K
+    q = q_BHLE.reshape(B, K, G * L, E)
+    mask = mask_B1LS.expand(B, 1, L, k_BKSE.shape[2]).repeat(1, 1, G, 1)
+    o = F.scaled_dot_product_attention(q, k_BKSE, v_BKSE, attn_mask=mask)
+    return o.reshape(B, H, L, E)
+
+
 def attention_ref(
     q_BHLE: Tensor,
     k_BKSE: Tensor,

@@ -46,7 +46,9 @@ class FP8KV:
         self.scale = scale.float()
 
     def _s(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.scale.to(x.device)
+        if self.scale.device != x.device:  # moved once: no copy per step (CUDA graphs)
+            self.scale = self.scale.to(x.device)
+        s = self.scale
         return s.reshape(1, -1, 1, 1) if s.dim() else s
 
     def encode(self, x_BKLE: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -68,7 +70,9 @@ class NVFP4KV:
             raise ValueError(
                 f"an NVFP4 KV cache needs a head dim divisible by 16, got {x_BKLE.shape[-1]}"
             )
-        q = nvfp4_quantize(x_BKLE, block="1d", global_scale=self.global_scale.to(x_BKLE.device))
+        if self.global_scale.device != x_BKLE.device:
+            self.global_scale = self.global_scale.to(x_BKLE.device)
+        q = nvfp4_quantize(x_BKLE, block="1d", global_scale=self.global_scale)
         return q.packed, q.block_scale
 
     def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:

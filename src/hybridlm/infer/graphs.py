@@ -1,0 +1,203 @@
+"""Decode steps over a `SlotCache`, captured as CUDA graphs: one graph per (rows bucket,
+columns bucket, tokens per row), replayed with new inputs.
+
+Shape legend: n rows in use, b rows of the bucket, L tokens per row, V vocabulary, D width.
+
+On a GPU a decode step of a small model is bound by kernel launches, not by memory: every
+layer issues tens of small kernels. A captured graph replays all of them with one launch.
+The step runs over the static buffers of a `model.slots.SlotCache`, so its tensors never move:
+the token ids are copied into the graph's input buffer, the graph writes the keys, values and
+states in place and leaves the logits and hidden states in its output buffers. Rows in use are
+padded to a row bucket (1, 2, 4, 8, ... up to the cache's rows) and the columns attended over to
+a column bucket (256, 512, ... up to the cache's columns), so a few graphs serve every batch
+and length. A speculative verification (L = draft length + 1 per row, `history=True`) has its
+own graphs, and so has the per-row rewind after it.
+
+The first call of a bucket runs eagerly (it is a real step, and it warms up cuBLAS and the
+Triton kernels), then captures the graph without running it; later calls replay. With
+`capture=False` (CPU, or `cuda_graphs=False` in the engine) every call runs eagerly through
+the same code: what the CPU tests check against the dynamic cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from ..model.cache import AS_GIVEN
+from ..model.slots import STATIC_SSM_PRECISIONS, SlotCache, SlotMamba
+
+log = logging.getLogger("hybridlm.graphs")
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+MIN_COLUMNS = 256
+
+
+def graph_safe_codecs(codecs: dict) -> bool:
+    """Whether every KV codec encodes and decodes without host syncs or host tensors (stored as
+    given, or FP8 under a static scale); NVFP4's checks read values back."""
+    from ..precision.kv_cache import FP8KV
+
+    return all(isinstance(c, (type(AS_GIVEN), FP8KV)) for pair in codecs.values() for c in pair)
+
+
+def decode_graphs(
+    model: torch.nn.Module,
+    rows: int,
+    columns: int,
+    *,
+    ssm_precision: str = "fp32",
+    kv_codecs: dict | None = None,
+    cuda_graphs: bool | None = None,
+) -> DecodeGraphs | None:
+    """The static decode path of `rows` x `columns` for a decoder (`Engine`, `generate`), or
+    None for the growing `HybridCache`. `cuda_graphs=None`: on for a CUDA model when the cache
+    formats allow it (fp16-sr SSM states and NVFP4 KV caches do not) and the slots take at most
+    half of the free GPU memory; True: required (on the CPU: the same slot steps run eagerly,
+    what the tests use); False: off."""
+    kv_codecs = kv_codecs or {}
+    device = model.embeddings.weight.device
+    on_cuda = device.type == "cuda"
+    why_not = None
+    if ssm_precision not in STATIC_SSM_PRECISIONS:
+        why_not = f"SSM states stored in {ssm_precision}"
+    elif on_cuda and not graph_safe_codecs(kv_codecs):
+        why_not = "an NVFP4 KV cache"
+    if cuda_graphs is False or (cuda_graphs is None and (not on_cuda or why_not)):
+        return None
+    if why_not is not None:
+        raise ValueError(f"cuda_graphs: the static decode cache does not support {why_not}")
+    need = SlotCache.planned_nbytes(model, rows, columns)
+    if cuda_graphs is None and need > torch.cuda.mem_get_info(device)[0] // 2:
+        log.info("decoding without CUDA graphs: %d x %d slots need %.1f GiB", rows, columns,
+                 need / 2**30)  # fmt: skip
+        return None
+    slots = SlotCache(model, rows, columns, ssm_precision=ssm_precision, kv_codecs=kv_codecs)
+    return DecodeGraphs(model, slots, capture=on_cuda)
+
+
+def _bucket(n: int, choices: list[int]) -> int:
+    return next(c for c in choices if c >= n)
+
+
+class DecodeGraphs:
+    """Captured decode steps of `model` over `slots` (see the module)."""
+
+    def __init__(self, model: torch.nn.Module, slots: SlotCache, *, capture: bool) -> None:
+        if capture and slots.device.type != "cuda":
+            raise ValueError("CUDA graphs capture CUDA tensors; this model is on the CPU")
+        self.model, self.slots, self.capture = model, slots, capture
+        R, S = slots.rows, slots.columns
+        self.row_buckets = sorted({*(r for r in ROW_BUCKETS if r < R), R})
+        cols, c = [], MIN_COLUMNS
+        while c < S:
+            cols.append(c)
+            c *= 2
+        self.col_buckets = [*cols, S]
+        self._graphs: dict[tuple, tuple] = {}  # key -> (graph, static inputs, static outputs)
+        self._histories: dict[tuple, list] = {}  # forward key -> Mamba histories at capture
+        self._pool = None
+        self.stats = {"captured": 0, "replayed": 0, "eager": 0}
+
+    # ------------------------------------------------------------------ calls
+    @torch.no_grad()
+    def forward(
+        self, ids_nL: torch.Tensor, *, history: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One call of L tokens for each of the first n slots (the rows in use): returns
+        (logits [n, L, V], hidden [n, L, D]), copies the caller may keep. `history`: record
+        the Mamba states after every position, for `rewind`."""
+        sl = self.slots
+        n, L = ids_nL.shape
+        if n > sl.rows:
+            raise ValueError(f"{n} rows do not fit a SlotCache of {sl.rows}")
+        need = max(sl.host_len[:n]) + L
+        if need > sl.columns:
+            raise ValueError(f"a row reaches {need} positions; the SlotCache holds {sl.columns}")
+        b, s = _bucket(n, self.row_buckets), _bucket(need, self.col_buckets)
+        ids = ids_nL if b == n else torch.cat([ids_nL, ids_nL.new_zeros(b - n, L)])
+        key = ("step", b, s, L, history)
+
+        def step(ids_bL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            sl.record_history(history)
+            try:
+                out = self.model(ids_bL, cache=sl, return_hidden=True)
+            finally:
+                sl.record_history(False)
+            return out.logits, out.hidden
+
+        replayed = key in self._graphs
+        logits, hidden = self._run(key, (b, s), step, (ids.to(sl.device),))
+        if replayed and history:  # the histories this graph writes, for `rewind`
+            self._set_histories(self._histories[key])
+        for r in range(n):
+            sl.host_len[r] += L
+        self._last = key
+        return logits[:n].clone(), hidden[:n].clone()
+
+    @torch.no_grad()
+    def rewind(self, keep: list[int]) -> None:
+        """After `forward(..., history=True)`: keep the first keep[r] (1..L) tokens of row r."""
+        key = self._last
+        _, b, s, L, history = key
+        if not history:
+            raise ValueError("rewind follows a forward made with history=True")
+        if len(keep) > b or any(not 1 <= k <= L for k in keep):
+            raise ValueError(f"keep one count in 1..{L} per row, got {keep}")
+        sl = self.slots
+        keep_b = torch.tensor(keep + [L] * (b - len(keep)), device=sl.device)
+
+        def rewind(keep_b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            sl.rewind(keep_b, L)
+            return ()
+
+        self._run(("rewind", *key[1:]), (b, s), rewind, (keep_b,))
+        for r, k in enumerate(keep):
+            sl.host_len[r] += k - L
+
+    # ------------------------------------------------------------------ capture and replay
+    def _run(self, key: tuple, bucket: tuple[int, int], fn: Callable, inputs: tuple) -> tuple:
+        self.slots.bucket = bucket
+        entry = self._graphs.get(key)
+        if entry is not None:
+            graph, static_in, static_out = entry
+            for buf, x in zip(static_in, inputs, strict=True):
+                buf.copy_(x)
+            graph.replay()
+            self.stats["replayed"] += 1
+            return static_out
+        out = fn(*inputs)  # the real step, eagerly; it also warms the kernels up
+        self.stats["eager"] += 1
+        if self.capture:
+            self._capture(key, fn, inputs)
+        return out
+
+    def _capture(self, key: tuple, fn: Callable, inputs: tuple) -> None:
+        """Record `fn` on static copies of `inputs` (capture runs nothing: no state changes).
+        A rewind graph reads the histories its forward graph writes."""
+        kept = self._get_histories()
+        if key[0] == "rewind":
+            self._set_histories(self._histories[("step", *key[1:])])
+        static_in = tuple(x.clone() for x in inputs)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, pool=self._pool):
+            static_out = fn(*static_in)
+        self._pool = graph.pool()
+        if key[0] == "step":
+            self._histories[key] = self._get_histories()
+        self._set_histories(kept)  # the eager step's, for a rewind that follows it now
+        self._graphs[key] = (graph, static_in, static_out)
+        self.stats["captured"] += 1
+
+    def _mamba(self) -> list[SlotMamba]:
+        return [st for st in self.slots.layers if isinstance(st, SlotMamba)]
+
+    def _get_histories(self) -> list:
+        return [st._history for st in self._mamba()]
+
+    def _set_histories(self, hist: list) -> None:
+        for st, h in zip(self._mamba(), hist, strict=True):
+            st._history = h
