@@ -171,12 +171,42 @@ def test_engine_on_slots_equals_the_growing_cache(name):
         SamplingParams(max_tokens=7, temperature=1.0, top_k=20, seed=5),
         SamplingParams(max_tokens=10, temperature=0.0),
     ]
-    if model.mtp is not None:
+    if model.mtp is not None:  # greedy drafts (one captured call on CUDA) and sampled ones
         params[0].speculative = 3
         params[4].speculative = 2
+        params[1].speculative = 2
     want, _ = _engine_outputs(model, False, prompts, params)
     got, eng = _engine_outputs(model, True, prompts, params)
     assert got == want
     assert eng._cache is None and eng._graphs.stats["eager"] > 0
     if model.mtp is not None:
-        assert eng.stats["verify_steps"] > 0
+        assert eng.stats["verify_steps"] > 0 and eng._mtp_graphs.stats["eager"] > 0
+
+
+def test_speculative_rows_on_slots_with_a_draft_vocab_pauses_and_one_token_prompts():
+    """Speculative rows over slots (backbone and MTP caches): a draft vocabulary, one-token
+    prompts (an MTP cache with no position yet), and speculation paused above
+    `spec_max_batch` (queued MTP inputs consumed on the slots): still the plain greedy tokens."""
+    from hybridlm.infer.speculative import DraftVocab
+
+    model = _model("tiny-super")
+    prompts = [[5], *_rows([9, 3, 12], seed=2)]
+    lengths, ks = [10, 16, 5, 16], [2, 3, 0, 2]
+    refs = [
+        Engine(model, ByteTokenizer()).generate([p], SamplingParams(max_tokens=n, ignore_eos=True))
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    dv = DraftVocab(model, range(0, 300, 2))
+    eng = Engine(
+        model, ByteTokenizer(), max_batch_size=4, spec_max_batch=2, draft_vocab=dv, cuda_graphs=True
+    )
+    eng.mtp_queue_limit = 2
+    params = [
+        SamplingParams(max_tokens=n, ignore_eos=True, speculative=k)
+        for n, k in zip(lengths, ks, strict=True)
+    ]
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r[0].token_ids for r in refs]
+    st = eng.stats
+    assert 0 < st["verify_steps"] < st["decode_steps"], st
+    assert not any(eng._mtp_graphs.slots.active_R.tolist())  # every row left

@@ -101,9 +101,10 @@ from ..data.chat import THINK_CLOSE, THINK_OPEN
 from ..model.attention import Attention
 from ..model.cache import HybridCache
 from ..model.model import HybridLM
+from ..model.slots import SlotCache
 from ..model.state_precision import check_precision
 from ..precision.kv_cache import kv_codecs
-from .graphs import decode_graphs
+from .graphs import DecodeGraphs, decode_graphs
 from .sampling import (
     SamplingParams,
     TokenConstraint,
@@ -113,7 +114,15 @@ from .sampling import (
     sampled_logprobs,
     top_logprobs,
 )
-from .speculative import DraftVocab, MTPDrafter, SpeculativeDecoder, consume_batch, draft_batch
+from .speculative import (
+    DraftVocab,
+    MTPDrafter,
+    SpeculativeDecoder,
+    consume_batch,
+    consume_slots,
+    draft_batch,
+    draft_slots,
+)
 
 log = logging.getLogger("hybridlm.engine")
 
@@ -250,6 +259,20 @@ class Engine:
             kv_codecs=self.kv_codecs,
             cuda_graphs=cuda_graphs,
         )
+        # the speculative rows' MTP caches as slots too, indexed as the batch's rows
+        self._mtp_graphs = None
+        if (
+            self._graphs is not None
+            and model.mtp is not None
+            and "M" not in model.config.mtp.pattern
+        ):
+            mtp_slots = SlotCache(
+                self.model,
+                max_batch_size,
+                self.max_model_len + 17,
+                pattern=model.config.mtp.pattern,
+            )
+            self._mtp_graphs = DecodeGraphs(self.model, mtp_slots, capture=self._graphs.capture)
         self._ids = itertools.count()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []  # rows of self._cache, in order
@@ -414,7 +437,9 @@ class Engine:
         else:
             batch = cache if self._cache is None else HybridCache.cat([self._cache, cache])
         mtp_batch = self._mtp_cache
-        if req.spec is not None:
+        if req.spec is not None and self._mtp_graphs is not None:
+            self._mtp_graphs.slots.put(len(self._running), req.spec.drafter.cache)
+        elif req.spec is not None:
             mtp = req.spec.drafter.cache
             mtp_batch = mtp if mtp_batch is None else HybridCache.cat([mtp_batch, mtp], self.device)
         self._running.append(req)
@@ -518,7 +543,10 @@ class Engine:
             new = [r.forced[0] if r.forced else r.spec.sample(logits_BV[i : i + 1])]
             self._emit_speculative(r, new, hidden_BLD[i : i + 1], outputs)
         if spec and any(reqs[i].spec.drafter.queued() >= self.mtp_queue_limit for i in spec):
-            consume_batch([reqs[i].spec for i in spec], self._mtp_cache)
+            if self._mtp_graphs is not None:
+                consume_slots({i: reqs[i].spec for i in spec}, len(reqs), self._mtp_graphs)
+            else:
+                consume_batch([reqs[i].spec for i in spec], self._mtp_cache)
         self._retire_finished()
 
     def _forward(
@@ -584,8 +612,16 @@ class Engine:
         # rows owing a spent reasoning budget's closing tag draft nothing: the tag goes in as
         # known drafts (up to the tokens left)
         limits = [0 if reqs[i].forced else None for i in spec_rows]
-        batch = draft_batch([reqs[i].spec for i in spec_rows], self._mtp_cache, limits)
-        drafts = dict(zip(spec_rows, batch, strict=True))
+        if self._mtp_graphs is not None:
+            drafts = draft_slots(
+                {i: reqs[i].spec for i in spec_rows},
+                len(reqs),
+                self._mtp_graphs,
+                dict(zip(spec_rows, limits, strict=True)),
+            )
+        else:
+            batch = draft_batch([reqs[i].spec for i in spec_rows], self._mtp_cache, limits)
+            drafts = dict(zip(spec_rows, batch, strict=True))
         for i in spec_rows:
             r = reqs[i]
             if r.forced:
@@ -757,7 +793,9 @@ class Engine:
         if len(keep) < len(self._running):
             spec = [r for r in self._running if r.spec is not None]
             keep_spec = [j for j, r in enumerate(spec) if not r.finished]
-            if len(keep_spec) < len(spec):
+            if self._mtp_graphs is not None:
+                self._mtp_graphs.slots.keep(keep)
+            elif len(keep_spec) < len(spec):
                 self._mtp_cache = self._mtp_cache.select(keep_spec) if keep_spec else None
             self._running = [self._running[i] for i in keep]
             if self._graphs is not None:

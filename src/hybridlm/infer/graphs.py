@@ -111,12 +111,7 @@ class DecodeGraphs:
         the Mamba states after every position, for `rewind`."""
         sl = self.slots
         n, L = ids_nL.shape
-        if n > sl.rows:
-            raise ValueError(f"{n} rows do not fit a SlotCache of {sl.rows}")
-        need = max(sl.host_len[:n]) + L
-        if need > sl.columns:
-            raise ValueError(f"a row reaches {need} positions; the SlotCache holds {sl.columns}")
-        b, s = _bucket(n, self.row_buckets), _bucket(need, self.col_buckets)
+        b, s = self.bucket(n, L)
         ids = ids_nL if b == n else torch.cat([ids_nL, ids_nL.new_zeros(b - n, L)])
         key = ("step", b, s, L, history)
 
@@ -129,7 +124,7 @@ class DecodeGraphs:
             return out.logits, out.hidden
 
         replayed = key in self._graphs
-        logits, hidden = self._run(key, (b, s), step, (ids.to(sl.device),))
+        logits, hidden = self.run(key, (b, s), step, (ids.to(sl.device),))
         if replayed and history:  # the histories this graph writes, for `rewind`
             self._set_histories(self._histories[key])
         for r in range(n):
@@ -153,12 +148,34 @@ class DecodeGraphs:
             sl.rewind(keep_b, L)
             return ()
 
-        self._run(("rewind", *key[1:]), (b, s), rewind, (keep_b,))
+        self.run(("rewind", *key[1:]), (b, s), rewind, (keep_b,))
         for r, k in enumerate(keep):
             sl.host_len[r] += k - L
 
     # ------------------------------------------------------------------ capture and replay
-    def _run(self, key: tuple, bucket: tuple[int, int], fn: Callable, inputs: tuple) -> tuple:
+    def bucket(self, n: int, L: int) -> tuple[int, int]:
+        """The (rows, columns) bucket of a call of L tokens for each of the first n slots."""
+        sl = self.slots
+        if n > sl.rows:
+            raise ValueError(f"{n} rows do not fit a SlotCache of {sl.rows}")
+        need = max(sl.host_len[:n]) + L
+        if need > sl.columns:
+            raise ValueError(f"a row reaches {need} positions; the SlotCache holds {sl.columns}")
+        return _bucket(n, self.row_buckets), _bucket(need, self.col_buckets)
+
+    def run(
+        self,
+        key: tuple,
+        bucket: tuple[int, int],
+        fn: Callable,
+        inputs: tuple,
+        *,
+        capture: bool = True,
+    ) -> tuple:
+        """`fn(*inputs)` over the slots' `bucket`: replayed when a graph of `key` exists, else
+        run eagerly and (`capture`, on CUDA) captured for the next calls. `fn` must only read
+        `inputs` and the slots (its outputs are the graph's buffers, overwritten by the next
+        replay). `capture=False`: a call with host work inside (sampling with a generator)."""
         self.slots.bucket = bucket
         entry = self._graphs.get(key)
         if entry is not None:
@@ -170,7 +187,7 @@ class DecodeGraphs:
             return static_out
         out = fn(*inputs)  # the real step, eagerly; it also warms the kernels up
         self.stats["eager"] += 1
-        if self.capture:
+        if self.capture and capture:
             self._capture(key, fn, inputs)
         return out
 

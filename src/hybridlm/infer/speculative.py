@@ -76,8 +76,10 @@ import torch
 
 from ..model.cache import HybridCache
 from ..model.model import HybridLM
+from ..model.slots import SlotCache
 from ..model.stock import project
 from ..precision.kv_cache import kv_codecs
+from .graphs import DecodeGraphs
 from .sampling import SamplingParams, filtered_probs
 
 Tensor = torch.Tensor
@@ -672,6 +674,119 @@ def _mtp_batch(
     out = model.mtp(h_BLD, model.embeddings(tok_BL), states=cache.layers, **ctx)
     cache.seen_tokens += L
     return out
+
+
+def _mtp_slots(model: HybridLM, h_BLD: Tensor, tok_BL: Tensor, slots: SlotCache) -> Tensor:
+    """The MTP module over L new positions of every row of a `SlotCache` bucket (the caller
+    advances the rows' lengths)."""
+    ctx = slots.context(tok_BL)
+    return model.mtp(h_BLD, model.embeddings(tok_BL), states=slots.layers, **ctx)
+
+
+def _queued_slots(
+    decoders: dict[int, SpeculativeDecoder], n: int, b: int, *, keep_last: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows' queued (hidden, token) pairs right-padded into [b, P] inputs, rows indexed as
+    the batch (rows without a decoder: one zero pair, their slots inactive), and the pairs per
+    row; `keep_last` leaves each row's last pair queued."""
+    dec0 = next(iter(decoders.values()))
+    device = dec0.model.embeddings.weight.device
+    pend: dict[int, tuple[Tensor, Tensor]] = {}
+    for r, d in decoders.items():
+        dr = d.drafter
+        if dr._h_BLD is None:
+            raise ValueError("draft needs each row's last hidden state and next token")
+        m = dr._h_BLD.shape[1] - int(keep_last)
+        pend[r] = (dr._h_BLD[0, :m], dr._tok_BL[0, :m])
+        if keep_last:
+            dr._h_BLD, dr._tok_BL = dr._h_BLD[:, m:], dr._tok_BL[:, m:]
+        else:
+            dr._h_BLD = dr._tok_BL = None
+    P = max(1, max(h.shape[0] for h, _ in pend.values()))
+    h0 = next(iter(pend.values()))[0]
+    h_bPD = h0.new_zeros(b, P, h0.shape[-1])
+    tok_bP = torch.zeros(b, P, dtype=torch.long, device=device)
+    cnt = [1] * b
+    for r, (h, t) in pend.items():
+        h_bPD[r, : h.shape[0]] = h
+        tok_bP[r, : t.shape[0]] = t
+        cnt[r] = h.shape[0]
+    return h_bPD, tok_bP, torch.tensor(cnt, device=device)
+
+
+@torch.no_grad()
+def draft_slots(
+    decoders: dict[int, SpeculativeDecoder],
+    n: int,
+    graphs: DecodeGraphs,
+    limits: dict[int, int | None] | None = None,
+) -> dict[int, tuple[list[int], Tensor | None]]:
+    """`draft_batch` over the MTP module's slots (`graphs.slots`, rows indexed as the serving
+    batch of n rows; `decoders`: row -> the speculative rows' decoders): one call runs every
+    row's queued pairs and the K recursive draft positions and forgets the latter. When every
+    speculative row is greedy the call is one captured graph (`infer.graphs`); sampled rows
+    draw from their own generators, eagerly. Each row's drafts are those `draft()` would make
+    alone (up to batched float rounding)."""
+    dec0 = next(iter(decoders.values()))
+    model, dv = dec0.model, dec0.drafter.draft_vocab
+    ks = {r: d.round_drafts() for r, d in decoders.items()}
+    if limits is not None:
+        ks = {r: k if limits.get(r) is None else min(k, limits[r]) for r, k in ks.items()}
+    K = max(1, max(ks.values()))
+    P = max(d.drafter.queued() for d in decoders.values())
+    sl = graphs.slots
+    b, s = graphs.bucket(n, P + K)
+    inputs = _queued_slots(decoders, n, b, keep_last=False)
+    sampled = {r: d for r, d in decoders.items() if not d.greedy}
+    q_rows: dict[int, list[Tensor]] = {r: [] for r in sampled}
+
+    def pick(j: int, logits_bN: Tensor) -> Tensor:
+        tok_b = logits_bN.argmax(-1)
+        for r, d in sampled.items():
+            if j < ks[r]:
+                q_1N = d._probs(logits_bN[r : r + 1])
+                tok_b[r] = torch.multinomial(q_1N, 1, generator=d.generator)[0, 0]
+                q_rows[r].append(q_1N if dv is None else dv.full_probs(q_1N))
+        return tok_b if dv is None else dv.ids_N[tok_b]
+
+    def draft(h_bPD: Tensor, tok_bP: Tensor, cnt_b: Tensor) -> tuple[Tensor]:
+        x_bPD = _mtp_slots(model, h_bPD, tok_bP, sl)
+        sl.advance(cnt_b)
+        h_b1D = x_bPD[torch.arange(b, device=x_bPD.device), cnt_b - 1][:, None]
+        toks = []
+        for j in range(K):
+            if j > 0:
+                h_b1D = _mtp_slots(model, h_b1D, toks[-1][:, None], sl)
+                sl.advance(1)
+            head = dv.logits if dv is not None else lambda h: project(model.lm_head, h)
+            toks.append(pick(j, head(h_b1D)[:, 0]))
+        sl.advance(-(K - 1))  # forget the draft positions; they rerun once verified
+        return (torch.stack(toks, dim=1),)
+
+    key = ("draft", b, s, P, K, dv is not None)
+    (toks_bK,) = graphs.run(key, (b, s), draft, inputs, capture=not sampled)
+    for r in decoders:
+        sl.host_len[r] += int(inputs[2][r])
+    toks = toks_bK.tolist()
+    return {
+        r: (toks[r][: ks[r]], torch.cat(q_rows[r]) if q_rows.get(r) else None) for r in decoders
+    }
+
+
+@torch.no_grad()
+def consume_slots(decoders: dict[int, SpeculativeDecoder], n: int, graphs: DecodeGraphs) -> None:
+    """`consume_batch` over the MTP module's slots (rows as in `draft_slots`)."""
+    if not any(d.drafter.queued() > 1 for d in decoders.values()):
+        return
+    P = max(d.drafter.queued() for d in decoders.values()) - 1
+    sl = graphs.slots
+    b, s = graphs.bucket(n, P)
+    h_bPD, tok_bP, cnt_b = _queued_slots(decoders, n, b, keep_last=True)
+    sl.bucket = (b, s)
+    _mtp_slots(decoders[next(iter(decoders))].model, h_bPD, tok_bP, sl)
+    sl.advance(cnt_b)
+    for r in decoders:
+        sl.host_len[r] += int(cnt_b[r])
 
 
 @torch.no_grad()

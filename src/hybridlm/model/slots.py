@@ -178,7 +178,8 @@ class SlotMamba(MambaState):
 class SlotCache:
     """One `SlotKV` / `SlotMamba` per block (None for stateless blocks) over `rows` slots of
     `columns` positions, for `model` (its dtype and device); `kv_codecs` and `ssm_precision` as
-    in `HybridCache.for_pattern`."""
+    in `HybridCache.for_pattern`; `pattern`: the blocks' letters (default the model's; the MTP
+    module's for a drafter's cache)."""
 
     def __init__(
         self,
@@ -188,6 +189,7 @@ class SlotCache:
         *,
         ssm_precision: str = "fp32",
         kv_codecs: dict[int, tuple[KVCodec, KVCodec]] | None = None,
+        pattern: str | None = None,
     ) -> None:
         if check_precision(ssm_precision) not in STATIC_SSM_PRECISIONS:
             raise ValueError(
@@ -202,7 +204,7 @@ class SlotCache:
         self.device, self.dtype = w.device, w.dtype
         kv_codecs = kv_codecs or {}
         self.layers: list[SlotKV | SlotMamba | None] = []
-        for i, letter in enumerate(cfg.pattern):
+        for i, letter in enumerate(cfg.pattern if pattern is None else pattern):
             if letter == "*":
                 a = cfg.attention
                 probe = w.new_zeros(1, a.num_kv_heads, 1, a.head_dim)
@@ -258,8 +260,9 @@ class SlotCache:
             "attn_mask_B1LS": (cols[None, None] <= self.positions_BL[:, :, None])[:, None],
         }
 
-    def advance(self, L: int) -> None:
-        """After a call of L tokens per row: the active rows' lengths grow by L."""
+    def advance(self, L: int | torch.Tensor) -> None:
+        """After a call of L tokens per row: the active rows' lengths grow by L (or by L[row],
+        a tensor over the bucket's rows, for rows whose call was right-padded)."""
         b = self.bucket[0]
         self.length_R[:b] += L * self.active_R[:b]
 
@@ -282,6 +285,12 @@ class SlotCache:
         """Copy row `src` of a prefilled `HybridCache` (padded or not) into slot `row`."""
         if not 0 <= row < self.rows:
             raise ValueError(f"slot {row} is outside 0..{self.rows - 1}")
+        self.active_R[row] = 1
+        if not cache.seen_tokens and not cache.padded:  # nothing cached yet (attention only)
+            if any(isinstance(st, SlotMamba) for st in self.layers):
+                raise ValueError("only Mamba states that have seen tokens can join a SlotCache")
+            self.length_R[row], self.host_len[row] = 0, 0
+            return
         cols = cache._full_mask()[src].nonzero()[:, 0]
         n = cols.numel()
         if n + 1 > self.columns:
@@ -294,7 +303,6 @@ class SlotCache:
             elif isinstance(mine, SlotMamba):
                 mine.put(row, theirs, src)
         self.length_R[row] = n
-        self.active_R[row] = 1
         self.host_len[row] = n
 
     def keep(self, rows: list[int]) -> None:
@@ -307,11 +315,11 @@ class SlotCache:
                     if st is not None:
                         st.move(dst, src, n)
                 self.length_R[dst] = self.length_R[src]
+                self.active_R[dst] = self.active_R[src]
                 self.host_len[dst] = n
         free = slice(len(rows), self.rows)
         self.length_R[free] = 0
-        self.active_R[:] = 0
-        self.active_R[: len(rows)] = 1
+        self.active_R[free] = 0
         self.host_len[free] = [0] * (self.rows - len(rows))
 
     def nbytes(self) -> int:
