@@ -210,3 +210,23 @@ def test_speculative_rows_on_slots_with_a_draft_vocab_pauses_and_one_token_promp
     st = eng.stats
     assert 0 < st["verify_steps"] < st["decode_steps"], st
     assert not any(eng._mtp_graphs.slots.active_R.tolist())  # every row left
+
+
+def test_generate_reuses_its_slots_and_frees_them_with_the_model():
+    import gc
+    import weakref
+
+    from hybridlm.infer.generate import generate
+    from hybridlm.infer.graphs import _KEPT
+
+    model = _model("tiny-super")
+    ids = torch.randint(0, 256, (2, 7))
+    a = generate(model, ids, 5, cuda_graphs=True)
+    graphs = _KEPT[model][1]
+    b = generate(model, ids[:, :5], 9, cuda_graphs=True)  # same rows, same column bucket
+    assert _KEPT[model][1] is graphs and torch.equal(a, generate(model, ids, 5))
+    assert torch.equal(b, generate(model, ids[:, :5], 9))
+    ref = weakref.ref(model)
+    del model, graphs
+    gc.collect()
+    assert ref() is None  # the kept graphs did not keep the model alive

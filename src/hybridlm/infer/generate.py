@@ -81,13 +81,15 @@ def generate(
             if not bool(attention_mask.bool().all()):
                 input_ids_BL, mask = left_align(input_ids_BL, attention_mask)
         logits = model(input_ids_BL, cache=cache, attention_mask=mask).logits[:, -1]
+        columns = input_ids_BL.shape[1] + max_new_tokens + 1
         graphs = decode_graphs(
             model,
             input_ids_BL.shape[0],
-            input_ids_BL.shape[1] + max_new_tokens + 1,
+            -(-columns // 256) * 256,  # whole column buckets: later calls reuse the graphs
             ssm_precision=ssm_precision,
             kv_codecs=codecs,
             cuda_graphs=cuda_graphs,
+            reuse=(kv_cache_dtype,),
         )
         if graphs is not None:  # the prefilled rows move into the slots
             for row in range(input_ids_BL.shape[0]):

@@ -22,6 +22,7 @@ the same code: what the CPU tests check against the dynamic cache.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -51,12 +52,15 @@ def decode_graphs(
     ssm_precision: str = "fp32",
     kv_codecs: dict | None = None,
     cuda_graphs: bool | None = None,
+    reuse: tuple | None = None,
 ) -> DecodeGraphs | None:
     """The static decode path of `rows` x `columns` for a decoder (`Engine`, `generate`), or
     None for the growing `HybridCache`. `cuda_graphs=None`: on for a CUDA model when the cache
     formats allow it (fp16-sr SSM states and NVFP4 KV caches do not) and the slots take at most
     half of the free GPU memory; True: required (on the CPU: the same slot steps run eagerly,
-    what the tests use); False: off."""
+    what the tests use); False: off. `reuse` (a key of the cache formats): keep the slots and
+    their graphs with the model and hand them out again to the next call with the same key and
+    shape (one set per model), so repeated `generate` calls do not capture again."""
     kv_codecs = kv_codecs or {}
     device = model.embeddings.weight.device
     on_cuda = device.type == "cuda"
@@ -74,8 +78,20 @@ def decode_graphs(
         log.info("decoding without CUDA graphs: %d x %d slots need %.1f GiB", rows, columns,
                  need / 2**30)  # fmt: skip
         return None
+    key = (reuse, rows, columns, ssm_precision, on_cuda)
+    kept = _KEPT.get(model) if reuse is not None else None
+    if kept is not None and kept[0] == key:
+        graphs = kept[1]
+        graphs.slots.keep([])  # every slot free again
+        return graphs
     slots = SlotCache(model, rows, columns, ssm_precision=ssm_precision, kv_codecs=kv_codecs)
-    return DecodeGraphs(model, slots, capture=on_cuda)
+    graphs = DecodeGraphs(model, slots, capture=on_cuda)
+    if reuse is not None:
+        _KEPT[model] = (key, graphs)
+    return graphs
+
+
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, DecodeGraphs)
 
 
 def _bucket(n: int, choices: list[int]) -> int:
@@ -88,7 +104,9 @@ class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, slots: SlotCache, *, capture: bool) -> None:
         if capture and slots.device.type != "cuda":
             raise ValueError("CUDA graphs capture CUDA tensors; this model is on the CPU")
-        self.model, self.slots, self.capture = model, slots, capture
+        # weakly: graphs kept with a model (`decode_graphs(reuse=...)`) must not keep it alive
+        self._model = weakref.ref(model)
+        self.slots, self.capture = slots, capture
         R, S = slots.rows, slots.columns
         self.row_buckets = sorted({*(r for r in ROW_BUCKETS if r < R), R})
         cols, c = [], MIN_COLUMNS
@@ -100,6 +118,13 @@ class DecodeGraphs:
         self._histories: dict[tuple, list] = {}  # forward key -> Mamba histories at capture
         self._pool = None
         self.stats = {"captured": 0, "replayed": 0, "eager": 0}
+
+    @property
+    def model(self) -> torch.nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model of these decode graphs was freed")
+        return model
 
     # ------------------------------------------------------------------ calls
     @torch.no_grad()
