@@ -29,6 +29,7 @@ import torch
 
 from ..model.cache import AS_GIVEN
 from ..model.slots import STATIC_SSM_PRECISIONS, SlotCache, SlotMamba
+from ..ops import fused
 
 log = logging.getLogger("hybridlm.graphs")
 
@@ -78,20 +79,27 @@ def decode_graphs(
         log.info("decoding without CUDA graphs: %d x %d slots need %.1f GiB", rows, columns,
                  need / 2**30)  # fmt: skip
         return None
-    key = (reuse, rows, columns, ssm_precision, on_cuda)
-    kept = _KEPT.get(model) if reuse is not None else None
-    if kept is not None and kept[0] == key:
-        graphs = kept[1]
+    # what the captured kernels depend on besides the shapes: the decode step functions
+    # (`HybridLM.compile_decode`) and whether the Triton kernels are on
+    fns = tuple(getattr(m, "decode_fn", None) for m in model.modules())
+    key = (reuse, rows, columns, ssm_precision, on_cuda, fns, fused.usable(*model.parameters()))
+    kept = _KEPT.setdefault(model, {}) if reuse is not None else {}
+    graphs = kept.pop(key, None)
+    if graphs is not None:
         graphs.slots.keep([])  # every slot free again
-        return graphs
-    slots = SlotCache(model, rows, columns, ssm_precision=ssm_precision, kv_codecs=kv_codecs)
-    graphs = DecodeGraphs(model, slots, capture=on_cuda)
+    else:
+        slots = SlotCache(model, rows, columns, ssm_precision=ssm_precision, kv_codecs=kv_codecs)
+        graphs = DecodeGraphs(model, slots, capture=on_cuda)
     if reuse is not None:
-        _KEPT[model] = (key, graphs)
+        kept[key] = graphs  # the most recent last
+        while len(kept) > KEEP_PER_MODEL:
+            kept.pop(next(iter(kept)))
     return graphs
 
 
-_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, DecodeGraphs)
+KEEP_PER_MODEL = 4
+# model -> {key: DecodeGraphs}, the most recently used last
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _bucket(n: int, choices: list[int]) -> int:
