@@ -30,6 +30,7 @@ import torch
 from ..model.cache import AS_GIVEN
 from ..model.slots import STATIC_SSM_PRECISIONS, SlotCache, SlotMamba
 from ..ops import fused
+from ..precision.kv_cache import FP8KV
 
 log = logging.getLogger("hybridlm.graphs")
 
@@ -40,8 +41,6 @@ MIN_COLUMNS = 256
 def graph_safe_codecs(codecs: dict) -> bool:
     """Whether every KV codec encodes and decodes without host syncs or host tensors (stored as
     given, or FP8 under a static scale); NVFP4's checks read values back."""
-    from ..precision.kv_cache import FP8KV
-
     return all(isinstance(c, (type(AS_GIVEN), FP8KV)) for pair in codecs.values() for c in pair)
 
 
@@ -60,8 +59,9 @@ def decode_graphs(
     formats allow it (fp16-sr SSM states and NVFP4 KV caches do not) and the slots take at most
     half of the free GPU memory; True: required (on the CPU: the same slot steps run eagerly,
     what the tests use); False: off. `reuse` (a key of the cache formats): keep the slots and
-    their graphs with the model and hand them out again to the next call with the same key and
-    shape (one set per model), so repeated `generate` calls do not capture again."""
+    their graphs with the model (weakly; the `KEEP_PER_MODEL` most recent sets) and hand them
+    out again to the next call with the same key and shape, so repeated `generate` calls do
+    not capture again."""
     kv_codecs = kv_codecs or {}
     device = model.embeddings.weight.device
     on_cuda = device.type == "cuda"
