@@ -230,3 +230,40 @@ def test_generate_reuses_its_slots_and_frees_them_with_the_model():
     del model, graphs
     gc.collect()
     assert ref() is None  # the kept graphs did not keep the model alive
+
+
+def test_what_blocks_capture_and_eager_calls_never_replay(monkeypatch):
+    from hybridlm.infer.graphs import capture_blocker
+
+    monkeypatch.setenv("HYBRIDLM_FUSED", "1")  # the Triton kernels interpreted on the CPU
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for name in PRESETS:
+        assert capture_blocker(_model(name).float()) is None, name
+
+    class Converted(torch.nn.Module):  # what a quantisation from outside swaps in
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    model = _model("tiny-super").float()
+    model.lm_head = Converted(model.lm_head)
+    assert "Converted" in capture_blocker(model)
+    monkeypatch.setenv("HYBRIDLM_FUSED", "0")
+    assert "Triton" in capture_blocker(_model("tiny-super").float())
+    assert capture_blocker(_model("tiny-olmo").float()) is None  # no routed experts
+
+    # a key captured for greedy drafts is not replayed by a call that must run eagerly
+    graphs = decode_graphs(_model("tiny-super"), 1, 8, cuda_graphs=True)
+    calls = []
+
+    class Replayed:
+        def replay(self):
+            calls.append("replayed")
+
+    graphs._graphs["k"] = (Replayed(), (torch.zeros(1),), ("static",))
+    assert graphs.run("k", (1, 8), lambda x: ("eager",), (torch.ones(1),)) == ("static",)
+    out = graphs.run("k", (1, 8), lambda x: ("eager",), (torch.ones(1),), capture=False)
+    assert out == ("eager",) and calls == ["replayed"]

@@ -258,6 +258,7 @@ class Engine:
             ssm_precision=self.ssm_precision,
             kv_codecs=self.kv_codecs,
             cuda_graphs=cuda_graphs,
+            verify=model.mtp is not None,
         )
         # the speculative rows' MTP caches as slots too, indexed as the batch's rows
         self._mtp_graphs = None

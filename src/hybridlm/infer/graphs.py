@@ -28,7 +28,8 @@ from collections.abc import Callable
 import torch
 
 from ..model.cache import AS_GIVEN
-from ..model.slots import STATIC_SSM_PRECISIONS, SlotCache, SlotMamba
+from ..model.moe import Experts, run_local
+from ..model.slots import STATIC_SSM_PRECISIONS, SlotCache
 from ..ops import fused
 from ..precision.kv_cache import FP8KV
 
@@ -53,6 +54,7 @@ def decode_graphs(
     kv_codecs: dict | None = None,
     cuda_graphs: bool | None = None,
     reuse: tuple | None = None,
+    verify: bool = False,
 ) -> DecodeGraphs | None:
     """The static decode path of `rows` x `columns` for a decoder (`Engine`, `generate`), or
     None for the growing `HybridCache`. `cuda_graphs=None`: on for a CUDA model when the cache
@@ -61,7 +63,8 @@ def decode_graphs(
     what the tests use); False: off. `reuse` (a key of the cache formats): keep the slots and
     their graphs with the model (weakly; the `KEEP_PER_MODEL` most recent sets) and hand them
     out again to the next call with the same key and shape, so repeated `generate` calls do
-    not capture again."""
+    not capture again. `verify`: speculative verification will run (its per-position state
+    buffers count in the memory check)."""
     kv_codecs = kv_codecs or {}
     device = model.embeddings.weight.device
     on_cuda = device.type == "cuda"
@@ -70,19 +73,25 @@ def decode_graphs(
         why_not = f"SSM states stored in {ssm_precision}"
     elif on_cuda and not graph_safe_codecs(kv_codecs):
         why_not = "an NVFP4 KV cache"
+    elif on_cuda:
+        why_not = capture_blocker(model)
     if cuda_graphs is False or (cuda_graphs is None and (not on_cuda or why_not)):
         return None
     if why_not is not None:
         raise ValueError(f"cuda_graphs: the static decode cache does not support {why_not}")
-    need = SlotCache.planned_nbytes(model, rows, columns)
+    need = SlotCache.planned_nbytes(model, rows, columns, verify=verify)
     if cuda_graphs is None and need > torch.cuda.mem_get_info(device)[0] // 2:
         log.info("decoding without CUDA graphs: %d x %d slots need %.1f GiB", rows, columns,
                  need / 2**30)  # fmt: skip
         return None
     # what the captured kernels depend on besides the shapes: the decode step functions
     # (`HybridLM.compile_decode`) and whether the Triton kernels are on
+    # (`HybridLM.compile_decode`), whether the Triton kernels are on, and where the weights
+    # are (a reloaded or cast model has new weight buffers)
     fns = tuple(getattr(m, "decode_fn", None) for m in model.modules())
+    weights = tuple((p.data_ptr(), p.dtype) for p in model.parameters())
     key = (reuse, rows, columns, ssm_precision, on_cuda, fns, fused.usable(*model.parameters()))
+    key = (*key, weights)
     kept = _KEPT.setdefault(model, {}) if reuse is not None else {}
     graphs = kept.pop(key, None)
     if graphs is not None:
@@ -100,6 +109,22 @@ def decode_graphs(
 KEEP_PER_MODEL = 4
 # model -> {key: DecodeGraphs}, the most recently used last
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def capture_blocker(model: torch.nn.Module) -> str | None:
+    """Why a decode step of `model` cannot be captured, or None: modules converted from
+    outside (quantised linears, PTQ experts) may read values back to the host, and so does the
+    routed experts' dispatch without the Triton kernels (it hands the per-expert counts to the
+    host)."""
+    for m in model.modules():
+        if not type(m).__module__.startswith(("torch.nn", "hybridlm.model")):
+            return f"a converted module ({type(m).__name__}) in the model"
+    for m in model.modules():
+        if isinstance(m, Experts) and not (
+            m.dispatch is run_local and fused.usable(m.up_proj, m.down_proj)
+        ):
+            return "routed experts without the Triton kernels (HYBRIDLM_FUSED=0 or no triton)"
+    return None
 
 
 def _bucket(n: int, choices: list[int]) -> int:
@@ -123,7 +148,6 @@ class DecodeGraphs:
             c *= 2
         self.col_buckets = [*cols, S]
         self._graphs: dict[tuple, tuple] = {}  # key -> (graph, static inputs, static outputs)
-        self._histories: dict[tuple, list] = {}  # forward key -> Mamba histories at capture
         self._pool = None
         self.stats = {"captured": 0, "replayed": 0, "eager": 0}
 
@@ -156,10 +180,7 @@ class DecodeGraphs:
                 sl.record_history(False)
             return out.logits, out.hidden
 
-        replayed = key in self._graphs
         logits, hidden = self.run(key, (b, s), step, (ids.to(sl.device),))
-        if replayed and history:  # the histories this graph writes, for `rewind`
-            self._set_histories(self._histories[key])
         for r in range(n):
             sl.host_len[r] += L
         self._last = key
@@ -181,7 +202,7 @@ class DecodeGraphs:
             sl.rewind(keep_b, L)
             return ()
 
-        self.run(("rewind", *key[1:]), (b, s), rewind, (keep_b,))
+        self.run(("rewind", b, L), (b, s), rewind, (keep_b,))
         for r, k in enumerate(keep):
             sl.host_len[r] += k - L
 
@@ -208,9 +229,10 @@ class DecodeGraphs:
         """`fn(*inputs)` over the slots' `bucket`: replayed when a graph of `key` exists, else
         run eagerly and (`capture`, on CUDA) captured for the next calls. `fn` must only read
         `inputs` and the slots (its outputs are the graph's buffers, overwritten by the next
-        replay). `capture=False`: a call with host work inside (sampling with a generator)."""
+        replay). `capture=False`: a call with host work inside (sampling with a generator),
+        always run eagerly."""
         self.slots.bucket = bucket
-        entry = self._graphs.get(key)
+        entry = self._graphs.get(key) if capture else None
         if entry is not None:
             graph, static_in, static_out = entry
             for buf, x in zip(static_in, inputs, strict=True):
@@ -226,28 +248,20 @@ class DecodeGraphs:
 
     def _capture(self, key: tuple, fn: Callable, inputs: tuple) -> None:
         """Record `fn` on static copies of `inputs` (capture runs nothing: no state changes).
-        A rewind graph reads the histories its forward graph writes."""
-        kept = self._get_histories()
-        if key[0] == "rewind":
-            self._set_histories(self._histories[("step", *key[1:])])
+        A capture that fails (an operation that cannot be recorded) leaves these graphs eager
+        from then on, with a warning: the step it belongs to already ran."""
         static_in = tuple(x.clone() for x in inputs)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, pool=self._pool):
-            static_out = fn(*static_in)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                static_out = fn(*static_in)
+        except Exception as err:
+            log.warning("CUDA graph capture failed, decoding eagerly: %s: %s",
+                        type(err).__name__, err)  # fmt: skip
+            self.capture = False
+            torch.cuda.synchronize()
+            return
         self._pool = graph.pool()
-        if key[0] == "step":
-            self._histories[key] = self._get_histories()
-        self._set_histories(kept)  # the eager step's, for a rewind that follows it now
         self._graphs[key] = (graph, static_in, static_out)
         self.stats["captured"] += 1
-
-    def _mamba(self) -> list[SlotMamba]:
-        return [st for st in self.slots.layers if isinstance(st, SlotMamba)]
-
-    def _get_histories(self) -> list:
-        return [st._history for st in self._mamba()]
-
-    def _set_histories(self, hist: list) -> None:
-        for st, h in zip(self._mamba(), hist, strict=True):
-            st._history = h

@@ -684,11 +684,12 @@ def _mtp_slots(model: HybridLM, h_BLD: Tensor, tok_BL: Tensor, slots: SlotCache)
 
 
 def _queued_slots(
-    decoders: dict[int, SpeculativeDecoder], n: int, b: int, *, keep_last: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+    decoders: dict[int, SpeculativeDecoder], b: int, *, keep_last: bool
+) -> tuple[tuple[Tensor, Tensor, Tensor], list[int]]:
     """The rows' queued (hidden, token) pairs right-padded into [b, P] inputs, rows indexed as
-    the batch (rows without a decoder: one zero pair, their slots inactive), and the pairs per
-    row; `keep_last` leaves each row's last pair queued."""
+    the batch (rows without a decoder: one zero pair, their slots inactive), with the pairs
+    per row (a tensor, and a list for the host); `keep_last` leaves each row's last pair
+    queued."""
     dec0 = next(iter(decoders.values()))
     device = dec0.model.embeddings.weight.device
     pend: dict[int, tuple[Tensor, Tensor]] = {}
@@ -711,7 +712,7 @@ def _queued_slots(
         h_bPD[r, : h.shape[0]] = h
         tok_bP[r, : t.shape[0]] = t
         cnt[r] = h.shape[0]
-    return h_bPD, tok_bP, torch.tensor(cnt, device=device)
+    return (h_bPD, tok_bP, torch.tensor(cnt, device=device)), cnt
 
 
 @torch.no_grad()
@@ -736,7 +737,7 @@ def draft_slots(
     P = max(d.drafter.queued() for d in decoders.values())
     sl = graphs.slots
     b, s = graphs.bucket(n, P + K)
-    inputs = _queued_slots(decoders, n, b, keep_last=False)
+    inputs, cnt = _queued_slots(decoders, b, keep_last=False)
     sampled = {r: d for r, d in decoders.items() if not d.greedy}
     q_rows: dict[int, list[Tensor]] = {r: [] for r in sampled}
 
@@ -766,7 +767,7 @@ def draft_slots(
     key = ("draft", b, s, P, K, dv is not None)
     (toks_bK,) = graphs.run(key, (b, s), draft, inputs, capture=not sampled)
     for r in decoders:
-        sl.host_len[r] += int(inputs[2][r])
+        sl.host_len[r] += cnt[r]
     toks = toks_bK.tolist()
     return {
         r: (toks[r][: ks[r]], torch.cat(q_rows[r]) if q_rows.get(r) else None) for r in decoders
@@ -781,12 +782,12 @@ def consume_slots(decoders: dict[int, SpeculativeDecoder], n: int, graphs: Decod
     P = max(d.drafter.queued() for d in decoders.values()) - 1
     sl = graphs.slots
     b, s = graphs.bucket(n, P)
-    h_bPD, tok_bP, cnt_b = _queued_slots(decoders, n, b, keep_last=True)
+    (h_bPD, tok_bP, cnt_b), cnt = _queued_slots(decoders, b, keep_last=True)
     sl.bucket = (b, s)
     _mtp_slots(decoders[next(iter(decoders))].model, h_bPD, tok_bP, sl)
     sl.advance(cnt_b)
     for r in decoders:
-        sl.host_len[r] += int(cnt_b[r])
+        sl.host_len[r] += cnt[r]
 
 
 @torch.no_grad()

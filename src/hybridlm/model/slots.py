@@ -31,6 +31,12 @@ from .state_precision import StoredState, check_precision
 # fp16-sr draws its noise from a generator seeded per (seed, layer, step) on the host: a step
 # counter a captured graph cannot advance
 STATIC_SSM_PRECISIONS = ("fp32", "fp16", "int16-block")
+MAX_VERIFY = 17  # positions a verification feeds a row: 1 + at most 16 drafts
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """float8 codes as their bytes: indexing kernels cover uint8 on every device."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
 
 
 class SlotKV:
@@ -66,7 +72,7 @@ class SlotKV:
         for bufs, parts in ((self._k, self.codec[0].encode(k_BKLE)),
                             (self._v, self.codec[1].encode(v_BKLE))):  # fmt: skip
             for buf, part in zip(bufs, parts, strict=True):
-                buf[rows_BL, :, cols_BL] = part.transpose(1, 2)
+                _bytes(buf)[rows_BL, :, cols_BL] = _bytes(part).transpose(1, 2)
         b, s = sl.bucket
         k = self.codec[0].decode(tuple(p[:b, :, :s] for p in self._k), self.dtype)
         v = self.codec[1].decode(tuple(p[:b, :, :s] for p in self._v), self.dtype)
@@ -86,7 +92,7 @@ class SlotKV:
         n = cols.numel()
         for bufs, parts in ((self._k, kv[0]), (self._v, kv[1])):
             for buf, part in zip(bufs, parts, strict=True):
-                buf[row, :, :n] = part[src][:, cols]
+                _bytes(buf)[row, :, :n] = _bytes(part)[src][:, cols]
 
     def move(self, dst: int, src: int, n: int) -> None:
         for buf in self._k + self._v:
@@ -112,6 +118,7 @@ class SlotMamba(MambaState):
         scale = probe.scale
         self._scale = None if scale is None else scale.new_zeros(slots.rows, *scale.shape[1:])
         self._ssm_shape = ssm_HPN.shape
+        self._hist: tuple[torch.Tensor, ...] | None = None  # see `set_history`
         super().__init__(precision)
 
     @property
@@ -142,14 +149,31 @@ class SlotMamba(MambaState):
     def set_history(
         self, conv_in_BSX: torch.Tensor | None, xbc_BLX: torch.Tensor, ssm_BLHPN: torch.Tensor
     ) -> None:
-        # the conv input is a view of the buffer the call overwrites: keep a copy
-        conv_in = None if conv_in_BSX is None else conv_in_BSX.clone()
-        self._history = (conv_in, xbc_BLX, ssm_BLHPN)
+        """Copies into history buffers allocated once ([R, MAX_VERIFY, ...], on the first
+        verification: every captured verification writes the same memory, and the conv input,
+        a view of the buffer the call overwrites, is kept as it was)."""
+        b, L = xbc_BLX.shape[:2]
+        if L > MAX_VERIFY:
+            raise ValueError(f"a SlotCache verifies at most {MAX_VERIFY} positions, got {L}")
+        if self._hist is None:
+            R = self.slots.rows
+            self._hist = (
+                self._conv.new_zeros(self._conv.shape),
+                xbc_BLX.new_zeros(R, MAX_VERIFY, xbc_BLX.shape[2]),
+                ssm_BLHPN.new_zeros(R, MAX_VERIFY, *ssm_BLHPN.shape[2:]),
+            )
+        conv, xbc, ssm = self._hist
+        conv[:b].copy_(conv_in_BSX)
+        xbc[:b, :L].copy_(xbc_BLX)
+        ssm[:b, :L].copy_(ssm_BLHPN)
 
-    def rewind(self, keep: int | torch.Tensor) -> None:
-        """Per-row rewind on the device (no check, no host sync: the caller's counts)."""
-        keep_B = torch.as_tensor(keep, device=self._conv.device).long()
-        keep_B = keep_B.expand(self.slots.bucket[0])
+    def rewind(self, keep: int | torch.Tensor, length: int) -> None:
+        """Per-row rewind on the device after a verification of `length` positions (no check,
+        no host sync: the caller's counts)."""
+        b = self.slots.bucket[0]
+        keep_B = torch.as_tensor(keep, device=self._conv.device).long().expand(b)
+        conv, xbc, ssm = self._hist
+        self._history = (conv[:b], xbc[:b, :length], ssm[:b, :length])
         self.conv_BSX, self.ssm_BHPN = self._rewound(keep_B)
         self._history = None
 
@@ -225,9 +249,12 @@ class SlotCache:
         self.rows_BL = self.positions_BL = torch.zeros(0, dtype=torch.long, device=w.device)
 
     @staticmethod
-    def planned_nbytes(model: torch.nn.Module, rows: int, columns: int) -> int:
+    def planned_nbytes(
+        model: torch.nn.Module, rows: int, columns: int, *, verify: bool = False
+    ) -> int:
         """Bytes a SlotCache of `rows` x `columns` takes for `model`, keys and values stored in
-        the model's dtype and SSM states in fp32 (a bound for quantised storage)."""
+        the model's dtype and SSM states in fp32 (a bound for quantised storage); `verify`:
+        with the per-position states of speculative verification (`SlotMamba.set_history`)."""
         cfg = model.config
         size = model.embeddings.weight.element_size()
         total = 0
@@ -239,7 +266,8 @@ class SlotCache:
             m = cfg.mamba
             conv = (m.conv_kernel - 1) * m.conv_dim * size
             ssm = m.num_heads * m.head_dim * m.state_size * max(size, 4)  # fp32 at least
-            total += cfg.pattern.count("M") * rows * (conv + ssm)
+            hist = conv + MAX_VERIFY * (ssm + m.conv_dim * size) if verify else 0
+            total += cfg.pattern.count("M") * rows * (conv + ssm + hist)
         return total
 
     # ------------------------------------------------------------------ a call
@@ -277,7 +305,7 @@ class SlotCache:
         b = self.bucket[0]
         for st in self.layers:
             if isinstance(st, SlotMamba):
-                st.rewind(keep_B)
+                st.rewind(keep_B, length)
         self.length_R[:b] += (keep_B - length) * self.active_R[:b]
 
     # ------------------------------------------------------------------ rows
