@@ -228,6 +228,7 @@ def test_whole_flow_runs_and_writes_the_report(finished):
         assert f"plots/{png}.png" in md
     for heading in ("Pretraining and SFT", "RL (GRPO)", "Speculative decoding", "quantisation"):
         assert heading in md
+    assert "'?'" not in md and " ? x ?" not in md and "(T=?)" not in md  # every setting found
     page = (run / "report.html").read_text()
     assert page.count("data:image/png;base64,") == 6 and "<table>" in page
     check_report_html(run / "report.html")

@@ -289,9 +289,9 @@ def definitions(
         ],
         [
             "**GRPO train reward**",
-            f"mean verifier reward of a step's {_get(cfg, 'rl.groups_per_step', '?')} x "
-            f"{_get(cfg, 'rl.group_size', '?')} sampled completions (T="
-            f"{_get(cfg, 'rl.temperature', '?')})",
+            f"mean verifier reward of a step's {_get(cfg, 'rl.rl.groups_per_step', '?')} x "
+            f"{_get(cfg, 'rl.rl.group_size', '?')} sampled completions (T="
+            f"{_get(cfg, 'rl.rl.temperature', '?')})",
             "reward (0-1)",
         ],
         [
