@@ -104,7 +104,7 @@ from ..model.model import HybridLM
 from ..model.slots import SlotCache
 from ..model.state_precision import check_precision
 from ..precision.kv_cache import kv_codecs
-from .graphs import DecodeGraphs, decode_graphs
+from .graphs import DecodeGraphs, cache_forward, decode_graphs
 from .sampling import (
     SamplingParams,
     TokenConstraint,
@@ -558,13 +558,9 @@ class Engine:
         per-row rewind (speculative verification)."""
         if self._graphs is not None:
             return self._graphs.forward(ids_BL, history=history)
-        cache = self._cache
-        cache.record_history(history)
-        try:
-            out = self.model(ids_BL, cache=cache, return_hidden=return_hidden)
-        finally:
-            cache.record_history(False)
-        return out.logits, out.hidden
+        return cache_forward(
+            self.model, ids_BL, self._cache, history=history, return_hidden=return_hidden
+        )
 
     def _emit_sampled(
         self,

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..model.cache import AS_GIVEN
+from ..model.cache import AS_GIVEN, HybridCache
 from ..model.moe import Experts, run_local
 from ..model.slots import STATIC_SSM_PRECISIONS, SlotCache
 from ..ops import fused
@@ -85,13 +85,12 @@ def decode_graphs(
                  need / 2**30)  # fmt: skip
         return None
     # what the captured kernels depend on besides the shapes: the decode step functions
-    # (`HybridLM.compile_decode`) and whether the Triton kernels are on
     # (`HybridLM.compile_decode`), whether the Triton kernels are on, and where the weights
     # are (a reloaded or cast model has new weight buffers)
     fns = tuple(getattr(m, "decode_fn", None) for m in model.modules())
-    weights = tuple((p.data_ptr(), p.dtype) for p in model.parameters())
-    key = (reuse, rows, columns, ssm_precision, on_cuda, fns, fused.usable(*model.parameters()))
-    key = (*key, weights)
+    params = list(model.parameters())
+    weights = tuple((p.data_ptr(), p.dtype) for p in params)
+    key = (reuse, rows, columns, ssm_precision, on_cuda, fns, fused.usable(*params), weights)
     kept = _KEPT.setdefault(model, {}) if reuse is not None else {}
     graphs = kept.pop(key, None)
     if graphs is not None:
@@ -125,6 +124,24 @@ def capture_blocker(model: torch.nn.Module) -> str | None:
         ):
             return "routed experts without the Triton kernels (HYBRIDLM_FUSED=0 or no triton)"
     return None
+
+
+def cache_forward(
+    model: torch.nn.Module,
+    ids_BL: torch.Tensor,
+    cache: HybridCache | SlotCache,
+    *,
+    history: bool = False,
+    return_hidden: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits, hidden) of `ids_BL` continuing `cache`; `history` keeps the Mamba states after
+    every position of this call (`record_history`), for a per-row rewind."""
+    cache.record_history(history)
+    try:
+        out = model(ids_BL, cache=cache, return_hidden=return_hidden)
+    finally:
+        cache.record_history(False)
+    return out.logits, out.hidden
 
 
 def _bucket(n: int, choices: list[int]) -> int:
@@ -172,13 +189,8 @@ class DecodeGraphs:
         ids = ids_nL if b == n else torch.cat([ids_nL, ids_nL.new_zeros(b - n, L)])
         key = ("step", b, s, L, history)
 
-        def step(ids_bL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            sl.record_history(history)
-            try:
-                out = self.model(ids_bL, cache=sl, return_hidden=True)
-            finally:
-                sl.record_history(False)
-            return out.logits, out.hidden
+        def step(ids_bL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return cache_forward(self.model, ids_bL, sl, history=history)
 
         logits, hidden = self.run(key, (b, s), step, (ids.to(sl.device),))
         for r in range(n):

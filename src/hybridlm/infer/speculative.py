@@ -668,19 +668,23 @@ def _mtp_batch(
 ) -> Tensor:
     """The MTP module over L new columns of a batch cache (padded rows: per-row positions and
     masks as `HybridLM.forward` builds them; `mask_BL` False on padding in this call)."""
-    L = tok_BL.shape[1]
-    pos = torch.arange(cache.seen_tokens, cache.seen_tokens + L, device=tok_BL.device)
-    ctx = model._padding_context(tok_BL, mask_BL, cache, pos)
-    out = model.mtp(h_BLD, model.embeddings(tok_BL), states=cache.layers, **ctx)
-    cache.seen_tokens += L
+    out = _mtp_call(model, h_BLD, tok_BL, cache, mask_BL)
+    cache.advance(tok_BL.shape[1])
     return out
 
 
-def _mtp_slots(model: HybridLM, h_BLD: Tensor, tok_BL: Tensor, slots: SlotCache) -> Tensor:
-    """The MTP module over L new positions of every row of a `SlotCache` bucket (the caller
-    advances the rows' lengths)."""
-    ctx = slots.context(tok_BL)
-    return model.mtp(h_BLD, model.embeddings(tok_BL), states=slots.layers, **ctx)
+def _mtp_call(
+    model: HybridLM,
+    h_BLD: Tensor,
+    tok_BL: Tensor,
+    cache: HybridCache | SlotCache,
+    mask_BL: Tensor | None = None,
+) -> Tensor:
+    """The MTP module over L new positions of a cache's rows, with the context the backbone's
+    forward would build for them (`HybridLM._block_context`); the caller advances the cache
+    (a `SlotCache`'s rows by their own counts)."""
+    ctx = model._block_context(tok_BL, None, mask_BL, cache)
+    return model.mtp(h_BLD, model.embeddings(tok_BL), states=cache.layers, **ctx)
 
 
 def _queued_slots(
@@ -751,15 +755,15 @@ def draft_slots(
         return tok_b if dv is None else dv.ids_N[tok_b]
 
     def draft(h_bPD: Tensor, tok_bP: Tensor, cnt_b: Tensor) -> tuple[Tensor]:
-        x_bPD = _mtp_slots(model, h_bPD, tok_bP, sl)
+        x_bPD = _mtp_call(model, h_bPD, tok_bP, sl)
         sl.advance(cnt_b)
         h_b1D = x_bPD[torch.arange(b, device=x_bPD.device), cnt_b - 1][:, None]
+        head = dv.logits if dv is not None else lambda h: project(model.lm_head, h)
         toks = []
         for j in range(K):
             if j > 0:
-                h_b1D = _mtp_slots(model, h_b1D, toks[-1][:, None], sl)
+                h_b1D = _mtp_call(model, h_b1D, toks[-1][:, None], sl)
                 sl.advance(1)
-            head = dv.logits if dv is not None else lambda h: project(model.lm_head, h)
             toks.append(pick(j, head(h_b1D)[:, 0]))
         sl.advance(-(K - 1))  # forget the draft positions; they rerun once verified
         return (torch.stack(toks, dim=1),)
@@ -784,7 +788,7 @@ def consume_slots(decoders: dict[int, SpeculativeDecoder], n: int, graphs: Decod
     b, s = graphs.bucket(n, P)
     (h_bPD, tok_bP, cnt_b), cnt = _queued_slots(decoders, b, keep_last=True)
     sl.bucket = (b, s)
-    _mtp_slots(decoders[next(iter(decoders))].model, h_bPD, tok_bP, sl)
+    _mtp_call(decoders[next(iter(decoders))].model, h_bPD, tok_bP, sl)
     sl.advance(cnt_b)
     for r in decoders:
         sl.host_len[r] += cnt[r]

@@ -42,8 +42,6 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 class SlotKV:
     """Keys and values of one attention layer in [R, K, S, ...] buffers (see the module)."""
 
-    static = True
-
     def __init__(
         self,
         slots: SlotCache,
@@ -105,8 +103,6 @@ class SlotKV:
 class SlotMamba(MambaState):
     """Conv and SSM state of one Mamba layer in [R, ...] buffers: reading gives the bucket's
     rows, assigning copies into them (the mixers assign new states each call)."""
-
-    static = True
 
     def __init__(
         self, slots: SlotCache, precision: str, conv_SX: torch.Tensor, ssm_HPN: torch.Tensor
