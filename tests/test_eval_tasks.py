@@ -14,7 +14,6 @@ from hybridlm.data import builtin
 from hybridlm.data.tokenizer import ByteTokenizer
 from hybridlm.eval.harness import EvalConfig, LoadedModel, evaluate, load_model
 from hybridlm.eval.loglik import LN2, encode_pair, loglikelihood
-from hybridlm.eval.passk import mean_pass_at_k, pass_at_k
 from hybridlm.eval.tasks import (
     EvalRunner,
     MCItem,
@@ -34,6 +33,7 @@ from hybridlm.eval.tasks import (
 )
 from hybridlm.interop.hf import save_pretrained
 from hybridlm.model.model import HybridLM
+from hybridlm.report.stats import mean_pass_at_k, pass_at_k
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "runs/quickstart/checkpoints/step_00001200"
 

@@ -283,7 +283,7 @@ def test_report_html_is_valid_and_shows_provenance(tmp_path):
     assert md.startswith(f"# hybridlm speedrun — {run}\n")
     assert "Not the default speedrun: 2 settings differ" in head
     assert "| `pretrain.train.max_steps` | 1000 | 12 |" in head
-    assert "| `rl.train.max_steps` | 30 | 6 |" in head
+    assert "| `rl.train.max_steps` | 40 | 6 |" in head
     assert "hybridlm speedrun --out" in head and "torch " in head and "python " in head
     assert "threads=2" in head  # configure_threads' result, as recorded
     # stage times for people; a reused stage says so
@@ -294,7 +294,7 @@ def test_report_html_is_valid_and_shows_provenance(tmp_path):
     assert "**trainer bpb**" in md and "**eval bpb**" in md and "8,160 tokens" in md
     assert "trainer bpb: 3.934 at step 12" in md
     # the RL eval set's size comes from the run's config (rl.data.eval_problems)
-    assert "fraction of 96 held-out problems solved greedily" in md
+    assert "fraction of 160 held-out problems solved greedily" in md
     # honest step counts: 6 RL steps -> first / last 3
     assert "mean of the first / last 3 of 6 steps: 0.200 -> 0.500" in md
     assert "first / last 10" not in md
@@ -302,7 +302,7 @@ def test_report_html_is_valid_and_shows_provenance(tmp_path):
     lo, hi = wilson_interval(21, 50)
     assert f"0.42 [{lo:.2f}, {hi:.2f}] (95% CI, n=50)" in md
     assert "0.00 [0.00, 0.07] (95% CI, n=50)" in md  # 0 of 50 is not "0 ± 0"
-    assert "arithmetic exact match (n=50): pretrain 0.00" in md
+    assert "held-out solved (RL eval set, n=50): pretrain 0.00" in md
     assert "4.20 ± 0.59 (95% CI, n=20 prompts)" in md  # SPEED-Bench: 1.96 x bootstrap s.e.
     # acceptance intervals from the per-prompt counts
     assert re.search(r"0\.89 \[0\.\d\d, 1\.00\]", md)

@@ -73,8 +73,12 @@ def _envs():
 
 def test_grpo_learns_a_verifiable_preference(tmp_path, one_thread):
     env, held = _envs()
-    res = run_rl(_cfg(tmp_path), env=env, eval_env=held, progress=False)
+    res = run_rl(_cfg(tmp_path, eval_samples=4), env=env, eval_env=held, progress=False)
     rewards = [r["reward_mean"] for r in res["train"]]
+    # the held-out problems sampled at the RL temperature too (rl.eval_samples), 4 per problem
+    first, last = res["eval"][0], res["eval"][-1]
+    assert first["held/sampled_count"] == 4 * first["held/count"] == 128
+    assert last["all/sampled"] > first["all/sampled"] + 0.2, (first, last)
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.25, rewards
     # the verifier's verdict on every drawn sample: the reward itself for a 0/1 verifier
     assert [r["draw_solved"] for r in res["train"]] == rewards

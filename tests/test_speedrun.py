@@ -42,6 +42,9 @@ TINY = [
     "long_context.ruler_samples=1",
     "long_context.ruler_tasks=[niah_single,cwe]",
     "sft.data.sources.0.max_rows=300",
+    "sft.data.sources.1.max_rows=10",
+    "sft.data.sources.2.max_rows=30",
+    "sft.data.sources.3.max_rows=30",
     "sft.train.max_steps=6",
     "sft.train.eval_interval=6",
     "sft.train.checkpoint_interval=6",
@@ -56,6 +59,9 @@ TINY = [
     "rl.rl.max_draws=2",
     "rl.train.eval_interval=1",
     "rl.rl.max_new_tokens=16",
+    "rl.rl.max_episode_tokens=32",
+    "rl.data.difficulty_filter.problems=2",
+    "rl.data.difficulty_filter.samples=2",
     "mtp_heal.train.max_steps=3",
     "mtp_heal.data.num_sequences=4",
     "mtp_heal.data.eval_prompts=2",
@@ -170,6 +176,12 @@ def test_whole_flow_runs_and_writes_the_report(finished):
     assert yaml.safe_load((run / "rl" / "rl.yaml").read_text())["train"]["init_from"] == str(
         run / "sft"
     )
+    # RL over the four environments, after the difficulty filter with the SFT model
+    rl = json.loads((run / "rl" / "stage.json").read_text())["summary"]
+    envs = {"sft_arithmetic", "calculator", "ifeval", "code_gen"}
+    assert set(rl["difficulty_filter"]) == envs
+    for f in rl["difficulty_filter"].values():
+        assert f["pool"] == 2 and 0 <= f["pass@1"] <= f["pass@2"] <= 1
     heal = json.loads((run / "mtp_heal" / "stage.json").read_text())["summary"]
     assert heal["from"] == str(run / "rl" / "model")
     quant = json.loads((run / "quantize" / "stage.json").read_text())["summary"]
@@ -194,6 +206,7 @@ def test_whole_flow_runs_and_writes_the_report(finished):
     ]
     for r in models.values():
         assert r["text_bpb"] > 0 and 0 <= r["exact_match"] <= 1 and r["problems"] == 4
+        assert set(r["solved_by_env"]) <= envs
     # MTP healing trains only the head: the backbone's text loss is unchanged
     assert models["mtp_heal"]["text_loss"] == pytest.approx(models["rl"]["text_loss"], abs=1e-5)
     # QAD: the NVFP4 checkpoint's plan trained from the healed model, its step 0 = that PTQ
@@ -223,6 +236,7 @@ def test_whole_flow_runs_and_writes_the_report(finished):
     assert "acceptance_length:greedy" in spec and "greedy_mismatches" in spec
     # the report: every plot, every section, a self-contained HTML page
     md = (run / "report.md").read_text()
+    assert "SFT pass@1 / pass@2" in md and "| code_gen |" in md
     for png in ("loss", "bpb", "reward", "acceptance", "quantization", "cache_memory"):
         assert (run / "plots" / f"{png}.png").stat().st_size > 5000
         assert f"plots/{png}.png" in md

@@ -281,22 +281,46 @@ def gsm8k_conversations(
 
 
 def arithmetic_conversations(
-    n: int, *, seed: int = 0, digits: int = 2, ops: str = "+-"
+    n: int, *, seed: int = 0, digits: int = 2, ops: str = "+-", terms: int = 2
 ) -> list[Conversation]:
     """`n` arithmetic questions ("What is 47 + 38?") with a short column-wise reasoning trace and
-    the answer: a task a tiny model can learn in minutes, with a checkable answer."""
+    the answer: a task a tiny model can learn in minutes, with a checkable answer. `ops` holds
+    the operators drawn from ("+-*"; `*` multiplies by one digit, 2-9, and needs the
+    multiplication table: a tiny model learns it partly, which leaves RL room). With `terms`
+    > 2 the question chains `terms - 1` operations left to right ("What is 47 + 38 - 12?"), the
+    trace works each step in turn and every intermediate value stays >= 0; the chains leave a
+    tiny model room to improve (`data.tasks`)."""
+    if terms < 2:
+        raise ValueError(f"terms must be >= 2, got {terms}")
+    if not ops or set(ops) - set("+-*") or ("*" in ops and terms > 2):
+        raise ValueError(f"ops must be drawn from '+-*' ('*' with two terms), got {ops!r}")
     rng = random.Random(seed)
     out = []
     hi = 10**digits - 1
     for _ in range(n):
-        a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice(ops)
-        if op == "-" and b > a:
-            a, b = b, a
-        ans = a + b if op == "+" else a - b
-        trace = _column_trace(a, b, op)
+        if terms == 2:  # the original draw order: the same questions as before chains existed
+            a, b, op = rng.randint(0, hi), rng.randint(0, hi), rng.choice(ops)
+            if op == "-" and b > a:
+                a, b = b, a
+            if op == "*":  # by one digit: the multiplication table, then the carries
+                b = 2 + b % 8
+            ans = a + b if op == "+" else a - b if op == "-" else a * b
+            trace = _column_trace(a, b, op)
+            question = f"{a} {op} {b}"
+        else:
+            value = rng.randint(0, hi)
+            question, steps = str(value), []
+            for _ in range(terms - 1):
+                b, op = rng.randint(0, hi), rng.choice(ops)
+                if op == "-" and b > value:
+                    op = "+"
+                nxt = value + b if op == "+" else value - b
+                steps.append(f"{value} {op} {b}:\n{_column_trace(value, b, op)}\n= {nxt}")
+                question, value = f"{question} {op} {b}", nxt
+            ans, trace = value, "\n".join(steps)
         out.append(
             [
-                {"role": "user", "content": f"What is {a} {op} {b}?"},
+                {"role": "user", "content": f"What is {question}?"},
                 {"role": "assistant", "content": str(ans), "reasoning_content": trace},
             ]
         )
@@ -304,8 +328,16 @@ def arithmetic_conversations(
 
 
 def _column_trace(a: int, b: int, op: str) -> str:
-    """Digit-by-digit addition (carry) or subtraction (borrow), least significant first."""
+    """Digit-by-digit addition (carry), subtraction (borrow) or multiplication by one digit
+    (carry), least significant first."""
     steps, carry, i = [], 0, 0
+    if op == "*":
+        while not steps or a // 10**i or carry:  # one step at least (0 * b)
+            da = a // 10**i % 10
+            s = da * b + carry
+            steps.append(f"{da}*{b}+{carry}={s}, write {s % 10} carry {s // 10}")
+            carry, i = s // 10, i + 1
+        return "\n".join(steps)
     while a // 10**i or b // 10**i or (carry and op == "+"):
         da, db = a // 10**i % 10, b // 10**i % 10
         if op == "+":

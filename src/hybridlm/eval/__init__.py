@@ -3,9 +3,9 @@ adapter (`lm_eval_adapter`), and `hybridlm eval` (`harness`)."""
 
 # every task module adds its tasks to `tasks.TASKS` when imported; importing them here (any
 # `hybridlm.eval.*` import runs this first) makes the registry complete before any lookup
+from ..report.stats import mean_pass_at_k, pass_at_k
 from . import ifeval, speculative  # noqa: F401
 from .loglik import LoglikResult, encode_pair, loglikelihood, loglikelihood_rolling
-from .passk import mean_pass_at_k, pass_at_k
 from .tasks import TASKS, EvalRunner, MCItem, MCTask, get_task, resolve_tasks
 
 __all__ = [

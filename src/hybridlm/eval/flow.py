@@ -1,13 +1,14 @@
 """Evaluation of every model of a flow (the speedrun's `eval` stage).
 
 For each finished model stage (pretrain, SFT, RL, MTP healing, the quantised model) on the same
-data: held-out pretraining text (next-token loss and bits per byte, as the trainer measures them),
-held-out arithmetic problems (the RL eval set, greedy, exact match with a binomial standard
-error), and, for `spec_models`, the SPEED-Bench protocol at draft length 7; harness tasks on the
-packaged GSM8K / HumanEval / tinyshakespeare (or those in `data_dir`, when that folder exists) for
-`harness_models`. Cache memory vs context is computed from the model config
-(KV cache of the attention layers + the fixed Mamba state) next to an attention-only twin, for the
-speedrun model and Nemotron 3 Super.
+data: held-out pretraining text (next-token loss and bits per byte, as the trainer measures
+them); the RL stage's held-out problems (its eval set over every environment, greedy, the
+fraction solved with a binomial standard error, overall and per environment); for
+`spec_models`, the SPEED-Bench protocol at draft length 7; harness tasks on the packaged GSM8K /
+HumanEval / tinyshakespeare (or those in `data_dir`, when that folder exists) for
+`harness_models`. Cache memory vs context is computed from the model config (KV cache of the
+attention layers + the fixed Mamba state) next to an attention-only twin, for the speedrun model
+and Nemotron 3 Super.
 
 Rows go to `<out>/metrics.jsonl` (`kind`: `model`, `cache_memory`); harness rows to
 `<out>/<stage>/metrics.jsonl` (the harness's own format).
@@ -109,12 +110,13 @@ def evaluate_flow(flow: Flow, out: Path) -> dict[str, Any]:
             "exact_match_stderr": math.sqrt(p * (1 - p) / n),
             "problems": n,
             "mean_length": m["mean_length"],
+            "solved_by_env": {e: m[f"{e}/solved"] for e in env.envs if f"{e}/solved" in m},
         }
         log(row)
         rows.append(row)
         flow.console.print(
             f"eval {name}: text bpb {row.get('text_bpb', float('nan')):.4f} | "
-            f"arithmetic exact match {p:.3f} ± {row['exact_match_stderr']:.3f} (n={n})",
+            f"held-out solved {p:.3f} ± {row['exact_match_stderr']:.3f} (n={n})",
             markup=False,
         )
         tasks = []
@@ -164,7 +166,7 @@ class EvalStageConfig:
     """What the eval stage measures on every model of the chain."""
 
     text_batches: int = 8  # held-out pretraining batches: loss and bits per byte
-    arithmetic_problems: int = 96  # held-out arithmetic (the RL eval set), greedy exact match
+    arithmetic_problems: int = 96  # held-out problems of the RL eval set (every env), greedy
     max_new_tokens: int = 96
     spec_models: list[str] = field(default_factory=lambda: ["mtp_heal", "quantize"])
     spec_prompts: int = 4  # prompts per SPEED-Bench category (5 categories)
@@ -199,7 +201,7 @@ def _settings(flow: Flow) -> dict[str, Any]:
 def _headline(s: dict[str, Any], report: Report) -> str:
     ms = s["models"]
     n = ms[0]["problems"] if ms else 0
-    return f"arithmetic exact match (n={n}): " + ", ".join(
+    return f"held-out solved (RL eval set, n={n}): " + ", ".join(
         f"{m['model']} {m['exact_match']:.2f}" for m in ms
     )
 

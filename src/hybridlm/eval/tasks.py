@@ -17,7 +17,7 @@ Kinds (OLMES, Gu et al. 2024; Olmo 3 §6.1):
 - **generative exact match** (GSM8K): greedy decoding with stop sequences, scored by the shared
   RL verifier (`rl.verifiers`), so an evaluation and an RL reward agree by construction.
 - **code pass@k** (HumanEval): n samples per problem, run against the tests in `rl.sandbox`,
-  unbiased pass@k (`passk.py`).
+  unbiased pass@k (`report.stats`).
 - **RULER** (`ruler.py`): synthetic long-context tasks at several lengths.
 - **IFEval** (`ifeval.py`): instruction following, prompt- and instruction-level accuracy, strict
   and loose, by the shared RL checkers (`rl.ifeval`, which follow IFEval's reference code).
@@ -45,10 +45,10 @@ from ..data.chat import STOP
 from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
 from ..model.model import HybridLM
+from ..report.stats import mean_pass_at_k, pass_at_k
 from ..rl.environments import GSM8K_INSTRUCTION, CodeEnvironment, GSM8KEnvironment
 from ..rl.sandbox import Sandbox, SandboxConfig
 from .loglik import LN2, LoglikResult, encode_pair, loglikelihood, loglikelihood_rolling
-from .passk import mean_pass_at_k, pass_at_k
 from .ruler import RULER_TASKS, RulerSample, make_samples, score_prediction
 
 NORMALISATIONS = ("none", "token", "char", "pmi")

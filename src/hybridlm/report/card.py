@@ -32,7 +32,7 @@ from ..stage import dotted_get as _get
 from .doc import Doc, fmt_duration, fmt_pm, fmt_rate
 from .figures import plot_acceptance, plot_bpb, plot_cache, plot_loss, plot_quant, plot_reward
 from .plot import read_metrics
-from .stats import heal_intervals, reward_ends, window_text
+from .stats import change_text, env_changes, heal_intervals, reward_ends, window_text
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -277,9 +277,10 @@ def definitions(
     n_problems = next((int(r["problems"]) for r in models), None)
     rows += [
         [
-            "**exact match**",
-            f"fraction of {n_problems or '?'} held-out arithmetic problems (the RL eval set, "
-            "not trained on) whose greedy answer is exactly right; 95% Wilson interval",
+            "**held-out solved**",
+            f"fraction of {n_problems or '?'} held-out problems (the RL eval set over its "
+            "environments, not trained on) that the greedy reply solves (the verifier's reward "
+            "is 1); 95% Wilson interval",
             "fraction",
         ],
         [
@@ -604,22 +605,71 @@ def _rl_section(c: _Card) -> None:
             )
             + "."
         )
+        _rl_env_table(c, train_rl, ev_rl)
     else:
         doc.p("The rl stage did not run.")
     if models:
+        envs = sorted({e for r in models for e in r.get("solved_by_env") or {}})
         doc.table(
-            ["model", "eval text loss (nats/token)", "eval bpb", "arithmetic exact match"],
+            ["model", "eval text loss (nats/token)", "eval bpb", "held-out solved", *envs],
             [
                 [
                     r["model"],
                     _fixed(r.get("text_loss"), 3),
                     _fixed(r.get("text_bpb"), 3),
                     fmt_rate(r["exact_match"], int(r["problems"])),
+                    *(_fixed((r.get("solved_by_env") or {}).get(e), 2) for e in envs),
                 ]
                 for r in models
             ],
         )
     add(plot_reward(rl, models, plots / "reward.png", _get(cfg, "rl.data.eval_problems")), "reward")
+
+
+def _rl_env_table(c: _Card, train: list[dict], evals: list[dict]) -> None:
+    """Per environment: what the starting policy solves sampled (the difficulty filter's pass@1
+    and pass@k on training problems), the problems kept, the held-out greedy solve rate before
+    and after with the change's standard error, and the sampled solve rate of the first / last
+    steps' draws."""
+    changes, sampled = env_changes(evals), env_changes(evals, "sampled")
+    filt = ((c.rec.get("rl") or {}).get("summary") or {}).get("difficulty_filter") or {}
+    envs = sorted({*filt, *(e for e in changes if e != "all")})
+    if not envs:
+        return
+    k = _get(c.cfg, "rl.data.difficulty_filter.samples", 8)
+    rows = []
+    for env in envs:
+        f = filt.get(env, {})
+        draws = [r[f"draw/{env}/solved"] for r in train if f"draw/{env}/solved" in r]
+        w, first, last = reward_ends(draws)
+        row = [
+            env,
+            _fixed(f.get("pass@1"), 2) + " / " + _fixed(f.get(f"pass@{k}"), 2) if f else "-",
+            f"{f['kept']:.0f} of {f['pool']:.0f}" if f else "-",
+        ]
+        for ch in (changes, sampled):
+            p, q, se, n = ch.get(env, (None, None, 0.0, 0))
+            row += [
+                f"{p:.2f} -> {q:.2f} (n={n})" if p is not None else "-",
+                change_text(q - p, se) if p is not None else "-",
+            ]
+        rows.append([*row, f"{first:.2f} -> {last:.2f}" if first is not None else "-"])
+    doc = c.doc
+    doc.p(
+        f"Per environment: the SFT model's pass@1 / pass@{k} at T="
+        f"{_get(c.cfg, 'rl.rl.temperature', '?')} on the first "
+        f"{_get(c.cfg, 'rl.data.difficulty_filter.problems', '?')} training problems (the "
+        "difficulty filter's samples), the pool problems it kept, the held-out solve rate at "
+        "the first and last RL eval, greedy and sampled at the RL temperature, each change ± "
+        "one standard error (evaluation noise of this one run: two proportions; a change under "
+        "2 SE is called within noise; training noise needs several seeds), and the sampled "
+        "solve rate of the training draws (mean of the first / last steps)."
+    )
+    doc.table(
+        ["environment", f"SFT pass@1 / pass@{k}", "kept", "held-out greedy", "change",
+         "held-out sampled", "change", "training draws"],
+        rows,
+    )  # fmt: skip
 
 
 def _speculative_section(c: _Card) -> None:
@@ -736,7 +786,7 @@ def _quantisation_section(c: _Card) -> None:
                 "bits / weight",
                 names["quant_bpb"],
                 "bpb change",
-                "arithmetic exact match",
+                "held-out solved",
                 "operators",
             ],
             rows,

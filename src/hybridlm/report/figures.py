@@ -165,11 +165,11 @@ def plot_reward(rl: list[dict], models: list[dict], png: Path, rl_n: int | None)
             ax.text(i + 0.05, p + 0.01, f"{p:.2f}", ha="left", va="bottom", fontsize=8)
         ax.set_ylim(0, 1)
         n_txt = f"n={ns[0]}" if len(set(ns)) == 1 else "n per model"
-        ax.set_title(f"held-out arithmetic, greedy ({n_txt}, 95% Wilson CI)")
+        ax.set_title(f"held-out RL problems, greedy ({n_txt}, 95% Wilson CI)")
         ax.tick_params(axis="x", labelsize=8)
     else:
         _no_data(ax, "the eval stage did not run")
-    ax.set_ylabel("exact match (fraction of problems)")
+    ax.set_ylabel("solved (fraction of problems)")
     ax.grid(alpha=0.3, axis="y")
     return save_figure(fig, png)
 
@@ -251,7 +251,7 @@ def plot_quant(
     quant: dict[str, dict[str, Any]], models: list[dict], png: Path, names: dict[str, str]
 ) -> Path | None:
     """Per recipe: the change of held-out bpb against the unquantised model (a delta, with a
-    labelled zero line) and arithmetic exact match with Wilson intervals; then the loss change
+    labelled zero line) and the held-out solved fraction with Wilson intervals; then the loss change
     of each operator group quantised alone (horizontal bars, the largest |delta| first)."""
     if not quant:
         return None
@@ -302,10 +302,10 @@ def plot_quant(
             ax.text(i + 0.05, p + 0.01, f"{p:.2f}", ha="left", va="bottom", fontsize=8)
         ax.set_ylim(0, 1)
         n_txt = f"n={ns[0]}" if len(set(ns)) == 1 else "n per model"
-        ax.set_title(f"arithmetic exact match ({n_txt}, 95% Wilson CI)")
+        ax.set_title(f"held-out solved ({n_txt}, 95% Wilson CI)")
     else:
         _no_data(ax, "the eval stage did not run")
-    ax.set_ylabel("exact match (fraction of problems)")
+    ax.set_ylabel("solved (fraction of problems)")
     ax.grid(alpha=0.3, axis="y")
     if per_group:
         name, groups = per_group

@@ -9,6 +9,7 @@ learner (`rl.learner`), the speedrun's eval stage and MTP healing on RL prompts 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +24,7 @@ from ..infer.engine import Engine
 from ..infer.sampling import SamplingParams
 from ..io import load
 from ..model.model import HybridLM
+from ..report.stats import pass_at_k
 from .environments import (
     ArithmeticEnvironment,
     CalculatorEnvironment,
@@ -30,6 +32,7 @@ from .environments import (
     CodeToolEnvironment,
     DatasetEnvironment,
     Environment,
+    FilterReport,
     GSM8KEnvironment,
     InstructionFollowingEnvironment,
     LowEffortEnvironment,
@@ -48,6 +51,7 @@ EnvKind = Literal[
     "gsm8k",
     "math",
     "code",
+    "code_gen",
     "ifeval",
     "calculator",
     "search_qa",
@@ -70,7 +74,9 @@ class EnvConfig(Config):
     limit: int = 0  # first N problems of a dataset (0: all)
     num_problems: int = 2000  # generated environments
     difficulty: list[int] = field(default_factory=lambda: [1, 2])  # arithmetic
-    digits: int = 2  # sft_arithmetic: operands below 10**digits
+    digits: int = 2  # sft_arithmetic: operands below 10**digits; calculator: factor digits
+    terms: int = 2  # sft_arithmetic: numbers per question (> 2: chained steps, data.tasks)
+    ops: str = "+-"  # sft_arithmetic: operators drawn from ("*": by one digit)
     seed: int = 0  # generated environments
     low_effort_fraction: float = 0.0  # prompts switched to low-effort mode (length penalty)
     max_turns: int = 4  # tool-use environments (calculator, search_qa, code_tool): replies
@@ -102,13 +108,17 @@ def build_environment(spec: EnvConfig, *, tokenizer: Any = None) -> Environment:
             num_problems=spec.num_problems, difficulty=spec.difficulty, seed=spec.seed
         )
     elif kind == "sft_arithmetic":  # the questions `hybridlm sft` trains on (data/sft.py)
-        env = sft_arithmetic_environment(spec.num_problems, digits=spec.digits, seed=spec.seed)
+        env = sft_arithmetic_environment(
+            spec.num_problems, digits=spec.digits, seed=spec.seed, terms=spec.terms, ops=spec.ops
+        )
     elif kind == "gsm8k":
         env = GSM8KEnvironment(spec.path or builtin.path(builtin.GSM8K_TRAIN), limit=limit)
     elif kind == "math":
         env = MathEnvironment.from_jsonl(_need(spec))
     elif kind == "code":
         env = CodeEnvironment.from_humaneval(spec.path or builtin.path(builtin.HUMANEVAL))
+    elif kind == "code_gen":  # small generated functions (data.tasks), sandboxed tests
+        env = CodeEnvironment.generated(num_problems=spec.num_problems, seed=spec.seed)
     elif kind == "calculator":  # multi-turn: 5-digit products with the calculator tool
         env = CalculatorEnvironment(
             num_problems=spec.num_problems,
@@ -167,18 +177,25 @@ class _FinalNumberEnvironment(DatasetEnvironment):
         return self.verifier(completion, problem.answer)
 
 
-def sft_arithmetic_environment(n: int, *, digits: int, seed: int) -> DatasetEnvironment:
-    """ "What is a + b?" / "What is a - b?" with `digits`-digit operands, as in the arithmetic
-    chats of `hybridlm sft` (`data.sft.arithmetic_conversations`), scored on the final number."""
+def sft_arithmetic_environment(
+    n: int, *, digits: int, seed: int, terms: int = 2, ops: str = "+-"
+) -> DatasetEnvironment:
+    """ "What is a + b?" / "What is a - b?" with `digits`-digit operands (chains of `terms`
+    numbers; `ops` "*": by one digit), as in the arithmetic chats of `hybridlm sft`
+    (`data.sft.arithmetic_conversations`), scored on the final number."""
 
+    tag = f"{digits}" if terms == 2 else f"{digits}x{terms}"
+    tag += "" if ops == "+-" else f"/{ops}"
     problems = [
         Problem(
-            id=f"sft_arithmetic/{digits}/{seed}/{i}",
+            id=f"sft_arithmetic/{tag}/{seed}/{i}",
             messages=(conv[0],),
             answer=conv[1]["content"],
-            metadata={"digits": digits},
+            metadata={"digits": digits, "terms": terms, "ops": ops},
         )
-        for i, conv in enumerate(arithmetic_conversations(n, seed=seed, digits=digits))
+        for i, conv in enumerate(
+            arithmetic_conversations(n, seed=seed, digits=digits, terms=terms, ops=ops)
+        )
     ]
     env = _FinalNumberEnvironment(problems, name="sft_arithmetic")
     env.verifier = GSM8KVerifier()
@@ -237,6 +254,67 @@ def episode_reward(reward: float, info: dict[str, Any], turns: int, truncated: b
 
 
 @torch.no_grad()
+def sample_policy(
+    model: HybridLM,
+    tok: Any,
+    problems: list[Problem],
+    env: MixtureEnvironment,
+    *,
+    max_new_tokens: int,
+    max_episode_tokens: int | None = None,
+    samples: int = 1,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> tuple[list[list[Reward]], list[list[int]]]:
+    """`samples` completions of every problem (greedy at temperature 0; multi-turn
+    environments: episodes with their turns and tool calls as reward metrics), scored: the
+    rewards [problem][sample] and generated tokens. `max_new_tokens` bounds each reply; sample j
+    of problem i is seeded `seed + samples * i + j`."""
+    was_training = model.training
+    model.eval()
+    engine = Engine(model, tok, max_batch_size=32)
+    flat = [(i, j) for i in range(len(problems)) for j in range(samples)]
+
+    def params(i: int, j: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_new_tokens,
+            stop=[STOP],
+            temperature=temperature,
+            seed=None if temperature == 0 else seed + samples * i + j,
+        )
+
+    multi = [k for k, (i, _) in enumerate(flat) if env.env_of(problems[i]).multi_turn]
+    plain = [k for k, (i, _) in enumerate(flat) if not env.env_of(problems[i]).multi_turn]
+    rewards: list[Reward | None] = [None] * len(flat)
+    lengths = [0] * len(flat)
+    if plain:
+        outs = engine.generate(
+            [tok.encode(problems[flat[k][0]].prompt) for k in plain],
+            [params(*flat[k]) for k in plain],
+        )
+        got = env.score_many([problems[flat[k][0]] for k in plain], [o.text for o in outs])
+        for k, o, r in zip(plain, outs, got, strict=True):
+            rewards[k], lengths[k] = r, len(o.token_ids)
+    if multi:
+        todo = [problems[flat[k][0]] for k in multi]
+        results = run_episodes(
+            engine,
+            env,
+            todo,
+            params(0, 0),
+            max_turns=max(getattr(env.env_of(p), "max_turns", 1) for p in todo),
+            max_episode_tokens=max_episode_tokens,
+            seeds=None if temperature == 0 else [1000 * (seed + k) for k in multi],
+        )
+        for k, res in zip(multi, results, strict=True):
+            rewards[k] = episode_reward(res.reward, res.info, res.turns, res.truncated)
+            lengths[k] = res.generated
+    model.train(was_training)
+    out_r = [rewards[i * samples : (i + 1) * samples] for i in range(len(problems))]
+    out_l = [lengths[i * samples : (i + 1) * samples] for i in range(len(problems))]
+    return out_r, out_l  # type: ignore[return-value]
+
+
 def evaluate_policy(
     model: HybridLM,
     tok: Any,
@@ -249,32 +327,108 @@ def evaluate_policy(
     """Greedy completions of held-out problems, scored: `all/solved`, per-environment metrics
     (for multi-turn environments, greedy episodes with their mean turns and tool calls).
     `max_new_tokens` bounds each reply."""
-    was_training = model.training
-    model.eval()
-    engine = Engine(model, tok, max_batch_size=32)
-    params = SamplingParams(max_tokens=max_new_tokens, stop=[STOP])
-    multi = [i for i, p in enumerate(problems) if env.env_of(p).multi_turn]
-    plain = [i for i, p in enumerate(problems) if not env.env_of(p).multi_turn]
-    rewards: list[Reward | None] = [None] * len(problems)
-    lengths = [0] * len(problems)
-    if plain:
-        outs = engine.generate([tok.encode(problems[i].prompt) for i in plain], params)
-        got = env.score_many([problems[i] for i in plain], [o.text for o in outs])
-        for i, o, r in zip(plain, outs, got, strict=True):
-            rewards[i], lengths[i] = r, len(o.token_ids)
-    if multi:
-        results = run_episodes(
-            engine,
-            env,
-            [problems[i] for i in multi],
-            params,
-            max_turns=max(getattr(env.env_of(problems[i]), "max_turns", 1) for i in multi),
-            max_episode_tokens=max_episode_tokens,
-        )
-        for i, res in zip(multi, results, strict=True):
-            rewards[i] = episode_reward(res.reward, res.info, res.turns, res.truncated)
-            lengths[i] = res.generated
-    model.train(was_training)
-    m = reward_metrics(problems, rewards)  # type: ignore[arg-type]
-    m["mean_length"] = sum(lengths) / len(lengths)
+    rewards, lengths = sample_policy(
+        model,
+        tok,
+        problems,
+        env,
+        max_new_tokens=max_new_tokens,
+        max_episode_tokens=max_episode_tokens,
+    )
+    m = reward_metrics(problems, [r[0] for r in rewards])
+    m["mean_length"] = sum(n[0] for n in lengths) / len(lengths)
     return m
+
+
+@dataclass(kw_only=True)
+class DifficultyFilterConfig(Config):
+    """Offline difficulty filtering (Olmo 3 §4.4.2): before RL, the starting policy samples
+    `samples` completions of the first `problems` training problems of every environment (at
+    the RL temperature); those it solves at a rate >= `max_rate` (nothing left to learn) or <=
+    `min_rate` (no signal) are dropped, the problems it did not sample stay (`problems` at
+    least the dataset's size filters all of it, as Olmo 3 does: 8 samples, rates above 62.5%
+    dropped). `problems: 0` turns it off. The same samples give the starting policy's pass@1
+    and pass@`samples` per environment."""
+
+    WHAT = "difficulty filter"
+
+    problems: int = 0  # per environment; 0: no filter
+    samples: int = 8
+    min_rate: float = 0.0
+    max_rate: float = 1.0
+
+    def validate(self) -> DifficultyFilterConfig:
+        if self.problems < 0 or self.samples < 1:
+            raise ValueError("data.difficulty_filter: problems must be >= 0 and samples >= 1")
+        if not 0.0 <= self.min_rate < self.max_rate <= 1.0:
+            raise ValueError(
+                "data.difficulty_filter: need 0 <= min_rate < max_rate <= 1, got "
+                f"{self.min_rate}, {self.max_rate}"
+            )
+        return self
+
+
+def difficulty_filter(
+    model: HybridLM,
+    tok: Any,
+    mixture: MixtureEnvironment,
+    cfg: DifficultyFilterConfig,
+    *,
+    scorer: MixtureEnvironment | None = None,
+    temperature: float,
+    max_new_tokens: int,
+    max_episode_tokens: int | None = None,
+    seed: int = 0,
+) -> tuple[MixtureEnvironment, dict[str, dict[str, float]]]:
+    """The mixture without the problems among each environment's first `cfg.problems` (its
+    pool) whose pass rate under `model` is outside (`cfg.min_rate`, `cfg.max_rate`)
+    (`DifficultyFilterConfig`), and per environment: pool, kept (of the pool), dropped as
+    solved / unsolved, pass@1 and pass@k of the pool (k = `cfg.samples`). `scorer` scores the
+    samples (the mixture under a verification deadline; default `mixture`). An environment left
+    with no problems gets weight 0 (all of them: the mixture is returned unfiltered, with a
+    warning); one that is not a fixed dataset (a server) is not filtered."""
+    scorer = scorer or mixture
+    envs, weights, stats = [], [], {}
+    for name, env in mixture.envs.items():
+        weight = mixture.weights[name]
+        if not isinstance(env, DatasetEnvironment) or weight == 0:
+            envs.append(env)
+            weights.append(weight)
+            continue
+        pool = [env[i] for i in range(min(cfg.problems, len(env)))]
+        rewards, _ = sample_policy(
+            model,
+            tok,
+            pool,
+            scorer,
+            max_new_tokens=max_new_tokens,
+            max_episode_tokens=max_episode_tokens,
+            samples=cfg.samples,
+            temperature=temperature,
+            seed=seed,
+        )
+        n = cfg.samples
+        report = FilterReport.split(
+            pool, [sum(r.value for r in rs) / n for rs in rewards], cfg.min_rate, cfg.max_rate
+        )
+        solved = [sum(r.value >= 1.0 for r in rs) for rs in rewards]
+        stats[name] = {
+            "pool": float(len(pool)),
+            "kept": float(len(report.kept)),
+            "dropped_solved": float(report.dropped_solved),
+            "dropped_unsolved": float(report.dropped_unsolved),
+            "pass@1": sum(pass_at_k(n, c, 1) for c in solved) / len(pool),
+            f"pass@{n}": sum(pass_at_k(n, c, n) for c in solved) / len(pool),
+        }
+        drop = {p.id for p in pool} - {p.id for p in report.kept}
+        kept = env.subset(lambda p, drop=drop: p.id not in drop)
+        envs.append(kept if len(kept) else env)
+        weights.append(weight if len(kept) else 0.0)
+    if not any(weights):  # nothing in range anywhere: train on the unfiltered problems
+        warnings.warn(
+            "the difficulty filter kept no problem of any environment (the starting policy "
+            "solves each always or never): RL trains on the unfiltered problems",
+            stacklevel=2,
+        )
+        return mixture, stats
+    return MixtureEnvironment(envs, weights), stats

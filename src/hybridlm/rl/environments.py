@@ -35,6 +35,14 @@ from typing import Any
 
 from hybridlm.data.builtin import read_jsonl
 from hybridlm.data.chat import offer_tools, render
+from hybridlm.data.tasks import (
+    CALCULATOR_SYSTEM,
+    CODE_INSTRUCTION,
+    calculator_question,
+    code_records,
+    ifeval_records,
+    products,
+)
 from hybridlm.rl.sandbox import humaneval_test
 from hybridlm.rl.verifiers import (
     CodeVerifier,
@@ -287,10 +295,7 @@ class CalculatorEnvironment(ToolUseEnvironment):
     seeded. Episodes are `ToolEpisode`s with a `Calculator`; the final reply (the one without
     tool calls) is scored on its final number."""
 
-    SYSTEM = (
-        "You can call the calculator tool. Use it for any multiplication, then give the result "
-        "as 'The answer is N.'"
-    )
+    SYSTEM = CALCULATOR_SYSTEM
 
     def __init__(
         self,
@@ -301,23 +306,17 @@ class CalculatorEnvironment(ToolUseEnvironment):
         max_turns: int = 4,
         name: str = "calculator",
     ) -> None:
-        if not 1 <= digits <= 12:
-            raise ValueError(f"digits must be in 1..12, got {digits}")
         if num_problems < 1:
             raise ValueError(f"num_problems must be >= 1, got {num_problems}")
-        rng = random.Random(seed)
-        lo, hi = 10 ** (digits - 1), 10**digits - 1
-        problems = []
-        for i in range(num_problems):
-            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-            problems.append(
-                Problem(
-                    id=f"{name}/{seed}/{i}",
-                    messages=_user(f"What is {a} * {b}?", system=self.SYSTEM),
-                    answer=str(a * b),
-                    metadata={"a": a, "b": b},
-                )
+        problems = [
+            Problem(
+                id=f"{name}/{seed}/{i}",
+                messages=tuple(calculator_question(a, b)),
+                answer=str(a * b),
+                metadata={"a": a, "b": b},
             )
+            for i, (a, b) in enumerate(products(num_problems, digits=digits, seed=seed))
+        ]
         super().__init__(problems, name=name, max_turns=max_turns)
 
     def tools(self) -> list[Tool]:
@@ -454,11 +453,6 @@ class MathEnvironment(DatasetEnvironment):
 
 # -- code --------------------------------------------------------------------------------------
 
-CODE_INSTRUCTION = (
-    "Complete the following Python function. Reply with the whole function in one "
-    "```python code block.\n\n```python\n{prompt}```"
-)
-
 
 class CodeEnvironment(DatasetEnvironment):
     """HumanEval-style function completion (`task_id`, `prompt`, `entry_point`, `test` with a
@@ -501,6 +495,16 @@ class CodeEnvironment(DatasetEnvironment):
         """From `HumanEval.jsonl(.gz)`."""
         return cls(read_jsonl(path), **kwargs)
 
+    @classmethod
+    def generated(
+        cls, *, num_problems: int = 1000, seed: int = 0, name: str = "code_gen", **kwargs: Any
+    ) -> CodeEnvironment:
+        """Small generated functions (`data.tasks.code_records`: a constant, a list or a string
+        to work on), in HumanEval's format; the SFT source `code_gen` teaches their format."""
+        if num_problems < 1:
+            raise ValueError(f"num_problems must be >= 1, got {num_problems}")
+        return cls(code_records(num_problems, seed=seed), name=name, **kwargs)
+
     @staticmethod
     def program(problem: Problem, completion: str) -> str:
         """The program to run for a completion (see the class docstring)."""
@@ -526,48 +530,6 @@ class CodeEnvironment(DatasetEnvironment):
 
 
 # -- instruction following ---------------------------------------------------------------------
-
-_IF_TOPICS = (
-    "the ocean",
-    "a bicycle trip",
-    "learning to cook",
-    "the history of tea",
-    "a rainy city",
-    "a chess match",
-    "planting a garden",
-    "a night train",
-    "a lighthouse",
-    "a first job",
-)
-
-
-def _if_templates(rng: random.Random) -> list[tuple[str, str, dict[str, Any]]]:
-    """(instruction text, instruction id, kwargs) choices for the generator."""
-    n_words = rng.choice([30, 50, 80])
-    n_bullets = rng.choice([2, 3, 4])
-    kw = rng.choice(["light", "quiet", "journey", "simple"])
-    end = rng.choice(["Is there anything else?", "That is all."])
-    return [
-        (f"Answer in fewer than {n_words} words.", "length_constraints:number_words",
-         {"num_words": n_words, "relation": "less than"}),
-        ("Write everything in lowercase letters.", "change_case:english_lowercase", {}),
-        ("Do not use any commas.", "punctuation:no_comma", {}),
-        (f"Include the word '{kw}'.", "keywords:existence", {"keywords": [kw]}),
-        (f"Use exactly {n_bullets} markdown bullet points.",
-         "detectable_format:number_bullet_lists", {"num_bullets": n_bullets}),
-        ("Give it a title wrapped in double angular brackets, like <<title>>.",
-         "detectable_format:title", {}),
-        (f"End your response with this exact phrase: {end}", "startend:end_checker",
-         {"end_phrase": end}),
-        ("Wrap your entire response in double quotation marks.", "startend:quotation", {}),
-    ]  # fmt: skip
-
-
-_IF_CONFLICTS = {  # pairs no response can satisfy together
-    frozenset({"startend:quotation", "startend:end_checker"}),
-    frozenset({"startend:quotation", "detectable_format:number_bullet_lists"}),
-    frozenset({"startend:quotation", "detectable_format:title"}),
-}
 
 
 class InstructionFollowingEnvironment(DatasetEnvironment):
@@ -616,28 +578,7 @@ class InstructionFollowingEnvironment(DatasetEnvironment):
     ) -> InstructionFollowingEnvironment:
         """A seeded synthetic set: a short writing task plus 1..`max_constraints` compatible
         constraints."""
-        if not 1 <= max_constraints <= 4:
-            raise ValueError(f"max_constraints must be in 1..4, got {max_constraints}")
-        rng = random.Random(seed)
-        records = []
-        for i in range(num_problems):
-            k = rng.randint(1, max_constraints)
-            chosen: list[tuple[str, str, dict]] = []
-            for cand in rng.sample(_if_templates(rng), 8):
-                if len(chosen) == k:
-                    break
-                if all(frozenset({cand[1], c[1]}) not in _IF_CONFLICTS for c in chosen):
-                    chosen.append(cand)
-            topic = rng.choice(_IF_TOPICS)
-            text = f"Write a short note about {topic}. " + " ".join(c[0] for c in chosen)
-            records.append(
-                {
-                    "key": f"ifgen/{seed}/{i}",
-                    "prompt": text,
-                    "instruction_id_list": [c[1] for c in chosen],
-                    "kwargs": [c[2] for c in chosen],
-                }
-            )
+        records = ifeval_records(num_problems, seed=seed, max_constraints=max_constraints)
         return cls(records, **kwargs)
 
     def score(self, problem: Problem, completion: str) -> Reward:
@@ -882,6 +823,19 @@ class FilterReport:
     dropped_solved: int  # pass rate >= max_rate (too easy)
     dropped_unsolved: int  # pass rate <= min_rate (too hard)
 
+    @classmethod
+    def split(
+        cls, problems: Sequence[Problem], rates: Sequence[float], min_rate: float, max_rate: float
+    ) -> FilterReport:
+        """Keep the problems whose pass rate lies strictly between the bounds."""
+        kept = [p for p, r in zip(problems, rates, strict=True) if min_rate < r < max_rate]
+        return cls(
+            kept,
+            {p.id: r for p, r in zip(problems, rates, strict=True)},
+            sum(r >= max_rate for r in rates),
+            sum(r <= min_rate for r in rates),
+        )
+
 
 def filter_by_pass_rate(
     env: Environment,
@@ -907,7 +861,7 @@ def filter_by_pass_rate(
         from rich.progress import track
 
         iterator = track(todo, description=f"difficulty filter ({env.name})")
-    kept, rates, solved, unsolved = [], {}, 0, 0
+    rates = []
     for p in iterator:
         completions = list(sample_fn(p, num_samples))
         if len(completions) != num_samples:
@@ -915,15 +869,8 @@ def filter_by_pass_rate(
                 f"sample_fn returned {len(completions)} completions, not {num_samples}"
             )
         rewards = env.score_many([p] * num_samples, completions)
-        rate = sum(r.value for r in rewards) / num_samples
-        rates[p.id] = rate
-        if rate >= max_rate:
-            solved += 1
-        elif rate <= min_rate:
-            unsolved += 1
-        else:
-            kept.append(p)
-    return FilterReport(kept, rates, solved, unsolved)
+        rates.append(sum(r.value for r in rewards) / num_samples)
+    return FilterReport.split(todo, rates, min_rate, max_rate)
 
 
 class CodeToolEnvironment(ToolUseEnvironment):

@@ -64,7 +64,7 @@ from ..io import load, load_model, resolve, tokenizer_spec_for
 from ..model.model import HybridLM
 from ..model.moe import TopKRouter
 from ..report.plot import pyplot, save_figure
-from ..report.stats import reward_ends, window_text
+from ..report.stats import change_text, env_changes, reward_ends, window_text
 from ..stage import Flow, Report, Stage
 from ..train.callbacks import (
     AfterUpdate,
@@ -81,12 +81,15 @@ from ..train.distributed.parallel import broadcast_object, full_model_state, is_
 from ..train.reward_model import RewardModelScorer, reward_input
 from ..train.trainer import Loss, Runtime, Step, Trainer, TrainModule
 from .env_config import (
+    DifficultyFilterConfig,
     EnvConfig,
     build_environment,
     build_mixture,
+    difficulty_filter,
     episode_reward,
     eval_specs,
     evaluate_policy,
+    sample_policy,
 )
 from .environments import (
     MixtureEnvironment,
@@ -137,12 +140,15 @@ class RLDataConfig:
     envs: list[EnvConfig] = field(default_factory=lambda: [EnvConfig()])
     eval_envs: list[EnvConfig] = field(default_factory=list)  # default: envs with seed + 1
     eval_problems: int = 64  # held-out problems of each greedy evaluation
+    # Olmo 3's offline difficulty filter, run with the starting policy before the first step
+    difficulty_filter: DifficultyFilterConfig = field(default_factory=DifficultyFilterConfig)
 
     def validate(self) -> None:
         if not self.envs:
             raise ValueError("data.envs: at least one environment")
         for e in [*self.envs, *self.eval_envs]:
             e.validate()
+        self.difficulty_filter.validate()
 
 
 @dataclass(kw_only=True)
@@ -160,6 +166,9 @@ class RLConfig:
     max_new_tokens: int = 64  # per reply (per turn of a multi-turn episode)
     max_episode_tokens: int = 0  # generated tokens per multi-turn episode (0: no bound)
     eval_max_new_tokens: int = 0  # 0: max_new_tokens
+    # completions per held-out problem sampled at `temperature` at each eval, beside the greedy
+    # one: the sampled solve rate `<env>/sampled` (what GRPO trains; 0: greedy only)
+    eval_samples: int = 0
     overlong_filter: bool = False  # truncated samples carry no loss (DAPO overlong filtering)
     freeze_router: bool = False  # MoE routers (weights and balancing bias) fixed during RL
     temperature: float = 1.0
@@ -197,6 +206,8 @@ class RLConfig:
             raise ValueError(f"rl.max_episode_tokens must be >= 0, got {self.max_episode_tokens}")
         if self.verify_timeout_s < 0:
             raise ValueError(f"rl.verify_timeout_s must be >= 0, got {self.verify_timeout_s}")
+        if self.eval_samples < 0:
+            raise ValueError(f"rl.eval_samples must be >= 0, got {self.eval_samples}")
 
 
 # where the keys of the flat RL config (before the sections) went
@@ -413,6 +424,11 @@ class _Rollouts:
         return Group(prompt_id=problem.id, rewards=state["rewards"], data=data)
 
 
+def _counts(m: dict[str, float]) -> dict[str, float]:
+    """The held-out problems per environment (`<env>/count`) of an eval row."""
+    return {k.removesuffix("/count"): v for k, v in m.items() if k.endswith("/count")}
+
+
 def _coin(key: str) -> bool:
     """A fair coin that depends only on `key`."""
     return random.Random(zlib.crc32(key.encode())).random() < 0.5
@@ -456,6 +472,9 @@ class GRPOLearner(TrainModule):
         if cfg.verify_timeout_s > 0:  # a verifier never stalls the learner (rl.scoring)
             self.env = with_deadline(self.env, timeout_s=cfg.verify_timeout_s)
             self.eval_env = with_deadline(self.eval_env, timeout_s=cfg.verify_timeout_s)
+        self.filter_stats: dict[str, dict[str, float]] = {}
+        if data.difficulty_filter.problems > 0 and env is None:
+            self._filter()
         self.eval_set = self.eval_env.sample(data.eval_problems, seed=run.train.seed + 12345)
         self.eval_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
         self.ref = None
@@ -468,6 +487,50 @@ class GRPOLearner(TrainModule):
         self.last_eval: dict[str, float] = {}
         self._restored: dict[str, Any] | None = None
         self._started = False
+
+    def _filter(self) -> None:
+        """Olmo 3's offline difficulty filter with the starting policy (rank 0; the kept
+        problems go to every rank), its pass rates logged and kept in `difficulty_filter.json`."""
+        cfg, data = self.cfg, self.run.data
+        raw = build_mixture(data.envs, tokenizer=self.tok)
+        got = None
+        if self.rt.rank == 0:
+            t0 = time.perf_counter()
+            filtered, stats = difficulty_filter(
+                self.model,
+                self.tok,
+                raw,
+                data.difficulty_filter,
+                scorer=self.env,
+                temperature=cfg.temperature,
+                max_new_tokens=cfg.max_new_tokens,
+                max_episode_tokens=cfg.max_episode_tokens or None,
+                seed=self.run.train.seed,
+            )
+            kept = {n: {p.id for p in e} for n, e in filtered.envs.items() if n in stats}
+            got = (kept, filtered.weights, stats, time.perf_counter() - t0)
+        kept, weights, self.filter_stats, seconds = broadcast_object(got)
+        envs = [
+            e.subset(lambda p, ids=kept[n]: p.id in ids) if n in kept else e  # type: ignore[attr-defined]
+            for n, e in raw.envs.items()
+        ]
+        mixture = MixtureEnvironment(envs, [weights[e.name] for e in envs])
+        mixture.weights = dict(weights)
+        self.env = mixture
+        if cfg.verify_timeout_s > 0:
+            self.env = with_deadline(mixture, timeout_s=cfg.verify_timeout_s)
+        if self.rt.rank == 0:
+            (self.rt.out / "difficulty_filter.json").write_text(
+                json.dumps({"seconds": seconds, "envs": self.filter_stats}, indent=1) + "\n"
+            )
+            for name, st in self.filter_stats.items():
+                k = self.run.data.difficulty_filter.samples
+                print(
+                    f"[rl] difficulty filter {name}: kept {st['kept']:.0f} of {st['pool']:.0f} "
+                    f"(dropped {st['dropped_solved']:.0f} solved, {st['dropped_unsolved']:.0f} "
+                    f"unsolved); starting policy pass@1 {st['pass@1']:.2f}, "
+                    f"pass@{k} {st[f'pass@{k}']:.2f}"
+                )
 
     # ------------------------------------------------------------------ rollouts
     def _start(self, step: int, weights: dict[str, torch.Tensor]) -> None:
@@ -509,6 +572,7 @@ class GRPOLearner(TrainModule):
         cfg, rollouts, sampler = self.cfg, self.rollouts, self.sampler
         t0 = time.perf_counter()
         drawn, stale, draw_rewards, draw_solved, stale_hist = 0, 0, [], [], Counter()
+        env_solved: dict[str, list[bool]] = {}
         while not sampler.ready and drawn < cfg.max_draws:
             if rollouts.num_inflight == 0:  # active sampling: draw more, current weights
                 rollouts.submit(cfg.groups_per_step)
@@ -522,7 +586,9 @@ class GRPOLearner(TrainModule):
                 for group in rollouts.groups(draw, n, comps, step):
                     drawn += 1
                     draw_rewards += list(group.rewards)
-                    draw_solved += [r.value >= 1.0 for r in group.data["scored"]]
+                    solved = [r.value >= 1.0 for r in group.data["scored"]]
+                    draw_solved += solved
+                    env_solved.setdefault(group.data["problem"].env, []).extend(solved)
                     comps_g = group.data["completions"]
                     lags = [step - v for c in comps_g for v in c.versions if v >= 0]
                     if lags and max(lags) > cfg.max_policy_lag:
@@ -543,6 +609,9 @@ class GRPOLearner(TrainModule):
             # the verifier's verdicts on every drawn sample (before filtering; for any reward):
             # the training draw's sampled pass@1
             "draw_solved": sum(draw_solved) / max(len(draw_solved), 1),
+            # per environment: the sampled (T) solve rate of this step's draws, and their count
+            **{f"draw/{e}/solved": sum(v) / len(v) for e, v in sorted(env_solved.items())},
+            **{f"draw/{e}/count": len(v) for e, v in sorted(env_solved.items())},
             "staleness": {str(k): v for k, v in sorted(stale_hist.items())},
             "wait_s": self._t_gen,
         }
@@ -639,14 +708,23 @@ class GRPOLearner(TrainModule):
 
     # ------------------------------------------------------------------ eval + state
     def evaluate(self) -> dict[str, float]:
-        m = evaluate_policy(
-            self.model,
-            self.tok,
-            self.eval_set,
-            self.eval_env,
-            max_new_tokens=self.eval_tokens,
-            max_episode_tokens=self.cfg.max_episode_tokens or None,
-        )
+        cfg = self.cfg
+        budget = {"max_new_tokens": self.eval_tokens,
+                  "max_episode_tokens": cfg.max_episode_tokens or None}  # fmt: skip
+        m = evaluate_policy(self.model, self.tok, self.eval_set, self.eval_env, **budget)
+        if cfg.eval_samples:  # the same problems sampled, seeded alike at every eval
+            rewards, _ = sample_policy(
+                self.model, self.tok, self.eval_set, self.eval_env, **budget,
+                samples=cfg.eval_samples, temperature=cfg.temperature, seed=self.run.train.seed,
+            )  # fmt: skip
+            flat = [r for rs in rewards for r in rs]
+            probs = [p for p in self.eval_set for _ in range(cfg.eval_samples)]
+            m |= {
+                k.replace("/solved", "/sampled"): v
+                for k, v in reward_metrics(probs, flat).items()
+                if k.endswith("/solved")
+            }
+            m |= {f"{e}/sampled_count": n * cfg.eval_samples for e, n in _counts(m).items()}
         self.last_eval = m
         return m
 
@@ -777,7 +855,21 @@ def plot_rl(metrics_path: str | Path, png: str | Path) -> None:
     rows = [json.loads(x) for x in Path(metrics_path).read_text().splitlines() if x]
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
-    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(14, 3.6))
+    envs = sorted({k.split("/")[1] for r in train for k in r if k.startswith("draw/")})
+    fig, axes = plt.subplots(1, 4 if len(envs) > 1 else 3, figsize=(18.5, 3.6))
+    a1, a2, a3 = axes[:3]
+    if len(envs) > 1:  # several environments: each one's sampled and held-out solve rate
+        a4 = axes[3]
+        for env in envs:
+            pts = [(r["step"], r[f"draw/{env}/solved"]) for r in train if f"draw/{env}/solved" in r]
+            line = a4.plot(*zip(*pts, strict=True), alpha=0.6, label=f"{env} (sampled draws)")
+            held = [(r["step"], r[f"{env}/solved"]) for r in evals if f"{env}/solved" in r]
+            if held:
+                a4.plot(*zip(*held, strict=True), "o--", color=line[0].get_color(),
+                        label=f"{env} (held-out greedy)")  # fmt: skip
+        a4.set(xlabel="step", ylabel="fraction solved", title="per environment",
+               ylim=(-0.02, 1.02))  # fmt: skip
+        a4.legend(fontsize=7)
     if train:
         a1.plot([r["step"] for r in train], [r["reward_mean"] for r in train], label="train reward")
         verifier = [
@@ -839,14 +931,22 @@ def _stage_run(flow: Flow) -> dict[str, Any]:
     result = run_rl(cfg, progress=flow.progress, overwrite=True)
     rewards = [r["reward_mean"] for r in result["train"]]
     k, first, last = reward_ends(rewards)
+    filtered = flow.stage_dir("rl") / "difficulty_filter.json"
     return {
         "model": result["model"],
         "steps": len(rewards),
         "reward_window": k,
         "reward_first": first,
         "reward_last": last,
-        "eval": [{"step": e.get("step"), "solved": e["all/solved"]} for e in result["eval"]],
+        "eval": [
+            {"step": e.get("step"), **{k: v for k, v in e.items() if k.endswith(_EVAL_KEYS)}}
+            for e in result["eval"]
+        ],
+        "difficulty_filter": json.loads(filtered.read_text())["envs"] if filtered.exists() else {},
     }
+
+
+_EVAL_KEYS = ("/solved", "/count", "/sampled", "/sampled_count")
 
 
 def _check(section: RLRunConfig, cfg: Any, stages: Any) -> None:
@@ -859,7 +959,17 @@ def _headline(s: dict[str, Any], report: Report) -> str:
     k, first, last = reward_ends(rewards)
     if first is None or last is None:
         return "train reward: no steps logged"
-    return f"train reward ({window_text(k, len(rewards))}): {first:.3f} -> {last:.3f}"
+    text = f"train reward ({window_text(k, len(rewards))}): {first:.3f} -> {last:.3f}"
+    evals = report.rows("rl", "eval")
+    for metric, label in (("solved", "greedy"), ("sampled", "sampled")):
+        changes = env_changes(evals, metric)
+        if changes:
+            text += f"; held-out {label} " + ", ".join(
+                f"{env} {p:.2f} -> {q:.2f} ({change_text(q - p, se)})"
+                for env, (p, q, se, _) in changes.items()
+                if env != "all"
+            )
+    return text
 
 
 # GRPO with verifiable rewards from the newest model, rollouts on Ray actors

@@ -31,6 +31,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..data.tasks import CALCULATOR_TOOL
+
 __all__ = ["Calculator", "PythonTool", "Search", "Tool", "ToolError"]
 
 
@@ -99,19 +101,10 @@ class Calculator(Tool):
     full; a division that is not exact, or any decimal operand, gives a float printed with up to
     15 significant digits."""
 
-    name = "calculator"
-    description = (
-        "Evaluate an arithmetic expression exactly: + - * / // % ** (or ^) and parentheses "
-        "over integers and decimals, e.g. 48213 * 90317."
-    )
-    parameters = {
-        "type": "object",
-        "properties": {
-            "expression": {"type": "string", "description": "the expression, e.g. (12 + 7) * 3"}
-        },
-        "required": ["expression"],
-        "additionalProperties": False,
-    }
+    # the schema lives with the calculator tasks (`data.tasks`), whose SFT chats offer it
+    name = CALCULATOR_TOOL["name"]
+    description = CALCULATOR_TOOL["description"]
+    parameters = CALCULATOR_TOOL["parameters"]
 
     def __init__(self, *, max_digits: int = 1000, max_chars: int = 256) -> None:
         if not 1 <= max_digits <= 4000:  # Python prints at most 4300 digits of an int

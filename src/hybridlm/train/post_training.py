@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..config import Config
+from ..data import tasks
 from ..data.chat import STOP, parse_assistant, render
 from ..data.sft import (
     ChatExample,
@@ -45,30 +46,37 @@ from .trainer import (
     run_tokenizer,
 )
 
+_GENERATED = ("arithmetic", "calculator", "ifeval", "code_gen")  # data.tasks
+
 
 @dataclass(kw_only=True)
 class ChatSource:
     """One source of conversations. `kind`: `file` (JSONL / Parquet / saved HF dataset at
     `path`), `hf` (a hub dataset name at `path`, `split`), `gsm8k` (GSM8K JSONL at `path`, the
     packaged train split when empty; the worked solution as the reasoning trace) or
-    `arithmetic` (`max_rows` generated questions with `digits` digits, from `seed`).
-    `max_rows`: 0 = all rows."""
+    `arithmetic` (`max_rows` generated questions with `digits` digits and operators `ops`, chains
+    of `terms` numbers, from `seed`), or the other generated task families of the RL environments
+    (`data.tasks`): `calculator` (solved tool-call episodes, `digits`-digit factors), `ifeval`
+    (notes under IFEval constraints) and `code_gen` (small Python functions). `max_rows`: 0 = all
+    rows."""
 
-    kind: Literal["file", "hf", "gsm8k", "arithmetic"] = "file"
+    kind: Literal["file", "hf", "gsm8k", "arithmetic", "calculator", "ifeval", "code_gen"] = "file"
     path: str = ""
     split: str = "train"
     messages_field: str = "messages"
     max_rows: int = 0
     digits: int = 2
+    terms: int = 2
+    ops: str = "+-"  # arithmetic: operators drawn from ("*": by one digit)
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.kind in ("file", "hf") and not self.path:
             raise ValueError(f"a chat source of kind {self.kind!r} needs a path")
-        if self.kind == "arithmetic" and self.max_rows <= 0:
-            raise ValueError("an arithmetic chat source needs max_rows > 0 (how many to generate)")
-        if self.max_rows < 0 or self.digits < 1:
-            raise ValueError("chat source max_rows must be >= 0 and digits >= 1")
+        if self.kind in _GENERATED and self.max_rows <= 0:
+            raise ValueError(f"a {self.kind} chat source needs max_rows > 0 (how many to generate)")
+        if self.max_rows < 0 or self.digits < 1 or self.terms < 2:
+            raise ValueError("chat source max_rows must be >= 0, digits >= 1 and terms >= 2")
 
 
 @dataclass(kw_only=True)
@@ -106,8 +114,16 @@ class PostTrainingRunConfig(Config):
 def load_source(src: ChatSource, report: ReadReport) -> list[Conversation]:
     """The conversations of one `ChatSource` (bad rows counted in `report`)."""
     limit = src.max_rows or None
-    if src.kind == "arithmetic":
-        convs = arithmetic_conversations(src.max_rows, seed=src.seed, digits=src.digits)
+    if src.kind in _GENERATED:
+        n, seed = src.max_rows, src.seed
+        convs = {
+            "arithmetic": lambda: arithmetic_conversations(
+                n, seed=seed, digits=src.digits, terms=src.terms, ops=src.ops
+            ),
+            "calculator": lambda: tasks.calculator_conversations(n, digits=src.digits, seed=seed),
+            "ifeval": lambda: tasks.ifeval_conversations(n, seed=seed),
+            "code_gen": lambda: tasks.code_conversations(n, seed=seed),
+        }[src.kind]()
         report.rows += len(convs)
         report.kept += len(convs)
         return convs
