@@ -95,6 +95,22 @@ def test_grpo_learns_a_verifiable_preference(tmp_path, one_thread):
     load_model(tmp_path / "rl" / "model")
 
 
+def test_difficulty_filter_runs_first_and_reports_pass_at_k(tmp_path, one_thread):
+    """`data.difficulty_filter` samples the starting policy on the pool before step 1 (here the
+    environment given to `run_rl`), keeps what it measured in range and writes its figures."""
+    from hybridlm.rl.env_config import DifficultyFilterConfig
+
+    env, held = _envs()
+    cfg = _cfg(tmp_path, steps=1, eval_problems=4, eval_interval=1)
+    cfg.data.difficulty_filter = DifficultyFilterConfig(problems=6, samples=4)
+    run_rl(cfg, env=env, eval_env=held, progress=False)
+    stats = json.loads((tmp_path / "rl" / "difficulty_filter.json").read_text())["envs"]
+    (name,) = stats
+    st = stats[name]
+    assert st["pool"] == 6 and st["kept"] + st["dropped_solved"] + st["dropped_unsolved"] == 6
+    assert 0 <= st["pass@1"] <= st["pass@4"] <= 1
+
+
 def test_async_rollouts_on_ray_keep_the_lag_bounded(tmp_path):
     ray = pytest.importorskip("ray")
     env, held = _envs()

@@ -473,8 +473,8 @@ class GRPOLearner(TrainModule):
             self.env = with_deadline(self.env, timeout_s=cfg.verify_timeout_s)
             self.eval_env = with_deadline(self.eval_env, timeout_s=cfg.verify_timeout_s)
         self.filter_stats: dict[str, dict[str, float]] = {}
-        if data.difficulty_filter.problems > 0 and env is None:
-            self._filter()
+        if data.difficulty_filter.problems > 0:
+            self._filter(env or build_mixture(data.envs, tokenizer=self.tok))
         self.eval_set = self.eval_env.sample(data.eval_problems, seed=run.train.seed + 12345)
         self.eval_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
         self.ref = None
@@ -488,11 +488,11 @@ class GRPOLearner(TrainModule):
         self._restored: dict[str, Any] | None = None
         self._started = False
 
-    def _filter(self) -> None:
-        """Olmo 3's offline difficulty filter with the starting policy (rank 0; the kept
-        problems go to every rank), its pass rates logged and kept in `difficulty_filter.json`."""
+    def _filter(self, raw: MixtureEnvironment) -> None:
+        """Olmo 3's offline difficulty filter of the training mixture `raw` (before any
+        verification deadline) with the starting policy (rank 0; the kept problems go to every
+        rank), its pass rates logged and kept in `difficulty_filter.json`."""
         cfg, data = self.cfg, self.run.data
-        raw = build_mixture(data.envs, tokenizer=self.tok)
         got = None
         if self.rt.rank == 0:
             t0 = time.perf_counter()
