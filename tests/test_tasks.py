@@ -88,6 +88,14 @@ def test_ifeval_references_follow_every_constraint_of_the_verifier():
         if (reply := env.score(p, tasks.ifeval_response(r, seed=7))).value != 1.0
     ]
     assert not failed, failed[:3]
+    # word limits hold however many constraints a record has, whatever the reply's seed
+    for max_constraints in (2, 4):
+        recs = tasks.ifeval_records(300, seed=3, max_constraints=max_constraints)
+        more = build_environment(EnvConfig(kind="ifeval", num_problems=1)).__class__(recs)
+        for r, p in zip(recs, more, strict=True):
+            for reply_seed in (0, 5):
+                got = more.score(p, tasks.ifeval_response(r, seed=reply_seed))
+                assert got.value == 1.0, (r["prompt"], got.reason)
     # every constraint kind occurs, and the replies vary
     ids = {i for r in records for i in r["instruction_id_list"]}
     assert len(ids) == 8
@@ -107,6 +115,14 @@ def test_code_references_pass_their_tests_and_wrong_code_fails():
     assert [r.value for r in env.score_many(list(env), replies)] == [1.0] * 12
     wrong = [r.replace("return ", "return 1 + ") for r in replies]
     assert sum(r.value for r in env.score_many(list(env), wrong)) <= 1.0
+    # the tests tell each function from a shortcut: a constant, the identity, a missing slice
+    for rec in tasks.code_records(600, seed=9):
+        arg = rec["prompt"].split("(")[1].split(":")[0]
+        for body in ("    return 0\n", "    return []\n", "    return ''\n", f"    return {arg}\n"):
+            scope: dict = {}
+            exec(rec["prompt"] + body + rec["test"], scope)  # noqa: S102
+            with pytest.raises(AssertionError):
+                scope["check"](scope[rec["entry_point"]])
     # another seed: mostly functions the SFT seed never showed
     seen = {r["prompt"] for r in tasks.code_records(4000, seed=0)}
     fresh = [r["prompt"] not in seen for r in tasks.code_records(300, seed=2)]

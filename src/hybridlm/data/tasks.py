@@ -171,17 +171,33 @@ def ifeval_records(n: int, *, seed: int, max_constraints: int = 2) -> list[dict[
             if all(frozenset({cand[1], c[1]}) not in _IF_CONFLICTS for c in chosen):
                 chosen.append(cand)
         topic = rng.choice(list(_IF_TOPICS))
-        text = f"Write a short note about {topic}. " + " ".join(c[0] for c in chosen)
-        records.append(
-            {
-                "key": f"ifgen/{seed}/{i}",
-                "prompt": text,
-                "instruction_id_list": [c[1] for c in chosen],
-                "kwargs": [c[2] for c in chosen],
-                "topic": topic,
-            }
-        )
+        record = {
+            "key": f"ifgen/{seed}/{i}",
+            "instruction_id_list": [c[1] for c in chosen],
+            "kwargs": [c[2] for c in chosen],
+            "topic": topic,
+        }
+        limit = record["kwargs"][j] if (j := _index(chosen, _WORDS)) is not None else None
+        if limit is not None:  # a limit the reference reply keeps (it takes the shortest lines)
+            words = _count_words(ifeval_response(record))
+            if words >= limit["num_words"]:
+                limit["num_words"] = next(n for n in (50, 80, 120) if n > words)
+                chosen[j] = (f"Answer in fewer than {limit['num_words']} words.", *chosen[j][1:])
+        record["prompt"] = f"Write a short note about {topic}. " + " ".join(c[0] for c in chosen)
+        records.append(record)
     return records
+
+
+_WORDS = "length_constraints:number_words"
+
+
+def _index(chosen: list[tuple[str, str, dict]], instruction: str) -> int | None:
+    return next((j for j, c in enumerate(chosen) if c[1] == instruction), None)
+
+
+def _count_words(text: str) -> int:
+    """Words as IFEval counts them (`\\w+` runs)."""
+    return len(re.findall(r"\w+", text))
 
 
 def ifeval_response(record: dict[str, Any], *, seed: int = 0) -> str:
@@ -190,7 +206,10 @@ def ifeval_response(record: dict[str, Any], *, seed: int = 0) -> str:
     c = dict(zip(record["instruction_id_list"], record["kwargs"], strict=True))
     bullets = c.get("detectable_format:number_bullet_lists", {}).get("num_bullets")
     bank = list(_IF_TOPICS[record["topic"]])
-    sentences = rng.sample(bank, bullets or rng.choice([2, 3]))
+    if _WORDS in c:  # under a word limit: the shortest lines, two unless bullets ask for more
+        sentences = sorted(bank, key=lambda x: (_count_words(x), x))[: bullets or 2]
+    else:
+        sentences = rng.sample(bank, bullets or rng.choice([2, 3]))
     if "keywords:existence" in c:
         sentences.append(f"It felt {c['keywords:existence']['keywords'][0]}.")
     if "punctuation:no_comma" in c:
@@ -228,24 +247,34 @@ CODE_INSTRUCTION = (
 
 # (entry point, signature's arguments and return type, docstring, body, reference, argument):
 # `{k}` and `{m}` are the record's constants (k in 2..9, m in 10..999), `{c}` its letter;
-# `draw(rng)` draws one test argument. About 57,000 distinct functions: held-out problems of
-# another seed are mostly new (87% of 300 against 4,000 of another seed).
+# `draw(rng, k, m)` draws one test argument, around the constants, so that the tests tell the
+# function from a shortcut (identity, a constant, a missing slice); a record's results are never
+# all equal. About 57,000 distinct functions: held-out problems of another seed are mostly new
+# (87% of 300 against 4,000 of another seed).
 _Ref = Callable[[Any, int, int, str], Any]
 
 
-def _int(r: random.Random) -> int:
-    return r.randint(-50, 120)
+def _int(r: random.Random, k: int, m: int) -> int:
+    return r.randint(min(-50, m - 60), max(120, m + 60))
 
 
-def _list(r: random.Random) -> list[int]:
-    return [r.randint(-9, 99) for _ in range(r.randint(0, 7))]
+def _around(r: random.Random, k: int, m: int) -> int:
+    return r.randint(m - 40, m + 40)
 
 
-def _str(r: random.Random) -> str:
+def _list(r: random.Random, k: int, m: int) -> list[int]:
+    return [r.randint(m - 40, m + 40) for _ in range(r.randint(0, k + 4))]
+
+
+def _long_list(r: random.Random, k: int, m: int) -> list[int]:
+    return [r.randint(m - 40, m + 40) for _ in range(r.randint(k - 1, k + 4))]
+
+
+def _str(r: random.Random, k: int, m: int) -> str:
     return "".join(r.choice("abcde") for _ in range(r.randint(0, 9)))
 
 
-_CODE_TEMPLATES: tuple[tuple[str, str, str, str, _Ref, Callable[[random.Random], Any]], ...] = (
+_CODE_TEMPLATES: tuple[tuple[str, str, str, str, _Ref, Callable[..., Any]], ...] = (
     ("add_number", "x: int) -> int", "Return x plus {m}.", "return x + {m}",
      lambda x, k, m, c: x + m, _int),
     ("minus_number", "x: int) -> int", "Return x minus {m}.", "return x - {m}",
@@ -253,7 +282,7 @@ _CODE_TEMPLATES: tuple[tuple[str, str, str, str, _Ref, Callable[[random.Random],
     ("times_plus", "x: int) -> int", "Return x times {k} plus {m}.", "return x * {k} + {m}",
      lambda x, k, m, c: x * k + m, _int),
     ("at_most", "x: int) -> int", "Return x, or {m} if x is larger than {m}.",
-     "return min(x, {m})", lambda x, k, m, c: min(x, m), _int),
+     "return min(x, {m})", lambda x, k, m, c: min(x, m), _around),
     ("is_multiple", "x: int) -> bool",
      "Return True if x minus {m} is divisible by {k}, else False.",
      "return (x - {m}) % {k} == 0", lambda x, k, m, c: (x - m) % k == 0, _int),
@@ -266,7 +295,8 @@ _CODE_TEMPLATES: tuple[tuple[str, str, str, str, _Ref, Callable[[random.Random],
     ("scale_all", "xs: list) -> list", "Return xs with every number times {k} plus {m}.",
      "return [x * {k} + {m} for x in xs]", lambda xs, k, m, c: [x * k + m for x in xs], _list),
     ("first_items", "xs: list) -> list", "Return the first {k} items of xs, each plus {m}.",
-     "return [x + {m} for x in xs[:{k}]]", lambda xs, k, m, c: [x + m for x in xs[:k]], _list),
+     "return [x + {m} for x in xs[:{k}]]", lambda xs, k, m, c: [x + m for x in xs[:k]],
+     _long_list),
     ("repeat_text", "s: str) -> str", "Return s repeated {k} times, then '{m}'.",
      "return s * {k} + '{m}'", lambda s, k, m, c: s * k + str(m), _str),
     ("count_letter", "s: str) -> int",
@@ -287,10 +317,13 @@ def code_records(n: int, *, seed: int, num_tests: int = 5) -> list[dict[str, Any
         name, sig, doc, body, ref, draw = rng.choice(_CODE_TEMPLATES)
         k, m, c = rng.randint(2, 9), rng.randint(10, 999), rng.choice("abcde")
         prompt = f'def {name}({sig}:\n    """{doc.format(k=k, m=m, c=c)}"""\n'
-        cases = []
-        for _ in range(num_tests):
-            arg = draw(rng)
-            cases.append(f"    assert candidate({arg!r}) == {ref(arg, k, m, c)!r}")
+        args = [draw(rng, k, m) for _ in range(num_tests)]
+        for _ in range(100):  # a constant and the identity must fail
+            got = [repr(ref(a, k, m, c)) for a in args]
+            if len(set(got)) > 1 and any(g != repr(a) for g, a in zip(got, args, strict=True)):
+                break
+            args[rng.randrange(num_tests)] = draw(rng, k, m)
+        cases = [f"    assert candidate({a!r}) == {ref(a, k, m, c)!r}" for a in args]
         out.append(
             {
                 "task_id": f"code_gen/{seed}/{i}",

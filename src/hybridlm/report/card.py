@@ -279,7 +279,8 @@ def definitions(
         [
             "**held-out solved**",
             f"fraction of {n_problems or '?'} held-out problems (the RL eval set over its "
-            "environments, not trained on) that the greedy reply solves (the verifier's reward "
+            "environments, drawn with another seed: a generated family's small prompt space "
+            "can repeat a training prompt) that the greedy reply solves (the verifier's reward "
             "is 1); 95% Wilson interval",
             "fraction",
         ],

@@ -118,13 +118,15 @@ def env_changes(
     evals: list[dict[str, Any]], metric: str = "solved"
 ) -> dict[str, tuple[float, float, float, int]]:
     """Per environment (and `all`), the held-out solve rate at the first and last eval
-    (`metric`: `solved` greedy, `sampled` at the RL temperature) and the standard error of the
-    change, (start, end, se, n): two proportions of n completions each (evaluation noise of one
-    run; training noise needs several seeds, rl_learns.py)."""
+    (`metric`: `solved` greedy, `sampled` at the RL temperature, averaged over a problem's
+    samples) and the standard error of the change, (start, end, se, n): two proportions of n
+    problems each, conservative for the sampled rate, whose samples of one problem are
+    correlated (evaluation noise of one run; training noise needs several seeds,
+    rl_learns.py)."""
     if len(evals) < 2:
         return {}
     a, b = evals[0], evals[-1]
-    count = "count" if metric == "solved" else f"{metric}_count"
+    count = "count"
     out = {}
     for key in sorted(k for k in a if k.endswith(f"/{metric}") and k in b):
         env = key.removesuffix(f"/{metric}")

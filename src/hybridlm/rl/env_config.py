@@ -264,6 +264,7 @@ def sample_policy(
     max_episode_tokens: int | None = None,
     samples: int = 1,
     temperature: float = 0.0,
+    top_p: float = 1.0,
     seed: int = 0,
 ) -> tuple[list[list[Reward]], list[list[int]]]:
     """`samples` completions of every problem (greedy at temperature 0; multi-turn
@@ -280,6 +281,7 @@ def sample_policy(
             max_tokens=max_new_tokens,
             stop=[STOP],
             temperature=temperature,
+            top_p=top_p,
             seed=None if temperature == 0 else seed + samples * i + j,
         )
 
@@ -376,6 +378,7 @@ def difficulty_filter(
     *,
     scorer: MixtureEnvironment | None = None,
     temperature: float,
+    top_p: float = 1.0,
     max_new_tokens: int,
     max_episode_tokens: int | None = None,
     seed: int = 0,
@@ -387,6 +390,8 @@ def difficulty_filter(
     samples (the mixture under a verification deadline; default `mixture`). An environment left
     with no problems gets weight 0 (all of them: the mixture is returned unfiltered, with a
     warning); one that is not a fixed dataset (a server) is not filtered."""
+    if cfg.problems < 1:
+        return mixture, {}
     scorer = scorer or mixture
     envs, weights, stats = [], [], {}
     for name, env in mixture.envs.items():
@@ -405,6 +410,7 @@ def difficulty_filter(
             max_episode_tokens=max_episode_tokens,
             samples=cfg.samples,
             temperature=temperature,
+            top_p=top_p,
             seed=seed,
         )
         n = cfg.samples

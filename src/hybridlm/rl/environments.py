@@ -692,6 +692,8 @@ class MixtureEnvironment(Environment):
         names = [e.name for e in envs]
         if len(set(names)) != len(names):
             raise ValueError(f"environment names must be unique, got {names}")
+        if any(n == "all" or "/" in n or not n for n in names):  # metric keys are `<env>/<name>`
+            raise ValueError(f"environment names must be non-empty, not 'all', no '/': {names}")
         weights = list(weights) if weights is not None else [1.0] * len(envs)
         if len(weights) != len(envs) or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise ValueError("weights must be one non-negative number per environment, sum > 0")

@@ -473,6 +473,8 @@ class GRPOLearner(TrainModule):
             self.env = with_deadline(self.env, timeout_s=cfg.verify_timeout_s)
             self.eval_env = with_deadline(self.eval_env, timeout_s=cfg.verify_timeout_s)
         self.filter_stats: dict[str, dict[str, float]] = {}
+        if rt.rank == 0:  # an earlier attempt's figures never stand for this run's
+            (rt.out / "difficulty_filter.json").unlink(missing_ok=True)
         if data.difficulty_filter.problems > 0:
             self._filter(env or build_mixture(data.envs, tokenizer=self.tok))
         self.eval_set = self.eval_env.sample(data.eval_problems, seed=run.train.seed + 12345)
@@ -503,6 +505,7 @@ class GRPOLearner(TrainModule):
                 data.difficulty_filter,
                 scorer=self.env,
                 temperature=cfg.temperature,
+                top_p=cfg.top_p,
                 max_new_tokens=cfg.max_new_tokens,
                 max_episode_tokens=cfg.max_episode_tokens or None,
                 seed=self.run.train.seed,
@@ -715,7 +718,8 @@ class GRPOLearner(TrainModule):
         if cfg.eval_samples:  # the same problems sampled, seeded alike at every eval
             rewards, _ = sample_policy(
                 self.model, self.tok, self.eval_set, self.eval_env, **budget,
-                samples=cfg.eval_samples, temperature=cfg.temperature, seed=self.run.train.seed,
+                samples=cfg.eval_samples, temperature=cfg.temperature, top_p=cfg.top_p,
+                seed=self.run.train.seed,
             )  # fmt: skip
             flat = [r for rs in rewards for r in rs]
             probs = [p for p in self.eval_set for _ in range(cfg.eval_samples)]
