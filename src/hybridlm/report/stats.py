@@ -126,11 +126,10 @@ def env_changes(
     if len(evals) < 2:
         return {}
     a, b = evals[0], evals[-1]
-    count = "count"
     out = {}
     for key in sorted(k for k in a if k.endswith(f"/{metric}") and k in b):
         env = key.removesuffix(f"/{metric}")
-        n = int(a.get(f"{env}/{count}") or 0)
+        n = int(a.get(f"{env}/count") or 0)
         if n:
             p, q = a[key], b[key]
             se = ((p * (1 - p) + q * (1 - q)) / n) ** 0.5

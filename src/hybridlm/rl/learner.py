@@ -465,7 +465,8 @@ class GRPOLearner(TrainModule):
         self.tok = loaded.tokenizer
         # what the run's checkpoints load with (`hybridlm.io.load` reads data.tokenizer)
         self.tokenizer_spec = tokenizer_spec_for(policy, setting="train.init_from")
-        self.env = env or build_mixture(data.envs, tokenizer=self.tok)
+        raw = env or build_mixture(data.envs, tokenizer=self.tok)  # before any deadline
+        self.env = raw
         self.eval_env = eval_env or build_mixture(
             eval_specs(data.envs, data.eval_envs), tokenizer=self.tok
         )
@@ -476,7 +477,7 @@ class GRPOLearner(TrainModule):
         if rt.rank == 0:  # an earlier attempt's figures never stand for this run's
             (rt.out / "difficulty_filter.json").unlink(missing_ok=True)
         if data.difficulty_filter.problems > 0:
-            self._filter(env or build_mixture(data.envs, tokenizer=self.tok))
+            self._filter(raw)
         self.eval_set = self.eval_env.sample(data.eval_problems, seed=run.train.seed + 12345)
         self.eval_tokens = cfg.eval_max_new_tokens or cfg.max_new_tokens
         self.ref = None
